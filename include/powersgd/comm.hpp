@@ -1,0 +1,106 @@
+// Process group over Gloo: rendezvous, collectives, failure reporting.
+//
+// Threading: a Communicator is used from one user thread at a time. Every
+// collective, blocking or async, runs on the communicator's single
+// communication thread in the order it was submitted, so ranks that submit the
+// same sequence issue the same collectives in the same order.
+//
+// Failure: once a collective fails (peer gone, timeout), the communicator is
+// broken: every pending and later operation fails with the same error (a
+// PeerError naming the operation and the peer where known). Nothing aborts the
+// process. Build a new Communicator (with a new run id) to continue.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "powersgd/error.hpp"
+
+namespace powersgd {
+
+enum class DataType { Float32, Float64, Float16, BFloat16 };
+size_t size_of(DataType type);
+const char* to_string(DataType type);
+
+enum class TransportKind { Tcp, Ibverbs };
+
+struct CommOptions {
+  int rank = -1;
+  int world_size = -1;
+  int local_rank = 0;
+  // Rendezvous store. When host_store is true this rank (rank 0) starts the TCP
+  // store server on store_port (0 = pick a free port; only for world_size 1).
+  std::string store_addr = "127.0.0.1";
+  uint16_t store_port = 0;
+  bool host_store = false;
+  std::string token;        // job token; empty = no authentication
+  std::string run_id;       // key prefix, so reruns and rebuilt groups never collide
+  // Data transport.
+  TransportKind transport = TransportKind::Tcp;
+  std::string iface;        // TCP: network interface name, or
+  std::string address;      // TCP: local address/hostname to bind
+  std::string ib_device;    // ibverbs: device name, empty = first
+  int ib_port = 1;
+  int ib_gid_index = 0;
+  std::chrono::milliseconds timeout{300000};
+  size_t ring_threshold_bytes = 262144;  // allreduce: ring at or above, halving-doubling below
+
+  // From RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (or OMPI_*, PMI_*, SLURM_*) and
+  // PSGD_* (docs/env.md). Throws InvalidArgumentError naming a bad variable.
+  static CommOptions from_env();
+};
+
+class Communicator;
+
+// Handle of an async operation. wait() blocks until it finished and rethrows its
+// error. Copyable; all copies refer to the same operation.
+class Work {
+ public:
+  Work() = default;
+  void wait() const;
+  bool done() const;
+  bool valid() const { return state_ != nullptr; }
+
+  struct State;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class Communicator {
+ public:
+  // Collective: rendezvous with all ranks, connect the full mesh, then check
+  // that every rank agrees on version, world size and settings (throws
+  // MismatchError naming the first differing rank).
+  static std::unique_ptr<Communicator> create(const CommOptions& options);
+  static std::unique_ptr<Communicator> from_env() { return create(CommOptions::from_env()); }
+
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const CommOptions& options() const = 0;
+
+  // Async collectives. Buffers must stay valid and untouched until the Work is
+  // done. All ranks must pass the same count/dtype/root.
+  virtual Work allreduce_async(void* data, size_t count, DataType type) = 0;  // sum, in place
+  virtual Work broadcast_async(void* data, size_t bytes, int root) = 0;
+  // out receives size() * bytes: rank i's `in` at out + i * bytes.
+  virtual Work allgather_async(const void* in, void* out, size_t bytes) = 0;
+  virtual Work barrier_async() = 0;
+
+  // Blocking forms.
+  void allreduce(void* data, size_t count, DataType type) { allreduce_async(data, count, type).wait(); }
+  void broadcast(void* data, size_t bytes, int root) { broadcast_async(data, bytes, root).wait(); }
+  void allgather(const void* in, void* out, size_t bytes) { allgather_async(in, out, bytes).wait(); }
+  void barrier() { barrier_async().wait(); }
+
+  // Collective: throws MismatchError naming `what` and the first rank whose
+  // fingerprint differs from rank 0's. Used to check layouts and configurations.
+  virtual void check_same(uint64_t fingerprint, const std::string& what) = 0;
+};
+
+}  // namespace powersgd

@@ -1,0 +1,84 @@
+// Error types of the C++ API. Policy: docs/errors.md.
+//
+// Every failure the library reports is a powersgd::Error (or a subclass) carrying
+// a code that maps 1:1 onto the C API's psgd_status, and a message that names the
+// offending value and what was expected.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace powersgd {
+
+// Values equal the C API's psgd_status codes.
+enum class ErrorCode : int {
+  InvalidArgument = 1,  // a caller-supplied value is out of its documented range
+  Io = 2,               // system call, file, socket or peer failure
+  Timeout = 3,          // an operation exceeded its configured timeout
+  Mismatch = 4,         // ranks (or a checkpoint) disagree on configuration or layout
+  NonFinite = 5,        // NaN or Inf found in input data
+  Unsupported = 6,      // feature not built in or not available on this host
+  Internal = 7,         // broken invariant: a bug in powersgd
+};
+
+const char* to_string(ErrorCode code) noexcept;
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  ErrorCode code() const noexcept { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+class InvalidArgumentError : public Error {
+ public:
+  explicit InvalidArgumentError(const std::string& m) : Error(ErrorCode::InvalidArgument, m) {}
+};
+
+class IoError : public Error {
+ public:
+  explicit IoError(const std::string& m) : Error(ErrorCode::Io, m) {}
+};
+
+class TimeoutError : public Error {
+ public:
+  explicit TimeoutError(const std::string& m) : Error(ErrorCode::Timeout, m) {}
+};
+
+class MismatchError : public Error {
+ public:
+  explicit MismatchError(const std::string& m) : Error(ErrorCode::Mismatch, m) {}
+};
+
+class NonFiniteError : public Error {
+ public:
+  explicit NonFiniteError(const std::string& m) : Error(ErrorCode::NonFinite, m) {}
+};
+
+class UnsupportedError : public Error {
+ public:
+  explicit UnsupportedError(const std::string& m) : Error(ErrorCode::Unsupported, m) {}
+};
+
+class InternalError : public Error {
+ public:
+  explicit InternalError(const std::string& m) : Error(ErrorCode::Internal, m) {}
+};
+
+// A collective failed because of one peer (it closed the connection, reset it,
+// or stopped answering). `code()` is Io, or Timeout for a stalled peer.
+class PeerError : public Error {
+ public:
+  PeerError(ErrorCode code, std::string operation, int peer, const std::string& message)
+      : Error(code, message), operation_(std::move(operation)), peer_(peer) {}
+  const std::string& operation() const noexcept { return operation_; }
+  int peer() const noexcept { return peer_; }  // -1 when the peer is unknown
+
+ private:
+  std::string operation_;
+  int peer_;
+};
+
+}  // namespace powersgd

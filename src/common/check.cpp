@@ -1,0 +1,14 @@
+#include "check.hpp"
+
+namespace powersgd::detail {
+
+void throw_internal(const char* expr, const char* file, int line, const std::string& what) {
+  throw InternalError(concat("internal error: ", expr, " failed at ", file, ":", line,
+                             what.empty() ? "" : ": ", what, " (please report this bug)"));
+}
+
+void throw_system(const char* call, const char* file, int line, int err) {
+  throw IoError(concat(call, " failed at ", file, ":", line, ": ", std::strerror(err)));
+}
+
+}  // namespace powersgd::detail

@@ -1,0 +1,85 @@
+#include "env.hpp"
+
+#include <charconv>
+#include <cstdlib>
+
+#include "check.hpp"
+
+namespace powersgd::env {
+namespace {
+
+// Keep in the order of the documentation table.
+constexpr Variable kVariables[] = {
+    // Process group membership (torchrun's names, then MPI and Slurm fallbacks).
+    {"RANK", "", "This process's rank in [0, WORLD_SIZE)."},
+    {"WORLD_SIZE", "", "Number of processes in the job."},
+    {"LOCAL_RANK", "", "Rank among the processes on this host."},
+    {"LOCAL_WORLD_SIZE", "", "Number of processes on this host."},
+    {"MASTER_ADDR", "", "Address of the rendezvous store (rank 0 hosts it when the launcher does not)."},
+    {"MASTER_PORT", "", "TCP port of the rendezvous store."},
+    {"OMPI_COMM_WORLD_RANK", "", "Open MPI's rank, used when RANK is unset."},
+    {"OMPI_COMM_WORLD_SIZE", "", "Open MPI's world size, used when WORLD_SIZE is unset."},
+    {"OMPI_COMM_WORLD_LOCAL_RANK", "", "Open MPI's local rank, used when LOCAL_RANK is unset."},
+    {"PMI_RANK", "", "PMI (MPICH, Intel MPI) rank, used when RANK is unset."},
+    {"PMI_SIZE", "", "PMI world size, used when WORLD_SIZE is unset."},
+    {"SLURM_PROCID", "", "Slurm rank, used when RANK is unset."},
+    {"SLURM_NTASKS", "", "Slurm world size, used when WORLD_SIZE is unset."},
+    {"SLURM_LOCALID", "", "Slurm local rank, used when LOCAL_RANK is unset."},
+    // Library settings.
+    {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
+    {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},
+    {"PSGD_TRANSPORT", "tcp", "Data transport: tcp or ibverbs."},
+    {"PSGD_IFACE", "", "Network interface for the TCP transport (e.g. eth0). Exclusive with PSGD_ADDR."},
+    {"PSGD_ADDR", "", "Local address or hostname for the TCP transport. Default on multi-host jobs: the "
+                      "address this host uses to reach MASTER_ADDR."},
+    {"PSGD_TIMEOUT_MS", "300000", "Timeout of rendezvous and of every collective, in milliseconds."},
+    {"PSGD_RING_THRESHOLD_BYTES", "262144",
+     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones halving-doubling."},
+    {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
+    {"PSGD_IB_PORT", "1", "ibverbs port number."},
+    {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},
+    {"PSGD_BLAS_THREADS", "", "OpenBLAS thread count for the CPU backend (default: OpenBLAS's own)."},
+    {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug."},
+};
+
+}  // namespace
+
+std::span<const Variable> variables() { return kVariables; }
+
+static const Variable& lookup(std::string_view name) {
+  for (const auto& v : kVariables)
+    if (v.name == name) return v;
+  PSGD_ASSERT(false, "environment variable ", name, " is not registered in src/common/env.cpp");
+  __builtin_unreachable();
+}
+
+std::optional<std::string> get(std::string_view name) {
+  const Variable& v = lookup(name);
+  const char* value = std::getenv(std::string(v.name).c_str());
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+std::string get_or_default(std::string_view name) {
+  if (auto value = get(name)) return *value;
+  return std::string(lookup(name).default_value);
+}
+
+int64_t get_int(std::string_view name, int64_t min, int64_t max) {
+  std::string text = get_or_default(name);
+  int64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  PSGD_REQUIRE(ec == std::errc() && end == text.data() + text.size(), InvalidArgumentError, "environment variable ",
+               name, "='", text, "' is not an integer");
+  PSGD_REQUIRE(value >= min && value <= max, InvalidArgumentError, "environment variable ", name, "=", value,
+               " is out of range: expected ", min, " to ", max);
+  return value;
+}
+
+std::optional<Found> first_of(std::initializer_list<std::string_view> names) {
+  for (auto name : names)
+    if (auto value = get(name)) return Found{std::string(name), *value};
+  return std::nullopt;
+}
+
+}  // namespace powersgd::env

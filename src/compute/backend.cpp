@@ -1,0 +1,41 @@
+#include "compute/backend.hpp"
+
+#include "common/check.hpp"
+
+namespace powersgd::compute {
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    reset();
+    backend_ = other.backend_;
+    data_ = other.data_;
+    size_ = other.size_;
+    other.backend_ = nullptr;
+    other.data_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+void DeviceBuffer::reset() {
+  if (backend_ != nullptr && data_ != nullptr) backend_->deallocate_raw(data_);
+  backend_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+}
+
+DeviceBuffer Backend::allocate(size_t count) {
+  if (count == 0) return DeviceBuffer(this, nullptr, 0);
+  return DeviceBuffer(this, allocate_raw(count), count);
+}
+
+std::unique_ptr<Backend> make_backend(DeviceKind kind, int device_index) {
+  switch (kind) {
+    case DeviceKind::Cpu: return make_cpu_backend();
+    case DeviceKind::Cuda: return make_cuda_backend(device_index);
+  }
+  PSGD_ASSERT(false, "unknown device kind ", static_cast<int>(kind));
+  return nullptr;
+}
+
+}  // namespace powersgd::compute

@@ -1,0 +1,123 @@
+// The compute backend seam: everything the PowerSGD engine computes goes
+// through this interface, so one engine serves CPU (OpenBLAS) and GPU (cuBLAS).
+//
+// Contract for every method:
+// - Pointers named `device` memory belong to this backend (host memory for the
+//   CPU backend, CUDA device memory for the CUDA backend). Only copy_from_host /
+//   copy_to_host touch host memory on a non-host backend.
+// - Calls are ordered: each call observes the effects of earlier calls made from
+//   the same thread. Methods that return a value to the host (squared_norm,
+//   all_finite, copy_to_host) complete all earlier work first. synchronize()
+//   waits for everything issued so far.
+// - A backend object is used from one thread at a time.
+// - Matrices are row-major. Sizes are element counts of float32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace powersgd::compute {
+
+enum class DeviceKind { Cpu, Cuda };
+
+enum class Transpose { No, Yes };
+
+// How orthogonalize() works: Gram-Schmidt (the reference's choice for r <= 2)
+// or Householder QR (for larger r).
+enum class OrthoMethod { GramSchmidt, Qr };
+
+class Backend;
+
+// Owning, move-only handle to `size` floats of a backend's memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* backend, float* data, size_t size) : backend_(backend), data_(data), size_(size) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  float* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  void reset();
+
+ private:
+  Backend* backend_ = nullptr;
+  float* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DeviceKind kind() const = 0;
+  virtual std::string name() const = 0;  // e.g. "cpu (OpenBLAS 0.3.21, 2 threads)"
+  // True when device memory is ordinary host memory (no staging needed for I/O).
+  virtual bool host_accessible() const = 0;
+
+  // ---- memory ----
+  // Zero-initialized. Throws on exhaustion (IoError naming the size).
+  DeviceBuffer allocate(size_t count);
+  virtual void copy_from_host(float* device_dst, const float* host_src, size_t count) = 0;
+  virtual void copy_to_host(float* host_dst, const float* device_src, size_t count) = 0;
+  virtual void copy(float* device_dst, const float* device_src, size_t count) = 0;
+  virtual void fill(float* device_dst, float value, size_t count) = 0;
+
+  // ---- element-wise ----
+  virtual void add(float* y, const float* x, size_t count) = 0;                       // y += x
+  virtual void scale(float* x, float alpha, size_t count) = 0;                        // x *= alpha
+  virtual void subtract(float* out, const float* a, const float* b, size_t count) = 0;  // out = a - b
+  virtual double squared_norm(const float* x, size_t count) = 0;  // sum of x^2, accumulated in double
+  virtual bool all_finite(const float* x, size_t count) = 0;      // no NaN, no Inf
+
+  // ---- dense linear algebra ----
+  // Batched GEMM: for b in [0, batch):
+  //   C_b = alpha * op(A_b) * op(B_b) + beta * C_b,   X_b = X + b * stride_x,
+  // op(A) is m x k, op(B) is k x n, C is m x n; lda/ldb/ldc are row strides of the
+  // stored (untransposed) matrices. batch == 1 ignores the strides. m, n or k == 0 is
+  // allowed (k == 0 scales C by beta).
+  virtual void gemm(Transpose trans_a, Transpose trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                    const float* a, int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b,
+                    float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) = 0;
+
+  // Orthonormalizes in place the columns of each rows x cols row-major matrix
+  // (batch of them, `stride` floats apart). cols <= 64.
+  // GramSchmidt: as the reference, column i /= (||column i|| + epsilon), then removed
+  // from the later columns. A column whose norm is 0 (with epsilon 0) becomes 0
+  // instead of NaN. Qr: Householder QR, Q's columns written back (sign convention
+  // of LAPACK); when rows < cols only the first `rows` columns can be orthonormal and
+  // the rest become 0.
+  virtual void orthogonalize(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride,
+                             OrthoMethod method, float epsilon) = 0;
+
+  virtual void synchronize() = 0;
+
+ protected:
+  virtual float* allocate_raw(size_t count) = 0;
+  virtual void deallocate_raw(float* ptr) noexcept = 0;
+  friend class DeviceBuffer;
+};
+
+// ---- factories: one per backend, with a runtime availability probe ----
+
+// Always available.
+std::unique_ptr<Backend> make_cpu_backend();
+// OpenBLAS threads used by the CPU backend (runtime probe), and a way to set it.
+int cpu_blas_threads();
+void set_cpu_blas_threads(int threads);
+
+// True when built with CUDA and a usable device exists on this host.
+bool cuda_available();
+// Throws UnsupportedError (naming the reason) when unavailable.
+std::unique_ptr<Backend> make_cuda_backend(int device_index);
+
+// Dispatches on kind.
+std::unique_ptr<Backend> make_backend(DeviceKind kind, int device_index = 0);
+
+}  // namespace powersgd::compute

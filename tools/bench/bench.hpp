@@ -1,0 +1,12 @@
+// powersgd-bench subcommands. Each registers itself on the CLI11 app; results
+// print as a table and, with --json FILE, as machine-readable JSON.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace powersgd::bench {
+
+void add_allreduce_command(CLI::App& app);  // allreduce.cpp: bus bandwidth and latency vs size
+void add_engine_command(CLI::App& app);     // engine.cpp: PowerSGD step time on model shapes
+
+}  // namespace powersgd::bench

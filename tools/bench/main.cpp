@@ -1,0 +1,12 @@
+#include "bench.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"powersgd-bench: benchmarks of the powersgd transport and engine.\n"
+               "Multi-rank benchmarks run under powersgd-run, e.g.\n"
+               "  powersgd-run -n 4 -- powersgd-bench allreduce"};
+  app.require_subcommand(1);
+  powersgd::bench::add_allreduce_command(app);
+  powersgd::bench::add_engine_command(app);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}

@@ -1,0 +1,88 @@
+// Rendezvous key-value stores. Private to powersgd (tools link the internal
+// library). Wire protocol of the TCP store: docs/store-protocol.md.
+//
+// All stores implement gloo::rendezvous::Store, with get() and wait() honouring
+// the store's timeout (Gloo's own stores wait a hard-coded 30 s), plus add()
+// (atomic counter) and check() (non-blocking existence test).
+#pragma once
+
+#include <gloo/rendezvous/store.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace powersgd::transport {
+
+// Limits enforced by every store (and by the TCP server on the wire).
+inline constexpr size_t kMaxKeyBytes = 4096;
+inline constexpr size_t kMaxValueBytes = 64u << 20;
+
+class Store : public gloo::rendezvous::Store {
+ public:
+  // set: overwrites. get: waits up to timeout() for the key, then TimeoutError
+  // naming the key. wait: waits for all keys; the timeout argument overrides.
+  // Errors: TimeoutError, IoError (connection lost), InvalidArgumentError (limits).
+  using gloo::rendezvous::Store::wait;
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout()); }
+
+  // Atomically adds delta to the 64-bit counter stored at key (absent = 0) and
+  // returns the new value.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // True when every key exists; never blocks.
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+
+ private:
+  std::chrono::milliseconds timeout_{300000};
+};
+
+// ---- TCP store (Boost.Asio) ----
+
+struct TcpStoreServerOptions {
+  std::string bind_address = "127.0.0.1";  // "0.0.0.0" / "::" to serve other hosts
+  uint16_t port = 0;                        // 0: pick a free port
+  std::string token;                        // empty: no authentication
+  std::chrono::milliseconds client_idle_timeout{0};  // 0: none; frames in progress always have one
+};
+
+// Serves on its own thread until destroyed or stop()ped. Never blocks or crashes
+// on malformed, oversized, slow or vanished clients; refuses clients with a wrong
+// token (logging their address) and keeps serving the others.
+class TcpStoreServer {
+ public:
+  explicit TcpStoreServer(const TcpStoreServerOptions& options);
+  ~TcpStoreServer();
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+
+  uint16_t port() const;
+  void stop();
+  // Number of connections refused for a bad token so far (for tests and logs).
+  uint64_t refused_clients() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Connects (retrying until timeout while the server is not up yet) and
+// authenticates. Throws TimeoutError / IoError naming host:port, or
+// IoError("... refused: wrong job token") when the server refuses the token.
+std::unique_ptr<Store> connect_tcp_store(const std::string& host, uint16_t port, const std::string& token,
+                                         std::chrono::milliseconds timeout);
+
+// ---- file store for shared filesystems ----
+// Keys live under directory/prefix/; prefix should be unique per run (run id).
+std::unique_ptr<Store> make_file_store(const std::string& directory, const std::string& prefix,
+                                       std::chrono::milliseconds timeout);
+
+// ---- prefix wrapper: owns nothing, `inner` must outlive it ----
+std::unique_ptr<Store> make_prefix_store(Store& inner, const std::string& prefix);
+
+}  // namespace powersgd::transport
