@@ -28,6 +28,9 @@ enum class Transpose { No, Yes };
 // or Householder QR (for larger r).
 enum class OrthoMethod { GramSchmidt, Qr };
 
+// Widest matrix orthogonalize() accepts (PowerSGD ranks are small).
+inline constexpr int64_t kMaxOrthoCols = 64;
+
 class Backend;
 
 // Owning, move-only handle to `size` floats of a backend's memory.
@@ -64,6 +67,7 @@ class Backend {
   // ---- memory ----
   // Zero-initialized. Throws on exhaustion (IoError naming the size).
   DeviceBuffer allocate(size_t count);
+  // copy_from_host returns once host_src may be reused; copy_to_host once host_dst holds the data.
   virtual void copy_from_host(float* device_dst, const float* host_src, size_t count) = 0;
   virtual void copy_to_host(float* host_dst, const float* device_src, size_t count) = 0;
   virtual void copy(float* device_dst, const float* device_src, size_t count) = 0;
@@ -80,19 +84,24 @@ class Backend {
   // Batched GEMM: for b in [0, batch):
   //   C_b = alpha * op(A_b) * op(B_b) + beta * C_b,   X_b = X + b * stride_x,
   // op(A) is m x k, op(B) is k x n, C is m x n; lda/ldb/ldc are row strides of the
-  // stored (untransposed) matrices. batch == 1 ignores the strides. m, n or k == 0 is
-  // allowed (k == 0 scales C by beta).
+  // stored (untransposed) matrices, at least their column counts (and >= 1).
+  // batch == 1 ignores the strides; for batch > 1 the C items must not overlap.
+  // m, n or k == 0 is allowed (k == 0 scales C by beta); beta == 0 never reads C,
+  // so NaN in C is overwritten (BLAS semantics).
   virtual void gemm(Transpose trans_a, Transpose trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const float* a, int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b,
                     float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) = 0;
 
   // Orthonormalizes in place the columns of each rows x cols row-major matrix
-  // (batch of them, `stride` floats apart). cols <= 64.
+  // (batch of them, `stride` floats apart; batch == 1 ignores the stride).
+  // cols <= kMaxOrthoCols; epsilon finite and >= 0.
   // GramSchmidt: as the reference, column i /= (||column i|| + epsilon), then removed
   // from the later columns. A column whose norm is 0 (with epsilon 0) becomes 0
   // instead of NaN. Qr: Householder QR, Q's columns written back (sign convention
   // of LAPACK); when rows < cols only the first `rows` columns can be orthonormal and
-  // the rest become 0.
+  // the rest become 0. Gram-Schmidt with rows < cols, like the reference, leaves
+  // the columns after the first `rows` independent ones as normalized rounding noise.
+  // Sums (norms, dot products) accumulate in double on every backend.
   virtual void orthogonalize(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride,
                              OrthoMethod method, float epsilon) = 0;
 

@@ -25,14 +25,18 @@ class Store : public gloo::rendezvous::Store {
   // set: overwrites. get: waits up to timeout() for the key, then TimeoutError
   // naming the key. wait: waits for all keys; the timeout argument overrides.
   // Errors: TimeoutError, IoError (connection lost), InvalidArgumentError (limits).
+  // Thread-safety: every store may be shared between threads.
   using gloo::rendezvous::Store::wait;
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout()); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override = 0;
 
   // Atomically adds delta to the 64-bit counter stored at key (absent = 0) and
   // returns the new value.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // True when every key exists; never blocks.
   virtual bool check(const std::vector<std::string>& keys) = 0;
+  // Deletes key; true when it existed. Never blocks on other clients.
+  virtual bool remove(const std::string& key) = 0;
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
@@ -48,6 +52,9 @@ struct TcpStoreServerOptions {
   uint16_t port = 0;                        // 0: pick a free port
   std::string token;                        // empty: no authentication
   std::chrono::milliseconds client_idle_timeout{0};  // 0: none; frames in progress always have one
+  // A frame whose first byte has arrived must complete within this, and a new
+  // connection must authenticate within it; otherwise the connection is closed.
+  std::chrono::milliseconds frame_timeout{10000};
 };
 
 // Serves on its own thread until destroyed or stop()ped. Never blocks or crashes
@@ -55,12 +62,16 @@ struct TcpStoreServerOptions {
 // token (logging their address) and keeps serving the others.
 class TcpStoreServer {
  public:
+  // Binds and starts listening before returning (throws IoError naming the
+  // address when it cannot), so clients may connect as soon as it returns.
   explicit TcpStoreServer(const TcpStoreServerOptions& options);
   ~TcpStoreServer();
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
 
   uint16_t port() const;
+  // Closes every connection (waiting clients get IoError) and joins the server
+  // thread. Idempotent; the destructor calls it.
   void stop();
   // Number of connections refused for a bad token so far (for tests and logs).
   uint64_t refused_clients() const;

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what is missing (Debian 12, apt-get, idempotent), then configures and
+# builds one build directory.
+#   scripts/setup.sh BUILD_DIR [meson options...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(build-essential meson ninja-build pkg-config python3 cmake
+          libgloo-dev libopenblas-dev libboost-dev doctest-dev libibverbs-dev
+          libcli11-dev nlohmann-json3-dev zlib1g-dev
+          iproute2 openssh-server openssh-client iperf3 procps
+          dataset-fashion-mnist)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The CUDA toolkit is not a Debian package: use it when /usr/local/cuda has one.
+if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+
+build_dir=${1:?usage: scripts/setup.sh BUILD_DIR [meson options...]}
+shift
+if [ -f "$build_dir/build.ninja" ]; then
+  meson configure "$build_dir" "$@" >/dev/null
+else
+  meson setup "$build_dir" "$@"
+fi
+ninja -C "$build_dir"

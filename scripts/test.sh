@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds and runs every test suite: a warnings-as-errors build runs all suites
+# (unit, multiprocess, cuda: CUDA tests skip without a GPU), then an
+# address+undefined sanitizer build runs the unit suite and a thread sanitizer
+# build runs the store and communicator tests. Ends with "N passed, N failed".
+#   scripts/test.sh [--quick]   (--quick: the first build only)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+quick=0
+[ "${1:-}" = "--quick" ] && quick=1
+
+logs=()
+status=0
+run_build() {  # name, meson test args, meson setup args...
+  local dir=$1 test_args=$2
+  shift 2
+  if ! scripts/setup.sh "$dir" "$@"; then
+    echo "test: build $dir failed"
+    logs+=("BUILD_FAILED:$dir")
+    status=1
+    return
+  fi
+  # shellcheck disable=SC2086
+  meson test -C "$dir" --print-errorlogs --num-processes 1 $test_args || status=1
+  logs+=("$dir/meson-logs/testlog.json")
+}
+
+run_build build -- -Dwerror=true -Dbuildtype=debugoptimized
+if [ $quick -eq 0 ]; then
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+  run_build build-asan "--suite unit" -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled
+  export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+  run_build build-tsan "--suite tsan" -Dwerror=true -Db_sanitize=thread -Dcuda=disabled
+fi
+
+python3 scripts/summarize_tests.py "${logs[@]}" || status=1
+exit $status

@@ -1,0 +1,89 @@
+// The Gloo implementation of powersgd::Communicator. Private to powersgd
+// (tests and powersgd-bench use it to force an algorithm or the old-style API).
+// Design: docs/transport.md.
+#pragma once
+
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/device.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "powersgd/comm.hpp"
+#include "store/store.hpp"
+
+namespace powersgd::transport {
+
+// Which of Gloo's two collective APIs the communicator uses. New: the free
+// functions over unbound buffers (TCP only in Debian's Gloo). Legacy: the
+// old-style algorithm classes (the only ones that work over ibverbs). One
+// context never mixes both (mixing gave 40-90 ms latencies).
+enum class GlooApi { New, Legacy };
+
+// Allreduce algorithms. Auto: ring at or above ring_threshold_bytes, below it
+// bcube (new API) or halving-doubling (legacy API).
+enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling };
+const char* to_string(Algorithm algorithm);
+
+class GlooCommunicator final : public Communicator {
+ public:
+  // Collective; see Communicator::create. api defaults to New on TCP; ibverbs
+  // always uses Legacy.
+  static std::unique_ptr<GlooCommunicator> create(const CommOptions& options, GlooApi api = GlooApi::New);
+  ~GlooCommunicator() override;
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.world_size; }
+  const CommOptions& options() const override { return options_; }
+  GlooApi api() const { return api_; }
+
+  Work allreduce_async(void* data, size_t count, DataType type) override {
+    return allreduce_async(data, count, type, Algorithm::Auto);
+  }
+  // Explicit algorithm (Bcube needs the new API, HalvingDoubling the legacy one).
+  Work allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm);
+  Work broadcast_async(void* data, size_t bytes, int root) override;
+  Work allgather_async(const void* in, void* out, size_t bytes) override;
+  Work barrier_async() override;
+  void check_same(uint64_t fingerprint, const std::string& what) override;
+
+  // The algorithm Auto picks for a message of `bytes`.
+  Algorithm choose(size_t bytes) const;
+
+ private:
+  struct Op {
+    std::string name;
+    std::function<void(uint32_t tag)> run;
+    std::shared_ptr<Work::State> state;
+  };
+
+  GlooCommunicator(const CommOptions& options, GlooApi api);
+  void connect();
+  void check_fingerprint();
+  Work submit(std::string name, std::function<void(uint32_t tag)> run);
+  void loop();
+  std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
+  int peer_from_message(const std::string& message) const;
+
+  CommOptions options_;
+  GlooApi api_;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::unique_ptr<Store> store_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::vector<std::string> peer_addresses_;  // rank -> "[ip]:port" its pairs listen on
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Op> queue_;
+  std::exception_ptr broken_;  // first failure; every later op fails with it
+  bool stopping_ = false;
+  uint32_t next_tag_ = 0;  // touched by the communication thread only
+  std::thread thread_;
+};
+
+}  // namespace powersgd::transport

@@ -1,0 +1,95 @@
+// CommOptions::from_env: membership from torchrun / MPI / Slurm variables,
+// settings from the PSGD_* registry (docs/env.md).
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <limits>
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "comm/address.hpp"
+#include "powersgd/comm.hpp"
+
+namespace powersgd {
+namespace {
+
+int parse_int(const env::Found& found, int min, int max, const char* expected) {
+  const std::string& text = found.value;
+  char* end = nullptr;
+  errno = 0;
+  long value = std::strtol(text.c_str(), &end, 10);
+  PSGD_REQUIRE(errno == 0 && end != text.c_str() && *end == '\0', InvalidArgumentError, "environment variable ",
+               found.name, "='", text, "' is not an integer (expected ", expected, ")");
+  PSGD_REQUIRE(value >= min && value <= max, InvalidArgumentError, "environment variable ", found.name, "=", value,
+               " is out of range: expected ", expected);
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+CommOptions CommOptions::from_env() {
+  CommOptions o;
+  auto world = env::first_of({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});
+  auto rank = env::first_of({"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"});
+  PSGD_REQUIRE(world.has_value(), InvalidArgumentError,
+               "no world size in the environment: set WORLD_SIZE (or OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS), "
+               "or start the job with powersgd-run");
+  PSGD_REQUIRE(rank.has_value(), InvalidArgumentError,
+               "no rank in the environment: set RANK (or OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID), "
+               "or start the job with powersgd-run");
+  o.world_size = parse_int(*world, 1, std::numeric_limits<int>::max(), ">= 1");
+  o.rank = parse_int(*rank, 0, o.world_size - 1,
+                     detail::concat("0 to ", o.world_size - 1, " for ", world->name, "=", o.world_size).c_str());
+  if (auto local = env::first_of({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}))
+    o.local_rank = parse_int(*local, 0, std::numeric_limits<int>::max(), ">= 0");
+
+  // Rendezvous store: MASTER_ADDR:MASTER_PORT. A single process may omit both
+  // and hosts a private store on a free loopback port.
+  auto master_addr = env::get("MASTER_ADDR");
+  auto master_port = env::first_of({"MASTER_PORT"});
+  if (o.world_size > 1 || master_addr || master_port) {
+    PSGD_REQUIRE(master_addr.has_value(), InvalidArgumentError,
+                 "MASTER_ADDR is not set: expected the address of the rendezvous store (rank 0's host)");
+    PSGD_REQUIRE(master_port.has_value(), InvalidArgumentError,
+                 "MASTER_PORT is not set: expected the TCP port of the rendezvous store (1 to 65535)");
+    o.store_addr = *master_addr;
+    o.store_port = static_cast<uint16_t>(parse_int(*master_port, 1, 65535, "1 to 65535"));
+  }
+  // torchrun convention: rank 0 hosts the store unless the launcher already does.
+  auto hosted = env::get("PSGD_STORE_HOSTED");
+  PSGD_REQUIRE(!hosted || *hosted == "0" || *hosted == "1", InvalidArgumentError, "environment variable ",
+               "PSGD_STORE_HOSTED='", *hosted, "' is invalid: expected 0 or 1");
+  o.host_store = o.rank == 0 && !(hosted && *hosted == "1");
+
+  o.token = env::get_or_default("PSGD_TOKEN");
+  o.run_id = env::get_or_default("PSGD_RUN_ID");
+
+  std::string transport = env::get_or_default("PSGD_TRANSPORT");
+  if (transport == "tcp")
+    o.transport = TransportKind::Tcp;
+  else if (transport == "ibverbs")
+    o.transport = TransportKind::Ibverbs;
+  else
+    PSGD_THROW(InvalidArgumentError, "environment variable PSGD_TRANSPORT='", transport,
+               "' is invalid: expected tcp or ibverbs");
+
+  o.iface = env::get_or_default("PSGD_IFACE");
+  o.address = env::get_or_default("PSGD_ADDR");
+  PSGD_REQUIRE(o.iface.empty() || o.address.empty(), InvalidArgumentError, "PSGD_IFACE='", o.iface,
+               "' and PSGD_ADDR='", o.address, "' are both set: expected at most one");
+  if (o.transport == TransportKind::Tcp && o.iface.empty() && o.address.empty())
+    o.address = transport::local_address_towards(o.store_addr);
+
+  o.ib_device = env::get_or_default("PSGD_IB_DEVICE");
+  o.ib_port = static_cast<int>(env::get_int("PSGD_IB_PORT", 1, 255));
+  o.ib_gid_index = static_cast<int>(env::get_int("PSGD_IB_GID_INDEX", 0, 255));
+  o.timeout = std::chrono::milliseconds(env::get_int("PSGD_TIMEOUT_MS", 1, int64_t{24} * 3600 * 1000));
+  o.ring_threshold_bytes =
+      static_cast<size_t>(env::get_int("PSGD_RING_THRESHOLD_BYTES", 0, std::numeric_limits<int64_t>::max()));
+  return o;
+}
+
+}  // namespace powersgd
