@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
         powersgd::Stats stats = reducer.stats();
         std::printf("PowerSGD: %.1fx fewer elements than the uncompressed gradients after start_iter, "
                     "%.1f MB sent per rank in all\n",
-                    stats.compression_rate, stats.bytes_sent / 1e6);
+                    stats.compression_rate(), stats.bytes_sent / 1e6);
       }
     }
     return 0;

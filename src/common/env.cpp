@@ -28,6 +28,7 @@ constexpr Variable kVariables[] = {
     // Library settings.
     {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
     {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},
+    {"PSGD_RUN_ID", "", "Key prefix in the rendezvous store; set it when several jobs share one store (e.g. a file store)."},
     {"PSGD_TRANSPORT", "tcp", "Data transport: tcp or ibverbs."},
     {"PSGD_IFACE", "", "Network interface for the TCP transport (e.g. eth0). Exclusive with PSGD_ADDR."},
     {"PSGD_ADDR", "", "Local address or hostname for the TCP transport. Default on multi-host jobs: the "

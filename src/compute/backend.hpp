@@ -87,7 +87,7 @@ class Backend {
   // stored (untransposed) matrices, at least their column counts (and >= 1).
   // batch == 1 ignores the strides; for batch > 1 the C items must not overlap.
   // m, n or k == 0 is allowed (k == 0 scales C by beta); beta == 0 never reads C,
-  // so NaN in C is overwritten (BLAS semantics).
+  // so NaN in C is overwritten (BLAS semantics). C must not overlap A or B.
   virtual void gemm(Transpose trans_a, Transpose trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const float* a, int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b,
                     float beta, float* c, int64_t ldc, int64_t stride_c, int64_t batch) = 0;

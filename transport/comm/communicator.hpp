@@ -55,16 +55,19 @@ class GlooCommunicator final : public Communicator {
   Algorithm choose(size_t bytes) const;
 
  private:
+  // Runs on the communication thread with the context (the only thread that
+  // touches it after creation) and a tag unique among operations in flight.
+  using RunFn = std::function<void(const std::shared_ptr<gloo::Context>& context, uint32_t tag)>;
   struct Op {
     std::string name;
-    std::function<void(uint32_t tag)> run;
+    RunFn run;
     std::shared_ptr<Work::State> state;
   };
 
   GlooCommunicator(const CommOptions& options, GlooApi api);
   void connect();
   void check_fingerprint();
-  Work submit(std::string name, std::function<void(uint32_t tag)> run);
+  Work submit(std::string name, RunFn run);
   void loop();
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
   int peer_from_message(const std::string& message) const;
@@ -74,8 +77,12 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<TcpStoreServer> server_;
   std::unique_ptr<Store> store_;
   std::shared_ptr<gloo::transport::Device> device_;
+  // Dropped by the communication thread after a fatal failure.
   std::shared_ptr<gloo::rendezvous::Context> context_;
-  std::vector<std::string> peer_addresses_;  // rank -> "[ip]:port" its pairs listen on
+  // rank -> "[ip]:port" as Gloo's error messages print that peer.
+  std::vector<std::string> peer_addresses_;
+  // rank -> (local, remote) port of the pair's connection; (0, 0) if unknown.
+  std::vector<std::pair<uint16_t, uint16_t>> pair_sockets_;
 
   std::mutex mutex_;
   std::condition_variable wake_;

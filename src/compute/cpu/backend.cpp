@@ -36,7 +36,7 @@ class CpuBackend final : public Backend {
 
   std::string name() const override {
     const char* config = openblas_get_config();
-    return detail::concat("cpu (", config != nullptr ? config : "OpenBLAS", ", ", cpu_blas_threads(), " threads)");
+    return powersgd::detail::concat("cpu (", config != nullptr ? config : "OpenBLAS", ", ", cpu_blas_threads(), " threads)");
   }
 
   bool host_accessible() const override { return true; }

@@ -1,0 +1,147 @@
+// PowerSGD gradient reduction (Vogels et al. 2019) with error feedback, over a
+// Communicator. Design, state and wire order: docs/engine.md.
+//
+// Usage: declare every bucket (a list of tensor shapes laid out contiguously in
+// one flat float32 buffer) with add_bucket(), then once per training step reduce
+// each bucket once, in the same order on every rank:
+//   powersgd::Reducer reducer(comm, config);
+//   int b = reducer.add_bucket({{64, 3, 7, 7}, {64}});
+//   reducer.reduce(b, gradients);   // in place: local gradients in, averaged out
+//
+// Threading: a Reducer is used from one user thread at a time. It owns one
+// worker thread that does all compute (through the compute backend) and issues
+// the collectives, in submission order, on the communicator. While a reduce is
+// in flight, do not issue other collectives on the same communicator.
+//
+// Memory: `data` pointers are backend memory: host memory for Device::Cpu, CUDA
+// device memory for Device::Cuda. Pointers passed to reduce_async / reduce_all
+// must stay valid and untouched until the reduction is done.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "powersgd/comm.hpp"
+
+namespace powersgd {
+
+enum class Device { Cpu, Cuda };
+
+// The reference's fields (PyTorch's PowerSGDState) and defaults.
+struct Config {
+  int rank = 1;                             // matrix approximation rank r, >= 1 and <= 64
+  int64_t start_iter = 1000;                // plain averaged allreduce while iteration < start_iter; >= 0
+  double min_compression_rate = 2.0;        // compress n x m iff (n + m) * r * rate < n * m; finite, >= 0
+  bool error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0.0;   // finite, >= 0
+  uint64_t seed = 0;                        // initial Q generator seed (identical on every rank)
+  bool batch_same_shape = false;            // batched gemm over same-shaped matrices
+  bool whole_bucket = false;                // the whole bucket as one zero-padded square matrix
+  Device device = Device::Cpu;
+  int device_index = 0;                     // >= 0
+
+  // Throws InvalidArgumentError naming the first invalid field and its value.
+  void validate() const;
+};
+
+using Shape = std::vector<int64_t>;
+
+struct Stats {
+  // Cumulative over compressed steps, as the reference counts them: elements of
+  // the buckets, and elements actually reduced (P, Q and uncompressed tensors).
+  uint64_t numel_before = 0;
+  uint64_t numel_after = 0;
+  double compression_rate() const { return numel_after == 0 ? 0.0 : double(numel_before) / double(numel_after); }
+  // Cumulative payload bytes this rank passed to collectives.
+  uint64_t bytes_sent = 0;
+  // Last step's ||M - P Q^T||_F / ||M||_F over the compressed matrices, per bucket
+  // (M: local gradient plus error; NaN before the bucket's first compressed step)
+  // and over all buckets together.
+  std::vector<double> relative_error;
+  double total_relative_error = 0.0;
+  // Cumulative worker-thread seconds: local compute before and between the
+  // collectives, waiting for collectives (including host staging), and writing
+  // the output and the error back.
+  double compress_seconds = 0.0;
+  double communicate_seconds = 0.0;
+  double decompress_seconds = 0.0;
+};
+
+// Completion handle of reduce_async. wait() blocks until the reduction finished
+// and rethrows its error. Copyable; copies refer to the same reduction.
+class ReduceHandle {
+ public:
+  ReduceHandle() = default;
+  void wait() const;
+  bool done() const;
+  bool valid() const { return state_ != nullptr; }
+
+  struct State;
+  explicit ReduceHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+class Reducer {
+ public:
+  // Validates config and creates the compute backend. `comm` must outlive the
+  // Reducer. Not collective.
+  Reducer(Communicator& comm, const Config& config);
+  // Waits for in-flight reductions (their errors are dropped), then stops the worker.
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Collective. Declares the next bucket and returns its index (0, 1, ...).
+  // Refused: an empty list, total size 0, a negative dimension, more than 2^31
+  // elements, or a call after the first reduce. Throws MismatchError naming the
+  // first rank whose layout or configuration differs from rank 0's.
+  int add_bucket(std::span<const Shape> shapes);
+  int add_bucket(std::initializer_list<Shape> shapes) { return add_bucket(std::span<const Shape>(shapes.begin(), shapes.size())); }
+
+  int num_buckets() const;
+  size_t bucket_size(int bucket) const;        // elements of the bucket's flat buffer
+  std::span<const Shape> bucket_shapes(int bucket) const;
+
+  // Collective, in place. Reducing a bucket twice in one step is an
+  // InvalidArgumentError; a step completes when every bucket was reduced once.
+  // NaN/Inf in any rank's bucket: NonFiniteError on every rank, `data`, the
+  // error-feedback and warm-start state unchanged (the bucket still counts as
+  // reduced in this step).
+  void reduce(int bucket, float* data);
+  ReduceHandle reduce_async(int bucket, float* data);
+  // One whole step: data[i] is bucket i. The collectives of all buckets are fused
+  // (one for the uncompressed tensors, one for P, one for Q). Must start a step.
+  void reduce_all(std::span<float* const> data);
+
+  // Completed steps (waits for in-flight reductions).
+  int64_t iteration() const;
+  // This rank's error-feedback memory of a bucket into host memory `out`
+  // (bucket_size floats; zeros before compression starts or without error feedback).
+  void error_feedback(int bucket, float* out) const;
+  Stats stats() const;
+  const Config& config() const;
+  // Fingerprint of configuration and declared layout (the one ranks compare).
+  uint64_t fingerprint() const;
+  std::string backend_name() const;
+
+  // Checkpoint of this rank's whole state; at a step boundary only (waits for
+  // in-flight reductions). load() refuses, with a clear error, a truncated or
+  // corrupted file (IoError) or one of another configuration or layout
+  // (MismatchError), and then leaves the state unchanged. Not collective.
+  void save(const std::string& path) const;
+  void load(const std::string& path);
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace powersgd

@@ -1,0 +1,217 @@
+// The C API boundary: every exception becomes a psgd_status here and nowhere
+// else; the message goes to a thread-local buffer for psgd_last_error().
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "powersgd/comm.hpp"
+#include "powersgd/powersgd.h"
+#include "powersgd/reducer.hpp"
+
+struct psgd_comm {
+  std::unique_ptr<powersgd::Communicator> comm;
+};
+
+struct psgd_reducer {
+  std::unique_ptr<powersgd::Reducer> reducer;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+psgd_status fail(psgd_status status, std::string message) {
+  g_last_error = std::move(message);
+  return status;
+}
+
+// Runs fn, converting every exception into a status and a message.
+template <typename Fn>
+psgd_status guarded(const char* function, Fn&& fn) {
+  try {
+    fn();
+    return PSGD_OK;
+  } catch (const powersgd::Error& e) {
+    return fail(static_cast<psgd_status>(e.code()), std::string(function) + ": " + e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(PSGD_ERR_INTERNAL, std::string(function) + ": out of host memory");
+  } catch (const std::exception& e) {
+    return fail(PSGD_ERR_INTERNAL, std::string(function) + ": unexpected exception: " + e.what());
+  } catch (...) {
+    return fail(PSGD_ERR_INTERNAL, std::string(function) + ": unexpected non-standard exception");
+  }
+}
+
+#define PSGD_C_NOT_NULL(param) \
+  PSGD_REQUIRE((param) != nullptr, InvalidArgumentError, "argument '" #param "' is null")
+
+bool as_bool(int value, const char* field) {
+  PSGD_REQUIRE(value == 0 || value == 1, InvalidArgumentError, "config.", field, " = ", value, ": expected 0 or 1");
+  return value == 1;
+}
+
+powersgd::Config to_config(const psgd_config& c) {
+  powersgd::Config config;
+  config.rank = c.rank;
+  config.start_iter = c.start_iter;
+  config.min_compression_rate = c.min_compression_rate;
+  config.error_feedback = as_bool(c.error_feedback, "error_feedback");
+  config.warm_start = as_bool(c.warm_start, "warm_start");
+  config.orthogonalization_epsilon = c.orthogonalization_epsilon;
+  config.seed = c.seed;
+  config.batch_same_shape = as_bool(c.batch_same_shape, "batch_same_shape");
+  config.whole_bucket = as_bool(c.whole_bucket, "whole_bucket");
+  PSGD_REQUIRE(c.device == 0 || c.device == 1, InvalidArgumentError, "config.device = ", c.device,
+               ": expected 0 (CPU) or 1 (CUDA)");
+  config.device = c.device == 0 ? powersgd::Device::Cpu : powersgd::Device::Cuda;
+  config.device_index = c.device_index;
+  config.validate();
+  return config;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* psgd_last_error(void) { return g_last_error.c_str(); }
+
+psgd_status psgd_comm_init_from_env(psgd_comm** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    auto handle = std::make_unique<psgd_comm>();
+    handle->comm = powersgd::Communicator::from_env();
+    *out = handle.release();
+  });
+}
+
+int psgd_comm_rank(const psgd_comm* comm) { return comm == nullptr ? -1 : comm->comm->rank(); }
+int psgd_comm_size(const psgd_comm* comm) { return comm == nullptr ? -1 : comm->comm->size(); }
+
+psgd_status psgd_comm_allreduce_sum_f32(psgd_comm* comm, float* data, size_t count) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(comm);
+    PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "argument 'data' is null with count ", count);
+    comm->comm->allreduce(data, count, powersgd::DataType::Float32);
+  });
+}
+
+psgd_status psgd_comm_barrier(psgd_comm* comm) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(comm);
+    comm->comm->barrier();
+  });
+}
+
+void psgd_comm_destroy(psgd_comm* comm) { delete comm; }
+
+psgd_config psgd_config_default(void) {
+  const powersgd::Config d;
+  psgd_config c;
+  c.rank = d.rank;
+  c.start_iter = d.start_iter;
+  c.min_compression_rate = d.min_compression_rate;
+  c.error_feedback = d.error_feedback ? 1 : 0;
+  c.warm_start = d.warm_start ? 1 : 0;
+  c.orthogonalization_epsilon = d.orthogonalization_epsilon;
+  c.seed = d.seed;
+  c.batch_same_shape = d.batch_same_shape ? 1 : 0;
+  c.whole_bucket = d.whole_bucket ? 1 : 0;
+  c.device = d.device == powersgd::Device::Cpu ? 0 : 1;
+  c.device_index = d.device_index;
+  return c;
+}
+
+psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    PSGD_C_NOT_NULL(comm);
+    PSGD_C_NOT_NULL(config);
+    auto handle = std::make_unique<psgd_reducer>();
+    handle->reducer = std::make_unique<powersgd::Reducer>(*comm->comm, to_config(*config));
+    *out = handle.release();
+  });
+}
+
+psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const int* ndims, const int64_t* dims,
+                                    int* bucket_index) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(bucket_index);
+    PSGD_REQUIRE(num_tensors == 0 || ndims != nullptr, InvalidArgumentError, "argument 'ndims' is null with ",
+                 num_tensors, " tensors");
+    std::vector<powersgd::Shape> shapes(num_tensors);
+    size_t total_dims = 0;
+    for (size_t i = 0; i < num_tensors; ++i) {
+      PSGD_REQUIRE(ndims[i] >= 0 && ndims[i] <= 64, InvalidArgumentError, "ndims[", i, "] = ", ndims[i],
+                   ": expected 0 to 64");
+      total_dims += static_cast<size_t>(ndims[i]);
+    }
+    PSGD_REQUIRE(total_dims == 0 || dims != nullptr, InvalidArgumentError, "argument 'dims' is null with ",
+                 total_dims, " dimensions in ndims");
+    size_t next = 0;
+    for (size_t i = 0; i < num_tensors; ++i)
+      for (int d = 0; d < ndims[i]; ++d) shapes[i].push_back(dims[next++]);
+    *bucket_index = r->reducer->add_bucket(shapes);
+  });
+}
+
+psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(data);
+    r->reducer->reduce(bucket_index, data);
+  });
+}
+
+int64_t psgd_reducer_iteration(const psgd_reducer* r) {
+  if (r == nullptr) return -1;
+  int64_t result = -1;
+  guarded(__func__, [&] { result = r->reducer->iteration(); });
+  return result;
+}
+
+psgd_status psgd_reducer_error_feedback(const psgd_reducer* r, int bucket_index, float* out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(out);
+    r->reducer->error_feedback(bucket_index, out);
+  });
+}
+
+psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(out);
+    const powersgd::Stats s = r->reducer->stats();
+    out->numel_before = s.numel_before;
+    out->numel_after = s.numel_after;
+    out->compression_rate = s.compression_rate();
+    out->bytes_sent = s.bytes_sent;
+    out->relative_error = s.total_relative_error;
+  });
+}
+
+psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(path);
+    r->reducer->save(path);
+  });
+}
+
+psgd_status psgd_reducer_load(psgd_reducer* r, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(path);
+    r->reducer->load(path);
+  });
+}
+
+void psgd_reducer_destroy(psgd_reducer* r) { delete r; }
+
+}  // extern "C"

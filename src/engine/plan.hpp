@@ -1,0 +1,57 @@
+// Bucket plan: how one bucket's flat buffer maps onto matrices, the P and Q
+// buffers and the packed buffer of uncompressed tensors. Computed once per
+// bucket (add_bucket) and reused every step. docs/engine.md draws the layouts.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "powersgd/reducer.hpp"
+
+namespace powersgd::engine {
+
+// One tensor of the bucket.
+struct TensorPlan {
+  Shape shape;
+  int64_t numel = 0;
+  int64_t offset = 0;       // in the bucket's flat buffer
+  bool compressed = false;
+  int group = -1;           // compressed: index into BucketPlan::groups
+  int64_t work_offset = 0;  // in the work buffer (matrix for compressed; packed slot otherwise)
+  int64_t p_offset = 0;     // compressed: rows * rank floats at this offset of the bucket's P
+  int64_t q_offset = 0;     // compressed: cols * rank floats at this offset of the bucket's Q
+};
+
+// Compressed matrices of one shape, stored one after the other in the work
+// buffer, P and Q, so one batched gemm covers them. Without same-shape batching
+// every group holds one matrix.
+struct Group {
+  int64_t rows = 0, cols = 0, rank = 0;
+  int64_t count = 0;
+  int64_t work_offset = 0, p_offset = 0, q_offset = 0;
+};
+
+// The work buffer holds the compressed matrices group by group
+// ([0, compressed_numel)), then the packed uncompressed tensors
+// ([compressed_numel, compressed_numel + packed_numel)). With whole_bucket the
+// whole bucket is one side x side matrix (zero-padded) and nothing is packed.
+struct BucketPlan {
+  std::vector<TensorPlan> tensors;
+  std::vector<Group> groups;
+  int64_t numel = 0;
+  int64_t compressed_numel = 0;
+  int64_t packed_numel = 0;
+  int64_t p_numel = 0;
+  int64_t q_numel = 0;
+  bool whole = false;
+  int64_t side = 0;  // whole bucket only
+};
+
+// Throws InvalidArgumentError for an empty bucket, a negative dimension or a
+// bucket above 2^31 - 2 elements. `config` must be valid.
+BucketPlan make_plan(std::span<const Shape> shapes, const Config& config);
+
+// The reference's compression test for an n x m matrix at rank r = min(n, m, rank).
+bool should_compress(int64_t rows, int64_t cols, int rank, double min_compression_rate);
+
+}  // namespace powersgd::engine

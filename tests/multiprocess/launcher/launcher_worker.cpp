@@ -1,0 +1,212 @@
+// A worker program for test_launcher: each mode exercises one behaviour of
+// powersgd-run from the worker's side. Usage: launcher_worker MODE ARGS...
+//   env [NAME...]         print the launcher's variables (and NAMEs), then rendezvous through its store
+//   output                lines on stdout and stderr, then a last line without '\n'
+//   exit RANK CODE        rank RANK exits with CODE after 200 ms; the others sleep 60 s
+//   stubborn RANK CODE    like exit, but the others ignore SIGTERM
+//   sigkill RANK          rank RANK kills itself with SIGKILL after 200 ms; the others sleep 60 s
+//   pids DIR              start a child, write "PID CHILDPID" to DIR/rank-R.pids, sleep 60 s
+//   term DIR              write DIR/rank-R.pid, wait for SIGTERM, then write DIR/rank-R.term and exit 0
+//   throughput SECONDS    rank 0 receives, rank 1 sends over TCP between their PSGD_ADDRs for SECONDS;
+//                         rank 0 prints throughput_mbit=X measured after a 0.5 s warm-up
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "store/store.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::string var(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : "";
+}
+
+int rank() { return std::atoi(var("RANK").c_str()); }
+
+[[noreturn]] void die(const std::string& message) {
+  std::fprintf(stderr, "launcher_worker: %s\n", message.c_str());
+  std::exit(99);
+}
+
+void sleep_for(std::chrono::milliseconds d) { std::this_thread::sleep_for(d); }
+
+std::unique_ptr<powersgd::transport::Store> connect_store() {
+  return powersgd::transport::connect_tcp_store(var("MASTER_ADDR"),
+                                                static_cast<uint16_t>(std::atoi(var("MASTER_PORT").c_str())),
+                                                var("PSGD_TOKEN"), 30000ms);
+}
+
+int mode_env(int argc, char** argv) {
+  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                           "PSGD_STORE_HOSTED", "PSGD_RUN_ID", "PSGD_ADDR"})
+    std::printf("%s=%s\n", name, var(name).c_str());
+  std::printf("PSGD_TOKEN length=%zu\n", var("PSGD_TOKEN").size());
+  for (int i = 2; i < argc; ++i) std::printf("%s=%s\n", argv[i], var(argv[i]).c_str());
+  std::fflush(stdout);
+  // The store is the launcher's: every rank publishes its run id, and reads all the others'.
+  auto store = connect_store();
+  std::string id = var("PSGD_RUN_ID");
+  store->set("id" + var("RANK"), std::vector<char>(id.begin(), id.end()));
+  int world = std::atoi(var("WORLD_SIZE").c_str());
+  bool same = true;
+  for (int r = 0; r < world; ++r) {
+    auto value = store->get("id" + std::to_string(r));
+    same = same && std::string(value.begin(), value.end()) == id;
+  }
+  int64_t count = store->add("arrived", 1);
+  std::printf("store=ok same_run_id=%d arrived<=%lld\n", same ? 1 : 0, static_cast<long long>(count));
+  return 0;
+}
+
+int mode_output() {
+  std::printf("line one\nline two\n");
+  std::fflush(stdout);
+  std::fprintf(stderr, "error one\n");
+  std::fflush(stderr);
+  std::printf("tail-%d", rank());
+  return 0;
+}
+
+int mode_exit(char** argv, bool stubborn) {
+  if (rank() == std::atoi(argv[2])) {
+    sleep_for(200ms);
+    std::printf("rank %d exits with %s\n", rank(), argv[3]);
+    return std::atoi(argv[3]);
+  }
+  if (stubborn) ::signal(SIGTERM, SIG_IGN);
+  sleep_for(60s);
+  return 0;
+}
+
+int mode_sigkill(char** argv) {
+  if (rank() == std::atoi(argv[2])) {
+    sleep_for(200ms);
+    std::printf("about to die\n");
+    std::fflush(stdout);
+    ::raise(SIGKILL);
+  }
+  sleep_for(60s);
+  return 0;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << text;
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) die("cannot write " + path);
+}
+
+int mode_pids(char** argv) {
+  pid_t child = ::fork();
+  if (child < 0) die("fork failed");
+  if (child == 0) {
+    ::execl("/bin/sleep", "sleep", "60", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  write_file(std::string(argv[2]) + "/rank-" + var("RANK") + ".pids", std::to_string(::getpid()) + " " +
+                                                                          std::to_string(child) + "\n");
+  sleep_for(60s);
+  return 0;
+}
+
+volatile sig_atomic_t g_terminated = 0;
+
+int mode_term(char** argv) {
+  struct sigaction action {};
+  action.sa_handler = [](int) { g_terminated = 1; };
+  ::sigaction(SIGTERM, &action, nullptr);
+  std::string base = std::string(argv[2]) + "/rank-" + var("RANK");
+  write_file(base + ".pid", std::to_string(::getpid()) + "\n");
+  auto end = Clock::now() + 60s;
+  while (g_terminated == 0 && Clock::now() < end) sleep_for(10ms);
+  if (g_terminated == 0) return 1;
+  write_file(base + ".term", "SIGTERM\n");
+  return 0;
+}
+
+int mode_throughput(char** argv) {
+  const auto duration = std::chrono::duration<double>(std::atof(argv[2]));
+  auto store = connect_store();
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  if (::inet_pton(AF_INET, var("PSGD_ADDR").c_str(), &address.sin_addr) != 1) die("PSGD_ADDR is not an IPv4 address");
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) die("socket failed");
+  std::vector<char> buffer(1 << 16);
+  if (rank() == 0) {
+    socklen_t length = sizeof address;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 1) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0)
+      die(std::string("cannot listen: ") + std::strerror(errno));
+    std::string endpoint = var("PSGD_ADDR") + ":" + std::to_string(ntohs(address.sin_port));
+    store->set("receiver", std::vector<char>(endpoint.begin(), endpoint.end()));
+    int conn = ::accept(fd, nullptr, nullptr);
+    if (conn < 0) die("accept failed");
+    auto start = Clock::now();
+    auto warm = start + 500ms;
+    uint64_t counted = 0;
+    Clock::time_point first{}, last{};
+    for (;;) {
+      ssize_t n = ::read(conn, buffer.data(), buffer.size());
+      if (n <= 0) break;
+      auto now = Clock::now();
+      if (now >= warm) {
+        if (first == Clock::time_point{}) first = now;
+        else counted += static_cast<uint64_t>(n);
+        last = now;
+      }
+    }
+    double seconds = std::chrono::duration<double>(last - first).count();
+    if (seconds <= 0) die("no data after the warm-up");
+    std::printf("throughput_mbit=%.1f bytes=%llu seconds=%.2f\n", static_cast<double>(counted) * 8 / seconds / 1e6,
+                static_cast<unsigned long long>(counted), seconds);
+    ::close(conn);
+  } else if (rank() == 1) {
+    auto endpoint_bytes = store->get("receiver");
+    std::string endpoint(endpoint_bytes.begin(), endpoint_bytes.end());
+    auto colon = endpoint.rfind(':');
+    sockaddr_in peer{};
+    peer.sin_family = AF_INET;
+    peer.sin_port = htons(static_cast<uint16_t>(std::atoi(endpoint.substr(colon + 1).c_str())));
+    ::inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &peer.sin_addr);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&peer), sizeof peer) != 0)
+      die("cannot connect to " + endpoint + ": " + std::strerror(errno));
+    auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(duration);
+    while (Clock::now() < end)
+      if (::write(fd, buffer.data(), buffer.size()) < 0) die(std::string("send failed: ") + std::strerror(errno));
+  }
+  ::close(fd);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "";
+  try {
+    if (mode == "env") return mode_env(argc, argv);
+    if (mode == "output") return mode_output();
+    if ((mode == "exit" || mode == "stubborn") && argc == 4) return mode_exit(argv, mode == "stubborn");
+    if (mode == "sigkill" && argc == 3) return mode_sigkill(argv);
+    if (mode == "pids" && argc == 3) return mode_pids(argv);
+    if (mode == "term" && argc == 3) return mode_term(argv);
+    if (mode == "throughput" && argc == 3) return mode_throughput(argv);
+  } catch (const std::exception& e) {
+    die(e.what());
+  }
+  die("unknown mode or wrong arguments: '" + mode + "'");
+}

@@ -1,0 +1,419 @@
+// Multi-process tests of the Gloo communicator. Every rank runs this binary
+// with one test case selected, under powersgd-run (or any launcher that sets
+// RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT):
+//   powersgd-run -n 4 --timeout 120 -- test_comm -tc='allreduce*'
+// Without WORLD_SIZE in the environment the binary exits 77 (skipped).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "comm/reduce.hpp"
+#include "store/store.hpp"
+#include <gloo/types.h>
+
+using namespace powersgd;
+using powersgd::transport::Algorithm;
+using powersgd::transport::GlooApi;
+using powersgd::transport::GlooCommunicator;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Options from the environment, with a key prefix of the test's own.
+CommOptions options(const char* run_id) {
+  CommOptions o = CommOptions::from_env();
+  o.run_id = run_id;
+  return o;
+}
+
+std::unique_ptr<GlooCommunicator> connect(const char* run_id, GlooApi api = GlooApi::New) {
+  return GlooCommunicator::create(options(run_id), api);
+}
+
+// Integer-valued element i of rank r: sums over <= 5 ranks stay below 256, so
+// they are exact even in bfloat16.
+double value(int rank, size_t i) { return static_cast<double>((rank + 1) * static_cast<int>(i % 13 + 1)); }
+double sum_value(int world, size_t i) { return static_cast<double>(world * (world + 1) / 2) * static_cast<double>(i % 13 + 1); }
+
+struct Buffer {
+  DataType type;
+  std::vector<uint8_t> bytes;
+  Buffer(DataType t, size_t count) : type(t), bytes(count * size_of(t)) {}
+  size_t count() const { return bytes.size() / size_of(type); }
+  void set(size_t i, double v) {
+    switch (type) {
+      case DataType::Float32:
+        reinterpret_cast<float*>(bytes.data())[i] = static_cast<float>(v);
+        return;
+      case DataType::Float64:
+        reinterpret_cast<double*>(bytes.data())[i] = v;
+        return;
+      case DataType::Float16:
+        reinterpret_cast<gloo::float16*>(bytes.data())[i] = gloo::cpu_float2half_rn(static_cast<float>(v));
+        return;
+      case DataType::BFloat16:
+        reinterpret_cast<uint16_t*>(bytes.data())[i] = transport::float_to_bfloat16(static_cast<float>(v));
+        return;
+    }
+  }
+  double get(size_t i) const {
+    switch (type) {
+      case DataType::Float32:
+        return reinterpret_cast<const float*>(bytes.data())[i];
+      case DataType::Float64:
+        return reinterpret_cast<const double*>(bytes.data())[i];
+      case DataType::Float16:
+        return gloo::cpu_half2float(reinterpret_cast<const gloo::float16*>(bytes.data())[i]);
+      case DataType::BFloat16:
+        return transport::bfloat16_to_float(reinterpret_cast<const uint16_t*>(bytes.data())[i]);
+    }
+    return 0;
+  }
+};
+
+// Index of the first element that differs from the expected sum, or count.
+size_t first_wrong(const Buffer& b, int world) {
+  for (size_t i = 0; i < b.count(); ++i)
+    if (b.get(i) != sum_value(world, i)) return i;
+  return b.count();
+}
+
+void check_allreduce(GlooCommunicator& comm, DataType type, size_t count, Algorithm algorithm) {
+  Buffer b(type, count);
+  for (size_t i = 0; i < count; ++i) b.set(i, value(comm.rank(), i));
+  comm.allreduce_async(b.bytes.data(), count, type, algorithm).wait();
+  INFO(to_string(type), " count ", count, " algorithm ", to_string(algorithm));
+  CHECK(first_wrong(b, comm.size()) == count);
+}
+
+const DataType kTypes[] = {DataType::Float32, DataType::Float64, DataType::Float16, DataType::BFloat16};
+// 1 element, odd sizes, both sides of the default ring threshold, several MiB.
+const size_t kCounts[] = {1, 7, 1000, 65537, 3 * 1024 * 1024 + 5};
+
+int pid_of(GlooCommunicator& comm, int rank) {
+  std::vector<int> pids(static_cast<size_t>(comm.size()));
+  int mine = getpid();
+  comm.allgather(&mine, pids.data(), sizeof(int));
+  return pids[static_cast<size_t>(rank)];
+}
+
+}  // namespace
+
+TEST_CASE("allreduce: every dtype and size, chosen algorithm") {
+  auto comm = connect("allreduce-auto");
+  for (DataType type : kTypes)
+    for (size_t count : kCounts) {
+      size_t bytes = count * size_of(type);
+      CHECK(comm->choose(bytes) == (bytes >= comm->options().ring_threshold_bytes ? Algorithm::Ring : Algorithm::Bcube));
+      check_allreduce(*comm, type, count, Algorithm::Auto);
+    }
+}
+
+TEST_CASE("allreduce: ring and bcube forced at every size") {
+  auto comm = connect("allreduce-forced");
+  for (Algorithm algorithm : {Algorithm::Ring, Algorithm::Bcube})
+    for (DataType type : {DataType::Float32, DataType::BFloat16})
+      for (size_t count : kCounts) check_allreduce(*comm, type, count, algorithm);
+}
+
+TEST_CASE("threshold: PSGD_RING_THRESHOLD_BYTES moves the switch") {
+  setenv("PSGD_RING_THRESHOLD_BYTES", "4096", 1);
+  auto comm = connect("threshold");
+  unsetenv("PSGD_RING_THRESHOLD_BYTES");
+  CHECK(comm->options().ring_threshold_bytes == 4096);
+  CHECK(comm->choose(4095) == Algorithm::Bcube);
+  CHECK(comm->choose(4096) == Algorithm::Ring);
+  check_allreduce(*comm, DataType::Float32, 1023, Algorithm::Auto);
+  check_allreduce(*comm, DataType::Float32, 1024, Algorithm::Auto);
+}
+
+TEST_CASE("legacy api: halving-doubling, ring-chunked, broadcast, allgather, barrier") {
+  // The old-style algorithms are what ibverbs uses; TCP runs them here.
+  auto comm = connect("legacy", GlooApi::Legacy);
+  CHECK(comm->choose(1) == Algorithm::HalvingDoubling);
+  for (DataType type : kTypes)
+    for (size_t count : kCounts) check_allreduce(*comm, type, count, Algorithm::Auto);
+  for (size_t count : kCounts) check_allreduce(*comm, DataType::Float32, count, Algorithm::Ring);
+  for (int root = 0; root < comm->size(); ++root) {
+    std::vector<uint8_t> data(100003, comm->rank() == root ? static_cast<uint8_t>(root + 1) : 0);
+    comm->broadcast(data.data(), data.size(), root);
+    CHECK(std::count(data.begin(), data.end(), static_cast<uint8_t>(root + 1)) == static_cast<long>(data.size()));
+  }
+  std::vector<int32_t> in(333, comm->rank()), out(333 * static_cast<size_t>(comm->size()), -1);
+  comm->allgather(in.data(), out.data(), in.size() * sizeof(int32_t));
+  for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == static_cast<int32_t>(i / 333));
+  comm->barrier();
+}
+
+TEST_CASE("broadcast: every root, 1 byte to several MiB") {
+  auto comm = connect("broadcast");
+  for (size_t bytes : {size_t{1}, size_t{1001}, size_t{5} * 1024 * 1024 + 3})
+    for (int root = 0; root < comm->size(); ++root) {
+      std::vector<uint8_t> data(bytes);
+      for (size_t i = 0; i < bytes; ++i)
+        data[i] = comm->rank() == root ? static_cast<uint8_t>(i * 7 + static_cast<size_t>(root)) : 0;
+      comm->broadcast(data.data(), bytes, root);
+      size_t wrong = 0;
+      for (size_t i = 0; i < bytes; ++i) wrong += data[i] != static_cast<uint8_t>(i * 7 + static_cast<size_t>(root));
+      INFO("bytes ", bytes, " root ", root);
+      CHECK(wrong == 0);
+    }
+  CHECK_THROWS_AS(comm->broadcast_async(nullptr, 0, comm->size()), InvalidArgumentError);
+}
+
+TEST_CASE("allgather: 1 byte to several MiB per rank") {
+  auto comm = connect("allgather");
+  size_t n = static_cast<size_t>(comm->size());
+  for (size_t bytes : {size_t{1}, size_t{333}, size_t{2} * 1024 * 1024 + 1}) {
+    std::vector<uint8_t> in(bytes), out(bytes * n, 0xEE);
+    for (size_t i = 0; i < bytes; ++i) in[i] = static_cast<uint8_t>(i + 31 * static_cast<size_t>(comm->rank()));
+    comm->allgather(in.data(), out.data(), bytes);
+    size_t wrong = 0;
+    for (size_t r = 0; r < n; ++r)
+      for (size_t i = 0; i < bytes; ++i) wrong += out[r * bytes + i] != static_cast<uint8_t>(i + 31 * r);
+    INFO("bytes ", bytes);
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("barrier: no rank leaves before the last arrives") {
+  auto comm = connect("barrier");
+  // The last rank arrives late; everyone's barrier must take at least that long.
+  if (comm->rank() == comm->size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto start = Clock::now();
+  comm->barrier();
+  if (comm->size() > 1 && comm->rank() != comm->size() - 1)
+    CHECK(Clock::now() - start >= std::chrono::milliseconds(250));
+}
+
+TEST_CASE("async: many operations in flight complete in submission order") {
+  auto comm = connect("async");
+  size_t n = static_cast<size_t>(comm->size());
+  constexpr int kOps = 40;
+  // Op pairs on one buffer: allgather into y, then allreduce y. Out of order,
+  // the allreduce would sum stale data.
+  std::vector<std::vector<float>> in(kOps), y(kOps);
+  std::vector<Work> works;
+  for (int k = 0; k < kOps; ++k) {
+    size_t count = static_cast<size_t>(1 + k * 997);
+    in[k].assign(count, static_cast<float>(comm->rank() + k));
+    y[k].assign(count * n, -1.0f);
+    works.push_back(comm->allgather_async(in[k].data(), y[k].data(), count * sizeof(float)));
+    works.push_back(comm->allreduce_async(y[k].data(), y[k].size(), DataType::Float32));
+  }
+  works.push_back(comm->barrier_async());
+  works.back().wait();
+  for (auto& w : works) CHECK(w.done());  // the last one done => all earlier ones done
+  for (int k = kOps - 1; k >= 0; --k) {
+    works[static_cast<size_t>(2 * k + 1)].wait();
+    size_t count = in[k].size();
+    size_t wrong = 0;
+    for (size_t r = 0; r < n; ++r)
+      for (size_t i = 0; i < count; ++i)
+        wrong += y[k][r * count + i] != static_cast<float>(n) * static_cast<float>(static_cast<int>(r) + k);
+    INFO("op ", k);
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("fingerprint: a rank with a different ring threshold is named") {
+  if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
+  if (std::atoi(std::getenv("RANK")) == 1) setenv("PSGD_RING_THRESHOLD_BYTES", "12345", 1);
+  try {
+    connect("fingerprint");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("rank 1") != std::string::npos);
+    CHECK(what.find("PSGD_RING_THRESHOLD_BYTES 12345") != std::string::npos);
+  }
+}
+
+TEST_CASE("check_same: names what differs and the first differing rank") {
+  auto comm = connect("check-same");
+  comm->check_same(42, "layout");
+  if (comm->size() < 2) return;
+  uint64_t mine = comm->rank() >= comm->size() - 1 ? 7 : 42;
+  try {
+    comm->check_same(mine, "layout");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("layout") != std::string::npos);
+    CHECK(what.find("rank " + std::to_string(comm->size() - 1)) != std::string::npos);
+  }
+  comm->barrier();  // a mismatch does not break the group
+}
+
+TEST_CASE("rendezvous: a rank that never comes gives a timeout") {
+  CommOptions o = options("never-comes");
+  if (o.world_size < 2 || o.rank == o.world_size - 1) return;  // the last rank stays away
+  o.timeout = std::chrono::milliseconds(1500);
+  auto start = Clock::now();
+  CHECK_THROWS_AS(GlooCommunicator::create(o), TimeoutError);
+  auto elapsed = Clock::now() - start;
+  CHECK(elapsed >= std::chrono::milliseconds(1400));
+  CHECK(elapsed < std::chrono::seconds(15));
+}
+
+TEST_CASE("failure: a killed peer makes every survivor fail within a second") {
+  auto comm = connect("killed");
+  if (comm->size() < 2) return;
+  int victim = comm->size() - 1;
+  comm->barrier();
+  if (comm->rank() == victim) {
+    // Exiting without cleanup closes the sockets exactly as SIGKILL would, and
+    // exit status 0 keeps the launcher from cancelling the job.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    _exit(0);
+  }
+  std::vector<float> data(4096, 1.0f);
+  auto start = Clock::now();
+  try {
+    // Pending when the victim dies.
+    comm->allreduce(data.data(), data.size(), DataType::Float32);
+    FAIL("expected a PeerError");
+  } catch (const PeerError& e) {
+    auto elapsed = Clock::now() - start;
+    MESSAGE(std::string(e.what()));
+    CHECK(e.code() == ErrorCode::Io);
+    CHECK(e.operation().find("allreduce") == 0);
+    CHECK(e.peer() >= 0);
+    CHECK(e.peer() != comm->rank());
+    if (comm->size() == 2) CHECK(e.peer() == victim);
+    CHECK(elapsed < std::chrono::milliseconds(1200));
+  }
+  // The group is broken: the next operation fails at once with the same error.
+  auto start2 = Clock::now();
+  CHECK_THROWS_AS(comm->barrier(), PeerError);
+  CHECK(Clock::now() - start2 < std::chrono::milliseconds(50));
+  // Destruction with a dead peer does not hang (the test's timeout would catch it).
+}
+
+TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {
+  CommOptions o = options("stopped");
+  if (o.world_size < 2) return;
+  o.timeout = std::chrono::milliseconds(1000);
+  auto comm = GlooCommunicator::create(o);
+  int victim = comm->size() - 1;
+  int victim_pid = pid_of(*comm, victim);
+  if (comm->rank() == victim) {
+    raise(SIGSTOP);  // rank 0 sends SIGCONT once the survivors gave up
+    // Its peers closed their connections meanwhile: its next operation fails.
+    CHECK_THROWS_AS(comm->barrier(), PeerError);
+    return;
+  }
+  std::vector<float> data(4096, 1.0f);
+  auto start = Clock::now();
+  try {
+    comm->allreduce(data.data(), data.size(), DataType::Float32);
+    FAIL("expected a PeerError");
+  } catch (const PeerError& e) {
+    auto elapsed = Clock::now() - start;
+    MESSAGE(std::string(e.what()));
+    // Ranks that talk to the victim time out; the others see them close.
+    if (comm->size() == 2) CHECK(e.code() == ErrorCode::Timeout);
+    CHECK(elapsed >= std::chrono::milliseconds(900));
+    CHECK(elapsed < std::chrono::seconds(5));
+  }
+  if (comm->rank() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    kill(victim_pid, SIGCONT);
+  }
+}
+
+TEST_CASE("torchrun: rank 0 hosts the store on MASTER_PORT") {
+  // Under a launcher that hosts the store, move to a port rank 0 picks.
+  if (const char* hosted = std::getenv("PSGD_STORE_HOSTED"); hosted && std::string(hosted) == "1") {
+    auto store = transport::connect_tcp_store(std::getenv("MASTER_ADDR"), static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT"))),
+                                              std::getenv("PSGD_TOKEN") ? std::getenv("PSGD_TOKEN") : "",
+                                              std::chrono::seconds(30));
+    if (std::atoi(std::getenv("RANK")) == 0) {
+      int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof(addr);
+      REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+      REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+      close(fd);
+      std::string port = std::to_string(ntohs(addr.sin_port));
+      store->set("torchrun-port", std::vector<char>(port.begin(), port.end()));
+    }
+    auto port = store->get("torchrun-port");
+    setenv("MASTER_PORT", std::string(port.begin(), port.end()).c_str(), 1);
+    unsetenv("PSGD_STORE_HOSTED");
+  }
+  CommOptions o = options("torchrun");
+  CHECK(o.host_store == (o.rank == 0));
+  CHECK(o.address == "127.0.0.1");
+  auto comm = GlooCommunicator::create(o);
+  float x = 1.0f;
+  comm->allreduce(&x, 1, DataType::Float32);
+  CHECK(x == static_cast<float>(comm->size()));
+  comm->barrier();  // rank 0's store must outlive everyone's rendezvous
+}
+
+TEST_CASE("from_env: validation names the variable and the value") {
+  // Single-process checks on a private copy of the environment variables.
+  struct Saved {
+    std::string name;
+    std::optional<std::string> value;
+  };
+  std::vector<Saved> saved;
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PSGD_TRANSPORT", "PSGD_IFACE", "PSGD_ADDR"}) {
+    const char* v = std::getenv(name);
+    saved.push_back({name, v ? std::optional<std::string>(v) : std::nullopt});
+  }
+  auto expect = [](const char* var, const char* value, const char* needle) {
+    const char* old = std::getenv(var);
+    std::string keep = old ? old : "";
+    setenv(var, value, 1);
+    try {
+      CommOptions::from_env();
+      FAIL("expected InvalidArgumentError for ", var, "=", value);
+    } catch (const InvalidArgumentError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(needle) != std::string::npos);
+    }
+    if (old) setenv(var, keep.c_str(), 1); else unsetenv(var);
+  };
+  setenv("RANK", "0", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "29500", 1);
+  CHECK(CommOptions::from_env().address == "127.0.0.1");
+  expect("RANK", "2", "RANK=2");
+  expect("RANK", "x", "RANK='x'");
+  expect("WORLD_SIZE", "0", "WORLD_SIZE=0");
+  expect("MASTER_PORT", "70000", "MASTER_PORT=70000");
+  expect("PSGD_TRANSPORT", "udp", "PSGD_TRANSPORT='udp'");
+  setenv("PSGD_IFACE", "lo", 1);
+  expect("PSGD_ADDR", "127.0.0.1", "PSGD_IFACE='lo'");
+  unsetenv("PSGD_IFACE");
+  for (auto& s : saved)
+    if (s.value) setenv(s.name.c_str(), s.value->c_str(), 1); else unsetenv(s.name.c_str());
+}
+
+int main(int argc, char** argv) {
+  if (std::getenv("WORLD_SIZE") == nullptr) {
+    std::fprintf(stderr, "test_comm: WORLD_SIZE is not set; run under powersgd-run (skipped)\n");
+    return 77;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}

@@ -1,0 +1,668 @@
+// Tests of powersgd-run, run as a real process (posix_spawn) with
+// launcher_worker as its program. Paths come from the environment:
+// PSGD_RUN (the launcher) and LAUNCHER_WORKER. Suites: local, ssh (a real
+// sshd on 127.0.0.1, started here), emulated (network namespaces).
+// Leading arguments --require=root / --require=sshd make the binary exit 77
+// (skipped) when that is missing; the rest goes to doctest.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::string env_or_fail(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) {
+    std::fprintf(stderr, "test_launcher: %s is not set (run through meson test)\n", name);
+    std::exit(1);
+  }
+  return value;
+}
+
+const std::string& launcher() {
+  static const std::string path = env_or_fail("PSGD_RUN");
+  return path;
+}
+const std::string& worker() {
+  static const std::string path = env_or_fail("LAUNCHER_WORKER");
+  return path;
+}
+
+// A temporary directory, removed with its contents.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "psgd-launcher-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path, ignored);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+struct Result {
+  int code = -1;  // shell convention: 128+signal
+  std::string out, err;
+  double seconds = 0;
+};
+
+// The launcher as a child process with its stdout and stderr captured.
+class Launcher {
+ public:
+  // `prefix`: a command that runs the launcher (e.g. setpriv).
+  explicit Launcher(const std::vector<std::string>& args, const std::vector<std::string>& prefix = {}) {
+    std::vector<std::string> argv = prefix;
+    argv.push_back(launcher());
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> raw;
+    for (auto& a : argv) raw.push_back(a.data());
+    raw.push_back(nullptr);
+    int out[2], err[2];
+    REQUIRE(::pipe2(out, O_CLOEXEC) == 0);
+    REQUIRE(::pipe2(err, O_CLOEXEC) == 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    posix_spawn_file_actions_adddup2(&actions, err[1], 2);
+    int rc = ::posix_spawn(&pid_, raw[0], &actions, nullptr, raw.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(out[1]);
+    ::close(err[1]);
+    REQUIRE_MESSAGE(rc == 0, "posix_spawn ", launcher(), ": ", std::strerror(rc));
+    out_ = out[0];
+    err_ = err[0];
+    start_ = Clock::now();
+  }
+  ~Launcher() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) ::close(out_);
+    if (err_ >= 0) ::close(err_);
+  }
+  pid_t pid() const { return pid_; }
+  void signal(int sig) const { REQUIRE(::kill(pid_, sig) == 0); }
+
+  // Reads output until the launcher exits; fails (and kills it) past `limit`.
+  Result finish(std::chrono::seconds limit = 60s) {
+    Result result;
+    auto deadline = start_ + limit;
+    while (out_ >= 0 || err_ >= 0) {
+      pollfd fds[2] = {{out_, POLLIN, 0}, {err_, POLLIN, 0}};
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) break;
+      ::poll(fds, 2, static_cast<int>(left));
+      for (int i = 0; i < 2; ++i) {
+        int& fd = i == 0 ? out_ : err_;
+        if (fd < 0 || fds[i].revents == 0) continue;
+        char buffer[4096];
+        ssize_t n = ::read(fd, buffer, sizeof buffer);
+        if (n > 0) (i == 0 ? result.out : result.err).append(buffer, static_cast<size_t>(n));
+        else {
+          ::close(fd);
+          fd = -1;
+        }
+      }
+    }
+    int status = 0;
+    pid_t waited = 0;
+    while ((waited = ::waitpid(pid_, &status, WNOHANG)) == 0 && Clock::now() < deadline)
+      std::this_thread::sleep_for(5ms);
+    result.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    if (waited != pid_) {
+      FAIL_CHECK("launcher still running after ", limit.count(), " s; killing it. stderr so far:\n", result.err);
+      return result;
+    }
+    pid_ = -1;
+    result.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return result;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1, err_ = -1;
+  Clock::time_point start_;
+};
+
+Result run(const std::vector<std::string>& args, std::chrono::seconds limit = 60s) {
+  Launcher l(args);
+  return l.finish(limit);
+}
+
+std::vector<std::string> with_worker(std::vector<std::string> options, const std::vector<std::string>& worker_args) {
+  options.push_back("--");
+  options.push_back(worker());
+  options.insert(options.end(), worker_args.begin(), worker_args.end());
+  return options;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+bool wait_for(const std::function<bool()>& condition, std::chrono::milliseconds limit) {
+  auto end = Clock::now() + limit;
+  while (Clock::now() < end) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return condition();
+}
+
+// Alive and not a zombie.
+bool process_alive(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] != 'Z';
+}
+
+std::vector<pid_t> read_pids(const TempDir& dir, int ranks, const char* suffix) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < ranks; ++r) {
+    std::ifstream in(dir / ("rank-" + std::to_string(r) + suffix));
+    for (pid_t pid; in >> pid;) pids.push_back(pid);
+  }
+  return pids;
+}
+
+bool all_files(const TempDir& dir, int ranks, const char* suffix) {
+  for (int r = 0; r < ranks; ++r)
+    if (!fs::exists(dir / ("rank-" + std::to_string(r) + suffix))) return false;
+  return true;
+}
+
+std::vector<std::string> namespaces_of(pid_t launcher_pid) {
+  std::vector<std::string> names;
+  std::string prefix = "psgd-" + std::to_string(launcher_pid) + "-";
+  std::error_code ignored;
+  if (fs::exists("/run/netns"))
+    for (const auto& entry : fs::directory_iterator("/run/netns", ignored))
+      if (entry.path().filename().string().rfind(prefix, 0) == 0) names.push_back(entry.path().filename());
+  return names;
+}
+
+// ---- local mode ----
+
+TEST_SUITE("local") {
+  TEST_CASE("workers get their place in the job, the store's address and token, and --env") {
+    Result r = run(with_worker({"-n", "3", "--timeout", "60", "--env", "PSGD_LOG_LEVEL=debug", "--env", "EXTRA=a b"},
+                               {"env", "PSGD_LOG_LEVEL", "EXTRA"}));
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    CHECK(r.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(r.out, m, std::regex(R"(\[0\] MASTER_PORT=(\d+))")));
+    std::string port = m[1];
+    REQUIRE(std::regex_search(r.out, m, std::regex(R"(\[0\] PSGD_RUN_ID=([0-9a-f]+))")));
+    std::string run_id = m[1];
+    for (int rank = 0; rank < 3; ++rank) {
+      std::string p = "[" + std::to_string(rank) + "] ";
+      CHECK(contains(r.out, p + "RANK=" + std::to_string(rank) + "\n"));
+      CHECK(contains(r.out, p + "WORLD_SIZE=3\n"));
+      CHECK(contains(r.out, p + "LOCAL_RANK=" + std::to_string(rank) + "\n"));
+      CHECK(contains(r.out, p + "LOCAL_WORLD_SIZE=3\n"));
+      CHECK(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
+      CHECK(contains(r.out, p + "MASTER_PORT=" + port + "\n"));
+      CHECK(contains(r.out, p + "PSGD_STORE_HOSTED=1\n"));
+      CHECK(contains(r.out, p + "PSGD_RUN_ID=" + run_id + "\n"));
+      CHECK(contains(r.out, p + "PSGD_TOKEN length=64\n"));
+      CHECK(contains(r.out, p + "PSGD_LOG_LEVEL=debug\n"));
+      CHECK(contains(r.out, p + "EXTRA=a b\n"));
+      CHECK(contains(r.out, p + "store=ok same_run_id=1"));
+    }
+    // A second job gets its own port, token and run id.
+    Result again = run(with_worker({"-n", "1"}, {"env"}));
+    CHECK(again.code == 0);
+    CHECK_FALSE(contains(again.out, "PSGD_RUN_ID=" + run_id + "\n"));
+  }
+
+  TEST_CASE("output lines are prefixed with the rank, stderr kept apart, last partial line flushed, logs written") {
+    TempDir logs;
+    Result r = run(with_worker({"-n", "2", "--log-dir", logs.path.string()}, {"output"}));
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    CHECK(r.code == 0);
+    for (std::string rank : {"0", "1"}) {
+      CHECK(contains(r.out, "[" + rank + "] line one\n[" + rank + "] line two\n"));
+      CHECK(contains(r.out, "[" + rank + "] tail-" + rank + "\n"));
+      CHECK(contains(r.err, "[" + rank + "] error one\n"));
+      std::ifstream out(logs / ("rank-" + rank + ".out")), err(logs / ("rank-" + rank + ".err"));
+      std::stringstream out_text, err_text;
+      out_text << out.rdbuf();
+      err_text << err.rdbuf();
+      CHECK(out_text.str() == "line one\nline two\ntail-" + rank);
+      CHECK(err_text.str() == "error one\n");
+    }
+    CHECK_FALSE(contains(r.out, "error one"));
+    CHECK_FALSE(contains(r.err, "line one"));
+  }
+
+  TEST_CASE("kill on failure: one worker exits 3 while the others sleep; the job ends within the grace period") {
+    Result r = run(with_worker({"-n", "3", "--grace", "5"}, {"exit", "2", "3"}));
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 3);
+    CHECK(contains(r.err, "rank 2 (pid "));
+    CHECK(contains(r.err, "exited with code 3; stopping the other 2 workers"));
+    CHECK(contains(r.err, "stdout| rank 2 exits with 3"));
+    CHECK(r.seconds < 5.0);  // the sleeping ranks stop at SIGTERM, well within --grace
+  }
+
+  TEST_CASE("exit codes propagate: the first failing rank's code, also for rank 0 and large codes") {
+    for (auto [rank, code] : {std::pair{"0", "1"}, std::pair{"1", "200"}}) {
+      Result r = run(with_worker({"-n", "2"}, {"exit", rank, code}));
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == std::atoi(code));
+      CHECK(contains(r.err, std::string("rank ") + rank + " (pid "));
+    }
+  }
+
+  TEST_CASE("kill on failure: ranks that ignore SIGTERM get SIGKILL after the grace period") {
+    Result r = run(with_worker({"-n", "3", "--grace", "1.5"}, {"stubborn", "1", "3"}));
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 3);
+    CHECK(r.seconds >= 1.5);
+    CHECK(r.seconds < 4.5);  // 0.2 s before the failure + 1.5 s grace + start-up
+    CHECK(contains(r.err, "ranks 0, 2 still running after --grace 1.5 s; sending SIGKILL"));
+  }
+
+  TEST_CASE("a worker killed by SIGKILL gives 137") {
+    Result r = run(with_worker({"-n", "2"}, {"sigkill", "1"}));
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 137);
+    CHECK(contains(r.err, "rank 1 (pid "));
+    CHECK(contains(r.err, "was killed by signal 9 (SIGKILL; exit code 137)"));
+    CHECK(contains(r.err, "stdout| about to die"));
+  }
+
+  TEST_CASE("--timeout stops the job with 124") {
+    Result r = run(with_worker({"-n", "2", "--timeout", "1", "--grace", "1"}, {"exit", "5", "0"}));
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 124);
+    CHECK(contains(r.err, "--timeout 1 s"));
+    CHECK(r.seconds >= 1.0);
+    CHECK(r.seconds < 3.5);
+  }
+
+  TEST_CASE("SIGTERM and SIGINT to the launcher are forwarded to every worker") {
+    for (int sig : {SIGTERM, SIGINT}) {
+      CAPTURE(sig);
+      TempDir dir;
+      Launcher l(with_worker({"-n", "3"}, {"term", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 3, ".pid"); }, 20s));
+      l.signal(sig);
+      Result r = l.finish(30s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == 128 + sig);
+      // The workers use SIGTERM's handler; SIGINT reaches them as SIGINT and kills them (default action).
+      if (sig == SIGTERM) CHECK(all_files(dir, 3, ".term"));
+      for (pid_t pid : read_pids(dir, 3, ".pid")) CHECK_FALSE(process_alive(pid));
+    }
+  }
+
+  TEST_CASE("no orphans: workers and their children die when the launcher is killed with SIGKILL") {
+    TempDir dir;
+    std::vector<pid_t> pids;
+    {
+      Launcher l(with_worker({"-n", "3"}, {"pids", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 3, ".pids"); }, 20s));
+      pids = read_pids(dir, 3, ".pids");
+      REQUIRE(pids.size() == 6);
+      for (pid_t pid : pids) REQUIRE(process_alive(pid));
+      l.signal(SIGKILL);
+      l.finish(10s);
+    }
+    CHECK(wait_for([&] {
+      for (pid_t pid : pids)
+        if (process_alive(pid)) return false;
+      return true;
+    }, 5s));
+  }
+
+  TEST_CASE("all workers exiting 0 gives 0") {
+    Result r = run(with_worker({"-n", "4"}, {"output"}));
+    CHECK(r.code == 0);
+    CHECK(r.err.find("powersgd-run:") == std::string::npos);
+  }
+
+  TEST_CASE("bad command lines are refused with a message before anything starts") {
+    TempDir dir;
+    std::string marker = dir / "started";
+    std::string hostfile_zero = dir / "hosts0";
+    std::ofstream(hostfile_zero) << "# no slots\nnode1 0\n";
+    std::string script = dir / "not-executable.sh";
+    std::ofstream(script) << "#!/bin/sh\ntouch " << marker << "\n";
+    struct Case {
+      std::vector<std::string> args;
+      std::string message;
+    };
+    std::vector<Case> cases = {
+        {{"--bogus", "-n", "1", "--", "/bin/touch", marker}, "unknown option '--bogus'"},
+        {{"-n", "0", "--", "/bin/touch", marker}, "-n 0 is out of range"},
+        {{"--", "/bin/touch", marker}, "-n is required"},
+        {{"-n", "2"}, "no program given"},
+        {{"-n", "1", "--", dir / "missing-program"}, "does not exist"},
+        {{"-n", "1", "--", "no-such-program-in-path-xyz"}, "was not found in PATH"},
+        {{"-n", "1", "--", script}, "is not an executable file"},
+        {{"--hostfile", dir / "no-such-hostfile", "--", "/bin/touch", marker}, "cannot read hostfile"},
+        {{"--hostfile", hostfile_zero, "--", "/bin/touch", marker}, "slot count '0' is not a positive integer"},
+        {{"--hosts", "node1:0", "--", "/bin/touch", marker}, "slot count '0' is not a positive integer"},
+        {{"--hosts", "node1:2", "-n", "3", "--", "/bin/touch", marker}, "more than the 2 slots"},
+        {{"-n", "1", "--grace", "-1", "--", "/bin/touch", marker}, "--grace -1 is out of range"},
+        {{"-n", "1", "--env", "1X=2", "--", "/bin/touch", marker}, "--env '1X=2'"},
+        {{"-n", "1", "--emulate-hosts", "2", "--", "/bin/touch", marker}, "less than --emulate-hosts 2"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-rate", "fast", "--", "/bin/touch", marker}, "--link-rate 'fast'"},
+        {{"-n", "1", "--ssh-port", "22", "--", "/bin/touch", marker}, "--ssh-port needs --hosts or --hostfile"},
+    };
+    for (const auto& c : cases) {
+      std::string line;
+      for (const auto& a : c.args) line += a + " ";
+      CAPTURE(line);
+      Result r = run(c.args, 20s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == 2);
+      CHECK(contains(r.err, c.message));
+      CHECK_FALSE(fs::exists(marker));
+    }
+  }
+
+  TEST_CASE("the emulated cluster without CAP_NET_ADMIN and CAP_SYS_ADMIN says it needs root") {
+    // As root, setpriv drops the two capabilities from the bounding set; otherwise they are missing anyway.
+    std::vector<std::string> prefix;
+    if (::geteuid() == 0) {
+      if (::access("/usr/bin/setpriv", X_OK) != 0) return;  // cannot drop them here: nothing to check
+      prefix = {"/usr/bin/setpriv", "--bounding-set=-net_admin,-sys_admin", "--"};
+    }
+    Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2"}, {"output"}), prefix);
+    Result r = l.finish(20s);
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 2);
+    CHECK(contains(r.err, "--emulate-hosts needs root"));
+    CHECK(contains(r.err, "CAP_NET_ADMIN"));
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
+  TEST_CASE("--help documents the modes, the environment and the exit codes; --print-env the registry") {
+    Result help = run({"--help"});
+    CHECK(help.code == 0);
+    for (const char* part : {"--hosts", "--hostfile", "--emulate-hosts", "--link-rate", "--timeout", "--grace",
+                             "--ssh-option", "--master-addr", "--log-dir", "MASTER_PORT", "PSGD_TOKEN", "EXIT STATUS",
+                             "124", "powersgd-run -n 4 -- ./train"})
+      CHECK_MESSAGE(contains(help.out, part), part);
+    Result env = run({"--print-env"});
+    CHECK(env.code == 0);
+    for (const char* part : {"| `PSGD_TOKEN` |", "| `PSGD_TIMEOUT_MS` | `300000` |", "| `RANK` |"})
+      CHECK_MESSAGE(contains(env.out, part), part);
+  }
+}
+
+// ---- ssh mode, against a real sshd on 127.0.0.1 ----
+
+int free_loopback_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+bool loopback_port_open(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+  ::close(fd);
+  return ok;
+}
+
+int run_quietly(std::vector<std::string> argv) {
+  std::vector<char*> raw;
+  for (auto& a : argv) raw.push_back(a.data());
+  raw.push_back(nullptr);
+  pid_t pid = -1;
+  if (::posix_spawn(&pid, raw[0], nullptr, nullptr, raw.data(), environ) != 0) return -1;
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// sshd -D on a free loopback port, with host and user keys made here.
+class Sshd {
+ public:
+  Sshd() {
+    REQUIRE(run_quietly({"/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", dir_ / "host_key"}) == 0);
+    REQUIRE(run_quietly({"/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", dir_ / "user_key"}) == 0);
+    fs::copy_file(dir_ / "user_key.pub", dir_ / "authorized_keys");
+    std::ofstream(dir_ / "sshd_config") << "HostKey " << dir_ / "host_key" << "\n"
+                                        << "AuthorizedKeysFile " << dir_ / "authorized_keys" << "\n"
+                                        << "StrictModes no\nUsePAM no\nPasswordAuthentication no\n"
+                                        << "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
+                                        << "PidFile none\nLogLevel ERROR\n";
+    std::error_code ignored;
+    fs::create_directories("/run/sshd", ignored);  // privilege separation directory
+    for (int attempt = 0; attempt < 5 && pid_ < 0; ++attempt) {
+      port_ = free_loopback_port();
+      std::vector<std::string> argv{"/usr/sbin/sshd", "-D", "-e", "-f", dir_ / "sshd_config", "-p",
+                                    std::to_string(port_), "-o", "ListenAddress=127.0.0.1"};
+      std::vector<char*> raw;
+      for (auto& a : argv) raw.push_back(a.data());
+      raw.push_back(nullptr);
+      posix_spawn_file_actions_t actions;  // sshd's messages go to a log, not into the test output
+      posix_spawn_file_actions_init(&actions);
+      posix_spawn_file_actions_addopen(&actions, 2, (dir_ / "sshd.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      int rc = ::posix_spawn(&pid_, raw[0], &actions, nullptr, raw.data(), environ);
+      posix_spawn_file_actions_destroy(&actions);
+      REQUIRE(rc == 0);
+      if (!wait_for([&] { return loopback_port_open(port_) || ::waitpid(pid_, nullptr, WNOHANG) == pid_; }, 5s) ||
+          !loopback_port_open(port_)) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, nullptr, 0);
+        pid_ = -1;
+      }
+    }
+    REQUIRE_MESSAGE(pid_ > 0, "sshd did not start on 127.0.0.1");
+  }
+  ~Sshd() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  // Launcher options that reach this sshd, with `hosts`.
+  std::vector<std::string> options(const std::string& hosts) const {
+    return {"--hosts", hosts, "--ssh-port", std::to_string(port_), "--ssh-option", "IdentityFile=" + dir_ / "user_key",
+            "--ssh-option", "StrictHostKeyChecking=no", "--ssh-option", "UserKnownHostsFile=/dev/null",
+            "--ssh-option", "LogLevel=ERROR", "--timeout", "60"};
+  }
+
+ private:
+  TempDir dir_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+TEST_SUITE("ssh") {
+  TEST_CASE("ssh workers get their environment, reach the store, and their output is prefixed") {
+    Sshd sshd;
+    auto options = sshd.options("127.0.0.1:2");
+    options.insert(options.end(), {"--env", "PSGD_LOG_LEVEL=info", "--env", "EXTRA=x y"});
+    Result r = run(with_worker(options, {"env", "PSGD_LOG_LEVEL", "EXTRA"}));
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    CHECK(r.code == 0);
+    for (int rank = 0; rank < 2; ++rank) {
+      std::string p = "[" + std::to_string(rank) + "] ";
+      CHECK(contains(r.out, p + "RANK=" + std::to_string(rank) + "\n"));
+      CHECK(contains(r.out, p + "WORLD_SIZE=2\n"));
+      CHECK(contains(r.out, p + "LOCAL_RANK=" + std::to_string(rank) + "\n"));
+      CHECK(contains(r.out, p + "LOCAL_WORLD_SIZE=2\n"));
+      CHECK(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
+      CHECK(contains(r.out, p + "PSGD_TOKEN length=64\n"));
+      CHECK(contains(r.out, p + "PSGD_LOG_LEVEL=info\n"));
+      CHECK(contains(r.out, p + "EXTRA=x y\n"));
+      CHECK(contains(r.out, p + "store=ok same_run_id=1"));
+    }
+    Result out = run(with_worker(sshd.options("127.0.0.1:2"), {"output"}));
+    CHECK(out.code == 0);
+    CHECK(contains(out.out, "[1] line one\n[1] line two\n"));
+    CHECK(contains(out.out, "[0] tail-0\n"));
+    CHECK(contains(out.err, "[1] error one\n"));
+    CHECK_FALSE(contains(out.out, "error one"));
+  }
+
+  TEST_CASE("ssh workers' exit codes and signals propagate") {
+    Sshd sshd;
+    Result r = run(with_worker(sshd.options("127.0.0.1:3"), {"exit", "1", "5"}));
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 5);
+    CHECK(contains(r.err, "rank 1 (pid "));
+    CHECK(contains(r.err, "on 127.0.0.1) exited with code 5"));
+    Result k = run(with_worker(sshd.options("127.0.0.1:2"), {"sigkill", "0"}));
+    INFO("stderr:\n", k.err);
+    CHECK(k.code == 137);
+  }
+
+  TEST_CASE("remote workers die when the launcher is killed with SIGKILL") {
+    Sshd sshd;
+    TempDir dir;
+    std::vector<pid_t> pids;
+    {
+      Launcher l(with_worker(sshd.options("127.0.0.1:2"), {"pids", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 2, ".pids"); }, 20s));
+      pids = read_pids(dir, 2, ".pids");
+      REQUIRE(pids.size() == 4);
+      l.signal(SIGKILL);
+      l.finish(10s);
+    }
+    CHECK(wait_for([&] {
+      for (pid_t pid : pids)
+        if (process_alive(pid)) return false;
+      return true;
+    }, 10s));
+  }
+}
+
+// ---- emulated cluster ----
+
+TEST_SUITE("emulated") {
+  TEST_CASE("a 200 mbit link measures within 10% of its rate, and the namespaces are gone after the job") {
+    Launcher l(with_worker({"--emulate-hosts", "2", "--link-rate", "200mbit", "-n", "2", "--timeout", "60"},
+                           {"throughput", "4"}));
+    Result r = l.finish(90s);
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    REQUIRE(r.code == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(r.out, m, std::regex(R"(\[0\] throughput_mbit=([0-9.]+))")));
+    double mbit = std::stod(m[1]);
+    MESSAGE("measured ", mbit, " Mbit/s over a 200 mbit link");
+    CHECK(mbit > 180.0);
+    CHECK(mbit < 220.0);
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
+  TEST_CASE("workers run in their host's namespace with PSGD_ADDR and reach the store in the bridge namespace") {
+    Launcher l(with_worker({"--emulate-hosts", "2", "-n", "4", "--timeout", "60"}, {"env"}));
+    Result r = l.finish(60s);
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    CHECK(r.code == 0);
+    CHECK(contains(r.out, "[0] PSGD_ADDR=10.77.0.1\n"));
+    CHECK(contains(r.out, "[1] PSGD_ADDR=10.77.0.1\n"));
+    CHECK(contains(r.out, "[2] PSGD_ADDR=10.77.0.2\n"));
+    CHECK(contains(r.out, "[3] LOCAL_RANK=1\n"));
+    CHECK(contains(r.out, "[3] MASTER_ADDR=10.77.0.254\n"));
+    for (int rank = 0; rank < 4; ++rank) CHECK(contains(r.out, "[" + std::to_string(rank) + "] store=ok same_run_id=1"));
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
+  TEST_CASE("the namespaces are removed after SIGTERM, a failure, --timeout, and SIGKILL of the launcher") {
+    SUBCASE("SIGTERM") {
+      TempDir dir;
+      Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2"}, {"term", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 2, ".pid"); }, 20s));
+      CHECK(namespaces_of(l.pid()).size() == 3);  // two hosts and the bridge
+      l.signal(SIGTERM);
+      Result r = l.finish(30s);
+      CHECK(r.code == 143);
+      CHECK(all_files(dir, 2, ".term"));
+      CHECK(namespaces_of(l.pid()).empty());
+    }
+    SUBCASE("failure") {
+      Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2"}, {"exit", "1", "4"}));
+      Result r = l.finish(30s);
+      CHECK(r.code == 4);
+      CHECK(namespaces_of(l.pid()).empty());
+    }
+    SUBCASE("timeout") {
+      Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2", "--timeout", "1"}, {"exit", "9", "0"}));
+      Result r = l.finish(30s);
+      CHECK(r.code == 124);
+      CHECK(namespaces_of(l.pid()).empty());
+    }
+    SUBCASE("SIGKILL of the launcher: the watchdog removes them") {
+      TempDir dir;
+      Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2"}, {"term", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 2, ".pid"); }, 20s));
+      pid_t pid = l.pid();
+      REQUIRE(namespaces_of(pid).size() == 3);
+      l.signal(SIGKILL);
+      l.finish(10s);
+      CHECK(wait_for([&] { return namespaces_of(pid).empty(); }, 5s));
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<char*> rest{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--require=root" && ::geteuid() != 0) {
+      std::printf("skipped: needs root\n");
+      return 77;
+    }
+    if (arg == "--require=sshd" && (::access("/usr/sbin/sshd", X_OK) != 0 || ::access("/usr/bin/ssh", X_OK) != 0 ||
+                                    ::access("/usr/bin/ssh-keygen", X_OK) != 0)) {
+      std::printf("skipped: needs openssh-server and openssh-client\n");
+      return 77;
+    }
+    if (arg.rfind("--require=", 0) != 0) rest.push_back(argv[i]);
+  }
+  doctest::Context context;
+  context.applyCommandLine(static_cast<int>(rest.size()), rest.data());
+  return context.run();
+}

@@ -1,0 +1,624 @@
+// Conformance tests of the compute seam (src/compute/backend.hpp): every
+// operation against a naive double-precision reference computed here.
+//
+// The same cases run on every backend: this file builds `test_compute` (CPU
+// backend, suite unit) and, compiled with PSGD_TEST_COMPUTE_CUDA, the
+// `test_compute_cuda` binary (tests/cuda, whose main exits 77 without a GPU).
+#ifndef PSGD_TEST_COMPUTE_CUDA
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#endif
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "compute/backend.hpp"
+#include "powersgd/error.hpp"
+
+namespace powersgd::compute {
+namespace {
+
+// ---- backends under test ----
+
+std::unique_ptr<Backend> make_backend_under_test() {
+#ifdef PSGD_TEST_COMPUTE_CUDA
+  return make_cuda_backend(0);
+#else
+  return make_cpu_backend();
+#endif
+}
+
+// Runs `body` once per backend under test, naming it in failure messages.
+void for_each_backend(const std::function<void(Backend&)>& body) {
+  auto backend = make_backend_under_test();
+  INFO("backend: " << backend->name());
+  body(*backend);
+}
+
+// ---- host <-> backend helpers ----
+
+DeviceBuffer upload(Backend& be, const std::vector<float>& host) {
+  DeviceBuffer buf = be.allocate(host.size());
+  be.copy_from_host(buf.data(), host.data(), host.size());
+  return buf;
+}
+
+std::vector<float> download(Backend& be, const DeviceBuffer& buf) {
+  std::vector<float> host(buf.size());
+  be.copy_to_host(host.data(), buf.data(), buf.size());
+  return host;
+}
+
+std::vector<float> random_vector(size_t count, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(count);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+constexpr float kSentinel = 12345.0f;  // marks padding that no operation may touch
+constexpr double kUnitRoundoff = 6.0e-8;  // float32
+
+// ---- GEMM ----
+
+struct GemmShape {
+  Transpose ta, tb;
+  int64_t m, n, k;
+  int64_t pad;    // extra columns in every leading dimension
+  int64_t batch;
+  int64_t gap;    // extra floats between batch items
+  float alpha, beta;
+};
+
+// Runs one GEMM on the backend and checks every element of C (including the
+// padding, which must keep its sentinel) against a double reference.
+void check_gemm(Backend& be, const GemmShape& s, uint32_t seed) {
+  CAPTURE(s.m);
+  CAPTURE(s.n);
+  CAPTURE(s.k);
+  CAPTURE(s.batch);
+  CAPTURE(static_cast<int>(s.ta));
+  CAPTURE(static_cast<int>(s.tb));
+  const int64_t a_rows = s.ta == Transpose::No ? s.m : s.k, a_cols = s.ta == Transpose::No ? s.k : s.m;
+  const int64_t b_rows = s.tb == Transpose::No ? s.k : s.n, b_cols = s.tb == Transpose::No ? s.n : s.k;
+  const int64_t lda = std::max<int64_t>(1, a_cols) + s.pad, ldb = std::max<int64_t>(1, b_cols) + s.pad;
+  const int64_t ldc = std::max<int64_t>(1, s.n) + s.pad;
+  const int64_t stride_a = a_rows * lda + s.gap, stride_b = b_rows * ldb + s.gap, stride_c = s.m * ldc + s.gap;
+  const auto batch = static_cast<size_t>(s.batch);
+  std::vector<float> a = random_vector(static_cast<size_t>(stride_a) * batch, seed);
+  std::vector<float> b = random_vector(static_cast<size_t>(stride_b) * batch, seed + 1);
+  std::vector<float> c = random_vector(static_cast<size_t>(stride_c) * batch, seed + 2);
+  // Padding of C must survive: mark everything outside the m x n items.
+  for (int64_t item = 0; item < s.batch; ++item)
+    for (int64_t i = 0; i < stride_c; ++i) {
+      const int64_t row = i / ldc, col = i % ldc;
+      if (row >= s.m || col >= s.n) c[static_cast<size_t>(item * stride_c + i)] = kSentinel;
+    }
+  if (s.beta == 0.0f)  // beta == 0 must not read C: NaN there must vanish
+    for (int64_t item = 0; item < s.batch; ++item)
+      if (s.m > 0 && s.n > 0) c[static_cast<size_t>(item * stride_c)] = std::numeric_limits<float>::quiet_NaN();
+
+  DeviceBuffer da = upload(be, a), db = upload(be, b), dc = upload(be, c);
+  be.gemm(s.ta, s.tb, s.m, s.n, s.k, s.alpha, da.data(), lda, stride_a, db.data(), ldb, stride_b, s.beta, dc.data(),
+          ldc, stride_c, s.batch);
+  const std::vector<float> got = download(be, dc);
+
+  for (int64_t item = 0; item < s.batch; ++item) {
+    const float* ai = a.data() + item * stride_a;
+    const float* bi = b.data() + item * stride_b;
+    for (int64_t i = 0; i < stride_c; ++i) {
+      const auto idx = static_cast<size_t>(item * stride_c + i);
+      const int64_t row = i / ldc, col = i % ldc;
+      if (row >= s.m || col >= s.n) {
+        REQUIRE(got[idx] == kSentinel);
+        continue;
+      }
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t l = 0; l < s.k; ++l) {
+        const double av = s.ta == Transpose::No ? ai[row * lda + l] : ai[l * lda + row];
+        const double bv = s.tb == Transpose::No ? bi[l * ldb + col] : bi[col * ldb + l];
+        sum += av * bv;
+        magnitude += std::fabs(av * bv);
+      }
+      const double c0 = s.beta == 0.0f ? 0.0 : c[idx];
+      const double expected = s.alpha * sum + s.beta * c0;
+      // Error bound of a k-term float dot product plus the beta term: the
+      // worst case grows like k, the usual (blocked or pairwise) case like sqrt(k);
+      // the smaller keeps long dot products tight enough to catch a wrong stride.
+      const double terms = std::min(static_cast<double>(s.k), 8.0 * std::sqrt(static_cast<double>(s.k))) + 4.0;
+      const double tol =
+          terms * 2.0 * kUnitRoundoff * (std::fabs(s.alpha) * magnitude + std::fabs(s.beta * c0)) + 1e-30;
+      if (!(std::fabs(got[idx] - expected) <= tol)) {
+        CAPTURE(item);
+        CAPTURE(row);
+        CAPTURE(col);
+        CAPTURE(got[idx]);
+        CAPTURE(expected);
+        CAPTURE(tol);
+        REQUIRE(std::fabs(got[idx] - expected) <= tol);
+      }
+    }
+  }
+}
+
+TEST_CASE("gemm: every transposition, padded leading dimensions, strided batches") {
+  for_each_backend([](Backend& be) {
+    uint32_t seed = 1;
+    for (Transpose ta : {Transpose::No, Transpose::Yes})
+      for (Transpose tb : {Transpose::No, Transpose::Yes}) {
+        // Non-square, pairwise different sizes: any swapped dimension or
+        // transposition changes the result far beyond the tolerance.
+        check_gemm(be, {ta, tb, 5, 7, 3, 0, 1, 0, 1.0f, 0.0f}, seed++);
+        check_gemm(be, {ta, tb, 5, 7, 3, 3, 1, 0, 1.5f, 0.5f}, seed++);
+        check_gemm(be, {ta, tb, 6, 4, 9, 2, 3, 5, -0.75f, 1.0f}, seed++);
+        check_gemm(be, {ta, tb, 33, 17, 65, 1, 4, 0, 1.0f, 0.0f}, seed++);
+        check_gemm(be, {ta, tb, 1, 1, 1, 0, 1, 0, 2.0f, 0.0f}, seed++);
+        check_gemm(be, {ta, tb, 3, 2, 1, 5, 2, 1, 1.0f, -1.0f}, seed++);
+      }
+  });
+}
+
+TEST_CASE("gemm: tall-skinny shapes of PowerSGD (P = M Q, Q = M^T P)") {
+  for_each_backend([](Backend& be) {
+    check_gemm(be, {Transpose::No, Transpose::No, 100000, 4, 4, 0, 1, 0, 1.0f, 0.0f}, 11);
+    check_gemm(be, {Transpose::Yes, Transpose::No, 4, 3, 100000, 0, 1, 0, 1.0f, 0.0f}, 12);
+    check_gemm(be, {Transpose::No, Transpose::No, 300, 4, 200, 0, 3, 7, 1.0f, 0.0f}, 13);
+    check_gemm(be, {Transpose::Yes, Transpose::No, 200, 4, 300, 0, 3, 7, 1.0f, 0.0f}, 14);
+    check_gemm(be, {Transpose::No, Transpose::Yes, 300, 200, 4, 0, 2, 0, 1.0f, 0.0f}, 15);
+  });
+}
+
+TEST_CASE("gemm: empty sizes; k == 0 scales C by beta") {
+  for_each_backend([](Backend& be) {
+    for (float beta : {0.0f, 1.0f, 2.5f}) {
+      CAPTURE(beta);
+      check_gemm(be, {Transpose::No, Transpose::No, 4, 3, 0, 1, 1, 0, 1.0f, beta}, 21);
+      check_gemm(be, {Transpose::Yes, Transpose::Yes, 4, 3, 0, 2, 3, 2, 1.0f, beta}, 22);
+    }
+    check_gemm(be, {Transpose::No, Transpose::No, 0, 3, 5, 0, 1, 0, 1.0f, 0.0f}, 23);
+    check_gemm(be, {Transpose::No, Transpose::No, 3, 0, 5, 0, 2, 0, 1.0f, 0.0f}, 24);
+    // batch == 0 touches nothing, even with null pointers.
+    be.gemm(Transpose::No, Transpose::No, 2, 2, 2, 1.0f, nullptr, 2, 4, nullptr, 2, 4, 0.0f, nullptr, 2, 4, 0);
+  });
+}
+
+TEST_CASE("gemm: rejects bad leading dimensions, sizes and overlapping batches") {
+  for_each_backend([](Backend& be) {
+    DeviceBuffer buf = be.allocate(256);
+    float* p = buf.data();
+    using T = Transpose;
+    // A is stored 4 x 3 (m=4, k=3): lda must be >= 3; transposed it is 3 x 4: lda >= 4.
+    CHECK_THROWS_AS(be.gemm(T::No, T::No, 4, 2, 3, 1, p, 2, 0, p, 2, 0, 0, p, 2, 0, 1), InvalidArgumentError);
+    CHECK_THROWS_AS(be.gemm(T::Yes, T::No, 4, 2, 3, 1, p, 3, 0, p, 2, 0, 0, p, 2, 0, 1), InvalidArgumentError);
+    CHECK_THROWS_AS(be.gemm(T::No, T::Yes, 4, 2, 3, 1, p, 3, 0, p, 2, 0, 0, p, 2, 0, 1), InvalidArgumentError);
+    CHECK_THROWS_AS(be.gemm(T::No, T::No, 4, 2, 3, 1, p, 3, 0, p, 2, 0, 0, p, 1, 0, 1), InvalidArgumentError);
+    CHECK_THROWS_AS(be.gemm(T::No, T::No, -1, 2, 3, 1, p, 3, 0, p, 2, 0, 0, p, 2, 0, 1), InvalidArgumentError);
+    CHECK_THROWS_AS(be.gemm(T::No, T::No, 4, 2, 3, 1, p, 3, 12, p, 2, 6, 0, p, 2, 7, 2), InvalidArgumentError);
+    CHECK_THROWS_AS(be.gemm(T::No, T::No, 4, 2, 3, 1, p, 3, 12, p, 2, 6, 0, p, 2, 8, -1), InvalidArgumentError);
+    // The same call with a valid stride_c runs.
+    be.gemm(T::No, T::No, 4, 2, 3, 1, p, 3, 12, p, 2, 6, 0, p + 100, 2, 8, 2);
+  });
+}
+
+// ---- element-wise ----
+
+TEST_CASE("element-wise: fill, copy, add, scale, subtract match the reference") {
+  for_each_backend([](Backend& be) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000003}}) {
+      CAPTURE(count);
+      const std::vector<float> x = random_vector(count, 31, -10.0f, 10.0f);
+      const std::vector<float> y = random_vector(count, 32, -10.0f, 10.0f);
+      DeviceBuffer dx = upload(be, x), dy = upload(be, y), dout = be.allocate(count);
+
+      be.add(dy.data(), dx.data(), count);
+      std::vector<float> got = download(be, dy);
+      for (size_t i = 0; i < count; ++i) REQUIRE(got[i] == y[i] + x[i]);
+
+      be.scale(dy.data(), -0.5f, count);
+      got = download(be, dy);
+      for (size_t i = 0; i < count; ++i) REQUIRE(got[i] == (y[i] + x[i]) * -0.5f);
+
+      be.subtract(dout.data(), dx.data(), dy.data(), count);
+      got = download(be, dout);
+      for (size_t i = 0; i < count; ++i) REQUIRE(got[i] == x[i] - (y[i] + x[i]) * -0.5f);
+
+      be.copy(dout.data(), dx.data(), count);
+      CHECK(download(be, dout) == x);
+
+      be.fill(dout.data(), 3.25f, count);
+      got = download(be, dout);
+      CHECK(std::all_of(got.begin(), got.end(), [](float v) { return v == 3.25f; }));
+    }
+  });
+}
+
+TEST_CASE("element-wise: operations honour the count (neighbours untouched)") {
+  for_each_backend([](Backend& be) {
+    std::vector<float> host(10, kSentinel);
+    DeviceBuffer buf = upload(be, host);
+    be.fill(buf.data() + 2, 1.0f, 5);
+    be.scale(buf.data() + 3, 2.0f, 3);
+    be.add(buf.data() + 4, buf.data() + 2, 1);
+    const std::vector<float> got = download(be, buf);
+    const std::vector<float> expected = {kSentinel, kSentinel, 1, 2, 3, 2, 1, kSentinel, kSentinel, kSentinel};
+    CHECK(got == expected);
+  });
+}
+
+TEST_CASE("squared_norm accumulates in double") {
+  for_each_backend([](Backend& be) {
+    for (size_t count : {size_t{0}, size_t{1}, size_t{13}, size_t{1 << 20}}) {
+      CAPTURE(count);
+      std::vector<float> x = random_vector(count, 41, -3.0f, 3.0f);
+      double expected = 0.0;
+      for (float v : x) expected += static_cast<double>(v) * v;
+      DeviceBuffer dx = upload(be, x);
+      CHECK(be.squared_norm(dx.data(), count) == doctest::Approx(expected).epsilon(1e-12));
+    }
+    // 2^24 + 1 ones: a float accumulator stops at 2^24 (16777216).
+    const size_t ones = (size_t{1} << 24) + 1;
+    DeviceBuffer big = be.allocate(ones);
+    be.fill(big.data(), 1.0f, ones);
+    CHECK(be.squared_norm(big.data(), ones) == static_cast<double>(ones));
+    // Squares beyond float range stay finite in double.
+    std::vector<float> huge = {3e20f, -4e20f};
+    DeviceBuffer dh = upload(be, huge);
+    CHECK(be.squared_norm(dh.data(), 2) == doctest::Approx(25e40).epsilon(1e-6));
+  });
+}
+
+TEST_CASE("all_finite finds NaN and Inf at the first and the last position") {
+  for_each_backend([](Backend& be) {
+    const float kBad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::quiet_NaN()};
+    for (size_t count : {size_t{1}, size_t{2}, size_t{4097}, size_t{1000003}}) {
+      CAPTURE(count);
+      std::vector<float> x = random_vector(count, 51);
+      x[0] = std::numeric_limits<float>::max();
+      x[count - 1] = std::numeric_limits<float>::denorm_min();
+      DeviceBuffer dx = upload(be, x);
+      CHECK(be.all_finite(dx.data(), count));
+      for (float bad : kBad)
+        for (size_t pos : {size_t{0}, count - 1}) {
+          CAPTURE(pos);
+          std::vector<float> y = x;
+          y[pos] = bad;
+          be.copy_from_host(dx.data(), y.data(), count);
+          CHECK_FALSE(be.all_finite(dx.data(), count));
+          // A NaN just past the range is not looked at.
+          if (pos == count - 1 && count > 1) CHECK(be.all_finite(dx.data(), count - 1));
+        }
+    }
+    CHECK(be.all_finite(nullptr, 0));
+  });
+}
+
+// ---- memory ----
+
+TEST_CASE("allocate: zero-initialized, sized, and reusable") {
+  for_each_backend([](Backend& be) {
+    for (size_t count : {size_t{1}, size_t{17}, size_t{1 << 22}}) {
+      CAPTURE(count);
+      {
+        DeviceBuffer dirty = be.allocate(count);
+        be.fill(dirty.data(), -7.0f, count);
+        be.synchronize();
+      }
+      DeviceBuffer buf = be.allocate(count);
+      REQUIRE(buf.size() == count);
+      const std::vector<float> got = download(be, buf);
+      CHECK(std::all_of(got.begin(), got.end(), [](float v) { return v == 0.0f; }));
+      if (be.host_accessible()) CHECK(reinterpret_cast<uintptr_t>(buf.data()) % 64 == 0);
+    }
+    DeviceBuffer empty = be.allocate(0);
+    CHECK(empty.empty());
+    DeviceBuffer moved = be.allocate(8);
+    float* p = moved.data();
+    DeviceBuffer target = std::move(moved);
+    CHECK(target.data() == p);
+    CHECK(moved.empty());  // NOLINT(bugprone-use-after-move): the moved-from state is the contract
+  });
+}
+
+TEST_CASE("copy_from_host / copy_to_host round-trip at an offset") {
+  for_each_backend([](Backend& be) {
+    const std::vector<float> x = random_vector(100, 61);
+    DeviceBuffer buf = be.allocate(200);
+    be.copy_from_host(buf.data() + 50, x.data(), x.size());
+    std::vector<float> back(100);
+    be.copy_to_host(back.data(), buf.data() + 50, back.size());
+    CHECK(back == x);
+    std::vector<float> head(50, 1.0f);
+    be.copy_to_host(head.data(), buf.data(), head.size());
+    CHECK(std::all_of(head.begin(), head.end(), [](float v) { return v == 0.0f; }));
+  });
+}
+
+// ---- orthogonalization ----
+
+struct Matrix {
+  int64_t rows, cols;
+  std::vector<float> data;  // row-major
+  double at(int64_t r, int64_t c) const { return data[static_cast<size_t>(r * cols + c)]; }
+};
+
+Matrix random_matrix(int64_t rows, int64_t cols, uint32_t seed) {
+  return {rows, cols, random_vector(static_cast<size_t>(rows * cols), seed)};
+}
+
+double column_norm(const Matrix& m, int64_t c) {
+  double sum = 0.0;
+  for (int64_t r = 0; r < m.rows; ++r) sum += m.at(r, c) * m.at(r, c);
+  return std::sqrt(sum);
+}
+
+// Max |Q^T Q - I| over the first `cols` columns.
+double orthogonality_error(const Matrix& q, int64_t cols) {
+  double worst = 0.0;
+  for (int64_t i = 0; i < cols; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      double dot = 0.0;
+      for (int64_t r = 0; r < q.rows; ++r) dot += q.at(r, i) * q.at(r, j);
+      worst = std::max(worst, std::fabs(dot - (i == j ? 1.0 : 0.0)));
+    }
+  return worst;
+}
+
+// Span check: for each j < cols, column j of A lies in the span of Q's first
+// j + 1 columns (Q^T A is upper triangular and Q Q^T A = A), relative to ||A_j||.
+// It fails for a permuted, transposed or wrongly strided Q.
+double span_error(const Matrix& q, const Matrix& a, int64_t cols) {
+  double worst = 0.0;
+  for (int64_t j = 0; j < cols; ++j) {
+    const double norm = column_norm(a, j);
+    if (norm == 0.0) continue;
+    std::vector<double> residual(static_cast<size_t>(a.rows));
+    for (int64_t r = 0; r < a.rows; ++r) residual[static_cast<size_t>(r)] = a.at(r, j);
+    for (int64_t i = 0; i <= j && i < q.cols; ++i) {
+      double dot = 0.0;
+      for (int64_t r = 0; r < a.rows; ++r) dot += q.at(r, i) * a.at(r, j);
+      for (int64_t r = 0; r < a.rows; ++r) residual[static_cast<size_t>(r)] -= dot * q.at(r, i);
+    }
+    double rn = 0.0;
+    for (double v : residual) rn += v * v;
+    worst = std::max(worst, std::sqrt(rn) / norm);
+  }
+  return worst;
+}
+
+Matrix orthogonalized(Backend& be, const Matrix& a, OrthoMethod method, float epsilon) {
+  DeviceBuffer buf = upload(be, a.data);
+  be.orthogonalize(buf.data(), a.rows, a.cols, 1, 0, method, epsilon);
+  return {a.rows, a.cols, download(be, buf)};
+}
+
+// The reference's Gram-Schmidt in double.
+Matrix reference_gram_schmidt(const Matrix& a, double epsilon) {
+  std::vector<double> m(a.data.begin(), a.data.end());
+  auto at = [&](int64_t r, int64_t c) -> double& { return m[static_cast<size_t>(r * a.cols + c)]; };
+  for (int64_t i = 0; i < a.cols; ++i) {
+    double sum = 0.0;
+    for (int64_t r = 0; r < a.rows; ++r) sum += at(r, i) * at(r, i);
+    const double denom = std::sqrt(sum) + epsilon;
+    for (int64_t r = 0; r < a.rows; ++r) at(r, i) = denom == 0.0 ? 0.0 : at(r, i) / denom;
+    for (int64_t j = i + 1; j < a.cols; ++j) {
+      double dot = 0.0;
+      for (int64_t r = 0; r < a.rows; ++r) dot += at(r, i) * at(r, j);
+      for (int64_t r = 0; r < a.rows; ++r) at(r, j) -= dot * at(r, i);
+    }
+  }
+  Matrix out{a.rows, a.cols, std::vector<float>(m.size())};
+  for (size_t i = 0; i < m.size(); ++i) out.data[i] = static_cast<float>(m[i]);
+  return out;
+}
+
+bool all_finite(const Matrix& m) {
+  return std::all_of(m.data.begin(), m.data.end(), [](float v) { return std::isfinite(v); });
+}
+
+constexpr double kOrthoTol = 1e-5;
+
+TEST_CASE("orthogonalize: full-rank random matrices, both methods") {
+  struct Shape {
+    int64_t rows, cols;
+  };
+  for_each_backend([](Backend& be) {
+    uint32_t seed = 100;
+    for (Shape s : {Shape{1, 1}, Shape{7, 7}, Shape{100, 5}, Shape{1000, 64}, Shape{100000, 4}, Shape{37, 2}})
+      for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
+        CAPTURE(s.rows);
+        CAPTURE(s.cols);
+        CAPTURE(static_cast<int>(method));
+        const Matrix a = random_matrix(s.rows, s.cols, seed++);
+        const Matrix q = orthogonalized(be, a, method, 0.0f);
+        CHECK(orthogonality_error(q, s.cols) < kOrthoTol);
+        // Square matrices of size 64 are ill-conditioned enough to lose digits in
+        // Gram-Schmidt; the span check scales with the condition number.
+        CHECK(span_error(q, a, s.cols) < 1e-4);
+        if (method == OrthoMethod::GramSchmidt && s.rows >= 4 * s.cols) {
+          const Matrix ref = reference_gram_schmidt(a, 0.0);
+          for (size_t i = 0; i < q.data.size(); ++i) REQUIRE(std::fabs(q.data[i] - ref.data[i]) < 1e-4);
+        }
+      }
+  });
+}
+
+TEST_CASE("orthogonalize: 1 x 1 normalizes the sign-carrying scalar") {
+  for_each_backend([](Backend& be) {
+    const Matrix a{1, 1, {-3.0f}};
+    CHECK(orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f).data[0] == -1.0f);
+    CHECK(std::fabs(orthogonalized(be, a, OrthoMethod::Qr, 0.0f).data[0]) == doctest::Approx(1.0f));
+    // epsilon divides by (|x| + epsilon), as the reference.
+    CHECK(orthogonalized(be, a, OrthoMethod::GramSchmidt, 1.0f).data[0] == doctest::Approx(-0.75f));
+  });
+}
+
+TEST_CASE("orthogonalize: an all-zero column") {
+  for_each_backend([](Backend& be) {
+    Matrix a = random_matrix(50, 4, 200);
+    for (int64_t r = 0; r < a.rows; ++r) a.data[static_cast<size_t>(r * a.cols + 1)] = 0.0f;
+    for (float epsilon : {0.0f, 1e-8f}) {
+      CAPTURE(epsilon);
+      // Gram-Schmidt: the zero column stays 0 (not NaN); the others are orthonormal.
+      const Matrix q = orthogonalized(be, a, OrthoMethod::GramSchmidt, epsilon);
+      REQUIRE(all_finite(q));
+      for (int64_t r = 0; r < a.rows; ++r) CHECK(q.at(r, 1) == 0.0);
+      Matrix others{a.rows, 3, {}};
+      for (int64_t r = 0; r < a.rows; ++r)
+        for (int64_t c : {0, 2, 3}) others.data.push_back(q.data[static_cast<size_t>(r * a.cols + c)]);
+      CHECK(orthogonality_error(others, 3) < kOrthoTol);
+    }
+    // Householder QR still yields an orthonormal Q whose span covers A.
+    const Matrix q = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
+    CHECK(orthogonality_error(q, 4) < kOrthoTol);
+    CHECK(span_error(q, a, 4) < 1e-4);
+  });
+}
+
+TEST_CASE("orthogonalize: rank-deficient input") {
+  for_each_backend([](Backend& be) {
+    Matrix a = random_matrix(60, 3, 300);
+    for (int64_t r = 0; r < a.rows; ++r) a.data[static_cast<size_t>(r * 3 + 2)] = static_cast<float>(a.at(r, 0) - 2 * a.at(r, 1));
+    const Matrix qr = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
+    CHECK(orthogonality_error(qr, 3) < kOrthoTol);
+    CHECK(span_error(qr, a, 3) < 1e-4);
+    // Gram-Schmidt, as the reference: the dependent column is rounding noise,
+    // but finite, and the independent ones are orthonormal.
+    const Matrix gs = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f);
+    CHECK(all_finite(gs));
+    CHECK(orthogonality_error(gs, 2) < kOrthoTol);
+    CHECK(span_error(gs, a, 2) < 1e-4);
+  });
+}
+
+TEST_CASE("orthogonalize: fewer rows than columns") {
+  for_each_backend([](Backend& be) {
+    const Matrix a = random_matrix(3, 5, 400);
+    const Matrix qr = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
+    CHECK(orthogonality_error(qr, 3) < kOrthoTol);
+    CHECK(span_error(qr, a, 3) < 1e-4);
+    for (int64_t r = 0; r < 3; ++r)
+      for (int64_t c = 3; c < 5; ++c) CHECK(qr.at(r, c) == 0.0);
+    const Matrix gs = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f);
+    CHECK(all_finite(gs));
+    CHECK(orthogonality_error(gs, 3) < kOrthoTol);
+    CHECK(span_error(gs, a, 3) < 1e-4);
+  });
+}
+
+TEST_CASE("orthogonalize: epsilon divides by (norm + epsilon) before projecting") {
+  for_each_backend([](Backend& be) {
+    const Matrix a = random_matrix(20, 3, 500);
+    const float epsilon = 0.5f;
+    const Matrix q = orthogonalized(be, a, OrthoMethod::GramSchmidt, epsilon);
+    const Matrix ref = reference_gram_schmidt(a, epsilon);
+    for (size_t i = 0; i < q.data.size(); ++i) REQUIRE(std::fabs(q.data[i] - ref.data[i]) < 1e-5);
+    // The first column is a pure rescale, so its norm is ||a|| / (||a|| + epsilon) < 1.
+    const double n0 = column_norm(a, 0);
+    CHECK(column_norm(q, 0) == doctest::Approx(n0 / (n0 + epsilon)).epsilon(1e-5));
+  });
+}
+
+TEST_CASE("orthogonalize: strided batches leave the gaps untouched") {
+  for_each_backend([](Backend& be) {
+    const int64_t rows = 40, cols = 3, batch = 4, gap = 5, stride = rows * cols + gap;
+    for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
+      CAPTURE(static_cast<int>(method));
+      std::vector<float> host(static_cast<size_t>(stride * batch), kSentinel);
+      std::vector<Matrix> inputs;
+      for (int64_t item = 0; item < batch; ++item) {
+        inputs.push_back(random_matrix(rows, cols, 600 + static_cast<uint32_t>(item)));
+        std::copy(inputs.back().data.begin(), inputs.back().data.end(), host.begin() + item * stride);
+      }
+      DeviceBuffer buf = upload(be, host);
+      be.orthogonalize(buf.data(), rows, cols, batch, stride, method, 0.0f);
+      const std::vector<float> got = download(be, buf);
+      for (int64_t item = 0; item < batch; ++item) {
+        CAPTURE(item);
+        const Matrix q{rows, cols,
+                       std::vector<float>(got.begin() + item * stride, got.begin() + item * stride + rows * cols)};
+        CHECK(orthogonality_error(q, cols) < kOrthoTol);
+        CHECK(span_error(q, inputs[static_cast<size_t>(item)], cols) < 1e-4);
+        for (int64_t g = rows * cols; g < stride; ++g) REQUIRE(got[static_cast<size_t>(item * stride + g)] == kSentinel);
+      }
+    }
+  });
+}
+
+TEST_CASE("orthogonalize: rejects bad arguments") {
+  for_each_backend([](Backend& be) {
+    DeviceBuffer buf = be.allocate(200);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 2, kMaxOrthoCols + 1, 1, 0, OrthoMethod::Qr, 0.0f),
+                    InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 1, 0, OrthoMethod::GramSchmidt, -1.0f), InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 1, 0, OrthoMethod::GramSchmidt,
+                                     std::numeric_limits<float>::quiet_NaN()),
+                    InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 2, 7, OrthoMethod::Qr, 0.0f), InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), -4, 2, 1, 0, OrthoMethod::Qr, 0.0f), InvalidArgumentError);
+  });
+}
+
+// ---- backend-specific ----
+
+#ifndef PSGD_TEST_COMPUTE_CUDA
+
+TEST_CASE("cpu: BLAS thread count probe, set, and PSGD_BLAS_THREADS") {
+  const int original = cpu_blas_threads();
+  REQUIRE(original >= 1);
+  set_cpu_blas_threads(1);
+  CHECK(cpu_blas_threads() == 1);
+  CHECK_THROWS_AS(set_cpu_blas_threads(0), InvalidArgumentError);
+
+  REQUIRE(setenv("PSGD_BLAS_THREADS", "2", 1) == 0);
+  auto backend = make_cpu_backend();
+  // OpenBLAS caps the count at what it was built for; 2 is within every build.
+  CHECK(cpu_blas_threads() == 2);
+  CHECK(backend->name().find("2 threads") != std::string::npos);
+  CHECK(backend->name().find("OpenBLAS") != std::string::npos);
+  REQUIRE(setenv("PSGD_BLAS_THREADS", "zero", 1) == 0);
+  CHECK_THROWS_AS(make_cpu_backend(), InvalidArgumentError);
+  REQUIRE(unsetenv("PSGD_BLAS_THREADS") == 0);
+  set_cpu_blas_threads(original);
+  CHECK(cpu_blas_threads() == original);
+}
+
+TEST_CASE("cpu: kind and host access") {
+  auto backend = make_cpu_backend();
+  CHECK(backend->kind() == DeviceKind::Cpu);
+  CHECK(backend->host_accessible());
+  CHECK(make_backend(DeviceKind::Cpu)->kind() == DeviceKind::Cpu);
+}
+
+TEST_CASE("cuda factory: unavailable on a host without a GPU is an UnsupportedError") {
+  if (cuda_available()) {
+    CHECK(make_cuda_backend(0)->kind() == DeviceKind::Cuda);
+    CHECK_THROWS_AS(make_cuda_backend(1 << 20), InvalidArgumentError);
+  } else {
+    CHECK_THROWS_AS(make_cuda_backend(0), UnsupportedError);
+    CHECK_THROWS_AS(make_backend(DeviceKind::Cuda, 0), UnsupportedError);
+  }
+}
+
+#else
+
+TEST_CASE("cuda: kind, device memory, bad device index") {
+  auto backend = make_cuda_backend(0);
+  CHECK(backend->kind() == DeviceKind::Cuda);
+  CHECK_FALSE(backend->host_accessible());
+  CHECK(backend->name().find("cuda") != std::string::npos);
+  CHECK_THROWS_AS(make_cuda_backend(-1), InvalidArgumentError);
+  CHECK_THROWS_AS(make_cuda_backend(1 << 20), InvalidArgumentError);
+}
+
+#endif
+
+}  // namespace
+}  // namespace powersgd::compute

@@ -1,0 +1,444 @@
+// The PowerSGD engine in one process (world size 1, a real communicator): every
+// option against the double-precision reference, validation, the step counter,
+// the non-finite guard, async and fused reduction, statistics, checkpoints, and
+// the C API. Properties across ranks: tests/multiprocess/test_engine_mp.cpp.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <string>
+
+#include "engine_reference.hpp"
+#include "powersgd/powersgd.h"
+
+using namespace powersgd;
+using powersgd::test::Reference;
+using powersgd::test::gradients;
+using powersgd::test::relative_difference;
+
+namespace {
+
+std::unique_ptr<Communicator> solo() {
+  CommOptions o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.host_store = true;
+  o.store_port = 0;
+  o.address = "127.0.0.1";
+  return Communicator::create(o);
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A per-test temporary file name.
+std::string temp_path(const char* tag) {
+  return "/tmp/psgd-test-engine-" + std::to_string(::getpid()) + "-" + tag;
+}
+
+const std::vector<Shape> kShapes = {{16, 20}, {}, {4, 3, 2, 2}, {16, 20}, {5}, {3, 40}, {2, 50}, {16, 20}};
+
+}  // namespace
+
+TEST_CASE("config: every invalid field is named with its value") {
+  auto comm = solo();
+  struct Bad {
+    std::function<void(Config&)> set;
+    const char* expect;
+  };
+  const Bad cases[] = {
+      {[](Config& c) { c.rank = 0; }, "config.rank = 0"},
+      {[](Config& c) { c.rank = 65; }, "config.rank = 65"},
+      {[](Config& c) { c.start_iter = -1; }, "config.start_iter = -1"},
+      {[](Config& c) { c.min_compression_rate = -1; }, "config.min_compression_rate = -1"},
+      {[](Config& c) { c.min_compression_rate = std::nan(""); }, "config.min_compression_rate"},
+      {[](Config& c) { c.orthogonalization_epsilon = -0.5; }, "config.orthogonalization_epsilon = -0.5"},
+      {[](Config& c) { c.orthogonalization_epsilon = INFINITY; }, "config.orthogonalization_epsilon = inf"},
+      {[](Config& c) { c.device_index = -2; }, "config.device_index = -2"},
+      {[](Config& c) { c.device = static_cast<Device>(7); }, "config.device = 7"},
+  };
+  for (const auto& bad : cases) {
+    Config c;
+    bad.set(c);
+    CHECK_THROWS_AS(Reducer(*comm, c), InvalidArgumentError);
+    CHECK(error_of([&] { Reducer r(*comm, c); }).find(bad.expect) != std::string::npos);
+  }
+}
+
+TEST_CASE("plan: compression test, matrix views and packing as the reference") {
+  Config c;
+  c.rank = 2;
+  auto plan = engine::make_plan(kShapes, c);
+  // 16x20 at r=2: (36)*2*2 = 144 < 320 -> compressed; 3x40 at r=2: 86*2*2 > 120 -> not.
+  CHECK(plan.tensors[0].compressed);
+  CHECK_FALSE(plan.tensors[1].compressed);  // 0-D
+  CHECK_FALSE(plan.tensors[4].compressed);  // 1-D
+  CHECK_FALSE(plan.tensors[5].compressed);
+  CHECK(plan.numel == 320 + 1 + 48 + 320 + 5 + 120 + 100 + 320);
+  CHECK(plan.p_numel == 3 * 16 * 2);
+  CHECK(plan.q_numel == 3 * 20 * 2);
+  CHECK(plan.packed_numel == plan.numel - plan.compressed_numel);
+  CHECK(engine::should_compress(16, 20, 2, 2.0));
+  CHECK_FALSE(engine::should_compress(3, 40, 2, 2.0));
+  CHECK(engine::should_compress(3, 40, 100, 0.1));  // r = min(n, m, rank) = 3
+  c.batch_same_shape = true;
+  plan = engine::make_plan(kShapes, c);
+  CHECK(plan.groups[0].count == 3);
+  CHECK(plan.tensors[3].work_offset == plan.tensors[0].work_offset + 320);
+  c.whole_bucket = true;
+  plan = engine::make_plan(kShapes, c);
+  CHECK(plan.side * plan.side >= plan.numel);
+  CHECK((plan.side - 1) * (plan.side - 1) < plan.numel);
+}
+
+TEST_CASE("add_bucket: empty buckets and bad shapes are refused clearly") {
+  auto comm = solo();
+  Reducer r(*comm, Config{});
+  CHECK(error_of([&] { r.add_bucket(std::vector<Shape>{}); }).find("no tensors") != std::string::npos);
+  CHECK(error_of([&] { r.add_bucket({{0}, {3, 0}}); }).find("0 elements") != std::string::npos);
+  CHECK(error_of([&] { r.add_bucket({{4, -3}}); }).find("dimension 1 = -3") != std::string::npos);
+  CHECK(error_of([&] { r.add_bucket({{1LL << 20, 1LL << 20}}); }).find("too large") != std::string::npos);
+  CHECK(r.num_buckets() == 0);
+  std::vector<float> data(7);
+  CHECK(error_of([&] { r.reduce(0, data.data()); }).find("bucket index 0") != std::string::npos);
+  CHECK(r.add_bucket({{7}}) == 0);
+  CHECK(error_of([&] { r.reduce(0, nullptr); }).find("data is null") != std::string::npos);
+  r.reduce(0, data.data());
+  CHECK(error_of([&] { r.add_bucket({{3}}); }).find("after the first reduce") != std::string::npos);
+}
+
+TEST_CASE("step: every option against the double-precision reference") {
+  auto comm = solo();
+  int combos = 0;
+  for (int rank : {1, 2, 3, 5})
+    for (int flags = 0; flags < 32; ++flags) {
+      Config c;
+      c.rank = rank;
+      c.start_iter = 1;
+      c.error_feedback = flags & 1;
+      c.warm_start = flags & 2;
+      c.batch_same_shape = flags & 4;
+      c.whole_bucket = flags & 8;
+      c.min_compression_rate = (flags & 16) ? 0.0 : 2.0;  // 0: r > min(n, m) is exercised
+      c.orthogonalization_epsilon = rank == 2 ? 1e-3 : 0.0;
+      c.seed = static_cast<uint64_t>(flags);
+      CAPTURE(rank);
+      CAPTURE(flags);
+      Reducer reducer(*comm, c);
+      const int b = reducer.add_bucket(kShapes);
+      Reference ref(kShapes, c, 1);
+      const size_t n = reducer.bucket_size(b);
+      for (int step = 0; step < 4; ++step) {
+        std::vector<float> g = gradients(n, 0, step);
+        std::vector<double> expected = ref.step({g});
+        reducer.reduce(b, g.data());
+        CHECK(relative_difference(g, expected) < 2e-5);
+        std::vector<float> error(n);
+        reducer.error_feedback(b, error.data());
+        CHECK(relative_difference(error, ref.error(0)) < 2e-5);
+      }
+      CHECK(reducer.iteration() == 4);
+      ++combos;
+    }
+  CHECK(combos == 128);
+}
+
+TEST_CASE("step: a bucket reduced twice in one step is refused; the counter counts steps") {
+  auto comm = solo();
+  Reducer r(*comm, Config{});
+  r.add_bucket({{4, 4}});
+  r.add_bucket({{3}});
+  std::vector<float> a(16, 1.0f), b(3, 1.0f);
+  r.reduce(0, a.data());
+  CHECK(r.iteration() == 0);
+  CHECK(error_of([&] { r.reduce(0, a.data()); }).find("bucket 0 was already reduced in step 0") != std::string::npos);
+  r.reduce(1, b.data());
+  CHECK(r.iteration() == 1);
+  r.reduce(1, b.data());  // any order within a step
+  r.reduce(0, a.data());
+  CHECK(r.iteration() == 2);
+  std::vector<float*> both{a.data(), b.data()};
+  r.reduce_all(both);
+  CHECK(r.iteration() == 3);
+  r.reduce(0, a.data());
+  CHECK(error_of([&] { r.reduce_all(both); }).find("must start a step") != std::string::npos);
+}
+
+TEST_CASE("non-finite: NaN or Inf fails the call and leaves data and state untouched") {
+  auto comm = solo();
+  for (bool whole : {false, true})
+    for (float bad : {std::nanf(""), INFINITY}) {
+      Config c;
+      c.start_iter = 1;
+      c.whole_bucket = whole;
+      Reducer r(*comm, c);
+      r.add_bucket(kShapes);
+      Reducer clean(*comm, c);
+      clean.add_bucket(kShapes);
+      const size_t n = r.bucket_size(0);
+      for (int step = 0; step < 6; ++step) {
+        if (step == 1 || step == 3) {  // one plain step, one compressed step
+          std::vector<float> g = gradients(n, 0, 100 + step);
+          g[n / 2] = bad;
+          std::vector<float> before_error(n), after_error(n);
+          r.error_feedback(0, before_error.data());
+          const std::vector<float> before = g;
+          CHECK_THROWS_AS(r.reduce(0, g.data()), NonFiniteError);
+          r.error_feedback(0, after_error.data());
+          CHECK(std::memcmp(before_error.data(), after_error.data(), n * sizeof(float)) == 0);
+          CHECK(std::memcmp(before.data(), g.data(), n * sizeof(float)) == 0);
+          continue;  // the failed step counted; the clean run skips it
+        }
+        std::vector<float> g = gradients(n, 0, step), h = g;
+        r.reduce(0, g.data());
+        clean.reduce(0, h.data());
+        CHECK(std::memcmp(g.data(), h.data(), n * sizeof(float)) == 0);
+      }
+      CHECK(r.iteration() == 6);
+    }
+}
+
+TEST_CASE("async and fused: many buckets in flight equal one at a time, bit for bit") {
+  auto comm = solo();
+  Config c;
+  c.start_iter = 2;
+  c.rank = 2;
+  const std::vector<std::vector<Shape>> buckets = {kShapes, {{64, 32}}, {{7}}, {{32, 32}, {32}}, {{8, 8, 3, 3}}};
+  Reducer sync(*comm, c), async(*comm, c), fused(*comm, c);
+  for (const auto& shapes : buckets) {
+    sync.add_bucket(shapes);
+    async.add_bucket(shapes);
+    fused.add_bucket(shapes);
+  }
+  for (int step = 0; step < 8; ++step) {
+    std::vector<std::vector<float>> a, s, f;
+    for (int b = 0; b < sync.num_buckets(); ++b) {
+      a.push_back(gradients(sync.bucket_size(b), b, step));
+      s.push_back(a.back());
+      f.push_back(a.back());
+    }
+    std::vector<ReduceHandle> handles;
+    for (int b = sync.num_buckets() - 1; b >= 0; --b) handles.push_back(async.reduce_async(b, a[static_cast<size_t>(b)].data()));
+    for (int b = sync.num_buckets() - 1; b >= 0; --b) sync.reduce(b, s[static_cast<size_t>(b)].data());
+    std::vector<float*> ptrs;
+    for (auto& v : f) ptrs.push_back(v.data());
+    fused.reduce_all(ptrs);
+    for (auto& h : handles) h.wait();
+    for (size_t b = 0; b < a.size(); ++b) {
+      CHECK(a[b] == s[b]);
+      CHECK(f[b] == s[b]);
+    }
+  }
+  CHECK(async.iteration() == 8);
+  CHECK(fused.iteration() == 8);
+}
+
+TEST_CASE("stats: element counts as the reference, bytes sent, relative error") {
+  auto comm = solo();
+  Config c;
+  c.start_iter = 1;
+  c.rank = 2;
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  const auto plan = engine::make_plan(kShapes, c);
+  const size_t n = r.bucket_size(0);
+  std::vector<float> g = gradients(n, 0, 0);
+  r.reduce(0, g.data());  // plain
+  Stats s = r.stats();
+  CHECK(s.numel_before == 0);
+  CHECK(s.bytes_sent == (n + 1) * 4);
+  CHECK(std::isnan(s.relative_error[0]));
+  for (int step = 1; step <= 3; ++step) {
+    g = gradients(n, 0, step);
+    r.reduce(0, g.data());
+  }
+  s = r.stats();
+  CHECK(s.numel_before == 3 * n);
+  const auto after = static_cast<uint64_t>(plan.p_numel + plan.q_numel + plan.packed_numel);
+  CHECK(s.numel_after == 3 * after);
+  CHECK(s.compression_rate() == doctest::Approx(double(n) / double(after)));
+  CHECK(s.bytes_sent == (n + 1) * 4 + 3 * 4 * (after + 1));
+  CHECK(s.relative_error[0] > 0.05);  // random matrices are far from rank 2
+  CHECK(s.relative_error[0] < 1.0);
+  CHECK(s.total_relative_error == doctest::Approx(s.relative_error[0]));
+  CHECK(s.compress_seconds > 0);
+  CHECK(s.communicate_seconds > 0);
+  CHECK(s.decompress_seconds > 0);
+  // A rank-1 gradient is reproduced: relative error ~ 0.
+  Reducer exact(*comm, Config{.rank = 1, .start_iter = 0, .error_feedback = false});
+  exact.add_bucket({{30, 40}});
+  std::vector<float> m(1200);
+  for (int i = 0; i < 30; ++i)
+    for (int j = 0; j < 40; ++j) m[static_cast<size_t>(i * 40 + j)] = float(i + 1) * float(j % 7 - 3);
+  exact.reduce(0, m.data());
+  CHECK(exact.stats().relative_error[0] < 1e-5);
+}
+
+TEST_CASE("checkpoint: resume is bit-identical; damaged or foreign files are refused") {
+  auto comm = solo();
+  for (bool whole : {false, true}) {
+    Config c;
+    c.start_iter = 2;
+    c.rank = 3;
+    c.warm_start = true;
+    c.whole_bucket = whole;
+    const std::vector<Shape> second = {{12, 24}, {6}};
+    Reducer a(*comm, c);
+    a.add_bucket(kShapes);
+    a.add_bucket(second);
+    auto step = [](Reducer& r, int t) {
+      std::vector<std::vector<float>> out;
+      for (int b = 0; b < r.num_buckets(); ++b) {
+        out.push_back(gradients(r.bucket_size(b), b, t));
+        r.reduce(b, out.back().data());
+      }
+      return out;
+    };
+    for (int t = 0; t < 5; ++t) step(a, t);
+    const std::string path = temp_path(whole ? "whole" : "plain");
+    a.save(path);
+    std::vector<std::vector<std::vector<float>>> expected;
+    for (int t = 5; t < 9; ++t) expected.push_back(step(a, t));
+
+    Reducer b(*comm, c);
+    b.add_bucket(kShapes);
+    b.add_bucket(second);
+    b.load(path);
+    CHECK(b.iteration() == 5);
+    for (int t = 5; t < 9; ++t) CHECK(step(b, t) == expected[static_cast<size_t>(t - 5)]);
+    CHECK(b.stats().numel_before == a.stats().numel_before);
+
+    // Damaged copies.
+    std::ifstream in(path, std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto write = [&](const std::vector<char>& content) {
+      std::ofstream out(path + ".bad", std::ios::binary | std::ios::trunc);
+      out.write(content.data(), static_cast<std::streamsize>(content.size()));
+    };
+    Reducer fresh(*comm, c);
+    fresh.add_bucket(kShapes);
+    fresh.add_bucket(second);
+    write(std::vector<char>(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(bytes.size() / 2)));
+    CHECK(error_of([&] { fresh.load(path + ".bad"); }).find("truncated") != std::string::npos);
+    write(std::vector<char>(bytes.begin(), bytes.begin() + 10));
+    CHECK(error_of([&] { fresh.load(path + ".bad"); }).find("truncated") != std::string::npos);
+    auto flipped = bytes;
+    flipped[flipped.size() - 3] ^= 0x40;
+    write(flipped);
+    CHECK_THROWS_AS(fresh.load(path + ".bad"), IoError);
+    CHECK(error_of([&] { fresh.load(path + ".bad"); }).find("corrupted") != std::string::npos);
+    auto magic = bytes;
+    magic[0] = 'X';
+    write(magic);
+    CHECK(error_of([&] { fresh.load(path + ".bad"); }).find("not a powersgd checkpoint") != std::string::npos);
+    CHECK(error_of([&] { fresh.load(path + ".missing"); }).find("cannot open") != std::string::npos);
+    CHECK(fresh.iteration() == 0);  // refused loads changed nothing
+
+    Config other = c;
+    other.seed = 9;
+    Reducer wrong_config(*comm, other);
+    wrong_config.add_bucket(kShapes);
+    wrong_config.add_bucket(second);
+    CHECK_THROWS_AS(wrong_config.load(path), MismatchError);
+    CHECK(error_of([&] { wrong_config.load(path); }).find("config.seed = 0") != std::string::npos);
+    Reducer wrong_layout(*comm, c);
+    wrong_layout.add_bucket(kShapes);
+    wrong_layout.add_bucket({{24, 12}, {6}});  // same sizes, other shapes
+    CHECK(error_of([&] { wrong_layout.load(path); }).find("another bucket layout") != std::string::npos);
+    Reducer fewer(*comm, c);
+    fewer.add_bucket(kShapes);
+    CHECK(error_of([&] { fewer.load(path); }).find("2 buckets") != std::string::npos);
+    std::remove(path.c_str());
+    std::remove((path + ".bad").c_str());
+  }
+}
+
+TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
+  psgd_config d = psgd_config_default();
+  CHECK(d.rank == 1);
+  CHECK(d.start_iter == 1000);
+  CHECK(d.min_compression_rate == 2.0);
+  CHECK(d.error_feedback == 1);
+  CHECK(d.warm_start == 1);
+  CHECK(d.orthogonalization_epsilon == 0.0);
+  CHECK(d.seed == 0);
+  CHECK(d.batch_same_shape == 0);
+  CHECK(d.whole_bucket == 0);
+  CHECK(d.device == 0);
+  CHECK(d.device_index == 0);
+
+  CHECK(psgd_comm_init_from_env(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'out'") != std::string::npos);
+  CHECK(psgd_comm_rank(nullptr) == -1);
+  CHECK(psgd_reducer_iteration(nullptr) == -1);
+
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  CHECK(psgd_comm_rank(comm) == 0);
+  CHECK(psgd_comm_size(comm) == 1);
+  float x[3] = {1, 2, 3};
+  CHECK(psgd_comm_allreduce_sum_f32(comm, x, 3) == PSGD_OK);
+  CHECK(x[2] == 3.0f);
+  CHECK(psgd_comm_barrier(comm) == PSGD_OK);
+
+  psgd_reducer* r = nullptr;
+  psgd_config bad = d;
+  bad.warm_start = 2;
+  CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("config.warm_start = 2") != std::string::npos);
+  CHECK(r == nullptr);
+  CHECK(psgd_reducer_create(comm, nullptr, &r) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'config'") != std::string::npos);
+
+  d.start_iter = 0;
+  REQUIRE(psgd_reducer_create(comm, &d, &r) == PSGD_OK);
+  const int ndims[] = {2, 1};
+  const int64_t dims[] = {8, 6, 5};
+  int index = -1;
+  CHECK(psgd_reducer_add_bucket(r, 2, ndims, nullptr, &index) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'dims'") != std::string::npos);
+  CHECK(psgd_reducer_add_bucket(r, 0, ndims, dims, &index) == PSGD_ERR_INVALID_ARGUMENT);
+  REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims, &index) == PSGD_OK);
+  CHECK(index == 0);
+  std::vector<float> g = gradients(53, 0, 0);
+  CHECK(psgd_reducer_reduce(r, 0, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_reduce(r, 3, g.data()) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  CHECK(psgd_reducer_iteration(r) == 2);
+  g[4] = std::nanf("");
+  CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_ERR_NONFINITE);
+  CHECK(std::string(psgd_last_error()).find("NaN or Inf") != std::string::npos);
+  std::vector<float> error(53);
+  CHECK(psgd_reducer_error_feedback(r, 0, error.data()) == PSGD_OK);
+  psgd_stats stats;
+  CHECK(psgd_reducer_stats(r, &stats) == PSGD_OK);
+  CHECK(stats.numel_before == 2 * 53);
+  CHECK(stats.compression_rate > 1.0);
+  CHECK(stats.relative_error > 0.0);
+  const std::string path = temp_path("capi");
+  CHECK(psgd_reducer_save(r, path.c_str()) == PSGD_OK);
+  CHECK(psgd_reducer_load(r, (path + ".none").c_str()) == PSGD_ERR_IO);
+  CHECK(psgd_reducer_load(r, path.c_str()) == PSGD_OK);
+  std::remove(path.c_str());
+  psgd_reducer_destroy(r);
+  psgd_comm_destroy(comm);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}

@@ -1,0 +1,288 @@
+// powersgd-bench engine: PowerSGD step time on a model's parameter shapes.
+// Single process: the step time against the minimal memory traffic of a step at
+// this machine's streaming bandwidth, measured in the same run (STREAM-like copy
+// and triad). Under powersgd-run: step time per rank. Rank 0 prints a table and
+// writes the JSON.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "compute/backend.hpp"
+#include "powersgd/comm.hpp"
+#include "powersgd/reducer.hpp"
+
+namespace powersgd::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Settings {
+  std::string shapes_path;
+  int rank = 2;
+  int steps = 20;
+  int warmup = 3;
+  double bucket_mb = 0;  // 0: one bucket for the whole model
+  std::string mode = "sync";
+  bool error_feedback = true;
+  bool batch_same_shape = false;
+  std::string device = "cpu";
+  std::string json_path;
+};
+
+struct Model {
+  std::string name;
+  std::vector<Shape> shapes;
+};
+
+// File format (data/models/*.shapes): '#' comments, then one tensor per line:
+// name followed by its dimensions.
+Model read_shapes(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw IoError("powersgd-bench engine: cannot open shapes file " + path);
+  Model model;
+  model.name = path.substr(path.find_last_of('/') + 1);
+  std::string line;
+  int number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream fields(line);
+    std::string name;
+    fields >> name;
+    Shape shape;
+    int64_t dim = 0;
+    while (fields >> dim) shape.push_back(dim);
+    if (!fields.eof())
+      throw InvalidArgumentError("powersgd-bench engine: " + path + ":" + std::to_string(number) +
+                                 ": expected a name and integer dimensions, got '" + line + "'");
+    model.shapes.push_back(std::move(shape));
+  }
+  if (model.shapes.empty()) throw InvalidArgumentError("powersgd-bench engine: no tensors in " + path);
+  return model;
+}
+
+int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+// Greedy buckets in model order of at most `mb` MiB (a tensor larger than that gets its own).
+std::vector<std::vector<Shape>> make_buckets(const std::vector<Shape>& shapes, double mb) {
+  std::vector<std::vector<Shape>> buckets(1);
+  const double cap = mb * 1024 * 1024 / sizeof(float);
+  double size = 0;
+  for (const auto& s : shapes) {
+    if (mb > 0 && size > 0 && size + static_cast<double>(numel(s)) > cap) {
+      buckets.emplace_back();
+      size = 0;
+    }
+    buckets.back().push_back(s);
+    size += static_cast<double>(numel(s));
+  }
+  return buckets;
+}
+
+// Best-of-5 STREAM copy (a = b) and triad (a = b + s * c) bandwidth in GB/s over
+// arrays far larger than the caches; bytes counted as STREAM does.
+std::pair<double, double> stream_bandwidth() {
+  const size_t n = size_t{32} << 20;  // 128 MiB per array
+  std::vector<float> a(n, 1.0f), b(n, 2.0f), c(n, 0.5f);
+  double copy = 0, triad = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = Clock::now();
+    std::copy(b.begin(), b.end(), a.begin());
+    auto t1 = Clock::now();
+    const float s = 3.0f;
+    for (size_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
+    auto t2 = Clock::now();
+    copy = std::max(copy, 2.0 * n * sizeof(float) / std::chrono::duration<double>(t1 - t0).count() / 1e9);
+    triad = std::max(triad, 3.0 * n * sizeof(float) / std::chrono::duration<double>(t2 - t1).count() / 1e9);
+  }
+  if (a[n / 2] != 3.5f) throw InternalError("powersgd-bench engine: STREAM triad computed a wrong value");
+  return {copy, triad};
+}
+
+std::unique_ptr<Communicator> make_comm() {
+  if (std::getenv("WORLD_SIZE") != nullptr) return Communicator::from_env();
+  CommOptions o;  // alone: a private store on a free loopback port
+  o.rank = 0;
+  o.world_size = 1;
+  o.host_store = true;
+  o.store_port = 0;
+  o.address = "127.0.0.1";
+  return Communicator::create(o);
+}
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+void run(const Settings& settings) {
+  const Model model = read_shapes(settings.shapes_path);
+  if (settings.mode != "sync" && settings.mode != "async" && settings.mode != "fused")
+    throw InvalidArgumentError("powersgd-bench engine: --mode '" + settings.mode + "': expected sync, async or fused");
+  if (settings.device != "cpu" && settings.device != "cuda")
+    throw InvalidArgumentError("powersgd-bench engine: --device '" + settings.device + "': expected cpu or cuda");
+  auto comm = make_comm();
+  const int world = comm->size();
+  const bool print = comm->rank() == 0;
+
+  Config config;
+  config.rank = settings.rank;
+  config.start_iter = 0;  // every measured step compressed
+  config.error_feedback = settings.error_feedback;
+  config.batch_same_shape = settings.batch_same_shape;
+  config.device = settings.device == "cpu" ? Device::Cpu : Device::Cuda;
+  Reducer reducer(*comm, config);
+  const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
+  for (const auto& b : buckets) reducer.add_bucket(b);
+
+  // Gradients: fresh copies of fixed random values every step (outside the timing).
+  std::mt19937 gen(static_cast<unsigned>(comm->rank() + 1));
+  std::normal_distribution<float> dist;
+  std::vector<std::vector<float>> source, host;
+  size_t total = 0;
+  for (int b = 0; b < reducer.num_buckets(); ++b) {
+    source.emplace_back(reducer.bucket_size(b));
+    for (auto& v : source.back()) v = dist(gen);
+    host.push_back(source.back());
+    total += reducer.bucket_size(b);
+  }
+  std::unique_ptr<compute::Backend> device;
+  std::vector<compute::DeviceBuffer> device_data;
+  if (config.device == Device::Cuda) {
+    device = compute::make_backend(compute::DeviceKind::Cuda, 0);
+    for (auto& h : host) device_data.push_back(device->allocate(h.size()));
+  }
+  std::vector<float*> data;
+  for (size_t b = 0; b < host.size(); ++b) data.push_back(device ? device_data[b].data() : host[b].data());
+
+  std::vector<double> times;
+  for (int step = 0; step < settings.warmup + settings.steps; ++step) {
+    for (size_t b = 0; b < host.size(); ++b) {
+      if (device)
+        device->copy_from_host(data[b], source[b].data(), source[b].size());
+      else
+        std::copy(source[b].begin(), source[b].end(), host[b].begin());
+    }
+    if (device) device->synchronize();
+    comm->barrier();
+    const auto start = Clock::now();
+    if (settings.mode == "fused") {
+      reducer.reduce_all(data);
+    } else if (settings.mode == "async") {
+      std::vector<ReduceHandle> handles;
+      for (int b = reducer.num_buckets() - 1; b >= 0; --b) handles.push_back(reducer.reduce_async(b, data[static_cast<size_t>(b)]));
+      for (auto& h : handles) h.wait();
+    } else {
+      for (int b = reducer.num_buckets() - 1; b >= 0; --b) reducer.reduce(b, data[static_cast<size_t>(b)]);
+    }
+    if (step >= settings.warmup) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  const double step_s = median(times);
+  std::vector<double> per_rank(static_cast<size_t>(world));
+  comm->allgather(&step_s, per_rank.data(), sizeof(double));
+  const Stats stats = reducer.stats();
+
+  // Minimal memory traffic of one step (bytes), per element: compressed with
+  // error feedback 28 (read g and e, write M; read M; read M, write output and
+  // e), without 12 (read g twice, write output); uncompressed 16 / 8.
+  double compressed = 0, uncompressed = 0;
+  for (const auto& b : buckets) {
+    // The reducer's plan decides; recount with the same test here for the model.
+    for (const auto& s : b) {
+      const int64_t n = numel(s);
+      bool c = s.size() >= 2 && n > 0;
+      if (c) {
+        const int64_t rows = s[0], cols = n / rows, r = std::min<int64_t>({rows, cols, settings.rank});
+        c = static_cast<double>(rows + cols) * static_cast<double>(r) * config.min_compression_rate <
+            static_cast<double>(rows) * static_cast<double>(cols);
+      }
+      (c ? compressed : uncompressed) += static_cast<double>(n);
+    }
+  }
+  const double min_bytes = settings.error_feedback ? 28 * compressed + 16 * uncompressed
+                                                   : 12 * compressed + 8 * uncompressed;
+  nlohmann::json doc = {{"benchmark", "engine"},
+                        {"model", model.name},
+                        {"tensors", model.shapes.size()},
+                        {"elements", total},
+                        {"buckets", buckets.size()},
+                        {"rank", settings.rank},
+                        {"mode", settings.mode},
+                        {"error_feedback", settings.error_feedback},
+                        {"device", settings.device},
+                        {"backend", reducer.backend_name()},
+                        {"ranks", world},
+                        {"steps", settings.steps},
+                        {"step_ms_per_rank", nlohmann::json::array()},
+                        {"step_ms_max", 0.0},
+                        {"compression_rate", stats.compression_rate()},
+                        {"relative_error", stats.total_relative_error},
+                        {"seconds", {{"compress", stats.compress_seconds},
+                                     {"communicate", stats.communicate_seconds},
+                                     {"decompress", stats.decompress_seconds}}}};
+  for (double t : per_rank) doc["step_ms_per_rank"].push_back(t * 1e3);
+  doc["step_ms_max"] = *std::max_element(per_rank.begin(), per_rank.end()) * 1e3;
+  if (print) {
+    std::printf("# powersgd-bench engine: %s, %zu tensors, %zu elements, %zu bucket(s), rank %d, %s, %d rank(s), %s\n",
+                model.name.c_str(), model.shapes.size(), total, buckets.size(), settings.rank, settings.mode.c_str(),
+                world, reducer.backend_name().c_str());
+    for (int r = 0; r < world; ++r) std::printf("step time rank %d: %.3f ms (median of %d)\n", r, per_rank[static_cast<size_t>(r)] * 1e3, settings.steps);
+    std::printf("compression rate %.1fx, relative error %.3f; worker time compress %.3f s, communicate %.3f s, "
+                "decompress %.3f s\n",
+                stats.compression_rate(), stats.total_relative_error, stats.compress_seconds,
+                stats.communicate_seconds, stats.decompress_seconds);
+  }
+  if (world == 1 && config.device == Device::Cpu) {
+    const auto [copy, triad] = stream_bandwidth();
+    const double bw = std::max(copy, triad);
+    const double min_s = min_bytes / (bw * 1e9);
+    doc["stream_copy_GBps"] = copy;
+    doc["stream_triad_GBps"] = triad;
+    doc["minimal_traffic_bytes"] = min_bytes;
+    doc["minimal_traffic_ms"] = min_s * 1e3;
+    doc["ratio_to_minimal"] = step_s / min_s;
+    std::printf("STREAM copy %.2f GB/s, triad %.2f GB/s\n", copy, triad);
+    std::printf("minimal traffic %.1f MB -> %.3f ms at %.2f GB/s; step %.3f ms = %.2fx the minimum\n", min_bytes / 1e6,
+                min_s * 1e3, bw, step_s * 1e3, step_s / min_s);
+  }
+  if (print && !settings.json_path.empty()) {
+    std::ofstream out(settings.json_path);
+    out << doc.dump(2) << "\n";
+    if (!out) throw IoError("powersgd-bench engine: cannot write " + settings.json_path);
+  }
+}
+
+}  // namespace
+
+void add_engine_command(CLI::App& app) {
+  auto settings = std::make_shared<Settings>();
+  CLI::App* cmd = app.add_subcommand("engine", "PowerSGD step time on a model's shapes (single process: against "
+                                               "the minimal memory traffic at measured STREAM bandwidth)");
+  cmd->add_option("--shapes", settings->shapes_path, "Model shapes file (data/models/*.shapes)")->required();
+  cmd->add_option("--rank", settings->rank, "PowerSGD rank r")->capture_default_str();
+  cmd->add_option("--steps", settings->steps, "Timed steps")->capture_default_str();
+  cmd->add_option("--warmup", settings->warmup, "Untimed steps first")->capture_default_str();
+  cmd->add_option("--bucket-mb", settings->bucket_mb, "Bucket cap in MiB (0: the model in one bucket)")
+      ->capture_default_str();
+  cmd->add_option("--mode", settings->mode, "sync (reduce per bucket), async (all in flight) or fused (reduce_all)")
+      ->capture_default_str();
+  cmd->add_flag("!--no-error-feedback", settings->error_feedback, "Disable error feedback");
+  cmd->add_flag("--batch-same-shape", settings->batch_same_shape, "Batched gemm over same-shaped matrices");
+  cmd->add_option("--device", settings->device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--json", settings->json_path, "Write results as JSON to this file (rank 0)");
+  cmd->callback([settings] { run(*settings); });
+}
+
+}  // namespace powersgd::bench

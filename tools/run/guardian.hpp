@@ -1,0 +1,39 @@
+// The watchdog: a small process forked at start-up that cleans up after the
+// launcher if the launcher dies without doing so itself (SIGKILL, crash).
+// The launcher tells it, through a pipe, each worker process group and each
+// network namespace it creates; when the pipe reaches EOF without a "released"
+// message, the watchdog sends SIGKILL to those process groups and deletes
+// those namespaces, then exits. It ignores SIGINT, SIGTERM and SIGHUP and
+// leads its own process group, so a Ctrl-C meant for the job does not reach it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+
+#include "process.hpp"
+
+namespace powersgd::run {
+
+class Guardian {
+ public:
+  // Forks the watchdog. Call while the launcher has a single thread.
+  Guardian();
+  // release() if not done.
+  ~Guardian() { release(); }
+  Guardian(const Guardian&) = delete;
+  Guardian& operator=(const Guardian&) = delete;
+
+  void watch_group(pid_t pgid);
+  void watch_namespace(const std::string& name);  // before it is created
+  // The launcher has cleaned up itself: the watchdog exits without acting; waits for it.
+  void release() noexcept;
+
+ private:
+  void send(const std::string& message);
+
+  pid_t pid_ = -1;
+  Fd pipe_;
+};
+
+}  // namespace powersgd::run

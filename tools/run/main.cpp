@@ -1,0 +1,286 @@
+// powersgd-run: the launcher. Usage and design: `powersgd-run --help`, docs/launcher.md.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/random.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <thread>
+
+#include "common/check.hpp"
+#include "guardian.hpp"
+#include "netns.hpp"
+#include "options.hpp"
+#include "ssh.hpp"
+#include "store/store.hpp"
+#include "supervisor.hpp"
+
+extern char** environ;
+
+namespace powersgd::run {
+namespace {
+
+std::string random_hex(size_t bytes) {
+  std::vector<unsigned char> data(bytes);
+  size_t filled = 0;
+  while (filled < bytes) {
+    ssize_t n = ::getrandom(data.data() + filled, bytes - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    PSGD_CHECK_SYS(n);
+    filled += static_cast<size_t>(n);
+  }
+  static const char digits[] = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char c : data) {
+    hex += digits[c >> 4];
+    hex += digits[c & 15];
+  }
+  return hex;
+}
+
+bool is_loopback(const sockaddr* address) {
+  if (address->sa_family == AF_INET)
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(address)->sin_addr.s_addr) >> 24) == 127;
+  if (address->sa_family == AF_INET6)
+    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
+  return false;
+}
+
+struct AddrInfo {
+  addrinfo* list = nullptr;
+  ~AddrInfo() {
+    if (list != nullptr) freeaddrinfo(list);
+  }
+};
+
+// Resolves `host` (a name lookup only: nothing is sent to the host itself).
+void resolve(const std::string& host, AddrInfo& info) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  int rc = getaddrinfo(host.c_str(), "9", &hints, &info.list);
+  PSGD_REQUIRE(rc == 0, InvalidArgumentError, "host '", host, "' does not resolve: ", gai_strerror(rc));
+}
+
+bool all_loopback(const std::vector<Host>& hosts) {
+  for (const auto& h : hosts) {
+    AddrInfo info;
+    resolve(h.name, info);
+    for (addrinfo* p = info.list; p != nullptr; p = p->ai_next)
+      if (!is_loopback(p->ai_addr)) return false;
+  }
+  return true;
+}
+
+// The local address the kernel would use to reach `host`: connect() on a UDP
+// socket only chooses a route and sends nothing.
+std::string local_address_towards(const std::string& host) {
+  AddrInfo info;
+  resolve(host, info);
+  for (addrinfo* p = info.list; p != nullptr; p = p->ai_next) {
+    int fd = ::socket(p->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    Fd socket(fd);
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    if (::connect(fd, p->ai_addr, p->ai_addrlen) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0)
+      continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* raw = local.ss_family == AF_INET
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+    if (::inet_ntop(local.ss_family, raw, text, sizeof text) != nullptr) return text;
+  }
+  PSGD_THROW(InvalidArgumentError, "cannot find this machine's address towards host '", host,
+             "': give the address workers should use to reach the launcher with --master-addr");
+}
+
+// Creates the store with its listening socket inside the network namespace
+// `netns_fd`: a socket belongs to the namespace of the thread that creates it,
+// and setns() affects the calling thread only, so a short-lived thread does it.
+std::unique_ptr<transport::TcpStoreServer> make_store_in_namespace(const transport::TcpStoreServerOptions& options,
+                                                                   int netns_fd) {
+  std::unique_ptr<transport::TcpStoreServer> server;
+  std::exception_ptr error;
+  std::thread([&] {
+    try {
+      PSGD_CHECK_SYS(::setns(netns_fd, CLONE_NEWNET));
+      server = std::make_unique<transport::TcpStoreServer>(options);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }).join();
+  if (error) std::rethrow_exception(error);
+  return server;
+}
+
+using EnvList = std::vector<std::pair<std::string, std::string>>;
+
+void set_var(EnvList& env, const std::string& name, const std::string& value) {
+  for (auto& [n, v] : env)
+    if (n == name) {
+      v = value;
+      return;
+    }
+  env.emplace_back(name, value);
+}
+
+std::vector<std::string> flatten(const EnvList& env) {
+  std::vector<std::string> out;
+  for (const auto& [n, v] : env) out.push_back(n + "=" + v);
+  return out;
+}
+
+int run_job(const Options& options, int signal_fd) {
+  Guardian guardian;  // first, while the launcher has one thread
+  std::unique_ptr<EmulatedCluster> cluster;
+  if (options.mode == Mode::Emulated)
+    cluster = std::make_unique<EmulatedCluster>(options.emulate_hosts, options.link_rate_bits,
+                                                [&](const std::string& name) { guardian.watch_namespace(name); });
+
+  transport::TcpStoreServerOptions store_options;
+  store_options.token = random_hex(32);
+  std::string master_addr;
+  std::unique_ptr<transport::TcpStoreServer> store;
+  switch (options.mode) {
+    case Mode::Local:
+      store_options.bind_address = master_addr = "127.0.0.1";
+      store = std::make_unique<transport::TcpStoreServer>(store_options);
+      break;
+    case Mode::Ssh: {
+      bool loopback = all_loopback(options.hosts);
+      store_options.bind_address = loopback ? "127.0.0.1" : "0.0.0.0";
+      master_addr = !options.master_addr.empty() ? options.master_addr
+                    : loopback                   ? "127.0.0.1"
+                                                 : local_address_towards(options.hosts.front().name);
+      store = std::make_unique<transport::TcpStoreServer>(store_options);
+      break;
+    }
+    case Mode::Emulated:
+      store_options.bind_address = master_addr = EmulatedCluster::bridge_address();
+      store = make_store_in_namespace(store_options, cluster->bridge_netns_fd());
+      break;
+  }
+
+  // What every worker gets; the launcher's own settings win over --env, which wins over the inherited environment.
+  EnvList job_env = options.env;
+  const std::string run_id = random_hex(8);
+  auto placements = place_ranks(options);
+  char cwd[4096];
+  PSGD_REQUIRE(::getcwd(cwd, sizeof cwd) != nullptr, IoError, "getcwd: ", std::strerror(errno));
+
+  SshOptions ssh = options.ssh;
+  if (options.mode == Mode::Ssh) ssh.command[0] = resolve_program(ssh.command[0]);
+
+  std::vector<WorkerLaunch> launches;
+  for (const auto& p : placements) {
+    EnvList env;
+    if (options.mode == Mode::Ssh) {
+      for (char** e = environ; *e != nullptr; ++e) {
+        std::string item(*e);
+        if (item.rfind("PSGD_", 0) == 0 && item.find('=') != std::string::npos)
+          env.emplace_back(item.substr(0, item.find('=')), item.substr(item.find('=') + 1));
+      }
+    } else {
+      for (char** e = environ; *e != nullptr; ++e) {
+        std::string item(*e);
+        auto eq = item.find('=');
+        if (eq != std::string::npos) env.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+      }
+    }
+    for (const auto& [n, v] : job_env) set_var(env, n, v);
+    set_var(env, "RANK", std::to_string(p.rank));
+    set_var(env, "WORLD_SIZE", std::to_string(placements.size()));
+    set_var(env, "LOCAL_RANK", std::to_string(p.local_rank));
+    set_var(env, "LOCAL_WORLD_SIZE", std::to_string(p.local_world_size));
+    set_var(env, "MASTER_ADDR", master_addr);
+    set_var(env, "MASTER_PORT", std::to_string(store->port()));
+    set_var(env, "PSGD_TOKEN", store_options.token);
+    set_var(env, "PSGD_STORE_HOSTED", "1");
+    set_var(env, "PSGD_RUN_ID", run_id);
+
+    WorkerLaunch launch;
+    launch.rank = p.rank;
+    switch (options.mode) {
+      case Mode::Local:
+        launch.where = "localhost";
+        launch.spec.argv = options.command;
+        launch.spec.env = flatten(env);
+        break;
+      case Mode::Emulated:
+        // The transport must use the namespace's own address (PSGD_IFACE and PSGD_ADDR are exclusive).
+        std::erase_if(env, [](const auto& item) { return item.first == "PSGD_IFACE"; });
+        set_var(env, "PSGD_ADDR", EmulatedCluster::host_address(p.host));
+        launch.where = cluster->names().at(static_cast<size_t>(p.host) + 1);
+        launch.spec.argv = options.command;
+        launch.spec.env = flatten(env);
+        launch.spec.netns_fd = cluster->host_netns_fd(p.host);
+        break;
+      case Mode::Ssh: {
+        const std::string& host = options.hosts.at(static_cast<size_t>(p.host)).name;
+        launch.where = host;
+        launch.spec.argv = ssh_command_line(ssh, host, options.command, cwd, options.grace);
+        for (char** e = environ; *e != nullptr; ++e) launch.spec.env.emplace_back(*e);
+        launch.spec.stdin_pipe = true;
+        launch.stdin_data = environment_block(env);
+        break;
+      }
+    }
+    launches.push_back(std::move(launch));
+  }
+
+  int code = 0;
+  {
+    Supervisor supervisor({options.grace, options.timeout, options.log_dir, 10}, signal_fd);
+    supervisor.on_spawn = [&](pid_t pid) { guardian.watch_group(pid); };
+    supervisor.start(std::move(launches));
+    code = supervisor.run();
+  }
+  store->stop();
+  if (cluster) cluster->remove();
+  guardian.release();
+  return code;
+}
+
+}  // namespace
+}  // namespace powersgd::run
+
+int main(int argc, char** argv) {
+  using namespace powersgd;
+  auto parsed = run::parse_command_line(argc, argv);
+  if (!parsed.options) return parsed.exit_code;
+  const run::Options& options = *parsed.options;
+
+  if (options.mode == run::Mode::Emulated) {
+    std::string problem = run::emulation_privilege_problem();
+    if (!problem.empty()) {
+      std::fprintf(stderr, "powersgd-run: error: %s\n", problem.c_str());
+      return 2;
+    }
+  }
+
+  // Signals are taken through a signalfd by the supervisor's poll loop; block
+  // them before any thread exists so that no thread receives them instead.
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+  try {
+    PSGD_CHECK_SYS(::sigprocmask(SIG_BLOCK, &set, nullptr));
+    ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill the launcher (and its cleanup)
+    run::Fd signal_fd(PSGD_CHECK_SYS(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)));
+    return run::run_job(options, signal_fd.get());
+  } catch (const InvalidArgumentError& e) {
+    std::fprintf(stderr, "powersgd-run: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "powersgd-run: error: %s\n", e.what());
+    return 1;
+  }
+}

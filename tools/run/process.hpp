@@ -1,0 +1,69 @@
+// Starting child processes: workers (own process group, killed when the
+// launcher dies, optionally inside a network namespace) and helper commands
+// (ip, tc). Call only from the main thread: PR_SET_PDEATHSIG fires when the
+// *thread* that forked the child exits.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace powersgd::run {
+
+// An owned file descriptor; closes on destruction.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& other) noexcept : fd_(other.release()) {}
+  Fd& operator=(Fd&& other) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  int release();
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+struct SpawnSpec {
+  std::vector<std::string> argv;  // argv[0]: absolute path of the program
+  std::vector<std::string> env;   // complete environment, "K=V"
+  int netns_fd = -1;              // >= 0: setns() into this network namespace first
+  bool stdin_pipe = false;        // true: stdin is a pipe the caller writes to; false: /dev/null
+};
+
+struct Child {
+  pid_t pid = -1;  // also its process group id
+  Fd stdin_w;      // when SpawnSpec::stdin_pipe
+  Fd stdout_r;     // non-blocking
+  Fd stderr_r;     // non-blocking
+};
+
+// Forks and execs. The child leads its own process group, gets SIGKILL when the
+// calling thread exits (closing the race with getppid()), starts with default
+// signal dispositions and an empty signal mask, and inherits no other
+// descriptor. Throws IoError when fork or exec fails (exec errors are reported
+// back through a close-on-exec pipe, so "cannot execute" is never a silent 127).
+Child spawn(const SpawnSpec& spec);
+
+// Runs a helper command to completion (stdin /dev/null), returning its exit code
+// (128+signal when killed) and its combined output. Throws IoError when it cannot start.
+struct CommandResult {
+  int code = 0;
+  std::string output;
+};
+CommandResult run_command(const std::vector<std::string>& argv);
+
+// write() all of `data`, retrying on EINTR; false on any other error.
+bool write_all(int fd, const char* data, size_t size);
+
+// Exit code in the shell's convention: the code, or 128+signal.
+int exit_code_of(int wait_status);
+
+}  // namespace powersgd::run

@@ -1,0 +1,254 @@
+#include "supervisor.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "common/check.hpp"
+
+namespace powersgd::run {
+namespace {
+
+// A line longer than this is passed on in pieces so memory stays bounded.
+constexpr size_t kMaxLine = 64 * 1024;
+
+void say(const std::string& message) {
+  std::string line = "powersgd-run: " + message + "\n";
+  write_all(2, line.data(), line.size());
+}
+
+std::string seconds_text(std::chrono::milliseconds d) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%g", static_cast<double>(d.count()) / 1000.0);
+  return buffer;
+}
+
+std::string describe_exit(int wait_status) {
+  if (WIFSIGNALED(wait_status)) {
+    int sig = WTERMSIG(wait_status);
+    const char* abbrev = sigabbrev_np(sig);
+    return detail::concat("was killed by signal ", sig, " (", abbrev != nullptr ? "SIG" : "", abbrev != nullptr ? abbrev : "",
+                          abbrev != nullptr ? "; " : "", "exit code ", 128 + sig, ")");
+  }
+  return detail::concat("exited with code ", exit_code_of(wait_status));
+}
+
+}  // namespace
+
+Supervisor::Supervisor(SupervisorOptions options, int signal_fd) : options_(std::move(options)), signal_fd_(signal_fd) {}
+
+Supervisor::~Supervisor() {
+  for (auto& w : workers_) {
+    if (!w.running) continue;
+    ::kill(-w.pid, SIGKILL);
+    ::kill(w.pid, SIGKILL);
+    int status = 0;
+    while (::waitpid(w.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+void Supervisor::start(std::vector<WorkerLaunch> launches) {
+  workers_.reserve(launches.size());  // Worker addresses stay stable
+  for (auto& launch : launches) {
+    std::string out_path, err_path;
+    Worker w;
+    w.rank = launch.rank;
+    w.where = launch.where;
+    w.out.out_fd = 1;
+    w.err.out_fd = 2;
+    if (!options_.log_dir.empty()) {
+      for (auto [stream, suffix] : {std::pair{&w.out, ".out"}, std::pair{&w.err, ".err"}}) {
+        std::string path = detail::concat(options_.log_dir, "/rank-", w.rank, suffix);
+        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        PSGD_REQUIRE(fd >= 0, IoError, "cannot create log file ", path, ": ", std::strerror(errno));
+        stream->log = Fd(fd);
+      }
+    }
+    Child child = spawn(launch.spec);
+    w.pid = child.pid;
+    w.running = true;
+    w.out.fd = std::move(child.stdout_r);
+    w.err.fd = std::move(child.stderr_r);
+    w.stdin_w = std::move(child.stdin_w);
+    workers_.push_back(std::move(w));
+    if (on_spawn) on_spawn(child.pid);
+    // An ssh that already died (EPIPE) is reported as that worker's failure by the loop.
+    if (workers_.back().stdin_w && !launch.stdin_data.empty())
+      write_all(workers_.back().stdin_w.get(), launch.stdin_data.data(), launch.stdin_data.size());
+  }
+}
+
+int Supervisor::running_count() const {
+  return static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; }));
+}
+
+void Supervisor::emit_line(Worker& w, Stream& s, const std::string& line) {
+  std::string text = detail::concat("[", w.rank, "] ", line, "\n");
+  write_all(s.out_fd, text.data(), text.size());  // a closed launcher stdout (EPIPE) only loses output
+  w.last.push_back((s.out_fd == 1 ? "  stdout| " : "  stderr| ") + line);
+  if (w.last.size() > options_.last_lines) w.last.pop_front();
+}
+
+void Supervisor::read_stream(Worker& w, Stream& s, bool to_eof) {
+  char buffer[65536];
+  while (s.fd) {
+    ssize_t n = ::read(s.fd.get(), buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    if (n <= 0) {  // EOF, or an error that ends the stream just the same
+      close_stream(w, s);
+      return;
+    }
+    if (s.log) write_all(s.log.get(), buffer, static_cast<size_t>(n));
+    s.partial.append(buffer, static_cast<size_t>(n));
+    size_t begin = 0;
+    for (size_t nl; (nl = s.partial.find('\n', begin)) != std::string::npos; begin = nl + 1)
+      emit_line(w, s, s.partial.substr(begin, nl - begin));
+    s.partial.erase(0, begin);
+    while (s.partial.size() >= kMaxLine) {
+      emit_line(w, s, s.partial.substr(0, kMaxLine));
+      s.partial.erase(0, kMaxLine);
+    }
+    if (!to_eof) return;  // one chunk per poll round keeps the ranks fair
+  }
+}
+
+void Supervisor::close_stream(Worker& w, Stream& s) {
+  if (!s.partial.empty()) emit_line(w, s, s.partial);  // a last line without '\n'
+  s.partial.clear();
+  s.fd.reset();
+}
+
+void Supervisor::signal_all(int signal) {
+  for (auto& w : workers_) {
+    if (!w.running) continue;
+    // The whole process group, so that a worker's own children get it too.
+    if (::kill(-w.pid, signal) != 0) ::kill(w.pid, signal);
+  }
+}
+
+void Supervisor::stop(int signal) {
+  stopping_ = true;
+  kill_at_ = Clock::now() + options_.grace;
+  signal_all(signal);
+}
+
+void Supervisor::worker_exited(Worker& w, int wait_status) {
+  w.running = false;
+  w.stdin_w.reset();  // ssh workers: closes the remote side's liveness channel
+  // Everything the worker wrote before exiting is in the pipes now; a child it
+  // left behind may keep them open, so do not wait for EOF.
+  read_stream(w, w.out, true);
+  read_stream(w, w.err, true);
+  close_stream(w, w.out);
+  close_stream(w, w.err);
+  int code = exit_code_of(wait_status);
+  if (code == 0 || stopping_) return;
+  exit_code_ = code;
+  int others = running_count();
+  say(detail::concat("rank ", w.rank, " (pid ", w.pid, " on ", w.where, ") ", describe_exit(wait_status),
+                     others > 0 ? detail::concat("; stopping the other ", others, " worker", others == 1 ? "" : "s",
+                                                 " (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
+                                                 " s)")
+                                : std::string()));
+  if (w.last.empty()) {
+    say(detail::concat("rank ", w.rank, " printed nothing"));
+  } else {
+    say(detail::concat("last ", w.last.size(), " lines of rank ", w.rank, ":"));
+    for (const auto& line : w.last) write_all(2, (line + "\n").data(), line.size() + 1);
+  }
+  stop(SIGTERM);
+}
+
+void Supervisor::reap() {
+  for (auto& w : workers_) {
+    if (!w.running) continue;
+    int status = 0;
+    pid_t pid;
+    do pid = ::waitpid(w.pid, &status, WNOHANG);
+    while (pid < 0 && errno == EINTR);
+    PSGD_REQUIRE(pid >= 0, IoError, "waitpid(", w.pid, "): ", std::strerror(errno));
+    if (pid == w.pid) worker_exited(w, status);
+  }
+}
+
+void Supervisor::handle_signals() {
+  signalfd_siginfo info{};
+  while (::read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+    int sig = static_cast<int>(info.ssi_signo);
+    if (sig == SIGCHLD) continue;  // reap() runs after every wake-up
+    if (!stopping_) {
+      exit_code_ = 128 + sig;
+      say(detail::concat("got SIG", sigabbrev_np(sig), "; forwarding it to ", running_count(), " workers (SIGKILL after --grace ",
+                         seconds_text(options_.grace), " s)"));
+      stop(sig);
+    } else if (!killed_) {
+      say(detail::concat("got SIG", sigabbrev_np(sig), " again; sending SIGKILL to every worker"));
+      killed_ = true;
+      signal_all(SIGKILL);
+    }
+  }
+}
+
+int Supervisor::run() {
+  const auto deadline = Clock::now() + options_.timeout;
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Worker*, Stream*>> owners;
+  reap();  // a worker may have exited before the loop started
+  while (running_count() > 0) {
+    fds.assign(1, pollfd{signal_fd_, POLLIN, 0});
+    owners.assign(1, {nullptr, nullptr});
+    for (auto& w : workers_)
+      for (Stream* s : {&w.out, &w.err})
+        if (s->fd) {
+          fds.push_back({s->fd.get(), POLLIN, 0});
+          owners.emplace_back(&w, s);
+        }
+    auto now = Clock::now();
+    auto wake = Clock::time_point::max();
+    if (options_.timeout.count() > 0 && !stopping_) wake = deadline;
+    if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
+    int wait_ms = -1;
+    if (wake != Clock::time_point::max())
+      wait_ms = static_cast<int>(
+          std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count()));
+    int ready = ::poll(fds.data(), fds.size(), wait_ms);
+    PSGD_REQUIRE(ready >= 0 || errno == EINTR, IoError, "poll: ", std::strerror(errno));
+    for (size_t i = 1; ready > 0 && i < fds.size(); ++i)
+      if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second, false);
+    if (ready > 0 && fds[0].revents != 0) handle_signals();
+    reap();
+
+    now = Clock::now();
+    if (options_.timeout.count() > 0 && !stopping_ && now >= deadline && running_count() > 0) {
+      exit_code_ = 124;
+      say(detail::concat("job timed out: --timeout ", seconds_text(options_.timeout), " s passed; stopping ",
+                         running_count(), " workers (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
+                         " s)"));
+      stop(SIGTERM);
+    }
+    if (stopping_ && !killed_ && now >= kill_at_ && running_count() > 0) {
+      std::string ranks;
+      for (const auto& w : workers_)
+        if (w.running) ranks += (ranks.empty() ? "" : ", ") + std::to_string(w.rank);
+      say(detail::concat("rank", running_count() == 1 ? " " : "s ", ranks, " still running after --grace ",
+                         seconds_text(options_.grace), " s; sending SIGKILL"));
+      killed_ = true;
+      signal_all(SIGKILL);
+    }
+  }
+  // Children that workers left behind in their process groups go with them.
+  for (const auto& w : workers_) ::kill(-w.pid, SIGKILL);
+  return exit_code_;
+}
+
+}  // namespace powersgd::run

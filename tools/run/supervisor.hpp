@@ -1,0 +1,90 @@
+// The job's one event loop: starts the workers, relays their output line by
+// line with a rank prefix, reaps them, and stops the job on the first failure,
+// on --timeout, or on a signal to the launcher. Single-threaded: one poll()
+// over a signalfd and every worker's stdout/stderr pipe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "process.hpp"
+
+namespace powersgd::run {
+
+struct WorkerLaunch {
+  int rank = 0;
+  std::string where;       // for messages: "localhost", "node1", "psgd-123-h0"
+  SpawnSpec spec;
+  std::string stdin_data;  // written to stdin first (spec.stdin_pipe); stdin then stays open until exit
+};
+
+struct SupervisorOptions {
+  std::chrono::milliseconds grace{5000};
+  std::chrono::milliseconds timeout{0};  // 0: none
+  std::string log_dir;                   // empty: no log files
+  size_t last_lines = 10;                // per rank, shown when it fails
+};
+
+class Supervisor {
+ public:
+  // signal_fd: a signalfd for SIGCHLD, SIGINT, SIGTERM and SIGHUP (blocked by the caller).
+  Supervisor(SupervisorOptions options, int signal_fd);
+  // Kills (SIGKILL) and reaps workers still running: nothing outlives the launcher.
+  ~Supervisor();
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+
+  // Called with each worker's pid (= process group) right after it starts.
+  std::function<void(pid_t)> on_spawn;
+
+  // Starts every worker, in rank order. Throws IoError when one cannot start
+  // (the ones already started are killed by the destructor).
+  void start(std::vector<WorkerLaunch> launches);
+
+  // Runs until every worker has exited; returns the launcher's exit code
+  // (0, the failed worker's code, 124 on timeout, 128+signal on a signal).
+  int run();
+
+ private:
+  struct Stream {
+    Fd fd;
+    int out_fd = 1;  // the launcher's stdout or stderr
+    Fd log;
+    std::string partial;
+  };
+  struct Worker {
+    int rank = 0;
+    std::string where;
+    pid_t pid = -1;
+    bool running = false;
+    Fd stdin_w;
+    Stream out, err;
+    std::deque<std::string> last;  // ring of the last lines, both streams
+  };
+  using Clock = std::chrono::steady_clock;
+
+  void read_stream(Worker& w, Stream& s, bool to_eof);
+  void emit_line(Worker& w, Stream& s, const std::string& line);
+  void close_stream(Worker& w, Stream& s);
+  void handle_signals();
+  void reap();
+  void worker_exited(Worker& w, int wait_status);
+  void stop(int signal);
+  void signal_all(int signal);
+  int running_count() const;
+
+  SupervisorOptions options_;
+  int signal_fd_;
+  std::vector<Worker> workers_;
+  bool stopping_ = false;
+  bool killed_ = false;
+  int exit_code_ = 0;  // set by the first reason to stop
+  Clock::time_point kill_at_{};
+};
+
+}  // namespace powersgd::run

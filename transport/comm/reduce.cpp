@@ -1,0 +1,60 @@
+#include "comm/reduce.hpp"
+
+#include <bit>
+#include <cmath>
+
+#include "common/check.hpp"
+#include "powersgd/comm.hpp"
+
+namespace powersgd {
+
+size_t size_of(DataType type) {
+  switch (type) {
+    case DataType::Float32:
+      return 4;
+    case DataType::Float64:
+      return 8;
+    case DataType::Float16:
+    case DataType::BFloat16:
+      return 2;
+  }
+  PSGD_THROW(InvalidArgumentError, "unknown DataType ", static_cast<int>(type));
+}
+
+const char* to_string(DataType type) {
+  switch (type) {
+    case DataType::Float32:
+      return "float32";
+    case DataType::Float64:
+      return "float64";
+    case DataType::Float16:
+      return "float16";
+    case DataType::BFloat16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
+}  // namespace powersgd
+
+namespace powersgd::transport {
+
+float bfloat16_to_float(uint16_t value) { return std::bit_cast<float>(static_cast<uint32_t>(value) << 16); }
+
+uint16_t float_to_bfloat16(float value) {
+  uint32_t bits = std::bit_cast<uint32_t>(value);
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);  // stay a (quiet) NaN
+  uint32_t rounding = 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+void bfloat16_sum(void* c, const void* a, const void* b, size_t n) {
+  auto* out = static_cast<uint16_t*>(c);
+  const auto* x = static_cast<const uint16_t*>(a);
+  const auto* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = float_to_bfloat16(bfloat16_to_float(x[i]) + bfloat16_to_float(y[i]));
+}
+
+void bfloat16_sum_inplace(uint16_t* x, const uint16_t* y, size_t n) { bfloat16_sum(x, x, y, n); }
+
+}  // namespace powersgd::transport

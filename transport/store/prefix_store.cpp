@@ -1,0 +1,55 @@
+// Prefix store: namespaces keys as "<prefix>/<key>" in a wrapped store.
+#include "common/check.hpp"
+#include "store.hpp"
+
+namespace powersgd::transport {
+namespace {
+
+class PrefixStore final : public Store {
+ public:
+  PrefixStore(Store& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix) + "/") {
+    set_timeout(inner.timeout());
+  }
+
+  void set(const std::string& key, const std::vector<char>& value) override { inner_.set(full(key), value); }
+
+  // Waits with this store's timeout, which may differ from the inner store's.
+  std::vector<char> get(const std::string& key) override {
+    inner_.wait({full(key)}, timeout());
+    return inner_.get(full(key));
+  }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& limit) override {
+    inner_.wait(full(keys), limit);
+  }
+
+  int64_t add(const std::string& key, int64_t delta) override { return inner_.add(full(key), delta); }
+  bool check(const std::vector<std::string>& keys) override { return inner_.check(full(keys)); }
+  bool remove(const std::string& key) override { return inner_.remove(full(key)); }
+
+ private:
+  std::string full(const std::string& key) const {
+    PSGD_REQUIRE(prefix_.size() + key.size() <= kMaxKeyBytes, InvalidArgumentError, "store key '", key,
+                 "' with prefix '", prefix_, "' is ", prefix_.size() + key.size(), " bytes, the limit is ",
+                 kMaxKeyBytes);
+    return prefix_ + key;
+  }
+  std::vector<std::string> full(const std::vector<std::string>& keys) const {
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& k : keys) out.push_back(full(k));
+    return out;
+  }
+
+  Store& inner_;
+  std::string prefix_;
+};
+
+}  // namespace
+
+std::unique_ptr<Store> make_prefix_store(Store& inner, const std::string& prefix) {
+  PSGD_REQUIRE(!prefix.empty(), InvalidArgumentError, "store prefix must not be empty");
+  return std::make_unique<PrefixStore>(inner, prefix);
+}
+
+}  // namespace powersgd::transport
