@@ -25,13 +25,15 @@ class Store : public gloo::rendezvous::Store {
   // set: overwrites. get: waits up to timeout() for the key, then TimeoutError
   // naming the key. wait: waits for all keys; the timeout argument overrides.
   // Errors: TimeoutError, IoError (connection lost), InvalidArgumentError (limits).
-  // Thread-safety: every store may be shared between threads.
+  // Thread-safety: every store may be shared between threads (calls on one TCP
+  // client are serialized); set_timeout() is not synchronized: call it before sharing.
   using gloo::rendezvous::Store::wait;
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout()); }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override = 0;
 
   // Atomically adds delta to the 64-bit counter stored at key (absent = 0) and
-  // returns the new value.
+  // returns the new value. The counter is stored as decimal text, so get() reads
+  // it; add() on a value that is not one, or an overflow, is InvalidArgumentError.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // True when every key exists; never blocks.
   virtual bool check(const std::vector<std::string>& keys) = 0;

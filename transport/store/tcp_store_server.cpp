@@ -172,7 +172,7 @@ class Session : public std::enable_shared_from_this<Session> {
       close();
       return;
     }
-    if (false && header_got_ == 0 && authenticated_) arm_deadline(server_.options.frame_timeout, "complete a frame");
+    if (header_got_ == 0 && authenticated_) arm_deadline(server_.options.frame_timeout, "complete a frame");
     header_got_ += n;
     if (header_got_ < 4) {
       read_header_part();
@@ -306,7 +306,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (*version != protocol::kVersion)
       return refuse(detail::concat("protocol version ", *version, " not supported, the server speaks version ",
                                    protocol::kVersion));
-    if (false && !token_matches(server_.options.token, *token)) return refuse("wrong job token");
+    if (!token_matches(server_.options.token, *token)) return refuse("wrong job token");
     authenticated_ = true;
     disarm_deadline();
     send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
