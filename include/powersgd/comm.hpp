@@ -46,7 +46,9 @@ struct CommOptions {
   int ib_port = 1;
   int ib_gid_index = 0;
   std::chrono::milliseconds timeout{300000};
-  size_t ring_threshold_bytes = 262144;  // allreduce: ring at or above, halving-doubling below
+  // Allreduce: ring at or above, bcube (tcp) or halving-doubling (ibverbs)
+  // below. Default: the crossover measured in docs/transport.md.
+  size_t ring_threshold_bytes = size_t{8} << 20;
 
   // From RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (or OMPI_*, PMI_*, SLURM_*) and
   // PSGD_* (docs/env.md). Throws InvalidArgumentError naming a bad variable.
@@ -75,7 +77,10 @@ class Communicator {
  public:
   // Collective: rendezvous with all ranks, connect the full mesh, then check
   // that every rank agrees on version, world size and settings (throws
-  // MismatchError naming the first differing rank).
+  // MismatchError naming the first differing rank). Blocks up to
+  // options.timeout. Sets SIGPIPE to ignored for the whole process (a write to a
+  // dead peer must become an error, not kill the process). Design and failure
+  // semantics: docs/transport.md.
   static std::unique_ptr<Communicator> create(const CommOptions& options);
   static std::unique_ptr<Communicator> from_env() { return create(CommOptions::from_env()); }
 

@@ -34,8 +34,9 @@ constexpr Variable kVariables[] = {
     {"PSGD_ADDR", "", "Local address or hostname for the TCP transport. Default on multi-host jobs: the "
                       "address this host uses to reach MASTER_ADDR."},
     {"PSGD_TIMEOUT_MS", "300000", "Timeout of rendezvous and of every collective, in milliseconds."},
-    {"PSGD_RING_THRESHOLD_BYTES", "262144",
-     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones halving-doubling."},
+    {"PSGD_RING_THRESHOLD_BYTES", "8388608",
+     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones bcube (tcp) or "
+     "halving-doubling (ibverbs). Must be equal on every rank. Measured crossover: docs/transport.md."},
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
     {"PSGD_IB_PORT", "1", "ibverbs port number."},
     {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},

@@ -621,7 +621,9 @@ class Reducer::Impl {
     be.synchronize();
     stats_.compress_seconds += seconds_since(start);
 
-    works = {send(q)};
+    // Buckets without compressed tensors have no Q: the layout is the same on every rank, so all skip it.
+    works.clear();
+    if (q.count > 0) works.push_back(send(q));
     lookahead(job);
     wait_all(works, {q});
     if (!be.all_finite(q.dev, q.count)) throw_nonfinite(job, job.buckets[0], "the allreduced Q overflowed to Inf/NaN");

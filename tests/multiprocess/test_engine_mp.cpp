@@ -340,7 +340,7 @@ TEST_CASE("in flight: many buckets async, 500 steps, results exact") {
       for (size_t i = 0; i < data[b].size(); ++i)
         if (std::abs(data[b][i] - means[b][i]) > 1e-4 * (1 + std::abs(means[b][i]))) {
           ++wrong;
-          if (std::getenv("PSGD_TEST_DEBUG")) std::fprintf(stderr, "step %d bucket %zu i %zu got %g want %g\n", step, b, i, double(data[b][i]), means[b][i]);
+          MESSAGE("step ", step, " bucket ", b, " element ", i, ": got ", data[b][i], ", mean ", means[b][i]);
           break;
         }
   }

@@ -22,7 +22,6 @@
 #include <fstream>
 #include <functional>
 #include <optional>
-#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -169,6 +168,14 @@ std::vector<std::string> with_worker(std::vector<std::string> options, const std
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// The word that follows `key` in `text` (up to a blank or newline); empty when `key` is absent.
+std::string word_after(const std::string& text, const std::string& key) {
+  auto at = text.find(key);
+  if (at == std::string::npos) return {};
+  at += key.size();
+  return text.substr(at, text.find_first_of(" \n", at) - at);
+}
+
 bool wait_for(const std::function<bool()>& condition, std::chrono::milliseconds limit) {
   auto end = Clock::now() + limit;
   while (Clock::now() < end) {
@@ -220,11 +227,10 @@ TEST_SUITE("local") {
                                {"env", "PSGD_LOG_LEVEL", "EXTRA"}));
     INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
     CHECK(r.code == 0);
-    std::smatch m;
-    REQUIRE(std::regex_search(r.out, m, std::regex(R"(\[0\] MASTER_PORT=(\d+))")));
-    std::string port = m[1];
-    REQUIRE(std::regex_search(r.out, m, std::regex(R"(\[0\] PSGD_RUN_ID=([0-9a-f]+))")));
-    std::string run_id = m[1];
+    std::string port = word_after(r.out, "[0] MASTER_PORT=");
+    std::string run_id = word_after(r.out, "[0] PSGD_RUN_ID=");
+    REQUIRE(std::atoi(port.c_str()) > 0);
+    REQUIRE(run_id.size() == 16);
     for (int rank = 0; rank < 3; ++rank) {
       std::string p = "[" + std::to_string(rank) + "] ";
       CHECK(contains(r.out, p + "RANK=" + std::to_string(rank) + "\n"));
@@ -247,8 +253,9 @@ TEST_SUITE("local") {
   }
 
   TEST_CASE("output lines are prefixed with the rank, stderr kept apart, last partial line flushed, logs written") {
-    TempDir logs;
-    Result r = run(with_worker({"-n", "2", "--log-dir", logs.path.string()}, {"output"}));
+    TempDir base;
+    fs::path logs = base.path / "logs";  // created by the launcher
+    Result r = run(with_worker({"-n", "2", "--log-dir", logs.string()}, {"output"}));
     INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
     CHECK(r.code == 0);
     for (std::string rank : {"0", "1"}) {
@@ -290,7 +297,7 @@ TEST_SUITE("local") {
     INFO("stderr:\n", r.err);
     CHECK(r.code == 3);
     CHECK(r.seconds >= 1.5);
-    CHECK(r.seconds < 4.5);  // 0.2 s before the failure + 1.5 s grace + start-up
+    CHECK(r.seconds < 8.0);  // 0.2 s before the failure + 1.5 s grace + start-up on a loaded machine; not 60 s
     CHECK(contains(r.err, "ranks 0, 2 still running after --grace 1.5 s; sending SIGKILL"));
   }
 
@@ -309,7 +316,7 @@ TEST_SUITE("local") {
     CHECK(r.code == 124);
     CHECK(contains(r.err, "--timeout 1 s"));
     CHECK(r.seconds >= 1.0);
-    CHECK(r.seconds < 3.5);
+    CHECK(r.seconds < 5.0);
   }
 
   TEST_CASE("SIGTERM and SIGINT to the launcher are forwarded to every worker") {
@@ -381,6 +388,7 @@ TEST_SUITE("local") {
         {{"-n", "1", "--emulate-hosts", "2", "--", "/bin/touch", marker}, "less than --emulate-hosts 2"},
         {{"-n", "2", "--emulate-hosts", "2", "--link-rate", "fast", "--", "/bin/touch", marker}, "--link-rate 'fast'"},
         {{"-n", "1", "--ssh-port", "22", "--", "/bin/touch", marker}, "--ssh-port needs --hosts or --hostfile"},
+        {{"-n", "1", "--log-dir", "/proc/no-logs-here", "--", "/bin/touch", marker}, "--log-dir '/proc/no-logs-here'"},
     };
     for (const auto& c : cases) {
       std::string line;
@@ -585,9 +593,9 @@ TEST_SUITE("emulated") {
     Result r = l.finish(90s);
     INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
     REQUIRE(r.code == 0);
-    std::smatch m;
-    REQUIRE(std::regex_search(r.out, m, std::regex(R"(\[0\] throughput_mbit=([0-9.]+))")));
-    double mbit = std::stod(m[1]);
+    std::string measured = word_after(r.out, "[0] throughput_mbit=");
+    REQUIRE(!measured.empty());
+    double mbit = std::stod(measured);
     MESSAGE("measured ", mbit, " Mbit/s over a 200 mbit link");
     CHECK(mbit > 180.0);
     CHECK(mbit < 220.0);

@@ -75,7 +75,7 @@ double time_allreduce(GlooCommunicator& comm, std::vector<float>& data, size_t c
 void run(const Settings& settings) {
   for (const auto& name : settings.algorithms)
     if (!kVariants.count(name))
-      throw InvalidArgumentError("powersgd-bench allreduce: unknown algorithm '" + name +
+      throw InvalidArgumentError("unknown algorithm '" + name +
                                  "': expected ring, bcube, halving-doubling or ring-legacy");
   CommOptions options = CommOptions::from_env();
   // One communicator per Gloo API: mixing both on one context slows both down.
@@ -147,7 +147,7 @@ void run(const Settings& settings) {
                           {"results", results}};
     std::ofstream out(settings.json_path);
     out << doc.dump(2) << "\n";
-    if (!out) throw IoError("powersgd-bench allreduce: cannot write " + settings.json_path);
+    if (!out) throw IoError("cannot write " + settings.json_path);
   }
 }
 

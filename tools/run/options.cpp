@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -306,7 +307,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--env", env_items, "Set K=V in every worker's environment (repeatable)")
       ->type_name("K=V")
       ->allow_extra_args(false);
-  app.add_option("--log-dir", o.log_dir, "Also write DIR/rank-R.out and DIR/rank-R.err")->type_name("DIR");
+  app.add_option("--log-dir", o.log_dir, "Also write DIR/rank-R.out and DIR/rank-R.err (DIR is created)")->type_name("DIR");
   app.add_option("--grace", grace, "Seconds between SIGTERM and SIGKILL when stopping workers (default 5)")
       ->type_name("SECONDS");
   app.add_option("--timeout", timeout, "Stop the job after SECONDS, exit 124 (default: none)")->type_name("SECONDS");
@@ -357,9 +358,11 @@ ParseResult parse_command_line(int argc, char** argv) {
       o.env.emplace_back(name, item.substr(eq + 1));
     }
     if (!o.log_dir.empty()) {
-      struct stat st {};
-      if (stat(o.log_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || access(o.log_dir.c_str(), W_OK) != 0)
-        bad(detail::concat("--log-dir '", o.log_dir, "' is not a writable directory"));
+      std::error_code error;
+      std::filesystem::create_directories(o.log_dir, error);  // like mkdir -p; an existing one is fine
+      if (error || access(o.log_dir.c_str(), W_OK) != 0)
+        bad(detail::concat("--log-dir '", o.log_dir, "' is not a writable directory",
+                           error ? ": " + error.message() : std::string()));
     }
 
     bool multi_node = !hosts.empty() || !hostfile.empty() || app.count("--hosts") > 0 || app.count("--hostfile") > 0;
