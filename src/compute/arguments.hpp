@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "compute/backend.hpp"
 
@@ -19,6 +20,17 @@ void check_gemm_arguments(Transpose trans_a, Transpose trans_b, int64_t m, int64
 // finite and >= 0, non-overlapping batch items).
 void check_orthogonalize_arguments(const float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride,
                                    float epsilon);
+
+// Checks the sizes and pointers of the fused PowerSGD passes: rows, cols >= 0,
+// 0 <= rank <= kMaxOrthoCols, and each pointer non-null when its element count
+// (M: rows * cols, P: rows * rank, Q: cols * rank) is not 0.
+struct FusedOperand {
+  const char* name;
+  const float* data;
+  int64_t count;
+};
+void check_fused_arguments(const char* what, int64_t rows, int64_t cols, int64_t rank,
+                           std::initializer_list<FusedOperand> operands);
 
 // True when every size is representable as a 32-bit BLAS integer.
 bool fits_int32(int64_t value);

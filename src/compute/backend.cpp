@@ -94,6 +94,17 @@ void check_orthogonalize_arguments(const float* m, int64_t rows, int64_t cols, i
                " must be >= rows * cols = ", rows * cols, " for batch=", batch);
 }
 
+void check_fused_arguments(const char* what, int64_t rows, int64_t cols, int64_t rank,
+                           std::initializer_list<FusedOperand> operands) {
+  PSGD_REQUIRE(rows >= 0 && cols >= 0, InvalidArgumentError, what, ": sizes must be >= 0, got rows=", rows,
+               " cols=", cols);
+  PSGD_REQUIRE(rank >= 0 && rank <= kMaxOrthoCols, InvalidArgumentError, what, ": rank must be in [0, ",
+               kMaxOrthoCols, "], got ", rank);
+  for (const auto& op : operands)
+    PSGD_REQUIRE(op.count == 0 || op.data != nullptr, InvalidArgumentError, what, ": ", op.name, " is null (",
+                 op.count, " elements; rows=", rows, " cols=", cols, " rank=", rank, ")");
+}
+
 }  // namespace detail
 
 }  // namespace powersgd::compute

@@ -105,6 +105,27 @@ class Backend {
   virtual void orthogonalize(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride,
                              OrthoMethod method, float epsilon) = 0;
 
+  // ---- fused PowerSGD passes ----
+  // One streaming pass over M each, where the gemm compositions named beside
+  // them take two or three (docs/compute.md, Performance). M is a rows x cols
+  // matrix, contiguous (row stride cols); Q is cols x rank and P rows x rank,
+  // both contiguous; 0 <= rank <= kMaxOrthoCols. Sums (the returned squared
+  // norms) accumulate in double, products in float as gemm does; results agree
+  // with the compositions up to float rounding order. No argument may overlap
+  // another, except where stated.
+
+  // m = a - b (b == nullptr: m = a; a may equal m), then p = m * q.
+  // Returns the sum of m^2. Same as subtract + gemm(No, No) + squared_norm.
+  virtual double form_and_project(float* m, const float* a, const float* b, int64_t rows, int64_t cols,
+                                  const float* q, int64_t rank, float* p) = 0;
+  // q = m^T * p. Same as gemm(Yes, No).
+  virtual void project_transposed(const float* m, int64_t rows, int64_t cols, const float* p, int64_t rank,
+                                  float* q) = 0;
+  // out = p * q^T, then m = out - m in place. Returns the sum of the new m^2.
+  // Same as gemm(No, Yes) into out + gemm(No, Yes, beta = -1) into m + squared_norm.
+  virtual double reconstruct_and_residual(float* out, float* m, int64_t rows, int64_t cols, const float* p,
+                                          const float* q, int64_t rank) = 0;
+
   virtual void synchronize() = 0;
 
  protected:

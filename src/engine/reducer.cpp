@@ -499,28 +499,7 @@ class Reducer::Impl {
     const float* data = job.data[i];
     float* in = s.in.data();
     const bool ef = config_.error_feedback;
-    // M = data + error, gathered into the work layout.
-    if (plan.whole) {
-      if (ef)
-        be.subtract(in, data, s.nerr.data(), static_cast<size_t>(plan.numel));
-      else
-        be.copy(in, data, static_cast<size_t>(plan.numel));
-    } else {
-      for (const auto& t : plan.tensors) {
-        if (ef)
-          be.subtract(in + t.work_offset, data + t.offset, s.nerr.data() + t.work_offset, static_cast<size_t>(t.numel));
-        else
-          be.copy(in + t.work_offset, data + t.offset, static_cast<size_t>(t.numel));
-      }
-    }
-    // Squared norms in double are finite exactly when every element is: they are
-    // the local half of the non-finite guard and the denominator of the stats.
-    const double m2 = be.squared_norm(in, static_cast<size_t>(plan.compressed_numel));
-    const double u2 = be.squared_norm(in + plan.compressed_numel, static_cast<size_t>(plan.packed_numel));
-    job.m2[i] = m2;
-    float* unc = unc_.data() + s.unc_offset;
-    be.copy(unc, in + plan.compressed_numel, static_cast<size_t>(plan.packed_numel));
-    be.fill(unc + plan.packed_numel, std::isfinite(m2) && std::isfinite(u2) ? 0.0f : 1.0f, 1);
+    const float* nerr = ef ? s.nerr.data() : nullptr;
 
     float* q = q_work_.data() + s.q_offset;
     const auto qn = static_cast<size_t>(plan.q_numel);
@@ -534,12 +513,41 @@ class Reducer::Impl {
     }
     float* p = unc_.data() + s.p_work_offset;
     const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
-    for (const auto& g : plan.groups) {
+    for (const auto& g : plan.groups)
       be.orthogonalize(q + g.q_offset, g.cols, g.rank, g.count, g.cols * g.rank, ortho_method(g.rank), eps);
-      be.gemm(Transpose::No, Transpose::No, g.rows, g.rank, g.cols, 1.0f, in + g.work_offset, g.cols,
-              g.rows * g.cols, q + g.q_offset, g.rank, g.cols * g.rank, 0.0f, p + g.p_offset, g.rank,
-              g.rows * g.rank, g.count);
+
+    // M = data + error, gathered into the work layout, and P = M Q: one pass
+    // over each matrix (form_and_project), which also returns ||M||^2.
+    // Squared norms in double are finite exactly when every element is: they are
+    // the local half of the non-finite guard and the denominator of the stats.
+    double m2 = 0;
+    if (plan.whole) {
+      if (ef)
+        be.subtract(in, data, nerr, static_cast<size_t>(plan.numel));
+      else
+        be.copy(in, data, static_cast<size_t>(plan.numel));
+      const Group_& g = plan.groups[0];
+      be.gemm(Transpose::No, Transpose::No, g.rows, g.rank, g.cols, 1.0f, in, g.cols, 0, q, g.rank, 0, 0.0f, p,
+              g.rank, 0, 1);
+      m2 = be.squared_norm(in, static_cast<size_t>(plan.compressed_numel));
+    } else {
+      for (const auto& t : plan.tensors) {
+        if (t.compressed) {
+          const Group_& g = plan.groups[static_cast<size_t>(t.group)];
+          m2 += be.form_and_project(in + t.work_offset, data + t.offset, ef ? nerr + t.work_offset : nullptr, g.rows,
+                                    g.cols, q + t.q_offset, g.rank, p + t.p_offset);
+        } else if (ef) {
+          be.subtract(in + t.work_offset, data + t.offset, nerr + t.work_offset, static_cast<size_t>(t.numel));
+        } else {
+          be.copy(in + t.work_offset, data + t.offset, static_cast<size_t>(t.numel));
+        }
+      }
     }
+    const double u2 = be.squared_norm(in + plan.compressed_numel, static_cast<size_t>(plan.packed_numel));
+    job.m2[i] = m2;
+    float* unc = unc_.data() + s.unc_offset;
+    be.copy(unc, in + plan.compressed_numel, static_cast<size_t>(plan.packed_numel));
+    be.fill(unc + plan.packed_numel, std::isfinite(m2) && std::isfinite(u2) ? 0.0f : 1.0f, 1);
   }
 
   void run_reduce(Job& job) {
@@ -611,12 +619,13 @@ class Reducer::Impl {
       Bucket& s = *buckets_[static_cast<size_t>(b)];
       float* pb = unc_.data() + s.p_work_offset;
       float* qb = q_work_.data() + s.q_offset;
-      for (const auto& g : s.plan.groups) {
+      for (const auto& g : s.plan.groups)
         be.orthogonalize(pb + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
-        be.gemm(Transpose::Yes, Transpose::No, g.cols, g.rank, g.rows, 1.0f, s.in.data() + g.work_offset, g.cols,
-                g.rows * g.cols, pb + g.p_offset, g.rank, g.rows * g.rank, 0.0f, qb + g.q_offset, g.rank,
-                g.cols * g.rank, g.count);
-      }
+      // Q = M^T P, one streaming pass per matrix (the whole-bucket matrix is one group of one).
+      for (const auto& g : s.plan.groups)
+        for (int64_t k = 0; k < g.count; ++k)
+          be.project_transposed(s.in.data() + g.work_offset + k * g.rows * g.cols, g.rows, g.cols,
+                                pb + g.p_offset + k * g.rows * g.rank, g.rank, qb + g.q_offset + k * g.cols * g.rank);
     }
     be.synchronize();
     stats_.compress_seconds += seconds_since(start);
@@ -670,18 +679,14 @@ class Reducer::Impl {
       e2 = be.squared_norm(out, full);
       if (ef) be.copy(s.nerr.data(), out, static_cast<size_t>(plan.numel));
     } else {
+      // Output P Q^T into the user's buffer and, in the same pass, the work
+      // buffer becomes P Q^T - M: the negated error of the compressed part.
       for (const auto& t : plan.tensors) {
         if (!t.compressed) continue;
         const Group_& g = plan.groups[static_cast<size_t>(t.group)];
-        be.gemm(Transpose::No, Transpose::Yes, g.rows, g.cols, g.rank, 1.0f, p + t.p_offset, g.rank, 0,
-                q + t.q_offset, g.rank, 0, 0.0f, data + t.offset, g.cols, 0, 1);
+        e2 += be.reconstruct_and_residual(data + t.offset, in + t.work_offset, g.rows, g.cols, p + t.p_offset,
+                                          q + t.q_offset, g.rank);
       }
-      // The work buffer becomes P Q^T - M: the negated error of the compressed part.
-      for (const auto& g : plan.groups)
-        be.gemm(Transpose::No, Transpose::Yes, g.rows, g.cols, g.rank, 1.0f, p + g.p_offset, g.rank,
-                g.rows * g.rank, q + g.q_offset, g.rank, g.cols * g.rank, -1.0f, in + g.work_offset, g.cols,
-                g.rows * g.cols, g.count);
-      e2 = be.squared_norm(in, static_cast<size_t>(plan.compressed_numel));
       if (ef) std::swap(s.in, s.nerr);
     }
     be.copy(p_state_.data() + s.p_offset, p, static_cast<size_t>(plan.p_numel));

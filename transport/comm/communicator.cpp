@@ -25,7 +25,6 @@
 #include <climits>
 #include <cctype>
 #include <cstring>
-#include <regex>
 
 #include "comm/address.hpp"
 #include "comm/device.hpp"

@@ -1,11 +1,8 @@
 // CommOptions::from_env: membership from torchrun / MPI / Slurm variables,
 // settings from the PSGD_* registry (docs/env.md).
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
-#include <cstring>
+#include <cerrno>
+#include <cstdlib>
 #include <limits>
 
 #include "common/check.hpp"

@@ -30,6 +30,160 @@ int to_blas_int(int64_t value, const char* what) {
 
 CBLAS_TRANSPOSE to_cblas(Transpose t) { return t == Transpose::No ? CblasNoTrans : CblasTrans; }
 
+// Independent accumulators let the compiler vectorize reductions without
+// -ffast-math (which would license reassociation everywhere).
+constexpr size_t kLanes = 8;
+
+double sum_squares(const float* x, size_t count) {
+  double acc[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= count; i += kLanes)
+    for (size_t l = 0; l < kLanes; ++l) acc[l] += static_cast<double>(x[i + l]) * static_cast<double>(x[i + l]);
+  double sum = 0.0;
+  for (; i < count; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  for (double a : acc) sum += a;
+  return sum;
+}
+
+// Row kernels of the fused passes. Each touches every element of its row of M
+// once, in one loop, with every rank's term computed from the loaded value: the
+// pass runs at the speed of the memory streams. They are written with GCC/Clang
+// vector extensions because the auto-vectorizer leaves the multi-accumulator
+// loops scalar. qt is Q transposed (rank rows of n floats). R > 0 fixes the rank
+// at compile time (accumulators in registers); R == 0 takes it from `rank`.
+using v4f = float __attribute__((vector_size(16)));
+using v2d = double __attribute__((vector_size(16)));
+constexpr size_t kWidth = 4;  // floats per v4f
+
+v4f load(const float* p) {
+  v4f v;
+  std::memcpy(&v, p, sizeof v);  // unaligned load
+  return v;
+}
+void store(float* p, v4f v) { std::memcpy(p, &v, sizeof v); }
+float horizontal_sum(v4f v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+
+// Sum of squares of vectors, accumulated in double.
+class SquareSum {
+ public:
+  void add(v4f x) {
+    const v2d lo = __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1), v2d);
+    const v2d hi = __builtin_convertvector(__builtin_shufflevector(x, x, 2, 3), v2d);
+    lo_ += lo * lo;
+    hi_ += hi * hi;
+  }
+  void add(float x) { tail_ += static_cast<double>(x) * static_cast<double>(x); }
+  double total() const { return (lo_[0] + lo_[1]) + (hi_[0] + hi_[1]) + tail_; }
+
+ private:
+  v2d lo_ = {0.0, 0.0}, hi_ = {0.0, 0.0};
+  double tail_ = 0.0;
+};
+
+template <int R>
+constexpr size_t max_rank() {
+  return R > 0 ? static_cast<size_t>(R) : static_cast<size_t>(kMaxOrthoCols);
+}
+
+// m = a - b (b null: m = a), p[k] = <m, qt_k>; returns the sum of m^2.
+template <int R>
+double form_project_row(float* m, const float* a, const float* b, const float* qt, size_t n, size_t rank,
+                        float* p) {
+  const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
+  SquareSum s0, s1;  // two chains hide the latency of the double adds
+  v4f acc0[max_rank<R>()], acc1[max_rank<R>()];
+  for (size_t k = 0; k < r; ++k) acc0[k] = acc1[k] = v4f{0, 0, 0, 0};
+  size_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    v4f x0 = load(a + j), x1 = load(a + j + kWidth);
+    if (b != nullptr) {
+      x0 -= load(b + j);
+      x1 -= load(b + j + kWidth);
+    }
+    store(m + j, x0);
+    store(m + j + kWidth, x1);
+    s0.add(x0);
+    s1.add(x1);
+    for (size_t k = 0; k < r; ++k) {
+      acc0[k] += x0 * load(qt + k * n + j);
+      acc1[k] += x1 * load(qt + k * n + j + kWidth);
+    }
+  }
+  float tail[max_rank<R>()];
+  for (size_t k = 0; k < r; ++k) tail[k] = 0.0f;
+  for (; j < n; ++j) {
+    const float x = b != nullptr ? a[j] - b[j] : a[j];
+    m[j] = x;
+    s0.add(x);
+    for (size_t k = 0; k < r; ++k) tail[k] += x * qt[k * n + j];
+  }
+  for (size_t k = 0; k < r; ++k) p[k] = horizontal_sum(acc0[k] + acc1[k]) + tail[k];
+  return s0.total() + s1.total();
+}
+
+// qt_k[j] += sum_i p_i[k] * m_i[j] over `Rows` consecutive rows i of M (n
+// apart, `len` columns; p_i rank apart): several rows per sweep of the
+// accumulators cut their loads and stores, which bound this pass otherwise.
+template <int R, int Rows>
+void accumulate_rows(float* qt, const float* m, const float* p, size_t n, size_t len, size_t rank) {
+  const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
+  size_t j = 0;
+  for (; j + kWidth <= len; j += kWidth) {
+    v4f x[Rows];
+    for (int i = 0; i < Rows; ++i) x[i] = load(m + static_cast<size_t>(i) * n + j);
+    for (size_t k = 0; k < r; ++k) {
+      v4f t = load(qt + k * n + j);
+      for (int i = 0; i < Rows; ++i) t += p[static_cast<size_t>(i) * r + k] * x[i];
+      store(qt + k * n + j, t);
+    }
+  }
+  for (; j < len; ++j)
+    for (size_t k = 0; k < r; ++k)
+      for (int i = 0; i < Rows; ++i) qt[k * n + j] += p[static_cast<size_t>(i) * r + k] * m[static_cast<size_t>(i) * n + j];
+}
+
+// out = sum_k p[k] qt_k, m = out - m; returns the sum of the new m^2.
+template <int R>
+double reconstruct_row(float* out, float* m, const float* p, const float* qt, size_t n, size_t rank) {
+  const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
+  SquareSum s0, s1;
+  size_t j = 0;
+  auto vector_at = [&](size_t at, SquareSum& s) {
+    v4f o = {0, 0, 0, 0};
+    for (size_t k = 0; k < r; ++k) o += p[k] * load(qt + k * n + at);
+    store(out + at, o);
+    const v4f d = o - load(m + at);
+    store(m + at, d);
+    s.add(d);
+  };
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    vector_at(j, s0);
+    vector_at(j + kWidth, s1);
+  }
+  for (; j < n; ++j) {
+    float o = 0.0f;
+    for (size_t k = 0; k < r; ++k) o += p[k] * qt[k * n + j];
+    out[j] = o;
+    const float d = o - m[j];
+    m[j] = d;
+    s0.add(d);
+  }
+  return s0.total() + s1.total();
+}
+
+// Calls body.template operator()<R>() with R the rank for ranks 1 to 4 (the
+// common PowerSGD ranks, unrolled), 0 (taken at run time) otherwise.
+template <typename Body>
+void with_rank(int64_t rank, Body&& body) {
+  switch (rank) {
+    case 1: body.template operator()<1>(); break;
+    case 2: body.template operator()<2>(); break;
+    case 3: body.template operator()<3>(); break;
+    case 4: body.template operator()<4>(); break;
+    default: body.template operator()<0>(); break;
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   DeviceKind kind() const override { return DeviceKind::Cpu; }
@@ -62,19 +216,7 @@ class CpuBackend final : public Backend {
     for (size_t i = 0; i < count; ++i) out[i] = a[i] - b[i];
   }
 
-  double squared_norm(const float* x, size_t count) override {
-    // Independent accumulators let the compiler vectorize a double reduction
-    // without -ffast-math (which would license reassociation everywhere).
-    constexpr size_t kLanes = 8;
-    double acc[kLanes] = {};
-    size_t i = 0;
-    for (; i + kLanes <= count; i += kLanes)
-      for (size_t l = 0; l < kLanes; ++l) acc[l] += static_cast<double>(x[i + l]) * static_cast<double>(x[i + l]);
-    double sum = 0.0;
-    for (; i < count; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-    for (double a : acc) sum += a;
-    return sum;
-  }
+  double squared_norm(const float* x, size_t count) override { return sum_squares(x, count); }
 
   bool all_finite(const float* x, size_t count) override {
     // A float is NaN or Inf exactly when its exponent bits are all ones; OR-ing
@@ -135,6 +277,71 @@ class CpuBackend final : public Backend {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) matrix[r * cols + c] = colmajor_[static_cast<size_t>(c * rows + r)];
     }
+  }
+
+  // The fused passes stream M row by row while Q, transposed
+  // into qt_ (rank x cols) so that every use is a contiguous vector, stays in
+  // cache: M crosses the memory bus once per pass, where OpenBLAS sgemm with
+  // n = rank packs (copies) M first.
+  double form_and_project(float* m, const float* a, const float* b, int64_t rows, int64_t cols, const float* q,
+                          int64_t rank, float* p) override {
+    detail::check_fused_arguments("form_and_project", rows, cols, rank,
+                                  {{"m", m, rows * cols}, {"a", a, rows * cols}, {"q", q, cols * rank},
+                                   {"p", p, rows * rank}});
+    std::fill_n(p, rows * rank, 0.0f);
+    if (rows == 0 || cols == 0) return 0.0;
+    transpose_q(q, cols, rank);
+    const auto n = static_cast<size_t>(cols);
+    const auto r = static_cast<size_t>(rank);
+    double sum = 0.0;
+    with_rank(rank, [&]<int R>() {
+      for (size_t i = 0; i < static_cast<size_t>(rows); ++i)
+        sum += form_project_row<R>(m + i * n, a + i * n, b != nullptr ? b + i * n : nullptr, qt_.data(), n, r,
+                                   p + i * r);
+    });
+    return sum;
+  }
+
+  void project_transposed(const float* m, int64_t rows, int64_t cols, const float* p, int64_t rank,
+                          float* q) override {
+    detail::check_fused_arguments("project_transposed", rows, cols, rank,
+                                  {{"m", m, rows * cols}, {"p", p, rows * rank}, {"q", q, cols * rank}});
+    if (cols == 0 || rank == 0) return;
+    const auto n = static_cast<size_t>(cols);
+    const auto r = static_cast<size_t>(rank);
+    qt_.assign(r * n, 0.0f);
+    // Column blocks keep the rank x block accumulators within L2 (256 KiB)
+    // for very wide matrices; ResNet-sized ones are a single block.
+    const size_t block = std::max<size_t>(kLanes, (size_t{64} << 10) / r);
+    with_rank(rank, [&]<int R>() {
+      for (size_t c0 = 0; c0 < n; c0 += block) {
+        const size_t len = std::min(block, n - c0);
+        size_t i = 0;
+        for (; i + 4 <= static_cast<size_t>(rows); i += 4)
+          accumulate_rows<R, 4>(qt_.data() + c0, m + i * n + c0, p + i * r, n, len, r);
+        for (; i < static_cast<size_t>(rows); ++i)
+          accumulate_rows<R, 1>(qt_.data() + c0, m + i * n + c0, p + i * r, n, len, r);
+      }
+    });
+    for (size_t j = 0; j < n; ++j)
+      for (size_t k = 0; k < r; ++k) q[j * r + k] = qt_[k * n + j];
+  }
+
+  double reconstruct_and_residual(float* out, float* m, int64_t rows, int64_t cols, const float* p, const float* q,
+                                  int64_t rank) override {
+    detail::check_fused_arguments("reconstruct_and_residual", rows, cols, rank,
+                                  {{"out", out, rows * cols}, {"m", m, rows * cols}, {"p", p, rows * rank},
+                                   {"q", q, cols * rank}});
+    if (rows == 0 || cols == 0) return 0.0;
+    transpose_q(q, cols, rank);
+    const auto n = static_cast<size_t>(cols);
+    const auto r = static_cast<size_t>(rank);
+    double sum = 0.0;
+    with_rank(rank, [&]<int R>() {
+      for (size_t i = 0; i < static_cast<size_t>(rows); ++i)
+        sum += reconstruct_row<R>(out + i * n, m + i * n, p + i * r, qt_.data(), n, r);
+    });
+    return sum;
   }
 
   void synchronize() override {}
@@ -199,8 +406,17 @@ class CpuBackend final : public Backend {
     std::fill(colmajor_.begin() + static_cast<ptrdiff_t>(k) * m, colmajor_.end(), 0.0f);
   }
 
+  // qt_ = q^T: rank rows of cols floats.
+  void transpose_q(const float* q, int64_t cols, int64_t rank) {
+    const auto n = static_cast<size_t>(cols);
+    const auto r = static_cast<size_t>(rank);
+    qt_.resize(r * n);
+    for (size_t j = 0; j < n; ++j)
+      for (size_t k = 0; k < r; ++k) qt_[k * n + j] = q[j * r + k];
+  }
+
   // Scratch reused across calls (a backend is used from one thread at a time).
-  std::vector<float> colmajor_, tau_, work_;
+  std::vector<float> colmajor_, tau_, work_, qt_;
 };
 
 }  // namespace

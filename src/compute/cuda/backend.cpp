@@ -22,6 +22,9 @@ namespace {
 
 cublasOperation_t to_cublas(Transpose t) { return t == Transpose::No ? CUBLAS_OP_N : CUBLAS_OP_T; }
 
+// Row stride of a contiguous matrix with `cols` columns, as gemm accepts it (>= 1).
+int64_t ld(int64_t cols) { return std::max<int64_t>(1, cols); }
+
 // Scratch device memory that only grows; freed with the backend.
 class Scratch {
  public:
@@ -176,6 +179,44 @@ class CudaBackend final : public Backend {
       cuda::launch_gram_schmidt(m, rows, cols, batch, stride, epsilon, stream_);
     else
       householder_qr(m, rows, cols, batch, stride);
+  }
+
+  // The fused passes are compositions of the primitives above on this
+  // backend: the GPU's memory bandwidth makes the extra passes cheap next to the
+  // host's, and cuBLAS handles the skinny gemms without packing M.
+  double form_and_project(float* m, const float* a, const float* b, int64_t rows, int64_t cols, const float* q,
+                          int64_t rank, float* p) override {
+    detail::check_fused_arguments("form_and_project", rows, cols, rank,
+                                  {{"m", m, rows * cols}, {"a", a, rows * cols}, {"q", q, cols * rank},
+                                   {"p", p, rows * rank}});
+    const auto count = static_cast<size_t>(rows * cols);
+    if (b != nullptr)
+      subtract(m, a, b, count);
+    else
+      copy(m, a, count);
+    gemm(Transpose::No, Transpose::No, rows, rank, cols, 1.0f, m, ld(cols), 0, q, ld(rank), 0, 0.0f, p, ld(rank), 0,
+         1);
+    return squared_norm(m, count);
+  }
+
+  void project_transposed(const float* m, int64_t rows, int64_t cols, const float* p, int64_t rank,
+                          float* q) override {
+    detail::check_fused_arguments("project_transposed", rows, cols, rank,
+                                  {{"m", m, rows * cols}, {"p", p, rows * rank}, {"q", q, cols * rank}});
+    gemm(Transpose::Yes, Transpose::No, cols, rank, rows, 1.0f, m, ld(cols), 0, p, ld(rank), 0, 0.0f, q, ld(rank), 0,
+         1);
+  }
+
+  double reconstruct_and_residual(float* out, float* m, int64_t rows, int64_t cols, const float* p, const float* q,
+                                  int64_t rank) override {
+    detail::check_fused_arguments("reconstruct_and_residual", rows, cols, rank,
+                                  {{"out", out, rows * cols}, {"m", m, rows * cols}, {"p", p, rows * rank},
+                                   {"q", q, cols * rank}});
+    gemm(Transpose::No, Transpose::Yes, rows, cols, rank, 1.0f, p, ld(rank), 0, q, ld(rank), 0, 0.0f, out, ld(cols),
+         0, 1);
+    gemm(Transpose::No, Transpose::Yes, rows, cols, rank, 1.0f, p, ld(rank), 0, q, ld(rank), 0, -1.0f, m, ld(cols), 0,
+         1);
+    return squared_norm(m, static_cast<size_t>(rows * cols));
   }
 
   void synchronize() override {
