@@ -209,6 +209,177 @@ TEST_CASE("gemm: rejects bad leading dimensions, sizes and overlapping batches")
 
 // ---- element-wise ----
 
+// ---- fused PowerSGD passes ----
+
+// Error bound of a float dot product of `terms` products whose absolute values
+// sum to `magnitude` (the rule of check_gemm).
+double dot_tolerance(int64_t terms, double magnitude) {
+  const double k = static_cast<double>(terms);
+  return (std::min(k, 8.0 * std::sqrt(k)) + 4.0) * 2.0 * kUnitRoundoff * magnitude + 1e-30;
+}
+
+// A buffer of `count` values followed by sentinels that no operation may touch.
+struct Guarded {
+  std::vector<float> host;
+  DeviceBuffer dev;
+  size_t count;
+  Guarded(Backend& be, std::vector<float> values) : count(values.size()) {
+    host = std::move(values);
+    host.resize(count + 8, kSentinel);
+    dev = upload(be, host);
+  }
+  float* data() const { return dev.data(); }
+  std::vector<float> read(Backend& be) const {
+    std::vector<float> all = download(be, dev);
+    for (size_t i = count; i < all.size(); ++i) REQUIRE(all[i] == kSentinel);
+    all.resize(count);
+    return all;
+  }
+};
+
+struct FusedShape {
+  int64_t rows, cols, rank;
+};
+
+// Covers compile-time ranks 1 to 4 and the run-time path, row lengths with and
+// without a vector tail, the 4-row blocking of project_transposed (odd row
+// counts), PowerSGD-sized matrices and empty sizes.
+const std::vector<FusedShape> kFusedShapes = {
+    {1, 1, 1}, {3, 5, 2}, {7, 13, 3}, {9, 16, 4}, {5, 9, 5}, {4, 17, 7}, {64, 147, 2},
+    {33, 1000, 4}, {513, 37, 1}, {31, 600, 16}, {0, 5, 2}, {5, 0, 2}, {6, 4, 0}};
+
+TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||m||^2") {
+  for_each_backend([](Backend& be) {
+    uint32_t seed = 500;
+    for (const auto& s : kFusedShapes) {
+      for (int variant = 0; variant < 3; ++variant) {  // 0: m = a - b; 1: m = a (copy); 2: m = a - b in place
+        CAPTURE(s.rows);
+        CAPTURE(s.cols);
+        CAPTURE(s.rank);
+        CAPTURE(variant);
+        const auto mn = static_cast<size_t>(s.rows * s.cols);
+        const std::vector<float> a = random_vector(mn, ++seed, -4.0f, 4.0f);
+        const std::vector<float> b = random_vector(mn, ++seed, -4.0f, 4.0f);
+        const std::vector<float> q = random_vector(static_cast<size_t>(s.cols * s.rank), ++seed);
+        Guarded da(be, a), db(be, b), dm(be, std::vector<float>(mn, kSentinel)), dq(be, q),
+            dp(be, std::vector<float>(static_cast<size_t>(s.rows * s.rank), kSentinel));
+        float* m = variant == 2 ? da.data() : dm.data();
+        const double sum =
+            be.form_and_project(m, da.data(), variant == 1 ? nullptr : db.data(), s.rows, s.cols, dq.data(), s.rank, dp.data());
+        const std::vector<float> got_m = variant == 2 ? da.read(be) : dm.read(be);
+        const std::vector<float> got_p = dp.read(be);
+        double expected_sum = 0.0;
+        for (size_t i = 0; i < mn; ++i) {
+          const float expected = variant == 1 ? a[i] : a[i] - b[i];
+          REQUIRE(got_m[i] == expected);
+          expected_sum += static_cast<double>(expected) * expected;
+        }
+        CHECK(sum == doctest::Approx(expected_sum).epsilon(1e-12));
+        for (int64_t i = 0; i < s.rows; ++i)
+          for (int64_t k = 0; k < s.rank; ++k) {
+            double dot = 0.0, magnitude = 0.0;
+            for (int64_t j = 0; j < s.cols; ++j) {
+              const double term = static_cast<double>(got_m[static_cast<size_t>(i * s.cols + j)]) *
+                                  q[static_cast<size_t>(j * s.rank + k)];
+              dot += term;
+              magnitude += std::fabs(term);
+            }
+            const float got = got_p[static_cast<size_t>(i * s.rank + k)];
+            CAPTURE(i);
+            CAPTURE(k);
+            REQUIRE(std::fabs(got - dot) <= dot_tolerance(s.cols, magnitude));
+          }
+      }
+    }
+  });
+}
+
+TEST_CASE("project_transposed: q = m^T p") {
+  for_each_backend([](Backend& be) {
+    uint32_t seed = 600;
+    for (const auto& s : kFusedShapes) {
+      CAPTURE(s.rows);
+      CAPTURE(s.cols);
+      CAPTURE(s.rank);
+      const std::vector<float> m = random_vector(static_cast<size_t>(s.rows * s.cols), ++seed, -4.0f, 4.0f);
+      const std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
+      Guarded dm(be, m), dp(be, p), dq(be, std::vector<float>(static_cast<size_t>(s.cols * s.rank), kSentinel));
+      be.project_transposed(dm.data(), s.rows, s.cols, dp.data(), s.rank, dq.data());
+      const std::vector<float> got = dq.read(be);
+      CHECK(dm.read(be) == m);
+      for (int64_t j = 0; j < s.cols; ++j)
+        for (int64_t k = 0; k < s.rank; ++k) {
+          double dot = 0.0, magnitude = 0.0;
+          for (int64_t i = 0; i < s.rows; ++i) {
+            const double term =
+                static_cast<double>(m[static_cast<size_t>(i * s.cols + j)]) * p[static_cast<size_t>(i * s.rank + k)];
+            dot += term;
+            magnitude += std::fabs(term);
+          }
+          CAPTURE(j);
+          CAPTURE(k);
+          REQUIRE(std::fabs(got[static_cast<size_t>(j * s.rank + k)] - dot) <= dot_tolerance(s.rows, magnitude));
+        }
+    }
+  });
+}
+
+TEST_CASE("reconstruct_and_residual: out = p q^T, m = out - m, returns ||m||^2") {
+  for_each_backend([](Backend& be) {
+    uint32_t seed = 700;
+    for (const auto& s : kFusedShapes) {
+      CAPTURE(s.rows);
+      CAPTURE(s.cols);
+      CAPTURE(s.rank);
+      const auto mn = static_cast<size_t>(s.rows * s.cols);
+      const std::vector<float> m = random_vector(mn, ++seed, -4.0f, 4.0f);
+      const std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
+      const std::vector<float> q = random_vector(static_cast<size_t>(s.cols * s.rank), ++seed);
+      Guarded dm(be, m), dp(be, p), dq(be, q), dout(be, std::vector<float>(mn, std::nanf("")));
+      const double sum = be.reconstruct_and_residual(dout.data(), dm.data(), s.rows, s.cols, dp.data(), dq.data(), s.rank);
+      const std::vector<float> out = dout.read(be), residual = dm.read(be);
+      double got_sum = 0.0;
+      for (int64_t i = 0; i < s.rows; ++i)
+        for (int64_t j = 0; j < s.cols; ++j) {
+          double dot = 0.0, magnitude = 0.0;
+          for (int64_t k = 0; k < s.rank; ++k) {
+            const double term =
+                static_cast<double>(p[static_cast<size_t>(i * s.rank + k)]) * q[static_cast<size_t>(j * s.rank + k)];
+            dot += term;
+            magnitude += std::fabs(term);
+          }
+          const auto idx = static_cast<size_t>(i * s.cols + j);
+          const double tol = dot_tolerance(s.rank, magnitude);
+          CAPTURE(i);
+          CAPTURE(j);
+          REQUIRE(std::fabs(out[idx] - dot) <= tol);
+          const double expected = dot - m[idx];
+          REQUIRE(std::fabs(residual[idx] - expected) <= tol + 2.0 * kUnitRoundoff * (std::fabs(dot) + std::fabs(m[idx])));
+          got_sum += static_cast<double>(residual[idx]) * residual[idx];
+        }
+      CHECK(sum == doctest::Approx(got_sum).epsilon(1e-12));
+    }
+  });
+}
+
+TEST_CASE("fused passes reject bad sizes, ranks and null operands") {
+  for_each_backend([](Backend& be) {
+    DeviceBuffer buf = be.allocate(64);
+    float* d = buf.data();
+    CHECK_THROWS_AS(be.form_and_project(d, d + 8, nullptr, -1, 2, d + 16, 2, d + 24), InvalidArgumentError);
+    CHECK_THROWS_AS(be.form_and_project(d, d + 8, nullptr, 2, 2, d + 16, kMaxOrthoCols + 1, d + 24),
+                    InvalidArgumentError);
+    CHECK_THROWS_AS(be.form_and_project(d, nullptr, nullptr, 2, 2, d + 16, 2, d + 24), InvalidArgumentError);
+    CHECK_THROWS_AS(be.project_transposed(d, 2, -3, d + 16, 2, d + 24), InvalidArgumentError);
+    CHECK_THROWS_AS(be.project_transposed(d, 2, 2, d + 16, 2, nullptr), InvalidArgumentError);
+    CHECK_THROWS_AS(be.reconstruct_and_residual(d, d + 8, 2, 2, nullptr, d + 24, 1), InvalidArgumentError);
+    CHECK_THROWS_AS(be.reconstruct_and_residual(d, d + 8, 2, 2, d + 16, d + 24, -1), InvalidArgumentError);
+    // Empty operands may be null.
+    CHECK(be.form_and_project(nullptr, nullptr, nullptr, 0, 3, d, 2, nullptr) == 0.0);
+    CHECK(be.reconstruct_and_residual(nullptr, nullptr, 3, 0, d, nullptr, 2) == 0.0);
+  });
+}
+
 TEST_CASE("element-wise: fill, copy, add, scale, subtract match the reference") {
   for_each_backend([](Backend& be) {
     for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{1000003}}) {
