@@ -24,6 +24,11 @@
 #include "store/store.hpp"
 #include <gloo/types.h>
 
+#include "powersgd_build_config.h"
+#if PSGD_HAVE_IBVERBS
+#include <infiniband/verbs.h>
+#endif
+
 using namespace powersgd;
 using powersgd::transport::Algorithm;
 using powersgd::transport::GlooApi;
@@ -374,6 +379,32 @@ TEST_CASE("torchrun: rank 0 hosts the store on MASTER_PORT") {
   comm->allreduce(&x, 1, DataType::Float32);
   CHECK(x == static_cast<float>(comm->size()));
   comm->barrier();  // rank 0's store must outlive everyone's rendezvous
+}
+
+TEST_CASE("ibverbs: usable when an RDMA device exists, else a clear error naming the fix") {
+  CommOptions o = options("ibverbs");
+  o.transport = TransportKind::Ibverbs;
+  bool have_device = false;
+#if PSGD_HAVE_IBVERBS
+  int count = 0;
+  if (ibv_device** list = ibv_get_device_list(&count)) {
+    have_device = count > 0;
+    ibv_free_device_list(list);
+  }
+#endif
+  if (have_device) {
+    // Real hardware: the old-style algorithms must give exact sums.
+    auto comm = GlooCommunicator::create(o);
+    for (size_t count_ : {size_t{1}, size_t{65537}}) check_allreduce(*comm, DataType::Float32, count_, Algorithm::Auto);
+  } else {
+    try {
+      GlooCommunicator::create(o);
+      FAIL("expected UnsupportedError without an RDMA device");
+    } catch (const UnsupportedError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find("PSGD_TRANSPORT=tcp") != std::string::npos);
+    }
+  }
 }
 
 TEST_CASE("from_env: validation names the variable and the value") {
