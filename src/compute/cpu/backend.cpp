@@ -127,13 +127,18 @@ double form_project_row(float* m, const float* a, const float* b, const float* q
 template <int R, int Rows>
 void accumulate_rows(float* qt, const float* m, const float* p, size_t n, size_t len, size_t rank) {
   const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
+  // Local copies: stores through qt may alias p as far as the compiler knows,
+  // which would reload the coefficients in every iteration.
+  float coef[Rows][max_rank<R>()];
+  for (int i = 0; i < Rows; ++i)
+    for (size_t k = 0; k < r; ++k) coef[i][k] = p[static_cast<size_t>(i) * r + k];
   size_t j = 0;
   for (; j + kWidth <= len; j += kWidth) {
     v4f x[Rows];
     for (int i = 0; i < Rows; ++i) x[i] = load(m + static_cast<size_t>(i) * n + j);
     for (size_t k = 0; k < r; ++k) {
       v4f t = load(qt + k * n + j);
-      for (int i = 0; i < Rows; ++i) t += p[static_cast<size_t>(i) * r + k] * x[i];
+      for (int i = 0; i < Rows; ++i) t += coef[i][k] * x[i];
       store(qt + k * n + j, t);
     }
   }
@@ -146,11 +151,13 @@ void accumulate_rows(float* qt, const float* m, const float* p, size_t n, size_t
 template <int R>
 double reconstruct_row(float* out, float* m, const float* p, const float* qt, size_t n, size_t rank) {
   const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
+  float coef[max_rank<R>()];  // local: stores through out and m may alias p
+  for (size_t k = 0; k < r; ++k) coef[k] = p[k];
   SquareSum s0, s1;
   size_t j = 0;
   auto vector_at = [&](size_t at, SquareSum& s) {
     v4f o = {0, 0, 0, 0};
-    for (size_t k = 0; k < r; ++k) o += p[k] * load(qt + k * n + at);
+    for (size_t k = 0; k < r; ++k) o += coef[k] * load(qt + k * n + at);
     store(out + at, o);
     const v4f d = o - load(m + at);
     store(m + at, d);
