@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/check.hpp"
+#include "common/completion.hpp"
 #include "compute/backend.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/plan.hpp"
@@ -41,33 +42,16 @@ void Config::validate() const {
 
 // ---- ReduceHandle ----
 
-struct ReduceHandle::State {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool finished = false;
-  std::exception_ptr error;
-
-  void finish(std::exception_ptr e) {
-    {
-      std::lock_guard lock(mu);
-      finished = true;
-      error = std::move(e);
-    }
-    cv.notify_all();
-  }
-};
+struct ReduceHandle::State : Completion {};
 
 void ReduceHandle::wait() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "wait() on an empty ReduceHandle");
-  std::unique_lock lock(state_->mu);
-  state_->cv.wait(lock, [&] { return state_->finished; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  state_->wait();
 }
 
 bool ReduceHandle::done() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "done() on an empty ReduceHandle");
-  std::lock_guard lock(state_->mu);
-  return state_->finished;
+  return state_->done();
 }
 
 // ---- Reducer::Impl ----

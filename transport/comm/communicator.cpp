@@ -30,38 +30,22 @@
 #include "comm/device.hpp"
 #include "comm/reduce.hpp"
 #include "common/check.hpp"
+#include "common/completion.hpp"
 #include "common/log.hpp"
 #include "powersgd_build_config.h"
 
 namespace powersgd {
 
-struct Work::State {
-  std::mutex mutex;
-  std::condition_variable finished;
-  bool done = false;
-  std::exception_ptr error;
-
-  void finish(std::exception_ptr e) {
-    {
-      std::lock_guard lock(mutex);
-      done = true;
-      error = std::move(e);
-    }
-    finished.notify_all();
-  }
-};
+struct Work::State : Completion {};
 
 void Work::wait() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "Work::wait() on an empty Work handle");
-  std::unique_lock lock(state_->mutex);
-  state_->finished.wait(lock, [&] { return state_->done; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  state_->wait();
 }
 
 bool Work::done() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "Work::done() on an empty Work handle");
-  std::lock_guard lock(state_->mutex);
-  return state_->done;
+  return state_->done();
 }
 
 std::unique_ptr<Communicator> Communicator::create(const CommOptions& options) {
