@@ -4,5 +4,5 @@
 #   scripts/demo.sh [extra arguments for the example trainer]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh build -Dbuildtype=release
+scripts/setup.sh build
 exec build/tools/run/powersgd-run -n 4 --timeout 900 -- build/examples/train-fashion-mnist "$@"

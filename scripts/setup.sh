@@ -29,7 +29,7 @@ if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"
 build_dir=${1:?usage: scripts/setup.sh BUILD_DIR [meson options...]}
 shift
 if [ -f "$build_dir/build.ninja" ]; then
-  meson configure "$build_dir" "$@" >/dev/null
+  [ $# -eq 0 ] || meson configure "$build_dir" "$@" >/dev/null
 else
   meson setup "$build_dir" "$@"
 fi
