@@ -53,6 +53,10 @@ struct CommOptions {
   // From RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (or OMPI_*, PMI_*, SLURM_*) and
   // PSGD_* (docs/env.md). Throws InvalidArgumentError naming a bad variable.
   static CommOptions from_env();
+
+  // A world of one: rank 0 of 1, hosting its own store on a free loopback port.
+  // For single-process runs (benchmarks, tests, a trainer without a launcher).
+  static CommOptions single_process();
 };
 
 class Communicator;

@@ -682,32 +682,33 @@ class Reducer::Impl {
     stats_.numel_before += static_cast<uint64_t>(plan.numel);
     stats_.numel_after += static_cast<uint64_t>(plan.p_numel + plan.q_numel + plan.packed_numel);
   }
+  // Calls f(bucket_index, work_index) for every element of the bucket: where it
+  // lies in the user's buffer and where in the work layout (the bucket's own
+  // order for the whole-bucket variant, else regrouped by tensor).
+  template <typename F>
+  static void for_each_element(const BucketPlan& plan, F&& f) {
+    if (plan.whole) {
+      for (size_t k = 0; k < static_cast<size_t>(plan.numel); ++k) f(k, k);
+      return;
+    }
+    for (const auto& t : plan.tensors)
+      for (int64_t k = 0; k < t.numel; ++k) f(static_cast<size_t>(t.offset + k), static_cast<size_t>(t.work_offset + k));
+  }
+
   // This rank's error memory in the bucket's layout (host). Worker thread.
   std::vector<float> read_error(const Bucket& s) {
-    const BucketPlan& plan = s.plan;
     std::vector<float> nerr(s.nerr.size());
     backend_->copy_to_host(nerr.data(), s.nerr.data(), nerr.size());
-    std::vector<float> error(static_cast<size_t>(plan.numel));
-    if (plan.whole) {
-      for (size_t k = 0; k < error.size(); ++k) error[k] = -nerr[k];
-    } else {
-      for (const auto& t : plan.tensors)
-        for (int64_t k = 0; k < t.numel; ++k)
-          error[static_cast<size_t>(t.offset + k)] = -nerr[static_cast<size_t>(t.work_offset + k)];
-    }
+    std::vector<float> error(static_cast<size_t>(s.plan.numel));
+    for_each_element(s.plan, [&](size_t i, size_t w) { error[i] = -nerr[w]; });
     return error;
   }
 
   void write_error(Bucket& s, const std::vector<float>& error) {
-    const BucketPlan& plan = s.plan;
+    PSGD_ASSERT(error.size() == static_cast<size_t>(s.plan.numel), "error memory of ", error.size(),
+                " floats for a bucket of ", s.plan.numel);
     std::vector<float> nerr(s.nerr.size(), 0.0f);
-    if (plan.whole) {
-      for (size_t k = 0; k < error.size(); ++k) nerr[k] = -error[k];
-    } else {
-      for (const auto& t : plan.tensors)
-        for (int64_t k = 0; k < t.numel; ++k)
-          nerr[static_cast<size_t>(t.work_offset + k)] = -error[static_cast<size_t>(t.offset + k)];
-    }
+    for_each_element(s.plan, [&](size_t i, size_t w) { nerr[w] = -error[i]; });
     backend_->copy_from_host(s.nerr.data(), nerr.data(), nerr.size());
   }
 

@@ -13,19 +13,13 @@
 #include "engine_reference.hpp"
 
 using namespace powersgd;
+using powersgd::test::config_for;
 using powersgd::test::gradients;
 using powersgd::test::relative_difference;
 
 namespace {
 
-std::unique_ptr<Communicator> solo() {
-  CommOptions o;
-  o.rank = 0;
-  o.world_size = 1;
-  o.host_store = true;
-  o.address = "127.0.0.1";
-  return Communicator::create(o);
-}
+std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
 
 // Reduces host vector g through device memory.
 void reduce_on(compute::Backend& device, Reducer& r, int b, std::vector<float>& g) {
@@ -46,13 +40,7 @@ TEST_CASE("cuda engine: every option equals the CPU engine") {
   auto device = compute::make_cuda_backend(0);
   for (int rank : {1, 2, 4})
     for (int flags = 0; flags < 16; ++flags) {
-      Config c;
-      c.rank = rank;
-      c.start_iter = 1;
-      c.error_feedback = flags & 1;
-      c.warm_start = flags & 2;
-      c.batch_same_shape = flags & 4;
-      c.whole_bucket = flags & 8;
+      Config c = config_for(rank, flags);
       CAPTURE(rank);
       CAPTURE(flags);
       Reducer cpu(*comm, c);

@@ -17,6 +17,7 @@
 
 using namespace powersgd;
 using powersgd::test::Reference;
+using powersgd::test::config_for;
 using powersgd::test::gradients;
 using powersgd::test::relative_difference;
 
@@ -94,13 +95,7 @@ TEST_CASE("reference: W ranks against the double-precision reference, every opti
   const int world = comm->size();
   for (int flags = 0; flags < 16; ++flags)
     for (int rank : {1, 3}) {
-      Config c;
-      c.rank = rank;
-      c.start_iter = 1;
-      c.error_feedback = flags & 1;
-      c.warm_start = flags & 2;
-      c.batch_same_shape = flags & 4;
-      c.whole_bucket = flags & 8;
+      Config c = config_for(rank, flags);
       CAPTURE(flags);
       CAPTURE(rank);
       Reducer reducer(*comm, c);

@@ -154,4 +154,17 @@ inline double relative_difference(const std::vector<float>& a, const std::vector
   return diff / (1.0 + scale);
 }
 
+// Compressing from step 1 at `rank`, with the options that bits of `flags` turn
+// on: 1 error feedback, 2 warm start, 4 same-shape batching, 8 whole bucket.
+inline Config config_for(int rank, int flags) {
+  Config c;
+  c.rank = rank;
+  c.start_iter = 1;
+  c.error_feedback = flags & 1;
+  c.warm_start = flags & 2;
+  c.batch_same_shape = flags & 4;
+  c.whole_bucket = flags & 8;
+  return c;
+}
+
 }  // namespace powersgd::test

@@ -21,20 +21,13 @@
 
 using namespace powersgd;
 using powersgd::test::Reference;
+using powersgd::test::config_for;
 using powersgd::test::gradients;
 using powersgd::test::relative_difference;
 
 namespace {
 
-std::unique_ptr<Communicator> solo() {
-  CommOptions o;
-  o.rank = 0;
-  o.world_size = 1;
-  o.host_store = true;
-  o.store_port = 0;
-  o.address = "127.0.0.1";
-  return Communicator::create(o);
-}
+std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
 
 std::string error_of(const std::function<void()>& fn) {
   try {
@@ -126,13 +119,7 @@ TEST_CASE("step: every option against the double-precision reference") {
   int combos = 0;
   for (int rank : {1, 2, 3, 5})
     for (int flags = 0; flags < 32; ++flags) {
-      Config c;
-      c.rank = rank;
-      c.start_iter = 1;
-      c.error_feedback = flags & 1;
-      c.warm_start = flags & 2;
-      c.batch_same_shape = flags & 4;
-      c.whole_bucket = flags & 8;
+      Config c = config_for(rank, flags);
       c.min_compression_rate = (flags & 16) ? 0.0 : 2.0;  // 0: r > min(n, m) is exercised
       c.orthogonalization_epsilon = rank == 2 ? 1e-3 : 0.0;
       c.seed = static_cast<uint64_t>(flags);

@@ -113,13 +113,7 @@ std::pair<double, double> stream_bandwidth() {
 
 std::unique_ptr<Communicator> make_comm() {
   if (std::getenv("WORLD_SIZE") != nullptr) return Communicator::from_env();
-  CommOptions o;  // alone: a private store on a free loopback port
-  o.rank = 0;
-  o.world_size = 1;
-  o.host_store = true;
-  o.store_port = 0;
-  o.address = "127.0.0.1";
-  return Communicator::create(o);
+  return Communicator::create(CommOptions::single_process());  // alone: a private store
 }
 
 double median(std::vector<double> v) {

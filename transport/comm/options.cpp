@@ -27,6 +27,16 @@ int parse_int(const env::Found& found, int min, int max, const char* expected) {
 
 }  // namespace
 
+CommOptions CommOptions::single_process() {
+  CommOptions o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.host_store = true;
+  o.store_port = 0;
+  o.address = "127.0.0.1";
+  return o;
+}
+
 CommOptions CommOptions::from_env() {
   CommOptions o;
   auto world = env::first_of({"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"});

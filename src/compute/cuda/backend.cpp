@@ -126,25 +126,11 @@ class CudaBackend final : public Backend {
   }
 
   double squared_norm(const float* x, size_t count) override {
-    activate();
-    auto* sum = static_cast<double*>(result_);
-    PSGD_CUDA_CHECK(cudaMemsetAsync(sum, 0, sizeof(double), stream_));
-    cuda::launch_squared_norm(x, count, sum, stream_);
-    double host = 0.0;
-    PSGD_CUDA_CHECK(cudaMemcpyAsync(&host, sum, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-    PSGD_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return host;
+    return read_back<double>([&](double* sum) { cuda::launch_squared_norm(x, count, sum, stream_); });
   }
 
   bool all_finite(const float* x, size_t count) override {
-    activate();
-    auto* flag = static_cast<int*>(result_);
-    PSGD_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream_));
-    cuda::launch_find_nonfinite(x, count, flag, stream_);
-    int host = 0;
-    PSGD_CUDA_CHECK(cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, stream_));
-    PSGD_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return host == 0;
+    return read_back<int>([&](int* flag) { cuda::launch_find_nonfinite(x, count, flag, stream_); }) == 0;
   }
 
   void gemm(Transpose trans_a, Transpose trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
@@ -222,6 +208,22 @@ class CudaBackend final : public Backend {
   void synchronize() override {
     activate();
     PSGD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  // Runs a reduction kernel into the zeroed device scalar result_ and returns it
+  // on the host; waits for the stream (the caller needs the value now).
+  template <typename T, typename Launch>
+  T read_back(Launch&& launch) {
+    static_assert(sizeof(T) <= kResultBytes);
+    activate();
+    auto* result = static_cast<T*>(result_);
+    PSGD_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(T), stream_));
+    launch(result);
+    T host{};
+    PSGD_CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(T), cudaMemcpyDeviceToHost, stream_));
+    PSGD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return host;
   }
 
  protected:
