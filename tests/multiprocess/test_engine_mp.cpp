@@ -5,6 +5,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "support/doctest_main.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -348,6 +350,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "test_engine_mp: WORLD_SIZE is not set; run under powersgd-run (skipped)\n");
     return 77;
   }
-  doctest::Context context(argc, argv);
-  return context.run();
+  return powersgd::testing::run_selected_tests(argc, argv);
 }

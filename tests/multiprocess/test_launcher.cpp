@@ -6,6 +6,8 @@
 // (skipped) when that is missing; the rest goes to doctest.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -672,5 +674,5 @@ int main(int argc, char** argv) {
   }
   doctest::Context context;
   context.applyCommandLine(static_cast<int>(rest.size()), rest.data());
-  return context.run();
+  return powersgd::testing::run_selected_tests(context);
 }
