@@ -170,3 +170,13 @@ TEST_CASE("is_loopback and local_address_towards on loopback hosts") {
   CHECK(local_address_towards("127.0.0.9", kMasterAddr) == "127.0.0.1");
   CHECK(local_address_towards("localhost", kMasterAddr) == "127.0.0.1");
 }
+
+TEST_CASE("require_bindable accepts this host's addresses and names PSGD_ADDR otherwise") {
+  CHECK_NOTHROW(require_bindable("127.0.0.1"));
+  CHECK_NOTHROW(require_bindable("localhost"));
+  // A numeric address of no local interface: resolving sends nothing, binding fails.
+  CHECK_THROWS_WITH_AS(require_bindable("192.0.2.1"),
+                       "PSGD_ADDR='192.0.2.1' cannot be bound on this host: Cannot assign requested address "
+                       "(expected an address of one of this host's interfaces)",
+                       InvalidArgumentError);
+}

@@ -22,15 +22,28 @@ struct AddrInfoDeleter {
 };
 using AddrInfo = std::unique_ptr<addrinfo, AddrInfoDeleter>;
 
-AddrInfo resolve(const std::string& host, const HostRole& role) {
+// getaddrinfo's error as text.
+std::string lookup_error(int rc) {
+  return rc == EAI_SYSTEM ? detail::errno_text(errno) : std::string(gai_strerror(rc));
+}
+
+// Name resolution only; `rc` is getaddrinfo's result. `service`: the port in
+// the results (nullptr: 0).
+AddrInfo lookup(const std::string& host, int socktype, const char* service, int& rc) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_socktype = socktype;
   addrinfo* result = nullptr;
-  int rc = getaddrinfo(host.c_str(), "9", &hints, &result);
-  PSGD_REQUIRE(rc == 0, IoError, role.role, " '", host, "' does not resolve: ",
-               rc == EAI_SYSTEM ? detail::errno_text(errno) : std::string(gai_strerror(rc)), fix_note(role));
-  return AddrInfo(result);
+  rc = getaddrinfo(host.c_str(), service, &hints, &result);
+  return AddrInfo(rc == 0 ? result : nullptr);
+}
+
+AddrInfo resolve(const std::string& host, const HostRole& role) {
+  int rc = 0;
+  // Port 9 (discard): connect() on a UDP socket wants one, and sends nothing to it.
+  AddrInfo info = lookup(host, SOCK_DGRAM, "9", rc);
+  PSGD_REQUIRE(rc == 0, IoError, role.role, " '", host, "' does not resolve: ", lookup_error(rc), fix_note(role));
+  return info;
 }
 
 bool is_loopback_sockaddr(const sockaddr* addr) {
@@ -75,6 +88,22 @@ std::string local_address_towards(const std::string& host, const HostRole& role)
   }
   PSGD_THROW(IoError, "cannot find the local address that reaches ", role.role, " '", host,
              "': ", detail::errno_text(err), fix_note(role));
+}
+
+void require_bindable(const std::string& address) {
+  int rc = 0;
+  AddrInfo info = lookup(address, SOCK_STREAM, nullptr, rc);  // port 0: any free port
+  PSGD_REQUIRE(rc == 0, InvalidArgumentError, "PSGD_ADDR='", address, "' does not resolve: ", lookup_error(rc),
+               " (expected a local address or hostname)");
+  int err = EADDRNOTAVAIL;
+  for (const addrinfo* p = info.get(); p != nullptr; p = p->ai_next) {
+    // Each of the address's families in turn: a failure only matters if all fail.
+    Fd socket(::socket(p->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (socket && ::bind(socket.get(), p->ai_addr, p->ai_addrlen) == 0) return;
+    err = errno;
+  }
+  PSGD_REQUIRE(false, InvalidArgumentError, "PSGD_ADDR='", address, "' cannot be bound on this host: ",
+               detail::errno_text(err), " (expected an address of one of this host's interfaces)");
 }
 
 }  // namespace powersgd::transport

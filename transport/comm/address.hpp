@@ -30,4 +30,9 @@ bool is_loopback(const std::string& host, const HostRole& role);
 // nothing). Blocking. Throws IoError naming the host, its role and the fix.
 std::string local_address_towards(const std::string& host, const HostRole& role);
 
+// Checks that `address` (PSGD_ADDR) resolves to something this host can bind
+// (Gloo resolves and binds it itself, but crashes on an unresolvable one).
+// Throws InvalidArgumentError naming PSGD_ADDR otherwise.
+void require_bindable(const std::string& address);
+
 }  // namespace powersgd::transport
