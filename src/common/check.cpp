@@ -8,7 +8,13 @@ void throw_internal(const char* expr, const char* file, int line, const std::str
 }
 
 void throw_system(const char* call, const char* file, int line, int err) {
-  throw IoError(concat(call, " failed at ", file, ":", line, ": ", std::strerror(err)));
+  throw IoError(concat(call, " failed at ", file, ":", line, ": ", errno_text(err)));
+}
+
+std::string errno_text(int err) {
+  char buffer[256];
+  // GNU strerror_r: returns the text, in `buffer` or a static string.
+  return strerror_r(err, buffer, sizeof(buffer));
 }
 
 }  // namespace powersgd::detail

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/check.hpp"
+#include "common/fd.hpp"
 
 namespace powersgd::engine {
 namespace {
@@ -33,15 +34,8 @@ constexpr std::array<uint32_t, 256> make_crc_table() {
 }
 constexpr auto kCrcTable = make_crc_table();
 
-void write_all(int fd, const void* data, size_t size, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t n = ::write(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    PSGD_REQUIRE(n > 0, IoError, "writing checkpoint ", path, ": ", std::strerror(errno));
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
+void write_fully(int fd, const void* data, size_t size, const std::string& path) {
+  if (int err = write_all(fd, data, size); err != 0) PSGD_THROW_ERRNO(IoError, err, "writing checkpoint ", path);
 }
 
 // Reads up to `size` bytes; returns how many (fewer only at end of file).
@@ -57,21 +51,6 @@ size_t read_some(int fd, void* data, size_t size, const std::string& path) {
   }
   return total;
 }
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
 
 }  // namespace
 
@@ -102,8 +81,8 @@ void write_checkpoint(const std::string& path, const std::vector<char>& payload)
   const std::string tmp = path + ".tmp";
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   PSGD_REQUIRE(fd.get() >= 0, IoError, "cannot create checkpoint file ", tmp, ": ", std::strerror(errno));
-  write_all(fd.get(), &header, sizeof(header), tmp);
-  write_all(fd.get(), payload.data(), payload.size(), tmp);
+  write_fully(fd.get(), &header, sizeof(header), tmp);
+  write_fully(fd.get(), payload.data(), payload.size(), tmp);
   PSGD_REQUIRE(::fsync(fd.get()) == 0, IoError, "fsync of checkpoint ", tmp, ": ", std::strerror(errno));
   PSGD_REQUIRE(::close(fd.release()) == 0, IoError, "closing checkpoint ", tmp, ": ", std::strerror(errno));
   PSGD_REQUIRE(::rename(tmp.c_str(), path.c_str()) == 0, IoError, "renaming checkpoint ", tmp, " to ", path, ": ",

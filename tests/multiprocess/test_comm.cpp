@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
-#include "comm/reduce.hpp"
+#include "comm/dtype.hpp"
 #include "store/store.hpp"
 #include <gloo/types.h>
 

@@ -2,13 +2,11 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
-#include <linux/close_range.h>
 #include <vector>
 
 #include "common/check.hpp"
@@ -26,7 +24,13 @@ namespace {
     ::dup2(null_fd, 1);  // keeps no reader of the launcher's stdout waiting; stderr stays for warnings
   }
   ::dup2(pipe_fd, 3);
-  ::syscall(SYS_close_range, 4U, ~0U, 0U);
+  // The watchdog must hold no end of the launcher's pipes (a worker's output
+  // would never reach EOF). Failing that, it is better without a watchdog.
+  if (int err = close_descriptors_from(4, false); err != 0) {
+    std::fprintf(stderr, "powersgd-run: warning: watchdog cannot close inherited descriptors: %s\n",
+                 detail::errno_text(err).c_str());
+    ::_exit(1);
+  }
 
   std::vector<pid_t> groups;
   std::vector<std::string> namespaces;
@@ -72,8 +76,8 @@ Guardian::Guardian() {
 
 void Guardian::send(const std::string& message) {
   // Losing the watchdog only loses the protection against the launcher being killed.
-  if (pipe_ && !write_all(pipe_.get(), message.data(), message.size()))
-    std::fprintf(stderr, "powersgd-run: warning: lost the watchdog process: %s\n", std::strerror(errno));
+  if (int err = pipe_ ? write_all(pipe_.get(), message.data(), message.size()) : 0; err != 0)
+    std::fprintf(stderr, "powersgd-run: warning: lost the watchdog process: %s\n", detail::errno_text(err).c_str());
 }
 
 void Guardian::watch_group(pid_t pgid) { send(detail::concat("group ", pgid, "\n")); }

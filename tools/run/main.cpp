@@ -1,11 +1,8 @@
 // powersgd-run: the launcher. Usage and design: `powersgd-run --help`, docs/launcher.md.
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/random.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -13,7 +10,9 @@
 #include <memory>
 #include <thread>
 
+#include "comm/address.hpp"
 #include "common/check.hpp"
+#include "common/fd.hpp"
 #include "guardian.hpp"
 #include "netns.hpp"
 #include "options.hpp"
@@ -30,10 +29,7 @@ std::string random_hex(size_t bytes) {
   std::vector<unsigned char> data(bytes);
   size_t filled = 0;
   while (filled < bytes) {
-    ssize_t n = ::getrandom(data.data() + filled, bytes - filled, 0);
-    if (n < 0 && errno == EINTR) continue;
-    PSGD_CHECK_SYS(n);
-    filled += static_cast<size_t>(n);
+    filled += static_cast<size_t>(PSGD_CHECK_SYS_RETRY(::getrandom(data.data() + filled, bytes - filled, 0)));
   }
   static const char digits[] = "0123456789abcdef";
   std::string hex;
@@ -44,62 +40,27 @@ std::string random_hex(size_t bytes) {
   return hex;
 }
 
-bool is_loopback(const sockaddr* address) {
-  if (address->sa_family == AF_INET)
-    return (ntohl(reinterpret_cast<const sockaddr_in*>(address)->sin_addr.s_addr) >> 24) == 127;
-  if (address->sa_family == AF_INET6)
-    return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
-  return false;
-}
-
-struct AddrInfo {
-  addrinfo* list = nullptr;
-  ~AddrInfo() {
-    if (list != nullptr) freeaddrinfo(list);
-  }
-};
-
-// Resolves `host` (a name lookup only: nothing is sent to the host itself).
-void resolve(const std::string& host, AddrInfo& info) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  int rc = getaddrinfo(host.c_str(), "9", &hints, &info.list);
-  PSGD_REQUIRE(rc == 0, InvalidArgumentError, "host '", host, "' does not resolve: ", gai_strerror(rc));
-}
+// Every host problem found before the job starts is a bad command line (exit 2).
+constexpr transport::HostRole kHost{"host"};
+constexpr transport::HostRole kHostRoute{"host",
+                                         "give the address workers should use to reach the launcher with --master-addr"};
 
 bool all_loopback(const std::vector<Host>& hosts) {
-  for (const auto& h : hosts) {
-    AddrInfo info;
-    resolve(h.name, info);
-    for (addrinfo* p = info.list; p != nullptr; p = p->ai_next)
-      if (!is_loopback(p->ai_addr)) return false;
+  try {
+    for (const auto& h : hosts)
+      if (!transport::is_loopback(h.name, kHost)) return false;
+    return true;
+  } catch (const IoError& e) {
+    throw InvalidArgumentError(e.what());
   }
-  return true;
 }
 
-// The local address the kernel would use to reach `host`: connect() on a UDP
-// socket only chooses a route and sends nothing.
 std::string local_address_towards(const std::string& host) {
-  AddrInfo info;
-  resolve(host, info);
-  for (addrinfo* p = info.list; p != nullptr; p = p->ai_next) {
-    int fd = ::socket(p->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    Fd socket(fd);
-    sockaddr_storage local{};
-    socklen_t length = sizeof local;
-    if (::connect(fd, p->ai_addr, p->ai_addrlen) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0)
-      continue;
-    char text[INET6_ADDRSTRLEN] = {};
-    const void* raw = local.ss_family == AF_INET
-                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-    if (::inet_ntop(local.ss_family, raw, text, sizeof text) != nullptr) return text;
+  try {
+    return transport::local_address_towards(host, kHostRoute);
+  } catch (const IoError& e) {
+    throw InvalidArgumentError(e.what());
   }
-  PSGD_THROW(InvalidArgumentError, "cannot find this machine's address towards host '", host,
-             "': give the address workers should use to reach the launcher with --master-addr");
 }
 
 // Creates the store with its listening socket inside the network namespace
@@ -174,7 +135,7 @@ int run_job(const Options& options, int signal_fd) {
   const std::string run_id = random_hex(8);
   auto placements = place_ranks(options);
   char cwd[4096];
-  PSGD_REQUIRE(::getcwd(cwd, sizeof cwd) != nullptr, IoError, "getcwd: ", std::strerror(errno));
+  if (::getcwd(cwd, sizeof cwd) == nullptr) PSGD_THROW_ERRNO(IoError, errno, "getcwd");
 
   SshOptions ssh = options.ssh;
   if (options.mode == Mode::Ssh) ssh.command[0] = resolve_program(ssh.command[0]);
@@ -274,7 +235,7 @@ int main(int argc, char** argv) {
   try {
     PSGD_CHECK_SYS(::sigprocmask(SIG_BLOCK, &set, nullptr));
     ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill the launcher (and its cleanup)
-    run::Fd signal_fd(PSGD_CHECK_SYS(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)));
+    Fd signal_fd(PSGD_CHECK_SYS(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)));
     return run::run_job(options, signal_fd.get());
   } catch (const InvalidArgumentError& e) {
     std::fprintf(stderr, "powersgd-run: error: %s\n", e.what());

@@ -68,9 +68,7 @@ EmulatedCluster::EmulatedCluster(int hosts, uint64_t rate_bits,
   std::string br = prefix + "br";
   auto open_ns = [](const std::string& name) {
     std::string path = "/run/netns/" + name;
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    PSGD_REQUIRE(fd >= 0, IoError, "cannot open ", path, ": ", std::strerror(errno));
-    return Fd(fd);
+    return Fd(PSGD_CHECK_SYS_MSG(::open(path.c_str(), O_RDONLY | O_CLOEXEC), IoError, "cannot open ", path));
   };
   // tbf reaches its rate only with a bucket of at least ~1 ms of traffic and
   // 128 KiB (shared/notes/cluster-emulation.md); latency bounds its queue.

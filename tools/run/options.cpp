@@ -82,13 +82,11 @@ EXIT STATUS
   1         the launcher failed while starting the job (e.g. namespace setup)
 )";
 
-[[noreturn]] void bad(const std::string& message) { throw InvalidArgumentError(message); }
-
 int parse_positive_int(const std::string& text, const std::string& what) {
   int value = 0;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (ec != std::errc() || end != text.data() + text.size() || value < 1)
-    bad(detail::concat(what, " '", text, "' is not a positive integer"));
+    PSGD_THROW(InvalidArgumentError, what, " '", text, "' is not a positive integer");
   return value;
 }
 
@@ -104,8 +102,8 @@ void add_host(std::vector<Host>& hosts, Host host) {
 
 std::chrono::milliseconds seconds_option(double seconds, const char* name, bool allow_zero) {
   if (!std::isfinite(seconds) || seconds < 0 || (!allow_zero && seconds == 0) || seconds > 1e7)
-    bad(detail::concat(name, " ", seconds, " is out of range: expected ", allow_zero ? "0 (none) or " : "",
-                       "a positive number of seconds"));
+    PSGD_THROW(InvalidArgumentError, name, " ", seconds, " is out of range: expected ",
+               allow_zero ? "0 (none) or " : "", "a positive number of seconds");
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000.0)));
 }
 
@@ -136,15 +134,18 @@ std::vector<Host> parse_host_list(const std::string& list) {
   std::vector<Host> hosts;
   std::stringstream in(list);
   for (std::string item; std::getline(in, item, ',');) {
-    if (item.empty()) bad(detail::concat("--hosts '", list, "' has an empty entry: expected host[:slots],..."));
+    if (item.empty())
+      PSGD_THROW(InvalidArgumentError, "--hosts '", list, "' has an empty entry: expected host[:slots],...");
     Host host;
     std::string slots;
     if (item.front() == '[') {  // [IPv6]:slots
       auto close = item.find(']');
-      if (close == std::string::npos) bad(detail::concat("--hosts entry '", item, "' lacks the closing ']'"));
+      if (close == std::string::npos)
+        PSGD_THROW(InvalidArgumentError, "--hosts entry '", item, "' lacks the closing ']'");
       host.name = item.substr(1, close - 1);
       if (close + 1 < item.size()) {
-        if (item[close + 1] != ':') bad(detail::concat("--hosts entry '", item, "': expected [address]:slots"));
+        if (item[close + 1] != ':')
+          PSGD_THROW(InvalidArgumentError, "--hosts entry '", item, "': expected [address]:slots");
         slots = item.substr(close + 2);
       }
     } else {
@@ -152,18 +153,18 @@ std::vector<Host> parse_host_list(const std::string& list) {
       host.name = item.substr(0, colon);
       if (colon != std::string::npos) slots = item.substr(colon + 1);
     }
-    if (host.name.empty()) bad(detail::concat("--hosts entry '", item, "' has no host name"));
+    if (host.name.empty()) PSGD_THROW(InvalidArgumentError, "--hosts entry '", item, "' has no host name");
     if (!slots.empty() || item.back() == ':')
       host.slots = parse_positive_int(slots, detail::concat("--hosts entry '", item, "': slot count"));
     add_host(hosts, std::move(host));
   }
-  if (hosts.empty()) bad("--hosts is empty: expected host[:slots],...");
+  if (hosts.empty()) PSGD_THROW(InvalidArgumentError, "--hosts is empty: expected host[:slots],...");
   return hosts;
 }
 
 std::vector<Host> parse_hostfile(const std::string& path) {
   std::ifstream in(path);
-  if (!in) bad(detail::concat("cannot read hostfile '", path, "': ", std::strerror(errno)));
+  if (!in) PSGD_THROW_ERRNO(InvalidArgumentError, errno, "cannot read hostfile '", path, "'");
   std::vector<Host> hosts;
   int number = 0;
   for (std::string line; std::getline(in, line);) {
@@ -172,7 +173,7 @@ std::vector<Host> parse_hostfile(const std::string& path) {
     auto words = split_blanks(line);
     if (words.empty()) continue;
     std::string where = detail::concat("hostfile ", path, " line ", number);
-    if (words.size() > 2) bad(detail::concat(where, ": '", line, "': expected 'host [slots]'"));
+    if (words.size() > 2) PSGD_THROW(InvalidArgumentError, where, ": '", line, "': expected 'host [slots]'");
     Host host{words[0], 1};
     if (words.size() == 2) {
       std::string slots = words[1];
@@ -181,8 +182,8 @@ std::vector<Host> parse_hostfile(const std::string& path) {
     }
     add_host(hosts, std::move(host));
   }
-  if (in.bad()) bad(detail::concat("cannot read hostfile '", path, "': ", std::strerror(errno)));
-  if (hosts.empty()) bad(detail::concat("hostfile '", path, "' names no host"));
+  if (in.bad()) PSGD_THROW_ERRNO(InvalidArgumentError, errno, "cannot read hostfile '", path, "'");
+  if (hosts.empty()) PSGD_THROW(InvalidArgumentError, "hostfile '", path, "' names no host");
   return hosts;
 }
 
@@ -202,12 +203,12 @@ uint64_t parse_rate(const std::string& text) {
   std::string number_text = text.substr(0, digits);
   auto [end, ec] = std::from_chars(number_text.data(), number_text.data() + number_text.size(), number);
   if (scale == 0 || number_text.empty() || ec != std::errc() || end != number_text.data() + number_text.size())
-    bad(detail::concat("--link-rate '", text, "' is not a rate: expected a number with unit bit, kbit, mbit, gbit "
-                       "or tbit, e.g. 1gbit"));
+    PSGD_THROW(InvalidArgumentError, "--link-rate '", text,
+               "' is not a rate: expected a number with unit bit, kbit, mbit, gbit or tbit, e.g. 1gbit");
   double bits = number * scale;
   // tbf cannot shape below a few kbit/s usefully, nor above what the kernel's u64 rate holds.
   if (bits < 8000 || bits > 1e14)
-    bad(detail::concat("--link-rate '", text, "' is out of range: expected 8kbit to 100tbit"));
+    PSGD_THROW(InvalidArgumentError, "--link-rate '", text, "' is out of range: expected 8kbit to 100tbit");
   return static_cast<uint64_t>(bits);
 }
 
@@ -219,13 +220,13 @@ std::string resolve_program(const std::string& program) {
     if (access(path.c_str(), X_OK) != 0) return EACCES;
     return 0;
   };
-  if (program.empty()) bad("the program to run is empty");
+  if (program.empty()) PSGD_THROW(InvalidArgumentError, "the program to run is empty");
   if (program.find('/') != std::string::npos) {
     int err = check(program);
-    if (err == ENOENT) bad(detail::concat("program '", program, "' does not exist"));
-    if (err != 0) bad(detail::concat("program '", program, "' is not an executable file"));
+    if (err == ENOENT) PSGD_THROW(InvalidArgumentError, "program '", program, "' does not exist");
+    if (err != 0) PSGD_THROW(InvalidArgumentError, "program '", program, "' is not an executable file");
     char* real = realpath(program.c_str(), nullptr);
-    if (real == nullptr) bad(detail::concat("program '", program, "': ", std::strerror(errno)));
+    if (real == nullptr) PSGD_THROW_ERRNO(InvalidArgumentError, errno, "program '", program, "'");
     std::string path(real);
     std::free(real);
     return path;
@@ -236,7 +237,7 @@ std::string resolve_program(const std::string& program) {
     std::string candidate = (dir.empty() ? std::string(".") : dir) + "/" + program;
     if (check(candidate) == 0) return candidate;
   }
-  bad(detail::concat("program '", program, "' was not found in PATH, or is not executable there"));
+  PSGD_THROW(InvalidArgumentError, "program '", program, "' was not found in PATH, or is not executable there");
 }
 
 std::vector<Placement> place_ranks(const Options& options) {
@@ -345,24 +346,26 @@ ParseResult parse_command_line(int argc, char** argv) {
   }
 
   try {
-    if (o.command.empty()) bad("no program given: expected powersgd-run [options] -- PROGRAM ARGS...");
+    if (o.command.empty())
+      PSGD_THROW(InvalidArgumentError, "no program given: expected powersgd-run [options] -- PROGRAM ARGS...");
     if (app.count("-n") > 0 && o.nproc < 1)
-      bad(detail::concat("-n ", o.nproc, " is out of range: expected at least 1 worker"));
+      PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is out of range: expected at least 1 worker");
     o.grace = seconds_option(grace, "--grace", true);
     o.timeout = seconds_option(timeout, "--timeout", true);
     for (const auto& item : env_items) {
       auto eq = item.find('=');
       std::string name = item.substr(0, eq);
       if (eq == std::string::npos || !valid_env_name(name))
-        bad(detail::concat("--env '", item, "': expected NAME=VALUE with NAME made of letters, digits and '_'"));
+        PSGD_THROW(InvalidArgumentError, "--env '", item,
+                   "': expected NAME=VALUE with NAME made of letters, digits and '_'");
       o.env.emplace_back(name, item.substr(eq + 1));
     }
     if (!o.log_dir.empty()) {
       std::error_code error;
       std::filesystem::create_directories(o.log_dir, error);  // like mkdir -p; an existing one is fine
       if (error || access(o.log_dir.c_str(), W_OK) != 0)
-        bad(detail::concat("--log-dir '", o.log_dir, "' is not a writable directory",
-                           error ? ": " + error.message() : std::string()));
+        PSGD_THROW(InvalidArgumentError, "--log-dir '", o.log_dir, "' is not a writable directory",
+                   error ? ": " + error.message() : std::string());
     }
 
     bool multi_node = !hosts.empty() || !hostfile.empty() || app.count("--hosts") > 0 || app.count("--hostfile") > 0;
@@ -373,18 +376,19 @@ ParseResult parse_command_line(int argc, char** argv) {
       for (const auto& h : o.hosts) slots += h.slots;
       if (o.nproc == 0) o.nproc = slots;
       if (o.nproc > slots)
-        bad(detail::concat("-n ", o.nproc, " is more than the ", slots, " slots of the hosts given"));
+        PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is more than the ", slots, " slots of the hosts given");
       if (!ssh_command.empty()) o.ssh.command = split_blanks(ssh_command);
-      if (o.ssh.command.empty()) bad("--ssh is empty: expected an ssh command");
+      if (o.ssh.command.empty()) PSGD_THROW(InvalidArgumentError, "--ssh is empty: expected an ssh command");
     } else {
       for (const char* name : {"--ssh", "--ssh-port", "--ssh-user", "--ssh-option", "--master-addr"})
-        if (app.count(name) > 0) bad(detail::concat(name, " needs --hosts or --hostfile"));
-      if (o.nproc == 0) bad("-n is required: expected the number of workers, e.g. -n 4");
+        if (app.count(name) > 0) PSGD_THROW(InvalidArgumentError, name, " needs --hosts or --hostfile");
+      if (o.nproc == 0)
+        PSGD_THROW(InvalidArgumentError, "-n is required: expected the number of workers, e.g. -n 4");
       if (app.count("--emulate-hosts") > 0) {
         o.mode = Mode::Emulated;
         if (o.nproc < o.emulate_hosts)
-          bad(detail::concat("-n ", o.nproc, " is less than --emulate-hosts ", o.emulate_hosts,
-                             ": expected at least one worker per emulated host"));
+          PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is less than --emulate-hosts ", o.emulate_hosts,
+                     ": expected at least one worker per emulated host");
         if (!link_rate.empty()) o.link_rate_bits = parse_rate(link_rate);
       }
     }

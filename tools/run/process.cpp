@@ -5,51 +5,16 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
-#include <linux/close_range.h>
 
 #include "common/check.hpp"
 
 extern char** environ;
 
 namespace powersgd::run {
-
-Fd& Fd::operator=(Fd&& other) noexcept {
-  if (this != &other) {
-    reset();
-    fd_ = other.release();
-  }
-  return *this;
-}
-
-int Fd::release() {
-  int fd = fd_;
-  fd_ = -1;
-  return fd;
-}
-
-void Fd::reset() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-}
-
-bool write_all(int fd, const char* data, size_t size) {
-  while (size > 0) {
-    ssize_t n = ::write(fd, data, size);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
 
 int exit_code_of(int wait_status) {
   if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
@@ -74,10 +39,11 @@ struct ChildFailure {
   int step;
   int err;
 };
-constexpr const char* kSteps[] = {"setpgid", "prctl(PR_SET_PDEATHSIG)", "setns", "dup2", "execve", "parent died"};
+constexpr const char* kSteps[] = {"setpgid", "prctl(PR_SET_PDEATHSIG)", "setns",      "dup2",
+                                  "execve",  "parent died",             "close_range"};
 
-[[noreturn]] void child_fail(int pipe_fd, int step) {
-  ChildFailure f{step, errno};
+[[noreturn]] void child_fail(int pipe_fd, int step, int err = errno) {
+  ChildFailure f{step, err};
   (void)!::write(pipe_fd, &f, sizeof f);
   ::_exit(127);
 }
@@ -117,21 +83,18 @@ Child spawn(const SpawnSpec& spec) {
     if (spec.netns_fd >= 0 && ::setns(spec.netns_fd, CLONE_NEWNET) != 0) child_fail(report, 2);
     if (::dup2(stdin_fd, 0) < 0 || ::dup2(out.w.get(), 1) < 0 || ::dup2(err.w.get(), 2) < 0) child_fail(report, 3);
     // Descriptors opened without O_CLOEXEC by libraries (Asio's sockets) must not leak into workers.
-    ::syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC);
+    if (int failed = close_descriptors_from(3, true); failed != 0) child_fail(report, 6, failed);
     ::execve(argv[0], argv.data(), envp.data());
     child_fail(report, 4);
   }
   ::setpgid(pid, pid);  // also here, so the group exists before the parent signals it (EACCES after exec is fine)
   status.w.reset();
   ChildFailure failure{};
-  ssize_t n;
-  do n = ::read(status.r.get(), &failure, sizeof failure);
-  while (n < 0 && errno == EINTR);
+  ssize_t n = PSGD_CHECK_SYS_RETRY(::read(status.r.get(), &failure, sizeof failure));
   if (n == static_cast<ssize_t>(sizeof failure)) {
     int wstatus = 0;
-    ::waitpid(pid, &wstatus, 0);
-    PSGD_THROW(IoError, "cannot start '", spec.argv[0], "': ", kSteps[failure.step], " failed: ",
-               std::strerror(failure.err));
+    PSGD_CHECK_SYS_RETRY(::waitpid(pid, &wstatus, 0));
+    PSGD_THROW_ERRNO(IoError, failure.err, "cannot start '", spec.argv[0], "': ", kSteps[failure.step], " failed");
   }
   Child child;
   child.pid = pid;
@@ -152,10 +115,7 @@ CommandResult run_command(const std::vector<std::string>& argv) {
   pollfd fds[2] = {{child.stdout_r.get(), POLLIN, 0}, {child.stderr_r.get(), POLLIN, 0}};
   int open = 2;
   while (open > 0) {
-    if (::poll(fds, 2, -1) < 0) {
-      PSGD_REQUIRE(errno == EINTR, IoError, "poll: ", std::strerror(errno));
-      continue;
-    }
+    if (PSGD_CHECK_SYS_RETRY(::poll(fds, 2, -1)) == 0) continue;
     for (auto& p : fds) {
       if (p.fd < 0 || p.revents == 0) continue;
       char buffer[4096];
@@ -168,7 +128,7 @@ CommandResult run_command(const std::vector<std::string>& argv) {
     }
   }
   int wstatus = 0;
-  while (::waitpid(child.pid, &wstatus, 0) < 0) PSGD_REQUIRE(errno == EINTR, IoError, "waitpid: ", std::strerror(errno));
+  PSGD_CHECK_SYS_RETRY(::waitpid(child.pid, &wstatus, 0));
   result.code = exit_code_of(wstatus);
   return result;
 }

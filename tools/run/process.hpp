@@ -9,27 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "common/fd.hpp"
+
 namespace powersgd::run {
-
-// An owned file descriptor; closes on destruction.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(other.release()) {}
-  Fd& operator=(Fd&& other) noexcept;
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release();
-  void reset();
-
- private:
-  int fd_ = -1;
-};
 
 struct SpawnSpec {
   std::vector<std::string> argv;  // argv[0]: absolute path of the program
@@ -59,9 +41,6 @@ struct CommandResult {
   std::string output;
 };
 CommandResult run_command(const std::vector<std::string>& argv);
-
-// write() all of `data`, retrying on EINTR; false on any other error.
-bool write_all(int fd, const char* data, size_t size);
 
 // Exit code in the shell's convention: the code, or 128+signal.
 int exit_code_of(int wait_status);

@@ -68,9 +68,8 @@ void Supervisor::start(std::vector<WorkerLaunch> launches) {
     if (!options_.log_dir.empty()) {
       for (auto [stream, suffix] : {std::pair{&w.out, ".out"}, std::pair{&w.err, ".err"}}) {
         std::string path = detail::concat(options_.log_dir, "/rank-", w.rank, suffix);
-        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        PSGD_REQUIRE(fd >= 0, IoError, "cannot create log file ", path, ": ", std::strerror(errno));
-        stream->log = Fd(fd);
+        stream->log = Fd(PSGD_CHECK_SYS_MSG(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                                            IoError, "cannot create log file ", path));
       }
     }
     Child child = spawn(launch.spec);
@@ -173,10 +172,7 @@ void Supervisor::reap() {
   for (auto& w : workers_) {
     if (!w.running) continue;
     int status = 0;
-    pid_t pid;
-    do pid = ::waitpid(w.pid, &status, WNOHANG);
-    while (pid < 0 && errno == EINTR);
-    PSGD_REQUIRE(pid >= 0, IoError, "waitpid(", w.pid, "): ", std::strerror(errno));
+    pid_t pid = PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, &status, WNOHANG));
     if (pid == w.pid) worker_exited(w, status);
   }
 }
@@ -221,8 +217,9 @@ int Supervisor::run() {
     if (wake != Clock::time_point::max())
       wait_ms = static_cast<int>(
           std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count()));
+    // EINTR counts as a wake-up with nothing ready: the loop re-checks signals and deadlines.
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
-    PSGD_REQUIRE(ready >= 0 || errno == EINTR, IoError, "poll: ", std::strerror(errno));
+    if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);
     for (size_t i = 1; ready > 0 && i < fds.size(); ++i)
       if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second, false);
     if (ready > 0 && fds[0].revents != 0) handle_signals();

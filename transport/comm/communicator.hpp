@@ -6,13 +6,12 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/device.h>
 
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <mutex>
-#include <thread>
 #include <vector>
 
+#include "comm/peer_attribution.hpp"
+#include "common/serial_worker.hpp"
 #include "powersgd/comm.hpp"
 #include "store/store.hpp"
 
@@ -28,6 +27,8 @@ enum class GlooApi { New, Legacy };
 // bcube (new API) or halving-doubling (legacy API).
 enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling };
 const char* to_string(Algorithm algorithm);
+
+class CollectiveAlgorithms;
 
 class GlooCommunicator final : public Communicator {
  public:
@@ -61,36 +62,33 @@ class GlooCommunicator final : public Communicator {
   struct Op {
     std::string name;
     RunFn run;
-    std::shared_ptr<Work::State> state;
   };
 
   GlooCommunicator(const CommOptions& options, GlooApi api);
   void connect();
   void check_fingerprint();
   Work submit(std::string name, RunFn run);
-  void loop();
+  // The communication thread's body for one operation: fails at once when the
+  // group is broken; translates Gloo's errors, breaking the group on a PeerError.
+  void execute(Op& op);
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
-  int peer_from_message(const std::string& message) const;
 
   CommOptions options_;
   GlooApi api_;
+  std::unique_ptr<CollectiveAlgorithms> algorithms_;
   std::unique_ptr<TcpStoreServer> server_;
   std::unique_ptr<Store> store_;
   std::shared_ptr<gloo::transport::Device> device_;
   // Dropped by the communication thread after a fatal failure.
   std::shared_ptr<gloo::rendezvous::Context> context_;
-  // rank -> "[ip]:port" as Gloo's error messages print that peer.
-  std::vector<std::string> peer_addresses_;
-  // rank -> (local, remote) port of the pair's connection; (0, 0) if unknown.
-  std::vector<std::pair<uint16_t, uint16_t>> pair_sockets_;
+  // Which rank a failure message is about (filled by the fingerprint exchange).
+  PeerTable peers_;
 
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Op> queue_;
+  std::mutex broken_mutex_;
   std::exception_ptr broken_;  // first failure; every later op fails with it
-  bool stopping_ = false;
-  uint32_t next_tag_ = 0;  // touched by the communication thread only
-  std::thread thread_;
+  uint32_t next_tag_ = 0;      // touched by the communication thread only
+  // Last member: stopped (pending operations cancelled) before the rest goes.
+  std::unique_ptr<SerialWorker<Op, Work::State>> worker_;
 };
 
 }  // namespace powersgd::transport

@@ -3,10 +3,8 @@
 #include <gloo/transport/tcp/attr.h>
 #include <gloo/transport/tcp/device.h>
 #include <net/if.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
+#include "comm/address.hpp"
 #include "common/check.hpp"
 #include "powersgd_build_config.h"
 
@@ -18,33 +16,6 @@
 namespace powersgd::transport {
 namespace {
 
-// Gloo resolves and binds the address itself, but crashes on an unresolvable
-// one: check that it resolves to something this host can bind.
-void check_bindable(const std::string& address) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* info = nullptr;
-  int rc = getaddrinfo(address.c_str(), nullptr, &hints, &info);
-  PSGD_REQUIRE(rc == 0, InvalidArgumentError, "PSGD_ADDR='", address, "' does not resolve: ", gai_strerror(rc),
-               " (expected a local address or hostname)");
-  int err = 0;
-  bool bound = false;
-  for (addrinfo* p = info; p != nullptr && !bound; p = p->ai_next) {
-    int fd = socket(p->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      err = errno;
-      continue;
-    }
-    bound = bind(fd, p->ai_addr, p->ai_addrlen) == 0;
-    if (!bound) err = errno;
-    close(fd);
-  }
-  freeaddrinfo(info);
-  PSGD_REQUIRE(bound, InvalidArgumentError, "PSGD_ADDR='", address, "' cannot be bound on this host: ",
-               std::strerror(err), " (expected an address of one of this host's interfaces)");
-}
-
 std::shared_ptr<gloo::transport::Device> make_tcp_device(const CommOptions& options) {
   gloo::transport::tcp::attr attr;
   if (!options.iface.empty()) {
@@ -54,7 +25,7 @@ std::shared_ptr<gloo::transport::Device> make_tcp_device(const CommOptions& opti
   } else {
     PSGD_REQUIRE(!options.address.empty(), InvalidArgumentError,
                  "the TCP transport needs an interface or address: set PSGD_IFACE or PSGD_ADDR");
-    check_bindable(options.address);
+    require_bindable(options.address);
     attr.hostname = options.address;
   }
   return gloo::transport::tcp::CreateDevice(attr);

@@ -88,7 +88,7 @@ CommOptions CommOptions::from_env() {
   PSGD_REQUIRE(o.iface.empty() || o.address.empty(), InvalidArgumentError, "PSGD_IFACE='", o.iface,
                "' and PSGD_ADDR='", o.address, "' are both set: expected at most one");
   if (o.transport == TransportKind::Tcp && o.iface.empty() && o.address.empty())
-    o.address = transport::local_address_towards(o.store_addr);
+    o.address = transport::local_address_towards(o.store_addr, transport::kMasterAddr);
 
   o.ib_device = env::get_or_default("PSGD_IB_DEVICE");
   o.ib_port = static_cast<int>(env::get_int("PSGD_IB_PORT", 1, 255));

@@ -1,4 +1,4 @@
-#include "comm/reduce.hpp"
+#include "comm/dtype.hpp"
 
 #include <bit>
 #include <cmath>

@@ -1,4 +1,5 @@
-// Element-wise sums Gloo lacks (bfloat16), and the DataType helpers. Private.
+// Data types on the wire: size_of/to_string(DataType) (declared in powersgd/comm.hpp),
+// bfloat16 conversions, and the element-wise sums Gloo lacks (bfloat16). Private.
 #pragma once
 
 #include <cstddef>

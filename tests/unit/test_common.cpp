@@ -1,0 +1,329 @@
+// src/common: the serial worker (order, errors, shutdown with pending work,
+// peek), file descriptors (Fd, write_all, close_descriptors_from) and the
+// system-call checking family. Also runs under ThreadSanitizer (suite tsan).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/fd.hpp"
+#include "common/serial_worker.hpp"
+
+using namespace std::chrono_literals;
+using powersgd::Completion;
+using powersgd::Fd;
+using powersgd::IoError;
+using powersgd::SerialWorker;
+
+namespace {
+
+// A latch the test opens to let the worker's current item finish.
+struct Gate {
+  std::promise<void> open_promise;
+  std::shared_future<void> opened = open_promise.get_future().share();
+  void open() { open_promise.set_value(); }
+  void wait() const { opened.wait(); }
+};
+
+std::string message_of(const std::shared_ptr<Completion>& done) {
+  try {
+    done->wait();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("serial worker: items run one at a time in submission order, on one thread") {
+  std::vector<int> order;  // touched by the worker thread only until stop()
+  std::atomic<int> running{0};
+  std::atomic<bool> overlapped{false};
+  std::thread::id worker_thread;
+  bool one_thread = true;
+  SerialWorker<int> worker("test worker", [&](int& item) {
+    if (running.fetch_add(1) != 0) overlapped = true;
+    if (order.empty()) worker_thread = std::this_thread::get_id();
+    if (std::this_thread::get_id() != worker_thread) one_thread = false;
+    order.push_back(item);
+    running.fetch_sub(1);
+  });
+  std::vector<std::shared_ptr<Completion>> done;
+  for (int i = 0; i < 200; ++i) done.push_back(worker.submit(i));
+  for (auto& d : done) d->wait();
+  worker.stop(nullptr);
+  CHECK_FALSE(overlapped.load());
+  CHECK(one_thread);
+  CHECK(worker_thread != std::this_thread::get_id());
+  REQUIRE(order.size() == 200);
+  for (int i = 0; i < 200; ++i) CHECK(order[static_cast<size_t>(i)] == i);
+}
+
+TEST_CASE("serial worker: an item's exception finishes that item only") {
+  SerialWorker<int> worker("test worker", [](int& item) {
+    if (item == 1) throw IoError("item 1 failed");
+  });
+  auto first = worker.submit(0);
+  auto failing = worker.submit(1);
+  auto after = worker.submit(2);
+  CHECK_NOTHROW(first->wait());
+  CHECK_THROWS_WITH_AS(failing->wait(), "item 1 failed", IoError);
+  CHECK_THROWS_WITH_AS(failing->wait(), "item 1 failed", IoError);  // every wait rethrows it
+  CHECK_NOTHROW(after->wait());
+  CHECK(after->done());
+}
+
+TEST_CASE("serial worker: stop with an error cancels the queued items; the running one completes") {
+  Gate gate;
+  std::atomic<bool> started{false};
+  std::vector<int> ran;
+  SerialWorker<int> worker("test worker", [&](int& item) {
+    started = true;
+    gate.wait();
+    ran.push_back(item);
+  });
+  auto running = worker.submit(0);
+  while (!started) std::this_thread::sleep_for(1ms);
+  std::vector<std::shared_ptr<Completion>> queued;
+  for (int i = 1; i <= 5; ++i) queued.push_back(worker.submit(i));
+  std::thread stopper([&] { worker.stop(std::make_exception_ptr(IoError("shutting down: cancelled"))); });
+  for (auto& q : queued) CHECK(message_of(q) == "shutting down: cancelled");  // before the running one ends
+  CHECK_FALSE(running->done());
+  gate.open();
+  stopper.join();
+  CHECK_NOTHROW(running->wait());
+  CHECK(ran == std::vector<int>{0});
+  // Later submissions are refused with the same error, at once.
+  auto late = worker.submit(9);
+  CHECK(late->done());
+  CHECK(message_of(late) == "shutting down: cancelled");
+}
+
+TEST_CASE("serial worker: stop without an error drains the queue; later items are refused by name") {
+  Gate gate;
+  std::atomic<int> count{0};
+  SerialWorker<int> worker("drain worker", [&](int&) {
+    gate.wait();
+    ++count;
+  });
+  std::vector<std::shared_ptr<Completion>> done;
+  for (int i = 0; i < 10; ++i) done.push_back(worker.submit(i));
+  std::thread stopper([&] { worker.stop(nullptr); });
+  gate.open();
+  stopper.join();
+  CHECK(count.load() == 10);
+  for (auto& d : done) CHECK_NOTHROW(d->wait());
+  worker.stop(nullptr);  // idempotent
+  std::string refused = message_of(worker.submit(10));
+  CHECK(refused.find("drain worker has stopped") != std::string::npos);
+}
+
+TEST_CASE("serial worker: destruction cancels pending work with an error naming the worker") {
+  Gate gate;
+  std::atomic<bool> started{false};
+  std::shared_ptr<Completion> running, pending;
+  std::thread opener;
+  {
+    SerialWorker<int> worker("named worker", [&](int&) {
+      started = true;
+      gate.wait();
+    });
+    running = worker.submit(0);
+    pending = worker.submit(1);
+    while (!started) std::this_thread::sleep_for(1ms);
+    // Lets `running` finish only once the destructor has cancelled `pending`.
+    opener = std::thread([&] {
+      while (!pending->done()) std::this_thread::sleep_for(1ms);
+      gate.open();
+    });
+  }  // ~SerialWorker: cancels `pending`, then waits for `running`
+  opener.join();
+  CHECK_NOTHROW(running->wait());
+  CHECK(message_of(pending) == "named worker destroyed before the operation ran");
+}
+
+TEST_CASE("serial worker: peek_next shows the next queued item without taking it") {
+  Gate gate;
+  std::atomic<bool> started{false};
+  std::vector<int> ran;
+  SerialWorker<int> worker("peek worker", [&](int& item) {
+    started = true;
+    gate.wait();
+    ran.push_back(item);
+  });
+  CHECK_FALSE(worker.peek_next().has_value());
+  auto first = worker.submit(1);
+  while (!started) std::this_thread::sleep_for(1ms);
+  CHECK_FALSE(worker.peek_next().has_value());  // the running item is not "next"
+  auto second = worker.submit(2);
+  auto third = worker.submit(3);
+  REQUIRE(worker.peek_next().has_value());
+  CHECK(*worker.peek_next() == 2);
+  CHECK(*worker.peek_next() == 2);  // still queued
+  gate.open();
+  third->wait();
+  CHECK(ran == std::vector<int>{1, 2, 3});
+  CHECK_FALSE(worker.peek_next().has_value());
+}
+
+TEST_CASE("serial worker: submissions from many threads each run exactly once") {
+  std::atomic<int> sum{0};
+  SerialWorker<int> worker("busy worker", [&](int& item) { sum += item; });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&] {
+      std::vector<std::shared_ptr<Completion>> done;
+      for (int i = 1; i <= 100; ++i) done.push_back(worker.submit(i));
+      for (auto& d : done) d->wait();
+    });
+  for (auto& t : threads) t.join();
+  CHECK(sum.load() == 4 * 5050);
+}
+
+TEST_CASE("Fd: owns, moves and closes its descriptor") {
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  int raw = fds[0];
+  {
+    Fd a(raw);
+    Fd writer(fds[1]);
+    CHECK(static_cast<bool>(a));
+    Fd b(std::move(a));
+    CHECK_FALSE(static_cast<bool>(a));
+    CHECK(b.get() == raw);
+    Fd c;
+    c = std::move(b);
+    CHECK(c.get() == raw);
+    CHECK(::fcntl(raw, F_GETFD) >= 0);
+    writer.close();
+    CHECK_FALSE(static_cast<bool>(writer));
+    writer.close();  // idempotent
+  }
+  errno = 0;
+  CHECK(::fcntl(raw, F_GETFD) == -1);
+  CHECK(errno == EBADF);
+}
+
+TEST_CASE("write_all: writes everything across short writes; returns the errno of a failed write") {
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  Fd reader(fds[0]), writer(fds[1]);
+  // More than the pipe's buffer: the writer blocks and resumes (short writes) while a reader drains it.
+  std::string data(1 << 20, 'x');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>('a' + i % 26);
+  std::string received;
+  std::thread drain([&] {
+    char buffer[4096];
+    for (ssize_t n; (n = ::read(reader.get(), buffer, sizeof buffer)) > 0;) received.append(buffer, static_cast<size_t>(n));
+  });
+  CHECK(powersgd::write_all(writer.get(), data.data(), data.size()) == 0);
+  writer.reset();
+  drain.join();
+  CHECK(received == data);
+
+  int fds2[2];
+  REQUIRE(::pipe2(fds2, O_CLOEXEC) == 0);
+  ::close(fds2[0]);
+  Fd orphan(fds2[1]);
+  auto previous = std::signal(SIGPIPE, SIG_IGN);
+  CHECK(powersgd::write_all(orphan.get(), "x", 1) == EPIPE);
+  std::signal(SIGPIPE, previous);
+  CHECK(powersgd::write_all(-1, "x", 1) == EBADF);
+}
+
+namespace {
+
+// Runs `close` in a forked child holding three extra descriptors (4 to 6 after
+// dup2) and returns what it saw, as a wait status: exit 0 = all closed (or all
+// close-on-exec) and descriptor 3 untouched.
+int close_in_child(int (*close)(int, bool), bool cloexec_only) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int fd = ::open("/dev/null", O_RDONLY);  // no O_CLOEXEC
+    if (fd < 0 || ::dup2(fd, 3) < 0 || ::dup2(fd, 4) < 0 || ::dup2(fd, 5) < 0 || ::dup2(fd, 6) < 0) ::_exit(10);
+    if (fd > 6) ::close(fd);
+    if (close(4, cloexec_only) != 0) ::_exit(11);
+    if (::fcntl(3, F_GETFD) != 0) ::_exit(12);  // below `first`: open and inheritable
+    for (int d = 4; d <= 6; ++d) {
+      int flags = ::fcntl(d, F_GETFD);
+      if (cloexec_only ? flags != FD_CLOEXEC : !(flags == -1 && errno == EBADF)) ::_exit(13);
+    }
+    ::_exit(0);
+  }
+  int status = -1;
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
+}  // namespace
+
+TEST_CASE("close_descriptors_from: close_range and the /proc/self/fd fallback close or mark exactly >= first") {
+  for (bool cloexec_only : {false, true}) {
+    CAPTURE(cloexec_only);
+    int status = close_in_child(&powersgd::close_descriptors_from, cloexec_only);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+    status = close_in_child(&powersgd::close_listed_descriptors_from, cloexec_only);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }
+}
+
+TEST_CASE("system-call checks: messages name the call or the context, and the errno text") {
+  int copy = PSGD_CHECK_SYS(::dup(0));
+  CHECK(copy >= 0);
+  ::close(copy);
+  try {
+    PSGD_CHECK_SYS(::close(-1));
+    FAIL("expected IoError");
+  } catch (const IoError& e) {
+    std::string what = e.what();
+    CHECK(what.find("::close(-1) failed at") != std::string::npos);
+    CHECK(what.find("Bad file descriptor") != std::string::npos);
+  }
+  CHECK_THROWS_WITH_AS(PSGD_CHECK_SYS_MSG(::open("/nonexistent/psgd", O_RDONLY), InvalidArgumentError,
+                                          "cannot open '", "/nonexistent/psgd", "'"),
+                       "cannot open '/nonexistent/psgd': No such file or directory", powersgd::InvalidArgumentError);
+  CHECK_THROWS_WITH_AS(PSGD_THROW_ERRNO(IoError, ENOENT, "reading x"), "reading x: No such file or directory",
+                       IoError);
+  // EINTR is retried: a read interrupted by a signal (no SA_RESTART) still returns the data.
+  int fds[2];
+  REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  Fd reader(fds[0]), writer(fds[1]);
+  struct sigaction action {}, previous {};
+  action.sa_handler = [](int) {};
+  sigemptyset(&action.sa_mask);
+  REQUIRE(::sigaction(SIGUSR1, &action, &previous) == 0);
+  pthread_t reader_thread = ::pthread_self();
+  std::atomic<bool> stop{false};
+  std::thread poker([&] {
+    for (int i = 0; i < 20 && !stop; ++i) {
+      ::pthread_kill(reader_thread, SIGUSR1);
+      std::this_thread::sleep_for(2ms);
+    }
+    CHECK(::write(writer.get(), "y", 1) == 1);
+  });
+  char c = 0;
+  CHECK(PSGD_CHECK_SYS_RETRY(::read(reader.get(), &c, 1)) == 1);
+  stop = true;
+  poker.join();
+  ::sigaction(SIGUSR1, &previous, nullptr);
+  CHECK(c == 'y');
+  CHECK(powersgd::detail::errno_text(EPIPE) == "Broken pipe");
+}
+
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

@@ -1,0 +1,186 @@
+// transport/comm's pure parts: peer attribution from canned Gloo messages and
+// canned /proc/net/tcp tables, the fingerprint comparison, the data types, and
+// the address lookup on loopback names (numeric or "localhost": no DNS query).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "comm/address.hpp"
+#include "comm/dtype.hpp"
+#include "comm/fingerprint.hpp"
+#include "comm/peer_attribution.hpp"
+#include "powersgd/comm.hpp"
+
+using namespace powersgd;
+using namespace powersgd::transport;
+
+namespace {
+
+// /proc/net/tcp as the kernel writes it (addresses and ports in hex; st 01 =
+// ESTABLISHED, 0A = LISTEN, 06 = TIME_WAIT).
+const char* const kTcpTable =
+    "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    "   0: 0100007F:9C40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1001 1 "
+    "0000000000000000 100 0 0 10 0\n"
+    "   1: 0100007F:A001 0100007F:B002 01 00000000:00000000 00:00000000 00000000     0        0 1002 1 "
+    "0000000000000000 20 4 30 10 -1\n"
+    "   2: 0100007F:A003 0100007F:B004 01 00000000:00000000 02:000AFC7B 00000000     0        0 1003 2 "
+    "0000000000000000 20 4 31 10 -1\n"
+    "   3: 0100007F:A005 0100007F:B006 06 00000000:00000000 03:00001770 00000000     0        0 0 3 "
+    "0000000000000000\n"
+    "garbage line\n";
+
+ConnectionTable canned_connections() {
+  std::istringstream in(kTcpTable);
+  return parse_tcp_table(in);
+}
+
+// This is rank 0 of 4. Ranks 1 to 3 print as below in Gloo's messages; rank 3's
+// port is a prefix of rank 2's, so matching must stop at the port's last digit.
+PeerTable canned_peers() {
+  PeerTable peers;
+  peers.addresses = {"", "[127.0.0.1]:5795", "[127.0.0.1]:57951", "[127.0.0.2]:5795"};
+  peers.sockets = {{0, 0}, {0xA001, 0xB002}, {0xA003, 0xB004}, {0, 0}};
+  return peers;
+}
+
+}  // namespace
+
+TEST_CASE("parse_tcp_table keeps established IPv4 connections: local port -> remote port") {
+  ConnectionTable connections = canned_connections();
+  CHECK(connections.size() == 2);
+  CHECK(connections.at(0xA001) == 0xB002);
+  CHECK(connections.at(0xA003) == 0xB004);
+  CHECK(connections.count(0x9C40) == 0);  // listening
+  CHECK(connections.count(0xA005) == 0);  // TIME_WAIT
+  std::istringstream empty("");
+  CHECK(parse_tcp_table(empty).empty());
+}
+
+TEST_CASE("split_pair_address reads Gloo's \"[ip]:port$seq\"") {
+  CHECK(split_pair_address("[127.0.0.1]:5795") == std::pair<std::string, uint16_t>{"127.0.0.1", 5795});
+  CHECK(split_pair_address("[::1]:40000$3") == std::pair<std::string, uint16_t>{"::1", 40000});
+  CHECK(split_pair_address("[10.0.0.1]:70000") == std::pair<std::string, uint16_t>{"10.0.0.1", 0});
+  CHECK(split_pair_address("ibverbs device mlx5_0") == std::pair<std::string, uint16_t>{"", 0});
+  CHECK(split_pair_address("") == std::pair<std::string, uint16_t>{"", 0});
+}
+
+TEST_CASE("attribute_peer: the rank whose address Gloo's message names") {
+  PeerTable peers = canned_peers();
+  ConnectionTable connections = canned_connections();
+  CHECK(attribute_peer(peers,
+                       "[/usr/src/gloo/gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:5795: "
+                       "Connection reset by peer",
+                       connections) == 1);
+  CHECK(attribute_peer(peers, "[gloo/transport/tcp/pair.cc:573] Connection closed by peer [127.0.0.1]:57951",
+                       connections) == 2);
+  CHECK(attribute_peer(peers, "Write error [127.0.0.2]:5795: Broken pipe", connections) == 3);
+  // Rank 1's "[127.0.0.1]:5795" is a prefix of this address: not rank 1.
+  CHECK(attribute_peer(peers, "Read error [127.0.0.1]:57951: Connection reset by peer", connections) == 2);
+}
+
+TEST_CASE("attribute_peer: without an address, the rank whose connection is gone or moved") {
+  PeerTable peers = canned_peers();
+  const std::string reset = "[gloo/transport/tcp/pair.cc:589] Read error [0.0.0.0]:0: Connection reset by peer";
+  ConnectionTable connections = canned_connections();
+  CHECK(attribute_peer(peers, reset, connections) == -1);  // every known connection is intact
+
+  ConnectionTable without_rank2 = connections;
+  without_rank2.erase(0xA003);
+  CHECK(attribute_peer(peers, reset, without_rank2) == 2);
+
+  ConnectionTable rank1_moved = connections;
+  rank1_moved[0xA001] = 0x1234;  // the local port now belongs to another connection
+  CHECK(attribute_peer(peers, reset, rank1_moved) == 1);
+
+  CHECK(attribute_peer(peers, reset, ConnectionTable{}) == 1);  // both gone: the first known one
+  CHECK(attribute_peer(PeerTable{}, reset, ConnectionTable{}) == -1);
+}
+
+TEST_CASE("is_timeout_message tells Gloo's and the store's timeouts from broken connections") {
+  CHECK(is_timeout_message("[gloo/transport/tcp/pair.cc:446] Timed out waiting 2000ms for recv operation to complete"));
+  CHECK(is_timeout_message("Wait timeout for key(s): [powersgd/default/g0/1]"));
+  CHECK(is_timeout_message("Timeout waiting for the store"));
+  CHECK_FALSE(is_timeout_message("Read error [127.0.0.1]:5795: Connection reset by peer"));
+  CHECK_FALSE(is_timeout_message("Connection closed by peer [127.0.0.1]:5795"));
+}
+
+TEST_CASE("require_same_fingerprints names the first differing rank and each field") {
+  CommOptions options;
+  options.world_size = 3;
+  options.ring_threshold_bytes = 4096;
+  Fingerprint a = make_fingerprint(options, GlooApi::New);
+  CHECK_NOTHROW(require_same_fingerprints({a, a, a}));
+  Fingerprint b = a;
+  b.ring_threshold_bytes = 8192;
+  b.api = static_cast<int32_t>(GlooApi::Legacy);
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({a, a, b}),
+                       "process group configuration mismatch: rank 2 has gloo api legacy (rank 0: new), "
+                       "PSGD_RING_THRESHOLD_BYTES 8192 (rank 0: 4096); every rank must use the same powersgd "
+                       "version and PSGD_* settings",
+                       MismatchError);
+  Fingerprint c = a;
+  std::memcpy(c.version, "9.9.9", 6);
+  c.world_size = 2;
+  try {
+    require_same_fingerprints({a, c, b});
+    FAIL("expected MismatchError");
+  } catch (const MismatchError& e) {
+    std::string what = e.what();
+    CHECK(what.find("rank 1 has version 9.9.9 (rank 0: ") != std::string::npos);
+    CHECK(what.find("world size 2 (rank 0: 3)") != std::string::npos);
+  }
+}
+
+TEST_CASE("data types: sizes, names, bfloat16 rounding and sums") {
+  CHECK(size_of(DataType::Float32) == 4);
+  CHECK(size_of(DataType::Float64) == 8);
+  CHECK(size_of(DataType::Float16) == 2);
+  CHECK(size_of(DataType::BFloat16) == 2);
+  CHECK(std::string(to_string(DataType::BFloat16)) == "bfloat16");
+  CHECK(float_to_bfloat16(1.0f) == 0x3F80);
+  CHECK(bfloat16_to_float(0x3F80) == 1.0f);
+  CHECK(float_to_bfloat16(1.0f + std::ldexp(1.0f, -8)) == 0x3F80);      // halfway: to even
+  CHECK(float_to_bfloat16(1.0f + 3 * std::ldexp(1.0f, -8)) == 0x3F82);  // halfway: to even (up)
+  CHECK(std::isnan(bfloat16_to_float(float_to_bfloat16(std::numeric_limits<float>::quiet_NaN()))));
+  uint16_t a[3] = {float_to_bfloat16(1.5f), float_to_bfloat16(-2.0f), float_to_bfloat16(0.25f)};
+  uint16_t b[3] = {float_to_bfloat16(2.5f), float_to_bfloat16(2.0f), float_to_bfloat16(0.5f)};
+  uint16_t c[3] = {};
+  bfloat16_sum(c, a, b, 3);
+  CHECK(bfloat16_to_float(c[0]) == 4.0f);
+  CHECK(bfloat16_to_float(c[1]) == 0.0f);
+  CHECK(bfloat16_to_float(c[2]) == 0.75f);
+  bfloat16_sum_inplace(a, b, 3);
+  CHECK(std::memcmp(a, c, sizeof(a)) == 0);
+}
+
+TEST_CASE("is_loopback and local_address_towards on loopback hosts") {
+  const HostRole role{"host"};
+  CHECK(is_loopback("localhost", role));
+  CHECK(is_loopback("127.0.0.1", role));
+  CHECK(is_loopback("127.3.2.1", role));
+  CHECK(is_loopback("::1", role));
+  CHECK(is_loopback("::ffff:127.0.0.1", role));  // IPv4-mapped loopback
+  CHECK_FALSE(is_loopback("10.1.2.3", role));    // numeric: resolving sends nothing
+  CHECK_FALSE(is_loopback("::ffff:10.1.2.3", role));
+  CHECK(local_address_towards("127.0.0.9", kMasterAddr) == "127.0.0.1");
+  CHECK(local_address_towards("localhost", kMasterAddr) == "127.0.0.1");
+}
+
+TEST_CASE("require_bindable accepts this host's addresses and names PSGD_ADDR otherwise") {
+  CHECK_NOTHROW(require_bindable("127.0.0.1"));
+  CHECK_NOTHROW(require_bindable("localhost"));
+  // A numeric address of no local interface: resolving sends nothing, binding fails.
+  CHECK_THROWS_WITH_AS(require_bindable("192.0.2.1"),
+                       "PSGD_ADDR='192.0.2.1' cannot be bound on this host: Cannot assign requested address "
+                       "(expected an address of one of this host's interfaces)",
+                       InvalidArgumentError);
+}
+
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

@@ -1,0 +1,198 @@
+#include "comm/algorithms.hpp"
+
+#include <gloo/allgather.h>
+#include <gloo/allgather_ring.h>
+#include <gloo/allreduce.h>
+#include <gloo/allreduce_halving_doubling.h>
+#include <gloo/allreduce_ring_chunked.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/barrier_all_to_all.h>
+#include <gloo/barrier_all_to_one.h>
+#include <gloo/broadcast.h>
+#include <gloo/broadcast_one_to_all.h>
+#include <gloo/math.h>
+#include <gloo/types.h>
+
+#include <algorithm>
+#include <climits>
+#include <vector>
+
+#include "comm/dtype.hpp"
+#include "common/check.hpp"
+
+namespace powersgd::transport {
+namespace {
+
+// ---- new style: free functions, options with tag and timeout ----
+
+using GlooReduce = void (*)(void*, const void*, const void*, size_t);
+
+GlooReduce new_style_sum(DataType type) {
+  switch (type) {
+    case DataType::Float32:
+      return static_cast<GlooReduce>(&gloo::sum<float>);
+    case DataType::Float64:
+      return static_cast<GlooReduce>(&gloo::sum<double>);
+    case DataType::Float16:
+      return static_cast<GlooReduce>(&gloo::sum<gloo::float16>);
+    case DataType::BFloat16:
+      return &bfloat16_sum;
+  }
+  PSGD_ASSERT(false, "unknown DataType ", static_cast<int>(type));
+  __builtin_unreachable();
+}
+
+// Gloo's element size comes from the pointer type.
+void set_output(gloo::AllreduceOptions& opts, void* data, size_t count, DataType type) {
+  switch (type) {
+    case DataType::Float32:
+      return opts.setOutput(static_cast<float*>(data), count);
+    case DataType::Float64:
+      return opts.setOutput(static_cast<double*>(data), count);
+    case DataType::Float16:
+      return opts.setOutput(static_cast<gloo::float16*>(data), count);
+    case DataType::BFloat16:
+      return opts.setOutput(static_cast<uint16_t*>(data), count);
+  }
+}
+
+class NewStyleAlgorithms final : public CollectiveAlgorithms {
+ public:
+  explicit NewStyleAlgorithms(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  GlooApi api() const override { return GlooApi::New; }
+  Algorithm small_message_algorithm() const override { return Algorithm::Bcube; }
+  void require_supported(Algorithm algorithm) const override {
+    PSGD_REQUIRE(algorithm != Algorithm::HalvingDoubling, InvalidArgumentError,
+                 "allreduce: halving-doubling needs Gloo's legacy API");
+  }
+  size_t max_allgather_bytes() const override { return SIZE_MAX; }
+
+  void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t tag) override {
+    const size_t n = static_cast<size_t>(context->size);
+    std::vector<uint8_t> in(n), out(n);
+    gloo::AlltoallOptions opts(context);
+    opts.setInput(in.data(), n);
+    opts.setOutput(out.data(), n);
+    configure(opts, tag);
+    gloo::alltoall(opts);
+  }
+
+  void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
+                 DataType type, Algorithm algorithm) override {
+    gloo::AllreduceOptions opts(context);
+    opts.setAlgorithm(algorithm == Algorithm::Ring ? gloo::AllreduceOptions::Algorithm::RING
+                                                   : gloo::AllreduceOptions::Algorithm::BCUBE);
+    set_output(opts, data, count, type);
+    opts.setReduceFunction(new_style_sum(type));
+    configure(opts, tag);
+    gloo::allreduce(opts);
+  }
+
+  void broadcast(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t bytes,
+                 int root) override {
+    gloo::BroadcastOptions opts(context);
+    opts.setOutput(static_cast<uint8_t*>(data), bytes);
+    opts.setRoot(root);
+    configure(opts, tag);
+    gloo::broadcast(opts);
+  }
+
+  void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const void* in, void* out,
+                 size_t bytes) override {
+    gloo::AllgatherOptions opts(context);
+    // Gloo's input buffer is not written to; its API just lacks const.
+    opts.setInput(static_cast<uint8_t*>(const_cast<void*>(in)), bytes);
+    opts.setOutput(static_cast<uint8_t*>(out), bytes * static_cast<size_t>(context->size));
+    configure(opts, tag);
+    gloo::allgather(opts);
+  }
+
+  void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t tag) override {
+    gloo::BarrierOptions opts(context);
+    configure(opts, tag);
+    gloo::barrier(opts);
+  }
+
+ private:
+  template <typename Options>
+  void configure(Options& opts, uint32_t tag) const {
+    opts.setTag(tag);
+    opts.setTimeout(timeout_);
+  }
+
+  std::chrono::milliseconds timeout_;
+};
+
+// ---- legacy: the old-style algorithm classes ----
+
+template <typename T>
+void run_legacy_allreduce(const std::shared_ptr<gloo::Context>& context, void* data, size_t count,
+                          Algorithm algorithm, const gloo::ReductionFunction<T>* fn) {
+  // Old-style classes take int counts: split larger buffers.
+  constexpr size_t kMaxCount = INT_MAX / 8;
+  for (size_t offset = 0; offset < count; offset += kMaxCount) {
+    int n = static_cast<int>(std::min(kMaxCount, count - offset));
+    std::vector<T*> ptrs{static_cast<T*>(data) + offset};
+    if (algorithm == Algorithm::Ring)
+      gloo::AllreduceRingChunked<T>(context, ptrs, n, fn).run();
+    else
+      gloo::AllreduceHalvingDoubling<T>(context, ptrs, n, fn).run();
+  }
+}
+
+class LegacyAlgorithms final : public CollectiveAlgorithms {
+ public:
+  GlooApi api() const override { return GlooApi::Legacy; }
+  Algorithm small_message_algorithm() const override { return Algorithm::HalvingDoubling; }
+  void require_supported(Algorithm algorithm) const override {
+    PSGD_REQUIRE(algorithm != Algorithm::Bcube, InvalidArgumentError,
+                 "allreduce: bcube needs Gloo's new API (not available on ibverbs)");
+  }
+  size_t max_allgather_bytes() const override { return INT_MAX; }
+
+  void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
+    gloo::BarrierAllToAll(context).run();
+  }
+
+  void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t, void* data, size_t count, DataType type,
+                 Algorithm algorithm) override {
+    static const gloo::ReductionFunction<uint16_t> bf16(gloo::CUSTOM, &bfloat16_sum_inplace);
+    switch (type) {
+      case DataType::Float32:
+        return run_legacy_allreduce<float>(context, data, count, algorithm, gloo::ReductionFunction<float>::sum);
+      case DataType::Float64:
+        return run_legacy_allreduce<double>(context, data, count, algorithm, gloo::ReductionFunction<double>::sum);
+      case DataType::Float16:
+        return run_legacy_allreduce<gloo::float16>(context, data, count, algorithm,
+                                                   gloo::ReductionFunction<gloo::float16>::sum);
+      case DataType::BFloat16:
+        return run_legacy_allreduce<uint16_t>(context, data, count, algorithm, &bf16);
+    }
+  }
+
+  void broadcast(const std::shared_ptr<gloo::Context>& context, uint32_t, void* data, size_t bytes,
+                 int root) override {
+    std::vector<uint8_t*> ptrs{static_cast<uint8_t*>(data)};
+    gloo::BroadcastOneToAll<uint8_t>(context, ptrs, bytes, root).run();
+  }
+
+  void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t, const void* in, void* out,
+                 size_t bytes) override {
+    std::vector<const uint8_t*> ptrs{static_cast<const uint8_t*>(in)};
+    gloo::AllgatherRing<uint8_t>(context, ptrs, static_cast<uint8_t*>(out), static_cast<int>(bytes)).run();
+  }
+
+  void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
+    gloo::BarrierAllToOne(context).run();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout) {
+  if (api == GlooApi::Legacy) return std::make_unique<LegacyAlgorithms>();
+  return std::make_unique<NewStyleAlgorithms>(timeout);
+}
+
+}  // namespace powersgd::transport

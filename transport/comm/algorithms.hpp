@@ -1,0 +1,51 @@
+// Gloo's two collective APIs behind one interface, chosen once per
+// communicator: NewStyle (the free functions over unbound buffers; TCP only in
+// Debian's Gloo) and Legacy (the old-style algorithm classes; the only ones
+// that work over ibverbs). One context never mixes both (mixing gave 40-90 ms
+// latencies, /work/shared/notes/gloo.md). Private to transport.
+#pragma once
+
+#include <gloo/context.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "comm/communicator.hpp"
+
+namespace powersgd::transport {
+
+// Every collective runs on the communication thread with a context of more than
+// one rank, a non-empty buffer, and a tag unique among operations in flight
+// (the legacy classes have no tags). Gloo's exceptions pass through: the
+// communicator translates them.
+class CollectiveAlgorithms {
+ public:
+  virtual ~CollectiveAlgorithms() = default;
+  virtual GlooApi api() const = 0;
+
+  // The allreduce algorithm Auto picks below the ring threshold.
+  virtual Algorithm small_message_algorithm() const = 0;
+  // Throws InvalidArgumentError when this API has no `algorithm` (not Auto).
+  virtual void require_supported(Algorithm algorithm) const = 0;
+  // Largest allgather contribution per rank, in bytes.
+  virtual size_t max_allgather_bytes() const = 0;
+
+  // Makes every pair carry traffic once: pairs finish connecting lazily, and
+  // their addresses are final only after that.
+  virtual void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;
+  virtual void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
+                         DataType type, Algorithm algorithm) = 0;
+  virtual void broadcast(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t bytes,
+                         int root) = 0;
+  virtual void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const void* in, void* out,
+                         size_t bytes) = 0;
+  virtual void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;
+};
+
+// `timeout` bounds each new-style collective (the legacy classes use the
+// context's timeout, set before the pairs connected).
+std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout);
+
+}  // namespace powersgd::transport

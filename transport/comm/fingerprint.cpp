@@ -1,0 +1,90 @@
+#include "comm/fingerprint.hpp"
+
+#include <arpa/inet.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "common/check.hpp"
+#include "common/log.hpp"
+#include "powersgd_build_config.h"
+
+namespace powersgd::transport {
+
+Fingerprint make_fingerprint(const CommOptions& options, GlooApi api) {
+  Fingerprint header{};
+  std::snprintf(header.version, sizeof(header.version), "%s", PSGD_VERSION);
+  header.world_size = options.world_size;
+  header.transport = static_cast<int32_t>(options.transport);
+  header.api = static_cast<int32_t>(api);
+  header.ring_threshold_bytes = options.ring_threshold_bytes;
+  return header;
+}
+
+void require_same_fingerprints(const std::vector<Fingerprint>& all) {
+  const Fingerprint& ref = all.at(0);
+  for (size_t r = 1; r < all.size(); ++r) {
+    const Fingerprint& f = all[r];
+    std::string diff;
+    auto field = [&](const char* name, const auto& a, const auto& b) {
+      if (!(a == b)) diff += detail::concat(diff.empty() ? "" : ", ", name, " ", b, " (rank 0: ", a, ")");
+    };
+    field("version", std::string(ref.version, strnlen(ref.version, sizeof(ref.version))),
+          std::string(f.version, strnlen(f.version, sizeof(f.version))));
+    field("world size", ref.world_size, f.world_size);
+    field("transport", ref.transport == 0 ? "tcp" : "ibverbs", f.transport == 0 ? "tcp" : "ibverbs");
+    field("gloo api", ref.api == 0 ? "new" : "legacy", f.api == 0 ? "new" : "legacy");
+    field("PSGD_RING_THRESHOLD_BYTES", ref.ring_threshold_bytes, f.ring_threshold_bytes);
+    PSGD_REQUIRE(diff.empty(), MismatchError, "process group configuration mismatch: rank ", r, " has ", diff,
+                 "; every rank must use the same powersgd version and PSGD_* settings");
+  }
+}
+
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api,
+                                const std::vector<std::string>& pair_addresses,
+                                const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
+                                const std::function<ConnectionTable()>& connections) {
+  const size_t n = static_cast<size_t>(options.world_size);
+  const size_t rank = static_cast<size_t>(options.rank);
+  PSGD_ASSERT(pair_addresses.size() == n, pair_addresses.size(), " pair addresses for ", n, " ranks");
+  const size_t record = sizeof(Fingerprint) + n * sizeof(uint16_t);
+  std::vector<uint8_t> mine(record, 0);
+  Fingerprint header = make_fingerprint(options, api);
+  for (size_t peer = 0; peer < n; ++peer) {
+    if (peer == rank) continue;
+    auto [ip, port] = split_pair_address(pair_addresses[peer]);
+    std::snprintf(header.ip, sizeof(header.ip), "%s", ip.c_str());
+    std::memcpy(mine.data() + sizeof(Fingerprint) + peer * sizeof(uint16_t), &port, sizeof(port));
+  }
+  std::memcpy(mine.data(), &header, sizeof(header));
+  std::vector<uint8_t> gathered(record * n);
+  allgather(mine.data(), gathered.data(), record);
+
+  std::vector<Fingerprint> all(n);
+  PeerTable peers;
+  peers.addresses.assign(n, std::string());
+  peers.sockets.assign(n, {0, 0});
+  ConnectionTable established = connections();
+  for (size_t r = 0; r < n; ++r) {
+    const uint8_t* base = gathered.data() + r * record;
+    std::memcpy(&all[r], base, sizeof(Fingerprint));
+    uint16_t port = 0;
+    std::memcpy(&port, base + sizeof(Fingerprint) + rank * sizeof(uint16_t), sizeof(port));
+    std::string ip(all[r].ip, strnlen(all[r].ip, sizeof(all[r].ip)));
+    if (port != 0 && all[r].world_size == options.world_size)
+      peers.addresses[r] = detail::concat("[", ip, "]:", port);
+    if (r == rank) continue;
+    uint16_t local = ntohs(split_pair_address(pair_addresses[r]).second);
+    if (auto it = established.find(local); local != 0 && it != established.end()) peers.sockets[r] = {local, it->second};
+  }
+  if (log::enabled(log::Level::Debug)) {
+    std::string table;
+    for (size_t r = 0; r < n; ++r)
+      table += detail::concat(" ", r, "=", peers.addresses[r], " (local port ", peers.sockets[r].first, ")");
+    PSGD_LOG(Debug, "peers' pair addresses towards this rank:", table);
+  }
+  require_same_fingerprints(all);
+  return peers;
+}
+
+}  // namespace powersgd::transport

@@ -1,0 +1,48 @@
+// The exchange at communicator creation: every rank's settings (which must
+// agree) and its pairs' addresses (which turn Gloo's error messages back into
+// ranks, comm/peer_attribution.hpp). Private to transport.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "comm/peer_attribution.hpp"
+
+namespace powersgd::transport {
+
+// Settings every rank must agree on. On the wire it is followed by the
+// listening ports of the rank's pairs (one uint16_t per rank, as Gloo prints
+// them): Debian's Gloo listens on one port per pair and names a failed pair by
+// its peer's "[ip]:port".
+struct Fingerprint {
+  char version[16];
+  int32_t world_size;
+  int32_t transport;
+  int32_t api;
+  int32_t reserved;
+  uint64_t ring_threshold_bytes;
+  char ip[48];
+};
+
+// This rank's settings (ip empty).
+Fingerprint make_fingerprint(const CommOptions& options, GlooApi api);
+
+// Throws MismatchError naming the first rank that differs from rank 0 and every
+// field it differs in.
+void require_same_fingerprints(const std::vector<Fingerprint>& all);
+
+// Collective. `pair_addresses[r]`: this rank's pair towards rank r as Gloo
+// prints it ("[ip]:port"; ignored for r == rank). `allgather(in, out, bytes)`:
+// the communicator's blocking allgather. `connections`: this process's
+// established connections (established_connections()). Checks that every rank
+// has the same fingerprint (MismatchError), and returns what each rank's pair
+// towards this rank looks like from here.
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api,
+                                const std::vector<std::string>& pair_addresses,
+                                const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
+                                const std::function<ConnectionTable()>& connections);
+
+}  // namespace powersgd::transport
