@@ -136,14 +136,17 @@ const CudaModuleTable& load_module() {
 
 }  // namespace
 
-bool cuda_available() {
+std::string cuda_unavailable_reason() {
   try {
     char reason[512] = {};
-    return load_module().device_count(reason, sizeof reason) > 0;
-  } catch (const Error&) {
-    return false;
+    if (load_module().device_count(reason, sizeof reason) > 0) return {};
+    return detail::concat(kUnavailable, "missing a GPU: ", reason);
+  } catch (const Error& e) {
+    return e.what();
   }
 }
+
+bool cuda_available() { return cuda_unavailable_reason().empty(); }
 
 std::unique_ptr<Backend> make_cuda_backend(int device_index) {
   const CudaModuleTable& module = load_module();
