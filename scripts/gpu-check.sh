@@ -36,10 +36,10 @@ pack() {
   # Everything else they load, except CUDA's libraries and the C/C++ runtime (newer on the GPU host).
   local name path
   for object in "$stage"/bin/* "$build/src/libpowersgd.so" "$build/src/libpowersgd-cuda.so"; do
-    ldd "$object" | while read -r name _ path _; do
+    # "name => path (address)" lines; the vDSO and the dynamic loader have no "=>".
+    ldd "$object" | awk '$2 == "=>" {print $1, $3}' | while read -r name path; do
       case $name in
-        libcu*|libnv*|libc.so*|libm.so*|libstdc++*|libgcc_s*|ld-linux*|libdl.so*|libpthread*|librt.so*) continue ;;
-        libpowersgd*|linux-vdso*) continue ;;
+        libcu*|libnv*|libc.so*|libm.so*|libstdc++*|libgcc_s*|libdl.so*|libpthread*|librt.so*|libpowersgd*) continue ;;
       esac
       [ -f "$path" ] || { echo "gpu-check: $object needs $name, not found here" >&2; exit 1; }
       [ -f "$stage/lib/$name" ] || cp -L "$path" "$stage/lib/$name"
