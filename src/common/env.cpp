@@ -40,6 +40,9 @@ constexpr Variable kVariables[] = {
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
     {"PSGD_IB_PORT", "1", "ibverbs port number."},
     {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},
+    {"PSGD_CUDA_MODULE", "",
+     "Path of the CUDA backend module (libpowersgd-cuda.so) to load for Device::Cuda; only this path is tried. "
+     "Default: beside libpowersgd.so, then the dynamic loader's search path."},
     {"PSGD_BLAS_THREADS", "", "OpenBLAS thread count for the CPU backend (default: OpenBLAS's own)."},
     {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug."},
 };

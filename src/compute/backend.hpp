@@ -142,9 +142,15 @@ std::unique_ptr<Backend> make_cpu_backend();
 int cpu_blas_threads();
 void set_cpu_blas_threads(int threads);
 
-// True when built with CUDA and a usable device exists on this host.
+// True when the CUDA module loads (compute/cuda_module.hpp) and a usable device
+// exists on this host. Never throws.
 bool cuda_available();
-// Throws UnsupportedError (naming the reason) when unavailable.
+// Empty when cuda_available(); else why not: the UnsupportedError message
+// (missing module, CUDA libraries or GPU; a mismatched module). Never throws
+// but bad_alloc.
+std::string cuda_unavailable_reason();
+// Loads the CUDA module on first use; throws UnsupportedError (naming what is
+// missing) when unavailable.
 std::unique_ptr<Backend> make_cuda_backend(int device_index);
 
 // Dispatches on kind.

@@ -6,12 +6,13 @@
 #include "support/doctest_main.hpp"
 
 #include <cstdio>
+#include <string>
 
 #include "compute/backend.hpp"
 
 int main(int argc, char** argv) {
-  if (!powersgd::compute::cuda_available()) {
-    std::puts("test_compute_cuda: no usable CUDA device on this host; skipping");
+  if (const std::string reason = powersgd::compute::cuda_unavailable_reason(); !reason.empty()) {
+    std::printf("test_compute_cuda: skipping: %s\n", reason.c_str());
     return 77;
   }
   return powersgd::testing::run_selected_tests(argc, argv);

@@ -104,8 +104,8 @@ TEST_CASE("cuda engine: non-finite guard and a checkpoint moved between devices"
 }
 
 int main(int argc, char** argv) {
-  if (!compute::cuda_available()) {
-    std::puts("test_engine_cuda: no usable CUDA device on this host; skipping");
+  if (const std::string reason = compute::cuda_unavailable_reason(); !reason.empty()) {
+    std::printf("test_engine_cuda: skipping: %s\n", reason.c_str());
     return 77;
   }
   return powersgd::testing::run_selected_tests(argc, argv);

@@ -13,6 +13,7 @@
 #include "common/log.hpp"
 #include "compute/arguments.hpp"
 #include "compute/backend.hpp"
+#include "compute/cuda/backend.hpp"
 #include "compute/cuda/check.hpp"
 #include "compute/cuda/kernels.hpp"
 
@@ -307,25 +308,39 @@ class CudaBackend final : public Backend {
   Scratch matrix_, tau_, work_, info_;
 };
 
-int device_count() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no device: clear the error, report none
-    return 0;
-  }
-  return count;
-}
-
 }  // namespace
 
-bool cuda_available() { return device_count() > 0; }
+namespace cuda {
 
-std::unique_ptr<Backend> make_cuda_backend(int device_index) {
-  const int count = device_count();
-  PSGD_REQUIRE(count > 0, UnsupportedError, "CUDA backend unavailable: no CUDA device (or driver) on this host");
+int device_count(std::string* reason) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status == cudaSuccess && count > 0) return count;
+  cudaGetLastError();  // clear the error so later calls do not report it again
+  int runtime = 0;
+  cudaRuntimeGetVersion(&runtime);
+  if (status == cudaErrorInsufficientDriver)
+    *reason = powersgd::detail::concat(
+        "no NVIDIA driver for the CUDA ", runtime / 1000, ".", runtime % 1000 / 10,
+        " runtime (cudaErrorInsufficientDriver: libcuda.so.1 missing or older than the runtime); install the NVIDIA "
+        "driver, or run on a GPU host");
+  else if (status == cudaSuccess || status == cudaErrorNoDevice)
+    *reason = "no CUDA device on this host (cudaErrorNoDevice); check nvidia-smi and CUDA_VISIBLE_DEVICES";
+  else
+    *reason = powersgd::detail::concat("cudaGetDeviceCount failed: ", cudaGetErrorName(status), " (",
+                                       cudaGetErrorString(status), "); check nvidia-smi");
+  return 0;
+}
+
+std::unique_ptr<Backend> make_backend(int device_index) {
+  std::string reason;
+  const int count = device_count(&reason);
+  PSGD_REQUIRE(count > 0, UnsupportedError, "CUDA backend unavailable: missing a GPU: ", reason);
   PSGD_REQUIRE(device_index >= 0 && device_index < count, InvalidArgumentError, "CUDA device index ", device_index,
                " out of range: expected 0 to ", count - 1);
   return std::make_unique<CudaBackend>(device_index);
 }
+
+}  // namespace cuda
 
 }  // namespace powersgd::compute
