@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "inputs.hpp"
 
 namespace powersgd::run {
 namespace {
@@ -68,9 +69,7 @@ void Supervisor::start(std::vector<WorkerLaunch> launches) {
     if (!options_.log_dir.empty()) {
       for (auto [stream, suffix] : {std::pair{&w.out, ".out"}, std::pair{&w.err, ".err"}}) {
         std::string path = detail::concat(options_.log_dir, "/rank-", w.rank, suffix);
-        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        PSGD_REQUIRE(fd >= 0, IoError, "cannot create log file ", path, ": ", std::strerror(errno));
-        stream->log = Fd(fd);
+        stream->log = Fd(open_log_file(path));
       }
     }
     Child child = spawn(launch.spec);
@@ -218,9 +217,7 @@ int Supervisor::run() {
     if (options_.timeout.count() > 0 && !stopping_) wake = deadline;
     if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
     int wait_ms = -1;
-    if (wake != Clock::time_point::max())
-      wait_ms = static_cast<int>(
-          std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count()));
+    if (wake != Clock::time_point::max()) wait_ms = poll_timeout_ms(wake - now);
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
     PSGD_REQUIRE(ready >= 0 || errno == EINTR, IoError, "poll: ", std::strerror(errno));
     for (size_t i = 1; ready > 0 && i < fds.size(); ++i)
