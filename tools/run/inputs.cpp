@@ -77,7 +77,9 @@ int open_log_file(const std::string& path) {
   // O_NONBLOCK: opening a FIFO must not wait for a reader (it is refused below).
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0600);
   PSGD_REQUIRE(fd >= 0, IoError, "cannot create log file ", path, ": ", std::strerror(errno),
-               errno == ELOOP ? " (it is a symbolic link, which is not followed)" : "");
+               errno == ELOOP   ? " (it is a symbolic link, which is not followed)"
+               : errno == ENXIO ? " (a FIFO or socket: not a regular file)"
+                                : "");
   auto refuse = [&](const char* why) {
     ::close(fd);
     throw IoError(detail::concat("refusing log file ", path, ": ", why));
