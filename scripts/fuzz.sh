@@ -57,6 +57,8 @@ for t in "${targets[@]}"; do
   findings="$build_dir/fuzz-findings/$t"
   log="$build_dir/fuzz-$t.log"
   mkdir -p "$work" "$findings"
+  stamp="$findings/.run-start"  # findings of earlier runs are kept but not counted again
+  : >"$stamp"
   start=$(date +%s)
   # New inputs go to the first directory only, so the repository's seeds are read, never written.
   "$build_dir/tests/fuzz/$t" "$work" "$seeds" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
@@ -67,7 +69,7 @@ for t in "${targets[@]}"; do
   last=$(grep -E '^#[0-9]+.*(DONE|cov:)' "$log" | tail -1)
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
-  artifacts=$(find "$findings" -type f | wc -l)
+  artifacts=$(find "$findings" -type f ! -name .run-start -newer "$stamp" | wc -l)
   if [ $rc -eq 0 ] && [ "$artifacts" -eq 0 ]; then result=OK; else result=FAIL; failed=$((failed + 1)); fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$t" "$result" "${runs:-0}" "${cov:-0}" "${ft:-0}" "$elapsed" >>"$results"
   printf 'fuzz.sh: %-24s %-4s %12s executions  cov %-6s ft %-6s %4ss  (log %s)\n' \
