@@ -7,7 +7,7 @@
 # them as TSV to BUILD_DIR/fuzz-results.tsv (target, result, executions, cov, ft,
 # seconds) for scripts/summarize_tests.py. Findings are saved under
 # BUILD_DIR/fuzz-findings/<target>/.
-#   scripts/fuzz.sh [--seconds N] [--build-dir DIR] [--jobs N] [TARGET...]
+#   scripts/fuzz.sh [--seconds N] [--build-dir DIR] [TARGET...]
 # Default: 60 s per target, build-fuzz, every target. Long run: --seconds 600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
