@@ -2,7 +2,9 @@
 # Builds and runs every test suite: a warnings-as-errors build runs all suites
 # (unit, multiprocess, cuda: CUDA tests skip without a GPU), then an
 # address+undefined sanitizer build runs the unit suite and a thread sanitizer
-# build runs the store and communicator tests. Ends with "N passed, N failed".
+# build runs the store and communicator tests, and each libFuzzer target runs
+# for 60 s in a clang build (scripts/fuzz.sh; one result per target). Ends with
+# "N passed, N failed, N skipped".
 #   scripts/test.sh [--quick]   (--quick: the first build only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,11 @@ if [ $quick -eq 0 ]; then
   run_build build-asan "--suite unit" -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled
   export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
   run_build build-tsan "--suite tsan" -Dwerror=true -Db_sanitize=thread -Dcuda=disabled
+  if command -v clang++ >/dev/null 2>&1; then
+    rm -f build-fuzz/fuzz-results.tsv
+    scripts/fuzz.sh --seconds 60 || status=1
+    if [ -f build-fuzz/fuzz-results.tsv ]; then logs+=("build-fuzz/fuzz-results.tsv"); else logs+=("BUILD_FAILED:build-fuzz"); fi
+  fi
 fi
 
 python3 scripts/summarize_tests.py "${logs[@]}" || status=1

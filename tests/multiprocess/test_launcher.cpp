@@ -270,6 +270,9 @@ TEST_SUITE("local") {
       err_text << err.rdbuf();
       CHECK(out_text.str() == "line one\nline two\ntail-" + rank);
       CHECK(err_text.str() == "error one\n");
+      for (const char* suffix : {".out", ".err"})  // the launcher may run as root: logs are private
+        CHECK(fs::status(logs / ("rank-" + rank + suffix)).permissions() ==
+              (fs::perms::owner_read | fs::perms::owner_write));
     }
     CHECK_FALSE(contains(r.out, "error one"));
     CHECK_FALSE(contains(r.err, "line one"));
@@ -367,6 +370,8 @@ TEST_SUITE("local") {
     std::string marker = dir / "started";
     std::string hostfile_zero = dir / "hosts0";
     std::ofstream(hostfile_zero) << "# no slots\nnode1 0\n";
+    std::string hostfile_option = dir / "hosts-option";
+    std::ofstream(hostfile_option) << "node1 2\n-oProxyCommand=true 1\n";
     std::string script = dir / "not-executable.sh";
     std::ofstream(script) << "#!/bin/sh\ntouch " << marker << "\n";
     struct Case {
@@ -386,6 +391,15 @@ TEST_SUITE("local") {
         {{"--hosts", "node1:0", "--", "/bin/touch", marker}, "slot count '0' is not a positive integer"},
         {{"--hosts", "node1:2", "-n", "3", "--", "/bin/touch", marker}, "more than the 2 slots"},
         {{"-n", "1", "--grace", "-1", "--", "/bin/touch", marker}, "--grace -1 is out of range"},
+        // poll(2) takes an int of milliseconds: larger values wrapped negative and never fired.
+        {{"-n", "1", "--timeout", "3000000", "--", "/bin/touch", marker}, "--timeout 3e+06 is out of range"},
+        {{"-n", "1", "--grace", "2147484", "--", "/bin/touch", marker}, "at most 2147483"},
+        // A host that ssh would read as an option, or with characters a host name never has.
+        {{"--hosts", "-oProxyCommand=touch " + marker, "--", "/bin/touch", marker},
+         "host name '-oProxyCommand=touch " + marker + "' starts with '-'"},
+        {{"--hostfile", hostfile_option, "--", "/bin/touch", marker}, "line 2: host name '-oProxyCommand=true'"},
+        {{"--hosts", "node1,node\x1b:2", "--", "/bin/touch", marker}, "host name 'node\\x1b' has the character"},
+        {{"--hosts", "node1;touch", "--", "/bin/touch", marker}, "has the character ';'"},
         {{"-n", "1", "--env", "1X=2", "--", "/bin/touch", marker}, "--env '1X=2'"},
         {{"-n", "1", "--emulate-hosts", "2", "--", "/bin/touch", marker}, "less than --emulate-hosts 2"},
         {{"-n", "2", "--emulate-hosts", "2", "--link-rate", "fast", "--", "/bin/touch", marker}, "--link-rate 'fast'"},
@@ -402,6 +416,40 @@ TEST_SUITE("local") {
       CHECK(contains(r.err, c.message));
       CHECK_FALSE(fs::exists(marker));
     }
+  }
+
+  TEST_CASE("a PSGD_ variable whose name is not a shell identifier is refused before an ssh worker starts") {
+    // The remote wrapper exports each forwarded variable; `export "PSGD_A-B=1"` fails there.
+    TempDir dir;
+    std::string marker = dir / "ssh-started";
+    std::string fake_ssh = dir / "fake-ssh";
+    std::ofstream(fake_ssh) << "#!/bin/sh\ntouch " << marker << "\n";
+    fs::permissions(fake_ssh, fs::perms::owner_all);
+    REQUIRE(::setenv("PSGD_NOT-AN-IDENTIFIER", "1", 1) == 0);
+    Result r = run({"--hosts", "127.0.0.1", "--ssh", fake_ssh, "--", "/bin/true"}, 20s);
+    ::unsetenv("PSGD_NOT-AN-IDENTIFIER");
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 2);
+    CHECK(contains(r.err, "environment variable 'PSGD_NOT-AN-IDENTIFIER' cannot be passed to ssh workers"));
+    CHECK_FALSE(fs::exists(marker));
+  }
+
+  TEST_CASE("--log-dir: a symbolic link planted at a log file's path is refused, not followed") {
+    TempDir base;
+    fs::path logs = base.path / "logs";
+    fs::create_directories(logs);
+    fs::path victim = base.path / "victim";
+    std::ofstream(victim) << "precious\n";
+    fs::create_symlink(victim, logs / "rank-0.err");
+    Result r = run(with_worker({"-n", "1", "--log-dir", logs.string()}, {"output"}), 20s);
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 1);
+    CHECK(contains(r.err, "rank-0.err"));
+    CHECK(contains(r.err, "symbolic link"));
+    std::ifstream in(victim);
+    std::stringstream text;
+    text << in.rdbuf();
+    CHECK(text.str() == "precious\n");
   }
 
   TEST_CASE("the emulated cluster without CAP_NET_ADMIN and CAP_SYS_ADMIN says it needs root") {

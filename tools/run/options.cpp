@@ -17,6 +17,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "inputs.hpp"
 #include "powersgd_build_config.h"
 
 namespace powersgd::run {
@@ -101,9 +102,12 @@ void add_host(std::vector<Host>& hosts, Host host) {
 }
 
 std::chrono::milliseconds seconds_option(double seconds, const char* name, bool allow_zero) {
-  if (!std::isfinite(seconds) || seconds < 0 || (!allow_zero && seconds == 0) || seconds > 1e7)
+  // The upper bound is poll(2)'s: an int of milliseconds (about 24.8 days).
+  constexpr double kMaxSeconds = static_cast<double>(kMaxWait.count() / 1000);
+  if (!std::isfinite(seconds) || seconds < 0 || (!allow_zero && seconds == 0) || seconds > kMaxSeconds)
     PSGD_THROW(InvalidArgumentError, name, " ", seconds, " is out of range: expected ",
-               allow_zero ? "0 (none) or " : "", "a positive number of seconds");
+               allow_zero ? "0 (none) or " : "", "a positive number of seconds, at most ",
+               static_cast<int64_t>(kMaxSeconds));
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000.0)));
 }
 
@@ -112,12 +116,6 @@ std::vector<std::string> split_blanks(const std::string& text) {
   std::vector<std::string> words;
   for (std::string word; in >> word;) words.push_back(word);
   return words;
-}
-
-bool valid_env_name(const std::string& name) {
-  if (name.empty() || std::isdigit(static_cast<unsigned char>(name[0]))) return false;
-  return std::all_of(name.begin(), name.end(),
-                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
 
 void print_env_table() {
@@ -154,6 +152,7 @@ std::vector<Host> parse_host_list(const std::string& list) {
       if (colon != std::string::npos) slots = item.substr(colon + 1);
     }
     if (host.name.empty()) PSGD_THROW(InvalidArgumentError, "--hosts entry '", item, "' has no host name");
+    validate_host_name(host.name, detail::concat("--hosts entry '", item, "'"));
     if (!slots.empty() || item.back() == ':')
       host.slots = parse_positive_int(slots, detail::concat("--hosts entry '", item, "': slot count"));
     add_host(hosts, std::move(host));
@@ -175,6 +174,7 @@ std::vector<Host> parse_hostfile(const std::string& path) {
     std::string where = detail::concat("hostfile ", path, " line ", number);
     if (words.size() > 2) PSGD_THROW(InvalidArgumentError, where, ": '", line, "': expected 'host [slots]'");
     Host host{words[0], 1};
+    validate_host_name(host.name, where);
     if (words.size() == 2) {
       std::string slots = words[1];
       if (slots.rfind("slots=", 0) == 0) slots = slots.substr(6);
@@ -355,7 +355,7 @@ ParseResult parse_command_line(int argc, char** argv) {
     for (const auto& item : env_items) {
       auto eq = item.find('=');
       std::string name = item.substr(0, eq);
-      if (eq == std::string::npos || !valid_env_name(name))
+      if (eq == std::string::npos || !is_shell_identifier(name))
         PSGD_THROW(InvalidArgumentError, "--env '", item,
                    "': expected NAME=VALUE with NAME made of letters, digits and '_'");
       o.env.emplace_back(name, item.substr(eq + 1));

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common/check.hpp"
+#include "inputs.hpp"
 
 namespace powersgd::run {
 namespace {
@@ -45,6 +46,7 @@ std::vector<std::string> ssh_command_line(const SshOptions& ssh, const std::stri
   argv.insert(argv.end(), {"-o", "BatchMode=yes"});  // never prompt: there is no one to answer
   if (ssh.port != 0) argv.insert(argv.end(), {"-p", std::to_string(ssh.port)});
   if (!ssh.user.empty()) argv.insert(argv.end(), {"-l", ssh.user});
+  argv.push_back("--");  // the host is never an option, whatever it starts with
   argv.push_back(host);
 
   std::string wrapper = kWrapper;
@@ -58,13 +60,9 @@ std::vector<std::string> ssh_command_line(const SshOptions& ssh, const std::stri
 }
 
 std::string environment_block(const std::vector<std::pair<std::string, std::string>>& env) {
+  validate_forwarded_environment(env);
   std::string block;
-  for (const auto& [name, value] : env) {
-    PSGD_REQUIRE(value.find('\n') == std::string::npos && value.find('\0') == std::string::npos,
-                 InvalidArgumentError, "environment variable ", name,
-                 " has a newline in its value, which cannot be sent to ssh workers");
-    block += name + "=" + value + "\n";
-  }
+  for (const auto& [name, value] : env) block += name + "=" + value + "\n";
   return block + "\n";
 }
 

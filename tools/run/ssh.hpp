@@ -26,7 +26,8 @@ std::vector<std::string> ssh_command_line(const SshOptions& ssh, const std::stri
                                           std::chrono::milliseconds grace);
 
 // What the launcher writes first to the ssh process's stdin. Throws
-// InvalidArgumentError for a value with a newline (it cannot be sent).
+// InvalidArgumentError for a name that is not a shell identifier or a value with
+// a newline (validate_forwarded_environment in inputs.hpp).
 std::string environment_block(const std::vector<std::pair<std::string, std::string>>& env);
 
 // 'text' quoted for a POSIX shell.

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "inputs.hpp"
 
 namespace powersgd::run {
 namespace {
@@ -68,8 +69,7 @@ void Supervisor::start(std::vector<WorkerLaunch> launches) {
     if (!options_.log_dir.empty()) {
       for (auto [stream, suffix] : {std::pair{&w.out, ".out"}, std::pair{&w.err, ".err"}}) {
         std::string path = detail::concat(options_.log_dir, "/rank-", w.rank, suffix);
-        stream->log = Fd(PSGD_CHECK_SYS_MSG(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                                            IoError, "cannot create log file ", path));
+        stream->log = Fd(open_log_file(path));
       }
     }
     Child child = spawn(launch.spec);
@@ -214,9 +214,7 @@ int Supervisor::run() {
     if (options_.timeout.count() > 0 && !stopping_) wake = deadline;
     if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
     int wait_ms = -1;
-    if (wake != Clock::time_point::max())
-      wait_ms = static_cast<int>(
-          std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(wake - now).count()));
+    if (wake != Clock::time_point::max()) wait_ms = poll_timeout_ms(wake - now);
     // EINTR counts as a wake-up with nothing ready: the loop re-checks signals and deadlines.
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
     if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);

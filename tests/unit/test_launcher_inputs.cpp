@@ -1,0 +1,113 @@
+// powersgd-run's input checks (tools/run/inputs.*, options.*) in one process:
+// host names, forwarded environment names, poll's wait and log files.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include "powersgd/error.hpp"
+#include "run/inputs.hpp"
+#include "run/options.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace powersgd;
+using namespace std::chrono_literals;
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "psgd-inputs-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path, ignored);
+  }
+};
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("host names: DNS names and IPv4/IPv6 addresses pass; options and metacharacters are refused") {
+  for (const char* ok : {"node1", "node-1.cluster.example", "10.0.0.1", "::1", "fe80::1%eth0", "a_b"})
+    CHECK_NOTHROW(run::validate_host_name(ok, "test"));
+  CHECK(message_of([] { run::validate_host_name("-oProxyCommand=x", "hostfile h line 2"); }) ==
+        "hostfile h line 2: host name '-oProxyCommand=x' starts with '-' (ssh would read it as an option): expected "
+        "a host name or address");
+  for (const char* bad : {"a b", "a\tb", "a;b", "a$(x)", "a`x`", "a'b", "a/b", "user@node", "a\nb"})
+    CHECK_THROWS_AS(run::validate_host_name(bad, "test"), InvalidArgumentError);
+  CHECK(message_of([] { run::validate_host_name(std::string("a\x1b[2Jb"), "test"); }).find("'a\\x1b[2Jb'") !=
+        std::string::npos);  // control characters are shown escaped, never sent to the terminal
+  CHECK(run::parse_host_list("node1:2,[::1]:3,10.0.0.2").size() == 3);
+  CHECK_THROWS_AS(run::parse_host_list("node1,-x:2"), InvalidArgumentError);
+  CHECK_THROWS_AS(run::parse_host_list("[-oProxyCommand=x]:2"), InvalidArgumentError);
+}
+
+TEST_CASE("forwarded environment: names must be shell identifiers, values one line") {
+  CHECK(run::is_shell_identifier("PSGD_TOKEN"));
+  CHECK(run::is_shell_identifier("_x9"));
+  for (const char* bad : {"", "9A", "PSGD_A-B", "PSGD A", "PSGD_\xc3\xa9", "A=B"})
+    CHECK_FALSE(run::is_shell_identifier(bad));
+  CHECK_NOTHROW(run::validate_forwarded_environment({{"PSGD_A", "x y 'z'"}}));
+  CHECK(message_of([] { run::validate_forwarded_environment({{"PSGD_A-B", "1"}}); })
+            .find("environment variable 'PSGD_A-B' cannot be passed to ssh workers") != std::string::npos);
+  CHECK_THROWS_AS(run::validate_forwarded_environment({{"PSGD_A", "1\n2"}}), InvalidArgumentError);
+}
+
+TEST_CASE("poll's wait: never negative, never above INT_MAX ms, rounded up") {
+  CHECK(run::poll_timeout_ms(-5s) == 0);
+  CHECK(run::poll_timeout_ms(0ns) == 0);
+  CHECK(run::poll_timeout_ms(1ns) == 1);
+  CHECK(run::poll_timeout_ms(1500us) == 2);
+  CHECK(run::poll_timeout_ms(std::chrono::hours(24 * 30)) == 2147483647);  // 30 days wrapped negative before
+  CHECK(run::poll_timeout_ms(std::chrono::nanoseconds::max()) == 2147483647);
+}
+
+TEST_CASE("log files: created 0600 and truncated; links, FIFOs and hard links are refused and left as they were") {
+  TempDir dir;
+  const fs::path file = dir.path / "rank-0.out";
+  std::ofstream(file) << "old contents";
+  fs::permissions(file, fs::perms::all);
+  int fd = run::open_log_file(file.string());
+  REQUIRE(fd >= 0);
+  struct stat st {};
+  REQUIRE(::fstat(fd, &st) == 0);
+  CHECK((st.st_mode & 07777) == 0600);
+  CHECK(st.st_size == 0);
+  ::close(fd);
+
+  const fs::path victim = dir.path / "victim";
+  std::ofstream(victim) << "precious";
+  fs::create_symlink(victim, dir.path / "link.out");
+  CHECK(message_of([&] { run::open_log_file((dir.path / "link.out").string()); }).find("symbolic link") !=
+        std::string::npos);
+  fs::create_hard_link(victim, dir.path / "hard.out");
+  CHECK(message_of([&] { run::open_log_file((dir.path / "hard.out").string()); }).find("other hard links") !=
+        std::string::npos);
+  REQUIRE(::mkfifo((dir.path / "fifo.out").c_str(), 0600) == 0);
+  CHECK(message_of([&] { run::open_log_file((dir.path / "fifo.out").string()); }).find("not a regular file") !=
+        std::string::npos);
+  CHECK(fs::file_size(victim) == 8);
+}
+
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
