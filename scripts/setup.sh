@@ -9,7 +9,7 @@ packages=(build-essential meson ninja-build pkg-config python3 cmake
           libgloo-dev libopenblas-dev libboost-dev doctest-dev libibverbs-dev
           libcli11-dev nlohmann-json3-dev zlib1g-dev
           iproute2 openssh-server openssh-client iperf3 procps
-          dataset-fashion-mnist)
+          dataset-fashion-mnist python3-torch python3-torchvision)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -87,6 +87,9 @@ psgd_status psgd_store_port_beside_torch(int* port);
 /* As psgd_comm_init_from_env, with the rendezvous store on psgd_store_port_beside_torch(). */
 psgd_status psgd_comm_init_beside_torch(psgd_comm** out);
 
+/* Collective: copies `bytes` bytes at data on rank `root` to data on every other rank (host memory). */
+psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root);
+
 /* ==== end of issue 10 additions ==== */
 
 #ifdef __cplusplus

@@ -307,6 +307,17 @@ psgd_status psgd_comm_init_beside_torch(psgd_comm** out) {
   });
 }
 
+psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(comm);
+    PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "argument 'data' is null with ", bytes,
+                 " bytes");
+    PSGD_REQUIRE(root >= 0 && root < comm->comm->size(), InvalidArgumentError, "root = ", root, ": expected 0 to ",
+                 comm->comm->size() - 1);
+    comm->comm->broadcast(data, bytes, root);
+  });
+}
+
 }  // extern "C"
 
 // ==== end of issue 10 additions ====

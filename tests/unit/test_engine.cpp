@@ -498,6 +498,14 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
   }
   CHECK(psgd_reducer_iteration(async) == 6);
 
+  char word[6] = "hello";
+  CHECK(psgd_comm_broadcast(comm, word, sizeof word, 0) == PSGD_OK);
+  CHECK(std::string(word) == "hello");
+  CHECK(psgd_comm_broadcast(comm, word, sizeof word, 1) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("root = 1: expected 0 to 0") != std::string::npos);
+  CHECK(psgd_comm_broadcast(comm, nullptr, 3, 0) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_comm_broadcast(nullptr, word, 3, 0) == PSGD_ERR_INVALID_ARGUMENT);
+
   // A non-finite gradient: the start succeeds, the wait fails with the message on the waiting thread,
   // and waiting again gives the same status.
   std::vector<float> bad = gradients(sizes[1], 1, 99), good = gradients(sizes[0], 0, 99);
