@@ -244,7 +244,7 @@ class PowerSGDState:
     def _failed_future(self, error):
         future = torch.futures.Future()
         future.set_exception(error)
-        return future
+        return _as_error_future(future)
 
     def _reduce(self, bucket, index, buffer, whole_bucket):
         if self._failure is not None:
@@ -272,7 +272,7 @@ class PowerSGDState:
             return self._failed_future(self._failure)
         future = torch.futures.Future()
         self._pending.put((handle, future, buffer))
-        return future
+        return _as_error_future(future)
 
     @staticmethod
     def _hook_name(whole_bucket):
@@ -293,6 +293,13 @@ class PowerSGDState:
                 future.set_result(buffer)
             else:
                 future.set_exception(PowerSGDError(status, message))
+
+
+def _as_error_future(future):
+    """The future DDP gets: set_exception() stores the exception as the future's value, which DDP's C++
+    side would try to read as a tensor ("Unable to cast ..."); then() turns it into a real error of the
+    returned future, raised by DDP with the exception's message."""
+    return future.then(lambda done: done.value())
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
