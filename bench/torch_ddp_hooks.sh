@@ -2,7 +2,8 @@
 # ResNet-18 under DDP on CPU/Gloo with each comm hook, every job under a hard timeout: records whether it
 # trains, crashes (and how) or hangs, and its mean step time.
 #   bench/torch_ddp_hooks.sh BUILD_DIR [RANKS] [BUCKET_CAP_MB] [TIMEOUT_S]
-# Local ranks on this machine over loopback (no emulated links): see the README for what the figures mean.
+# Local ranks over loopback by default; LAUNCH_ARGS adds powersgd-run options, e.g. an emulated cluster
+# (root): LAUNCH_ARGS="--emulate-hosts 4 --link-rate 1gbit" bench/torch_ddp_hooks.sh build 4
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:?usage: bench/torch_ddp_hooks.sh BUILD_DIR [RANKS] [BUCKET_CAP_MB] [TIMEOUT_S]}
@@ -15,7 +16,8 @@ echo "| hook | outcome | buckets | mean step (s) |"
 echo "| --- | --- | --- | --- |"
 for hook in allreduce torch torch-batched ours; do
   log=$(mktemp)
-  "$build/tools/run/powersgd-run" -n "$ranks" --timeout "$limit" -- /usr/bin/python3 bench/torch_ddp_resnet18.py \
+  # shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
+  "$build/tools/run/powersgd-run" ${LAUNCH_ARGS:-} -n "$ranks" --timeout "$limit" -- /usr/bin/python3 bench/torch_ddp_resnet18.py \
     --hook "$hook" --bucket-cap-mb "$cap" > "$log" 2>&1
   rc=$?
   result=$(grep -a "RESULT" "$log" | head -1)

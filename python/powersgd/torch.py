@@ -122,8 +122,8 @@ class PowerSGDState:
         if not isinstance(start_powerSGD_iter, int) or start_powerSGD_iter < 0:
             raise ValueError("PowerSGDState: start_powerSGD_iter = %r: expected an integer >= 0"
                              % (start_powerSGD_iter,))
-        # Checked now (not at the declaration, inside backward) so a bad value fails at once.
-        self._config = self._engine_config(whole_bucket=False)
+        # The flags are checked now, not at the declaration inside backward(), so a bad value fails at once.
+        self._engine_config(whole_bucket=False)
         self.iter = 0               # DDP iterations completed (bucket.is_last() closes one), as the reference
         self._plain_bytes = 0       # bytes this rank passed to torch's allreduce before the declaration
         self._layout = {}           # bucket index -> gradient shapes, of the iteration in progress
