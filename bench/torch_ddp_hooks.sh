@@ -14,7 +14,7 @@ export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1
 echo "| hook | outcome | buckets | mean step (s) |"
 echo "| --- | --- | --- | --- |"
-for hook in allreduce torch torch-batched ours; do
+for hook in allreduce torch torch-batched ours ours-batched; do
   log=$(mktemp)
   # shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
   "$build/tools/run/powersgd-run" ${LAUNCH_ARGS:-} -n "$ranks" --timeout "$limit" -- /usr/bin/python3 bench/torch_ddp_resnet18.py \

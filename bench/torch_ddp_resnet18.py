@@ -5,7 +5,7 @@ the outcome and the mean time of a training step (forward, backward with reducti
     (PYTHONPATH=BUILD/python for powersgd.torch from a build directory)
 
 --hook: allreduce (DDP's default), torch (PyTorch's powerSGD_hook), torch-batched (PyTorch's
-batched_powerSGD_hook), ours (powersgd.torch.powerSGD_hook). Synthetic CIFAR-sized data (random images and
+batched_powerSGD_hook), ours (powersgd.torch.powerSGD_hook), ours-batched (its batched_powerSGD_hook). Synthetic CIFAR-sized data (random images and
 labels, a fixed seed per rank): the point is the step time and whether the job runs at all.
 bench/torch_ddp_hooks.sh runs every hook under a hard timeout and records crashes and hangs.
 """
@@ -25,7 +25,8 @@ import powersgd.torch as ours
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hook", choices=["allreduce", "torch", "torch-batched", "ours"], required=True)
+    parser.add_argument("--hook", choices=["allreduce", "torch", "torch-batched", "ours", "ours-batched"],
+                        required=True)
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
     parser.add_argument("--rank", type=int, default=2, help="PowerSGD matrix_approximation_rank")
     parser.add_argument("--start-iter", type=int, default=3, help="start_powerSGD_iter")
@@ -46,10 +47,10 @@ def main():
         state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                              start_powerSGD_iter=args.start_iter)
         hook = torch_powersgd.powerSGD_hook if args.hook == "torch" else torch_powersgd.batched_powerSGD_hook
-    elif args.hook == "ours":
+    elif args.hook in ("ours", "ours-batched"):
         state = ours.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                    start_powerSGD_iter=args.start_iter)
-        hook = ours.powerSGD_hook
+        hook = ours.powerSGD_hook if args.hook == "ours" else ours.batched_powerSGD_hook
     else:
         state, hook = None, None
     if hook is not None:

@@ -7,7 +7,7 @@ under Python 3.11 before starting workers, hence this stand-in.
 
 MASTER_PORT is a port below the kernel's ephemeral range (so no outgoing connection can take it or its
 successor between the check and the workers' bind) where both it and MASTER_PORT + 1 are free. Exit: the
-largest worker exit code; 124 when a worker is still running after 240 s (all are killed).
+largest worker exit code; 124 when a worker is still running after 540 s (all are killed).
 """
 import os
 import random
@@ -54,11 +54,11 @@ def main():
     codes = []
     try:
         for w in workers:
-            codes.append(w.wait(timeout=240))
+            codes.append(w.wait(timeout=540))
     except subprocess.TimeoutExpired:
         for w in workers:
             w.kill()
-        print("torchrun_env: a worker ran past 240 s; killed", file=sys.stderr)
+        print("torchrun_env: a worker ran past 540 s; killed", file=sys.stderr)
         return 124
     print("torchrun_env: MASTER_PORT=%d, exit codes %s" % (port, codes))
     return max(codes)
