@@ -67,18 +67,43 @@ def _address_towards(host):
         return probe.getsockname()[0]
 
 
+def _interface_of(address):
+    """The name of the network interface that holds IPv4 `address`, or None."""
+    import fcntl
+    import struct
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+            except OSError:
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
 def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
     """torch.distributed.init_process_group(backend) that works under torchrun and under powersgd-run.
 
     Under torchrun (PSGD_STORE_HOSTED unset) this is torch's env:// rendezvous on MASTER_ADDR:MASTER_PORT.
     Under powersgd-run (PSGD_STORE_HOSTED=1) the launcher's store holds MASTER_PORT; rank 0 then hosts torch's
-    TCPStore on a free port and broadcasts its address and port over the engine's communicator. Collective.
+    TCPStore on a free port and broadcasts its address and port over the engine's communicator; with
+    PSGD_ADDR set (the emulated cluster) torch's Gloo uses the interface holding that address
+    (GLOO_SOCKET_IFNAME, unless already set). Collective.
     """
     if os.environ.get("PSGD_STORE_HOSTED") != "1":
         dist.init_process_group(backend, timeout=timeout)
         return
     comm = _engine_comm()
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
+    # powersgd-run's emulated cluster gives each worker PSGD_ADDR (its host's address); torch's Gloo would
+    # otherwise bind to the address its hostname resolves to (loopback there).
+    if os.environ.get("PSGD_ADDR") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        interface = _interface_of(os.environ["PSGD_ADDR"])
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     endpoint = ctypes.create_string_buffer(64)
     store = None
     if rank == 0:
