@@ -215,3 +215,109 @@ psgd_status psgd_reducer_load(psgd_reducer* r, const char* path) {
 void psgd_reducer_destroy(psgd_reducer* r) { delete r; }
 
 }  // extern "C"
+
+// ==== Async reduce and the torch.distributed rendezvous (issue 10: the PyTorch DDP comm hook) ====
+
+#include "common/env.hpp"
+
+struct psgd_reduce_handle {
+  powersgd::ReduceHandle handle;
+};
+
+namespace {
+
+int parse_port(const std::string& name, const std::string& text) {
+  int value = 0;
+  size_t used = 0;
+  try {
+    value = std::stoi(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  PSGD_REQUIRE(used == text.size() && used > 0, InvalidArgumentError, "environment variable ", name, "='", text,
+               "' is not an integer (expected a TCP port, 1 to 65535)");
+  PSGD_REQUIRE(value >= 1 && value <= 65535, InvalidArgumentError, "environment variable ", name, "=", value,
+               " is out of range: expected a TCP port, 1 to 65535");
+  return value;
+}
+
+// The rule of psgd_store_port_beside_torch (powersgd.h).
+int store_port_beside_torch() {
+  namespace env = powersgd::env;
+  if (auto port = env::get("PSGD_STORE_PORT")) return parse_port("PSGD_STORE_PORT", *port);
+  auto master_port = env::get("MASTER_PORT");
+  PSGD_REQUIRE(master_port.has_value(), InvalidArgumentError,
+               "MASTER_PORT is not set: expected the TCP port of torch.distributed's store (powersgd's store uses "
+               "MASTER_PORT + 1 unless PSGD_STORE_PORT is set)");
+  const int master = parse_port("MASTER_PORT", *master_port);
+  auto hosted = env::get("PSGD_STORE_HOSTED");
+  if (hosted && *hosted == "1") return master;
+  PSGD_REQUIRE(master < 65535, InvalidArgumentError, "MASTER_PORT=", master,
+               ": powersgd's store would use MASTER_PORT + 1 = 65536, which is no TCP port; set PSGD_STORE_PORT "
+               "to a free port (the same on every rank)");
+  return master + 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* data, psgd_reduce_handle** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(data);
+    auto handle = std::make_unique<psgd_reduce_handle>();
+    handle->handle = r->reducer->reduce_async(bucket_index, data);
+    *out = handle.release();
+  });
+}
+
+psgd_status psgd_reduce_handle_wait(psgd_reduce_handle* h) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(h);
+    h->handle.wait();
+  });
+}
+
+int psgd_reduce_handle_done(const psgd_reduce_handle* h) {
+  if (h == nullptr) return -1;
+  return h->handle.done() ? 1 : 0;
+}
+
+void psgd_reduce_handle_free(psgd_reduce_handle* h) { delete h; }
+
+psgd_status psgd_store_port_beside_torch(int* port) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(port);
+    *port = store_port_beside_torch();
+  });
+}
+
+psgd_status psgd_comm_init_beside_torch(psgd_comm** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    powersgd::CommOptions options = powersgd::CommOptions::from_env();
+    options.store_port = static_cast<uint16_t>(store_port_beside_torch());
+    auto handle = std::make_unique<psgd_comm>();
+    handle->comm = powersgd::Communicator::create(options);
+    *out = handle.release();
+  });
+}
+
+psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(comm);
+    PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "argument 'data' is null with ", bytes,
+                 " bytes");
+    PSGD_REQUIRE(root >= 0 && root < comm->comm->size(), InvalidArgumentError, "root = ", root, ": expected 0 to ",
+                 comm->comm->size() - 1);
+    comm->comm->broadcast(data, bytes, root);
+  });
+}
+
+}  // extern "C"
+
+// ==== end of issue 10 additions ====

@@ -28,6 +28,9 @@ constexpr Variable kVariables[] = {
     // Library settings.
     {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
     {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},
+    {"PSGD_STORE_PORT", "", "Port of powersgd's store beside torch.distributed (powersgd.torch), whose TCPStore "
+                           "holds MASTER_PORT. Default: MASTER_PORT under powersgd-run (its store), else "
+                           "MASTER_PORT+1."},
     {"PSGD_RUN_ID", "", "Key prefix in the rendezvous store; set it when several jobs share one store (e.g. a file store)."},
     {"PSGD_TRANSPORT", "tcp", "Data transport: tcp or ibverbs."},
     {"PSGD_IFACE", "", "Network interface for the TCP transport (e.g. eth0). Exclusive with PSGD_ADDR."},

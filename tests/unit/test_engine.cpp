@@ -17,6 +17,7 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <thread>
 
 #include "engine_reference.hpp"
 #include "powersgd/powersgd.h"
@@ -430,6 +431,144 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   psgd_comm_destroy(comm);
   ::unsetenv("RANK");
   ::unsetenv("WORLD_SIZE");
+}
+
+// ---- issue 10: the async C API and the store port beside torch.distributed ----
+
+TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out of wait, on the waiting thread") {
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_config c = psgd_config_default();
+  c.start_iter = 2;
+  c.rank = 2;
+  psgd_reducer* async = nullptr;
+  psgd_reducer* sync = nullptr;
+  REQUIRE(psgd_reducer_create(comm, &c, &async) == PSGD_OK);
+  REQUIRE(psgd_reducer_create(comm, &c, &sync) == PSGD_OK);
+  const int ndims[] = {2, 1, 2};
+  const int64_t dims[] = {16, 20, 7, 12, 30};
+  const size_t sizes[] = {16 * 20 + 7, 12 * 30};
+  for (psgd_reducer* r : {async, sync}) {
+    int index = -1;
+    REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims, &index) == PSGD_OK);
+    REQUIRE(psgd_reducer_add_bucket(r, 1, ndims + 2, dims + 3, &index) == PSGD_OK);
+  }
+
+  psgd_reduce_handle* h = reinterpret_cast<psgd_reduce_handle*>(&c);  // must be reset to null on failure
+  std::vector<float> g = gradients(sizes[0], 0, 0);
+  CHECK(psgd_reducer_reduce_async(async, 0, g.data(), nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'out'") != std::string::npos);
+  CHECK(psgd_reducer_reduce_async(nullptr, 0, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(h == nullptr);
+  CHECK(psgd_reducer_reduce_async(async, 0, nullptr, &h) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_reduce_async(async, 2, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("bucket index 2") != std::string::npos);
+  CHECK(h == nullptr);
+  CHECK(psgd_reduce_handle_wait(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reduce_handle_done(nullptr) == -1);
+  psgd_reduce_handle_free(nullptr);
+
+  // Both buckets in flight at once (bucket 1 first, as DDP's last bucket comes first), waited for on
+  // another thread, against the blocking call; plain steps 0-1, compressed from step 2.
+  for (int step = 0; step < 6; ++step) {
+    std::vector<float> a0 = gradients(sizes[0], 0, step), a1 = gradients(sizes[1], 1, step);
+    std::vector<float> s0 = a0, s1 = a1;
+    psgd_reduce_handle* h1 = nullptr;
+    psgd_reduce_handle* h0 = nullptr;
+    REQUIRE(psgd_reducer_reduce_async(async, 1, a1.data(), &h1) == PSGD_OK);
+    CHECK(psgd_reducer_reduce_async(async, 1, a1.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(psgd_last_error()).find("already reduced") != std::string::npos);
+    CHECK(h == nullptr);
+    REQUIRE(psgd_reducer_reduce_async(async, 0, a0.data(), &h0) == PSGD_OK);
+    psgd_status waited[2] = {PSGD_ERR_INTERNAL, PSGD_ERR_INTERNAL};
+    std::thread waiter([&] {
+      waited[1] = psgd_reduce_handle_wait(h1);
+      waited[0] = psgd_reduce_handle_wait(h0);
+    });
+    waiter.join();
+    CHECK(waited[0] == PSGD_OK);
+    CHECK(waited[1] == PSGD_OK);
+    CHECK(psgd_reduce_handle_done(h0) == 1);
+    psgd_reduce_handle_free(h0);
+    psgd_reduce_handle_free(h1);
+    REQUIRE(psgd_reducer_reduce(sync, 1, s1.data()) == PSGD_OK);
+    REQUIRE(psgd_reducer_reduce(sync, 0, s0.data()) == PSGD_OK);
+    CHECK(a0 == s0);
+    CHECK(a1 == s1);
+  }
+  CHECK(psgd_reducer_iteration(async) == 6);
+
+  char word[6] = "hello";
+  CHECK(psgd_comm_broadcast(comm, word, sizeof word, 0) == PSGD_OK);
+  CHECK(std::string(word) == "hello");
+  CHECK(psgd_comm_broadcast(comm, word, sizeof word, 1) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("root = 1: expected 0 to 0") != std::string::npos);
+  CHECK(psgd_comm_broadcast(comm, nullptr, 3, 0) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_comm_broadcast(nullptr, word, 3, 0) == PSGD_ERR_INVALID_ARGUMENT);
+
+  // A non-finite gradient: the start succeeds, the wait fails with the message on the waiting thread,
+  // and waiting again gives the same status.
+  std::vector<float> bad = gradients(sizes[1], 1, 99), good = gradients(sizes[0], 0, 99);
+  bad[5] = std::nanf("");
+  psgd_reduce_handle* hb = nullptr;
+  psgd_reduce_handle* hg = nullptr;
+  REQUIRE(psgd_reducer_reduce_async(async, 1, bad.data(), &hb) == PSGD_OK);
+  REQUIRE(psgd_reducer_reduce_async(async, 0, good.data(), &hg) == PSGD_OK);
+  std::string message;
+  psgd_status status = PSGD_OK;
+  std::thread waiter([&] {
+    status = psgd_reduce_handle_wait(hb);
+    message = psgd_last_error();
+  });
+  waiter.join();
+  CHECK(status == PSGD_ERR_NONFINITE);
+  CHECK(message.find("psgd_reduce_handle_wait") != std::string::npos);
+  CHECK(message.find("NaN or Inf") != std::string::npos);
+  CHECK(psgd_reduce_handle_wait(hb) == PSGD_ERR_NONFINITE);
+  psgd_reduce_handle_free(hb);
+  // A handle freed unwaited: its reduction still completes, the step counts.
+  psgd_reduce_handle_free(hg);
+  CHECK(psgd_reducer_iteration(async) == 7);
+
+  psgd_reducer_destroy(async);
+  psgd_reducer_destroy(sync);
+  psgd_comm_destroy(comm);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}
+
+TEST_CASE("C API: the store port beside torch.distributed") {
+  for (const char* name : {"PSGD_STORE_PORT", "MASTER_PORT", "PSGD_STORE_HOSTED"}) ::unsetenv(name);
+  int port = -1;
+  auto last_error = [] { return std::string(psgd_last_error()); };
+  CHECK(psgd_store_port_beside_torch(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_store_port_beside_torch(&port) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(last_error().find("MASTER_PORT is not set") != std::string::npos);
+  ::setenv("MASTER_PORT", "29500", 1);
+  REQUIRE(psgd_store_port_beside_torch(&port) == PSGD_OK);
+  CHECK(port == 29501);
+  ::setenv("PSGD_STORE_HOSTED", "1", 1);  // powersgd-run's own store is on MASTER_PORT
+  REQUIRE(psgd_store_port_beside_torch(&port) == PSGD_OK);
+  CHECK(port == 29500);
+  ::unsetenv("PSGD_STORE_HOSTED");
+  ::setenv("MASTER_PORT", "65535", 1);
+  CHECK(psgd_store_port_beside_torch(&port) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(last_error().find("MASTER_PORT=65535") != std::string::npos);
+  CHECK(last_error().find("PSGD_STORE_PORT") != std::string::npos);
+  ::setenv("MASTER_PORT", "http", 1);
+  CHECK(psgd_store_port_beside_torch(&port) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(last_error().find("MASTER_PORT='http'") != std::string::npos);
+  ::setenv("PSGD_STORE_PORT", "31000", 1);  // wins over everything
+  REQUIRE(psgd_store_port_beside_torch(&port) == PSGD_OK);
+  CHECK(port == 31000);
+  for (const char* bad : {"0", "65536", "31000x", "-1"}) {
+    ::setenv("PSGD_STORE_PORT", bad, 1);
+    CHECK(psgd_store_port_beside_torch(&port) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(last_error().find("PSGD_STORE_PORT") != std::string::npos);
+  }
+  for (const char* name : {"PSGD_STORE_PORT", "MASTER_PORT"}) ::unsetenv(name);
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

@@ -1,0 +1,118 @@
+"""ctypes binding of the C API (include/powersgd/powersgd.h): the one place that mirrors its types.
+
+Only what the Python package uses is bound. Every call that returns a psgd_status goes through check(),
+which turns a failure into PowerSGDError carrying the status and psgd_last_error()'s message.
+"""
+import ctypes
+import os
+
+from powersgd import _library
+
+# psgd_status values (powersgd.h).
+STATUS_NAMES = {
+    0: "PSGD_OK",
+    1: "PSGD_ERR_INVALID_ARGUMENT",
+    2: "PSGD_ERR_IO",
+    3: "PSGD_ERR_TIMEOUT",
+    4: "PSGD_ERR_MISMATCH",
+    5: "PSGD_ERR_NONFINITE",
+    6: "PSGD_ERR_UNSUPPORTED",
+    7: "PSGD_ERR_INTERNAL",
+}
+
+
+class PowerSGDError(RuntimeError):
+    """A failed C API call: `status` is the psgd_status name, the message is the library's."""
+
+    def __init__(self, status, message):
+        self.status = STATUS_NAMES.get(status, "status %d" % status)
+        super().__init__("powersgd: %s: %s" % (self.status, message))
+
+
+class Config(ctypes.Structure):
+    """psgd_config, field for field. Obtain it only from psgd_config_default() (default_config())
+    and set fields by name, so a field added to the C struct is one line here."""
+
+    _fields_ = [
+        ("rank", ctypes.c_int),
+        ("start_iter", ctypes.c_int64),
+        ("min_compression_rate", ctypes.c_double),
+        ("error_feedback", ctypes.c_int),
+        ("warm_start", ctypes.c_int),
+        ("orthogonalization_epsilon", ctypes.c_double),
+        ("seed", ctypes.c_uint64),
+        ("batch_same_shape", ctypes.c_int),
+        ("whole_bucket", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("device_index", ctypes.c_int),
+    ]
+
+
+class Stats(ctypes.Structure):
+    """psgd_stats."""
+
+    _fields_ = [
+        ("numel_before", ctypes.c_uint64),
+        ("numel_after", ctypes.c_uint64),
+        ("compression_rate", ctypes.c_double),
+        ("bytes_sent", ctypes.c_uint64),
+        ("relative_error", ctypes.c_double),
+    ]
+
+
+def _load():
+    path = _library.PATH
+    if not os.path.exists(path):
+        raise ImportError(
+            "powersgd: the C library %s does not exist (this package was configured for it); "
+            "build it (ninja -C BUILD) or install it (meson install -C BUILD)" % path
+        )
+    lib = ctypes.CDLL(path)
+    handle = ctypes.c_void_p
+    status = ctypes.c_int
+    signatures = {
+        "psgd_last_error": (ctypes.c_char_p, []),
+        "psgd_comm_init_beside_torch": (status, [ctypes.POINTER(handle)]),
+        "psgd_comm_rank": (ctypes.c_int, [handle]),
+        "psgd_comm_size": (ctypes.c_int, [handle]),
+        "psgd_comm_broadcast": (status, [handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
+        "psgd_comm_barrier": (status, [handle]),
+        "psgd_comm_destroy": (None, [handle]),
+        "psgd_store_port_beside_torch": (status, [ctypes.POINTER(ctypes.c_int)]),
+        "psgd_config_default": (Config, []),
+        "psgd_reducer_create": (status, [handle, ctypes.POINTER(Config), ctypes.POINTER(handle)]),
+        "psgd_reducer_add_bucket": (
+            status,
+            [handle, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64),
+             ctypes.POINTER(ctypes.c_int)],
+        ),
+        "psgd_reducer_reduce_async": (status, [handle, ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(handle)]),
+        "psgd_reduce_handle_wait": (status, [handle]),
+        "psgd_reduce_handle_free": (None, [handle]),
+        "psgd_reducer_iteration": (ctypes.c_int64, [handle]),
+        "psgd_reducer_stats": (status, [handle, ctypes.POINTER(Stats)]),
+        "psgd_reducer_destroy": (None, [handle]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return lib
+
+
+lib = _load()
+
+
+def last_error():
+    """psgd_last_error() of the calling thread."""
+    return lib.psgd_last_error().decode("utf-8", "replace")
+
+
+def check(status):
+    """Raises PowerSGDError for a failed call (the message is this thread's psgd_last_error())."""
+    if status != 0:
+        raise PowerSGDError(status, last_error())
+
+
+def default_config():
+    return lib.psgd_config_default()
