@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -148,8 +149,8 @@ struct TcpStoreServer::Impl {
   std::unordered_map<std::string, size_t> unauthenticated_per_address;
   ThrottledLog log;
 
-  void accept();
-  void accept_ready();
+  void accept();        // waits for the listening socket to become readable
+  void accept_ready();  // accepts what is in the backlog (a batch), then waits again
   void admit(int fd);
   bool shed_oldest_unauthenticated(const std::string* address, const std::string& why);
   void on_set(const std::string& key);
@@ -566,13 +567,25 @@ void TcpStoreServer::Impl::accept_ready() {
       continue;
     }
     int err = errno;
-    if (err == EAGAIN || err == EWOULDBLOCK) break;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      accept();  // backlog drained: wait for the next connection
+      return;
+    }
     // The connection died in the backlog, or a signal: take the next one.
     if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
-    // Out of descriptors: an unauthenticated connection is the one to give up.
-    if ((err == EMFILE || err == ENFILE) &&
-        shed_oldest_unauthenticated(nullptr, std::string("out of file descriptors (") + std::strerror(err) + ")"))
-      continue;
+    if (err == EMFILE || err == ENFILE) {
+      // Linux reports EMFILE before looking at the backlog: with none waiting,
+      // wait for the next connection rather than shed anyone.
+      pollfd backlog{acceptor.native_handle(), POLLIN, 0};
+      if (::poll(&backlog, 1, 0) == 0) {
+        accept();
+        return;
+      }
+      // Out of descriptors with a connection waiting: an unauthenticated
+      // connection is the one to give up.
+      if (shed_oldest_unauthenticated(nullptr, std::string("out of file descriptors (") + std::strerror(err) + ")"))
+        continue;
+    }
     // Nothing to shed (EMFILE with only authenticated clients, ENOBUFS, ENOMEM):
     // wait before trying again, so the loop does not spin on a full backlog;
     // connected clients are served meanwhile.
@@ -581,11 +594,17 @@ void TcpStoreServer::Impl::accept_ready() {
     accept_retry.expires_after(accept_backoff);
     accept_backoff = std::min(accept_backoff * 2, kMaxAcceptBackoff);
     accept_retry.async_wait([this](boost::system::error_code ec) {
-      if (!ec && acceptor.is_open()) accept();
+      if (!ec && acceptor.is_open()) accept_ready();
     });
     return;
   }
-  accept();
+  // Batch done with connections left in the backlog: come back after the
+  // handlers already queued. Not through accept(): the reactor is
+  // edge-triggered, so waiting for readiness that was already reported would
+  // stall until yet another connection arrives.
+  asio::post(io, [this] {
+    if (acceptor.is_open()) accept_ready();
+  });
 }
 
 void TcpStoreServer::Impl::admit(int fd) {
@@ -718,7 +737,7 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
       acceptor.listen(asio::socket_base::max_listen_connections, ec) || acceptor.non_blocking(true, ec))
     PSGD_THROW(IoError, "store server cannot listen on ", where, ": ", ec.message());
   impl_->bound_port = acceptor.local_endpoint().port();
-  impl_->accept();
+  asio::post(impl_->io, [impl = impl_.get()] { impl->accept_ready(); });
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
   PSGD_LOG(Info, "store server listening on ", options.bind_address, ":", impl_->bound_port);
 }
