@@ -31,6 +31,7 @@
 #include <thread>
 
 #include "powersgd/error.hpp"
+#include "comm/communicator.hpp"
 #include "store/store.hpp"
 
 using namespace std::chrono_literals;
@@ -1133,4 +1134,48 @@ TEST_CASE("tcp store: a 4-rank rendezvous under a flood of 1000 hostile connecti
               static_cast<unsigned long long>(server.refused_clients()));
   CHECK(opened >= hostile);
   CHECK(flooded < undisturbed + 1000);
+}
+
+TEST_CASE("job key prefix: derived from the token, same on every rank, reveals nothing of it") {
+  using powersgd::transport::job_key_prefix;
+  CHECK(job_key_prefix("").empty());
+  std::string p = job_key_prefix(kToken);
+  CHECK(p == job_key_prefix(kToken));
+  CHECK(p.size() == 4 + 32);
+  CHECK(p.rfind("job-", 0) == 0);
+  CHECK(p.find(kToken) == std::string::npos);
+  CHECK(p != job_key_prefix(kToken + "x"));
+  // First 128 bits of SHA-1("powersgd store key prefix v1:abc") (python3 hashlib):
+  // a change of the derivation, which would split mixed-version jobs, shows.
+  CHECK(job_key_prefix("abc") == "job-3fd3dff95c1b3fd9428554f5657859bf");
+}
+
+TEST_CASE("rank 0's store binds the loopback MASTER_ADDR only, and keys carry the job prefix") {
+  uint16_t port = 0;
+  {
+    TcpStoreServer probe(server_options());
+    port = probe.port();
+  }
+  powersgd::CommOptions o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.store_addr = "127.0.0.2";
+  o.store_port = port;
+  o.host_store = true;
+  o.token = kToken;
+  o.timeout = 10s;
+  o.address = "127.0.0.2";
+  auto comm = powersgd::transport::GlooCommunicator::create(o);
+  auto store = connect_tcp_store("127.0.0.2", port, kToken, 5s);
+  CHECK(store->check({"powersgd/" + powersgd::transport::job_key_prefix(kToken) + "/default/joined"}));
+  CHECK_FALSE(store->check({"powersgd/default/joined"}));
+  // Not on another loopback address (and so on no other interface).
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0);
+  CHECK(errno == ECONNREFUSED);
+  ::close(fd);
 }

@@ -113,4 +113,11 @@ std::unique_ptr<Store> make_file_store(const std::string& directory, const std::
 // ---- prefix wrapper: owns nothing, `inner` must outlive it ----
 std::unique_ptr<Store> make_prefix_store(Store& inner, const std::string& prefix);
 
+// The per-job key prefix derived from the job token: "job-" and 32 hex digits
+// of SHA-1 over a domain tag and the token, so every rank computes the same
+// one, it names no key another job could predict without the token, and it
+// reveals nothing of the token (keys appear in logs and error messages).
+// Empty for an empty token.
+std::string job_key_prefix(const std::string& token);
+
 }  // namespace powersgd::transport
