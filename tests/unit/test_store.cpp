@@ -1147,7 +1147,15 @@ TEST_CASE("tcp store: a 4-rank rendezvous under a flood of 1000 hostile connecti
               static_cast<unsigned long long>(opened), static_cast<unsigned long long>(server.shed_connections()),
               static_cast<unsigned long long>(server.refused_clients()));
   CHECK(opened >= hostile);
-  CHECK(flooded[kRuns / 2] < undisturbed[kRuns / 2] + 1000);
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer makes the server's work per hostile connection about ten
+  // times dearer (median about 800 ms seen on 2 shared cores): the goal is
+  // asserted by the uninstrumented build; this one checks the flood is survived.
+  constexpr long long kAllowedDelayMs = 5000;
+#else
+  constexpr long long kAllowedDelayMs = 1000;
+#endif
+  CHECK(flooded[kRuns / 2] < undisturbed[kRuns / 2] + kAllowedDelayMs);
 }
 
 TEST_CASE("job key prefix: derived from the token, same on every rank, reveals nothing of it") {
