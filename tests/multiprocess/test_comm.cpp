@@ -18,6 +18,7 @@
 #include <cstring>
 #include <algorithm>
 #include <optional>
+#include <ctime>
 #include <thread>
 #include <vector>
 
@@ -198,12 +199,26 @@ TEST_CASE("allgather: 1 byte to several MiB per rank") {
 
 TEST_CASE("barrier: no rank leaves before the last arrives") {
   auto comm = connect("barrier");
-  // The last rank arrives late; everyone's barrier must take at least that long.
-  if (comm->rank() == comm->size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  auto start = Clock::now();
+  // The last rank arrives late. Every rank shares this host's CLOCK_REALTIME, so
+  // each compares the moment it left against the moment the last rank entered
+  // (broadcast afterwards): a comparison of events, not of durations that a
+  // rank delayed by the scheduler would shorten.
+  auto realtime_ns = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_REALTIME, &ts);
+    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+  };
+  const int last = comm->size() - 1;
+  int64_t last_entered = 0, left = 0;
+  if (comm->rank() == last) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    last_entered = realtime_ns();
+  }
   comm->barrier();
-  if (comm->size() > 1 && comm->rank() != comm->size() - 1)
-    CHECK(Clock::now() - start >= std::chrono::milliseconds(250));
+  left = realtime_ns();
+  comm->broadcast(&last_entered, sizeof last_entered, last);
+  CHECK(last_entered > 0);
+  CHECK(left >= last_entered);
 }
 
 TEST_CASE("async: many operations in flight complete in submission order") {

@@ -10,26 +10,33 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gloo/allreduce_ring.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <latch>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "powersgd/error.hpp"
+#include "comm/communicator.hpp"
 #include "store/store.hpp"
 
 using namespace std::chrono_literals;
@@ -679,6 +686,541 @@ TEST_CASE("gloo connectFullMesh and allreduce over the TCP store") {
     for (const auto& e : errors) MESSAGE(e);
     CHECK(errors.empty());
   }
+}
+
+// ---- defences against hostile clients (docs/reliability.md, "Rendezvous store: threat model") ----
+
+namespace {
+
+// A raw connection from a chosen loopback source address (127.0.0.x), so that
+// tests can play clients from several peer addresses.
+int connect_from(const char* source, uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in local{};
+  local.sin_family = AF_INET;
+  REQUIRE(::inet_pton(AF_INET, source, &local.sin_addr) == 1);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof local) == 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  return fd;
+}
+
+// True when the peer closed fd within the timeout.
+bool fd_closed_by_peer(int fd, std::chrono::milliseconds timeout) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
+  char buf[64];
+  return ::recv(fd, buf, sizeof buf, MSG_DONTWAIT) <= 0;
+}
+
+size_t count_lines_with(const std::string& log, const std::string& what) {
+  size_t n = 0;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);)
+    if (line.find(what) != std::string::npos) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("tcp store: unauthenticated connections are capped per address and overall; the oldest is closed") {
+  auto o = server_options();
+  o.auth_timeout = 10s;  // only the caps close connections here
+  o.max_unauthenticated_per_address = 3;
+  o.max_unauthenticated = 5;
+  TcpStoreServer server(o);
+  std::vector<int> a;
+  for (int i = 0; i < 3; ++i) a.push_back(connect_from("127.0.0.1", server.port()));
+  for (int fd : a) CHECK_FALSE(fd_closed_by_peer(fd, 100ms));
+  // A fourth from the same address pushes out the oldest from that address.
+  a.push_back(connect_from("127.0.0.1", server.port()));
+  CHECK(fd_closed_by_peer(a[0], 2s));
+  for (size_t i = 1; i < a.size(); ++i) CHECK_FALSE(fd_closed_by_peer(a[i], 100ms));
+  CHECK(server.shed_connections() == 1);
+  // Two from another address make five; a sixth from a third address pushes out
+  // the oldest overall (a[1]).
+  int b1 = connect_from("127.0.0.2", server.port());
+  int b2 = connect_from("127.0.0.2", server.port());
+  CHECK_FALSE(fd_closed_by_peer(b2, 100ms));
+  int c1 = connect_from("127.0.0.3", server.port());
+  CHECK(fd_closed_by_peer(a[1], 2s));
+  for (int fd : {a[2], a[3], b1, b2, c1}) CHECK_FALSE(fd_closed_by_peer(fd, 100ms));
+  CHECK(server.shed_connections() == 2);
+  // Authenticated clients do not count against the caps.
+  std::vector<std::unique_ptr<Store>> clients;
+  for (int i = 0; i < 6; ++i) clients.push_back(client(server));
+  for (auto& c : clients) c->set("k", bytes("v"));
+  for (int fd : a) ::close(fd);
+  for (int fd : {b1, b2, c1}) ::close(fd);
+  check_server_serves(server);
+}
+
+TEST_CASE("tcp store: silent connections are closed after auth_timeout, logged once per cause") {
+  auto o = server_options();
+  o.auth_timeout = 200ms;
+  auto server = std::make_unique<TcpStoreServer>(o);
+  StderrCapture capture;
+  auto start = Clock::now();
+  std::vector<std::unique_ptr<RawClient>> silent;
+  for (int i = 0; i < 40; ++i) silent.push_back(std::make_unique<RawClient>(server->port()));
+  for (auto& s : silent) CHECK(s->closed_by_server(2s));
+  auto elapsed = ms_since(start);
+  check_server_serves(*server);
+  server.reset();  // the summary of suppressed lines is written at stop
+  std::string log = capture.finish();
+  CHECK(elapsed >= 150);
+  CHECK(elapsed < 1500);
+  CHECK(count_lines_with(log, "did not authenticate within 200 ms") == 1);
+  CHECK(count_lines_with(log, "39 more event(s) of kind 'authentication deadline'") == 1);
+}
+
+TEST_CASE("tcp store: out of file descriptors, accept backs off without spinning and clients are served") {
+  // The server runs in a child process with a low descriptor limit; this
+  // process plays the clients. The parent has no other threads at fork.
+  int ready[2], quit[2];
+  REQUIRE(::pipe2(ready, O_CLOEXEC) == 0);
+  REQUIRE(::pipe2(quit, O_CLOEXEC) == 0);
+  auto log_path = std::filesystem::temp_directory_path() / ("psgd_store_emfile_" + std::to_string(::getpid()));
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    ::close(quit[1]);
+    int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (log_fd < 0 || ::dup2(log_fd, 2) != 2) ::_exit(2);
+    uint16_t port = 0;
+    try {
+      TcpStoreServer server(server_options());
+      // New descriptors take the lowest free numbers below the limit: leave 12 free.
+      std::set<int> open;
+      for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd"))
+        open.insert(std::atoi(entry.path().filename().c_str()));
+      int limit_fd = 0;
+      for (int free_below = 0; free_below < 12; ++limit_fd)
+        if (!open.count(limit_fd)) ++free_below;
+      rlimit limit{};
+      ::getrlimit(RLIMIT_NOFILE, &limit);
+      limit.rlim_cur = static_cast<rlim_t>(limit_fd);
+      if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) ::_exit(3);
+      port = server.port();
+      if (::write(ready[1], &port, sizeof port) != sizeof port) ::_exit(4);
+      char c;
+      [[maybe_unused]] auto ignored = ::read(quit[0], &c, 1);  // until the parent closes its end
+    } catch (...) {
+      ::_exit(5);
+    }
+    std::fflush(stderr);
+    ::_exit(0);
+  }
+  struct KillOnFailure {
+    pid_t pid;
+    ~KillOnFailure() {
+      if (pid > 0) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+      }
+    }
+  } guard{child};
+  ::close(ready[1]);
+  ::close(quit[0]);
+  uint16_t port = 0;
+  REQUIRE(::read(ready[0], &port, sizeof port) == sizeof port);
+  ::close(ready[0]);
+  auto good = connect_tcp_store("127.0.0.1", port, kToken, 5s);
+  // Authenticated connections until the server has no descriptor left for the
+  // next one: that one sits in the backlog without a reply.
+  std::vector<std::unique_ptr<RawClient>> held;
+  std::unique_ptr<RawClient> stuck;
+  for (int i = 0; i < 40 && !stuck; ++i) {
+    auto raw = std::make_unique<RawClient>(port);
+    raw->send(hello_frame(kToken));
+    auto r = raw->reply(300ms);
+    if (r) {
+      REQUIRE(r->first == kOk);
+      held.push_back(std::move(raw));
+    } else {
+      stuck = std::move(raw);
+    }
+  }
+  REQUIRE(stuck);
+  CHECK(held.size() >= 8);
+  // For a second the server keeps failing accept: it must not spin, must
+  // serve the connected client, and must log that once.
+  auto cpu_ticks = [&] {
+    std::ifstream stat("/proc/" + std::to_string(child) + "/stat");
+    std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    std::istringstream fields(all.substr(all.rfind(')') + 2));
+    std::string skip;
+    for (int i = 0; i < 11; ++i) fields >> skip;  // state .. cmajflt
+    long utime = 0, stime = 0;
+    fields >> utime >> stime;
+    return utime + stime;
+  };
+  long before = cpu_ticks();
+  auto start = Clock::now();
+  while (ms_since(start) < 1000) {
+    good->set("k", bytes("v"));
+    CHECK(text(good->get("k")) == "v");
+    std::this_thread::sleep_for(50ms);
+  }
+  long used = cpu_ticks() - before;  // clock ticks (1/100 s)
+  CHECK(used < 30);                  // well under the 100 a spinning thread would use
+  // Descriptors freed: the stuck client is accepted after the back-off.
+  held.resize(held.size() - 4);
+  auto r = stuck->reply(3s);
+  REQUIRE(r);
+  CHECK(r->first == kOk);
+  ::close(quit[1]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  guard.pid = 0;
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(log_path);
+  std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(log_path);
+  CHECK(count_lines_with(log, "accept failed: Too many open files") == 1);
+}
+
+TEST_CASE("tcp store: a frame header declaring 64 MiB allocates as the body arrives") {
+  TcpStoreServer server(server_options());
+  auto rss_bytes = [] {
+    std::ifstream statm("/proc/self/statm");
+    long size = 0, resident = 0;
+    statm >> size >> resident;
+    return resident * ::sysconf(_SC_PAGESIZE);
+  };
+  long before = rss_bytes();
+  std::vector<std::unique_ptr<RawClient>> raws;
+  for (int i = 0; i < 6; ++i) {
+    auto raw = std::make_unique<RawClient>(server.port());
+    raw->send(hello_frame(kToken));
+    REQUIRE(raw->reply()->first == kOk);
+    std::string header;
+    put_le(header, kMaxValueBytes, 4);  // a SET of 64 MiB is announced; 5 bytes follow
+    raw->send(header + std::string("\x02\x01\x00\x00\x00", 5));
+    raws.push_back(std::move(raw));
+  }
+  check_server_serves(server);
+  std::this_thread::sleep_for(200ms);
+  long grown = rss_bytes() - before;
+  CAPTURE(grown);
+  CHECK(grown < (64l << 20));  // not 6 x 64 MiB
+  // A large frame that does arrive is still read whole.
+  auto store = client(server, 20s);
+  std::vector<char> big(20 << 20, 'b');
+  store->set("big", big);
+  CHECK(store->get("big") == big);
+}
+
+TEST_CASE("tcp store: quotas on keys and bytes fail with an error naming the quota; the connection stays usable") {
+  auto o = server_options();
+  o.max_keys = 3;
+  o.max_bytes = 100;
+  TcpStoreServer server(o);
+  auto store = client(server);
+  store->set("a", bytes("1"));
+  store->set("b", bytes("2"));
+  CHECK(store->add("c", 1) == 1);
+  auto expect_quota = [&](auto&& call, const char* quota) {
+    try {
+      call();
+      FAIL("no quota error");
+    } catch (const powersgd::InvalidArgumentError& e) {
+      std::string what = e.what();
+      CHECK(what.find("store quota exceeded") != std::string::npos);
+      CHECK(what.find(quota) != std::string::npos);
+    }
+  };
+  expect_quota([&] { store->set("d", bytes("4")); }, "max_keys");
+  expect_quota([&] { store->add("d", 1); }, "max_keys");
+  CHECK_FALSE(store->check({"d"}));
+  store->set("a", bytes("overwrite"));  // overwriting adds no key
+  expect_quota([&] { store->set("a", std::vector<char>(100, 'x')); }, "max_bytes");
+  CHECK(text(store->get("a")) == "overwrite");  // the refused set changed nothing
+  CHECK(store->remove("b"));
+  store->set("d", std::vector<char>(80, 'y'));  // the removed key's room is free again
+  CHECK(store->get("d").size() == 80);
+  CHECK(store->add("c", 1) == 2);
+}
+
+TEST_CASE("tcp store: a protocol error while a reply is being written still reaches the client, in order") {
+  TcpStoreServer server(server_options());
+  auto setter = client(server, 20s);
+  RawClient raw(server.port());
+  raw.send(hello_frame(kToken));
+  REQUIRE(raw.reply()->first == kOk);
+  std::string get = field("big");
+  put_le(get, 60000, 8);
+  raw.send(frame(3, get));
+  std::this_thread::sleep_for(50ms);
+  // The answer (16 MiB) cannot be written at once while raw does not read.
+  const size_t kBig = 16u << 20;
+  setter->set("big", std::vector<char>(kBig, 'z'));
+  raw.send(std::string("\0\0\0\0", 4));  // an invalid header while the reply is in flight
+  std::this_thread::sleep_for(50ms);
+  auto header = raw.read(5, 5s);
+  REQUIRE(header);
+  uint32_t length = 0;
+  for (int i = 0; i < 4; ++i) length |= static_cast<uint32_t>(static_cast<unsigned char>((*header)[i])) << (8 * i);
+  CHECK(static_cast<uint8_t>((*header)[4]) == kOk);
+  CHECK(length == 1 + 4 + kBig);
+  REQUIRE(raw.read(length - 1, 10s));
+  auto error = raw.reply(5s);
+  REQUIRE(error);
+  CHECK(error->first == kError);
+  CHECK(error->second.find("frame length 0") != std::string::npos);
+  CHECK(raw.closed_by_server(2s));
+  check_server_serves(server);
+}
+
+TEST_CASE("tcp store: the idle timeout spares clients waiting in get/wait and closes idle ones") {
+  auto o = server_options();
+  o.client_idle_timeout = 300ms;
+  TcpStoreServer server(o);
+  auto waiter = client(server);
+  std::thread t([&] {
+    std::this_thread::sleep_for(700ms);
+    client(server)->set("late", bytes("v"));
+    std::this_thread::sleep_for(200ms);
+    client(server)->set("later", bytes("w"));
+  });
+  CHECK(text(waiter->get("late")) == "v");
+  waiter->wait({"later"});
+  t.join();
+  std::this_thread::sleep_for(800ms);  // idle past the timeout: closed
+  CHECK_THROWS_AS(waiter->get("late"), powersgd::IoError);
+}
+
+TEST_CASE("tcp store: no socket of the server or client is inherited by an exec'd child") {
+  TcpStoreServer server(server_options());
+  auto store = client(server);
+  store->set("k", bytes("v"));
+  int out[2];
+  REQUIRE(::pipe2(out, O_CLOEXEC) == 0);
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::dup2(out[1], 1);  // dup2 clears close-on-exec on the copy
+    ::execl("/bin/ls", "ls", "-l", "/proc/self/fd/", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  std::string listing;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(out[0], buf, sizeof buf)) > 0;) listing.append(buf, static_cast<size_t>(n));
+  ::close(out[0]);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WEXITSTATUS(status) == 0);
+  CAPTURE(listing);
+  CHECK(listing.find("pipe:") != std::string::npos);  // the listing itself worked
+  CHECK(listing.find("socket:") == std::string::npos);
+}
+
+namespace {
+
+// Hostile connections: `count` of them kept open from a few loopback source
+// addresses, each reopened as soon as the server closes it. A third stay
+// silent, a third send half a length prefix, a third a HELLO with a wrong token.
+class Flood {
+ public:
+  Flood(uint16_t port, size_t count) : port_(port), count_(count) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Flood() {
+    stop_ = true;
+    thread_.join();
+  }
+  uint64_t connections() const { return connections_.load(); }
+
+ private:
+  int open_one(size_t i) {
+    static const char* kSources[] = {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"};
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return -1;
+    sockaddr_in local{};
+    local.sin_family = AF_INET;
+    ::inet_pton(AF_INET, kSources[i % 4], &local.sin_addr);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port_);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    // The port is picked at connect, per destination: bind() alone would need
+    // a port free of every TIME_WAIT left by earlier runs.
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0 ||
+        (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 && errno != EINPROGRESS)) {
+      ::close(fd);
+      return -1;
+    }
+    connections_++;
+    return fd;
+  }
+
+  void run() {
+    std::vector<pollfd> fds(count_, pollfd{-1, 0, 0});
+    std::vector<bool> sent(count_, false);
+    std::string half_header("\x10\x00", 2);
+    std::string wrong = hello_frame("not-the-token");
+    while (!stop_) {
+      for (size_t i = 0; i < count_; ++i)
+        if (fds[i].fd < 0) {
+          fds[i] = pollfd{open_one(i), POLLIN | POLLOUT, 0};
+          sent[i] = false;
+        }
+      if (::poll(fds.data(), fds.size(), 10) < 0) continue;
+      for (size_t i = 0; i < count_; ++i) {
+        if (fds[i].fd < 0) continue;
+        if ((fds[i].revents & POLLOUT) && !sent[i]) {
+          sent[i] = true;
+          fds[i].events = POLLIN;
+          if (i % 3 == 1) ::send(fds[i].fd, half_header.data(), half_header.size(), MSG_NOSIGNAL);
+          if (i % 3 == 2) ::send(fds[i].fd, wrong.data(), wrong.size(), MSG_NOSIGNAL);
+        }
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+          char buf[256];
+          if (::recv(fds[i].fd, buf, sizeof buf, 0) <= 0 || (fds[i].revents & (POLLHUP | POLLERR))) {
+            ::close(fds[i].fd);
+            fds[i].fd = -1;
+          }
+        }
+      }
+    }
+    for (auto& p : fds)
+      if (p.fd >= 0) ::close(p.fd);
+  }
+
+  uint16_t port_;
+  size_t count_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> connections_{0};
+  std::thread thread_;
+};
+
+// What a 4-rank job does at rendezvous (Communicator::connect and Gloo's
+// connectFullMesh): each rank connects, joins a counter, publishes an address
+// and reads every other rank's. Returns the time until the last rank is done.
+long long rendezvous_ms(uint16_t port, const std::string& run) {
+  constexpr int kRanks = 4;
+  std::atomic<int> done{0};
+  std::vector<std::thread> ranks;
+  auto start = Clock::now();
+  for (int r = 0; r < kRanks; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        auto store = connect_tcp_store("127.0.0.1", port, kToken, 10s);
+        store->add(run + "/joined", 1);
+        store->set(run + "/addr/" + std::to_string(r), std::vector<char>(64, static_cast<char>('a' + r)));
+        for (int peer = 0; peer < kRanks; ++peer)
+          if (store->get(run + "/addr/" + std::to_string(peer)).size() != 64) return;
+        done++;
+      } catch (const std::exception& e) {
+        MESSAGE("rank " << r << ": " << e.what());
+      }
+    });
+  for (auto& t : ranks) t.join();
+  REQUIRE(done == kRanks);
+  return ms_since(start);
+}
+
+}  // namespace
+
+// The measured goal of docs/reliability.md: 1,000 hostile connections, open and
+// reconnecting, delay a 4-rank rendezvous by less than 1 s (median of 5). bench/store_flood.sh
+// runs this case and prints its figures.
+TEST_CASE("tcp store: a 4-rank rendezvous under a flood of 1000 hostile connections") {
+  size_t hostile = 1000;
+  if (const char* n = std::getenv("PSGD_STORE_FLOOD_CONNECTIONS")) hostile = std::strtoul(n, nullptr, 10);
+  rlimit limit{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &limit) == 0);
+  if (limit.rlim_cur < hostile + 512) {
+    limit.rlim_cur = std::min<rlim_t>(limit.rlim_max, hostile + 512);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &limit) == 0);
+  }
+  TcpStoreServer server(server_options());
+  // Medians of 5: on a shared machine a single rendezvous can lose the CPU for
+  // a while, with or without the flood.
+  constexpr int kRuns = 5;
+  auto measure = [&](const std::string& name) {
+    std::vector<long long> ms;
+    for (int i = 0; i < kRuns; ++i) ms.push_back(rendezvous_ms(server.port(), name + std::to_string(i)));
+    std::sort(ms.begin(), ms.end());
+    return ms;
+  };
+  auto undisturbed = measure("quiet");
+  std::vector<long long> flooded;
+  uint64_t opened = 0;
+  {
+    Flood flood(server.port(), hostile);
+    std::this_thread::sleep_for(500ms);  // the flood is at full strength
+    flooded = measure("flood");
+    opened = flood.connections();
+  }
+  std::printf("store flood: 4-rank rendezvous median %lld ms (worst %lld) undisturbed, median %lld ms (worst %lld) "
+              "under %zu hostile connections; %llu opened in all, %llu shed by the caps, %llu refused\n",
+              undisturbed[kRuns / 2], undisturbed.back(), flooded[kRuns / 2], flooded.back(), hostile,
+              static_cast<unsigned long long>(opened), static_cast<unsigned long long>(server.shed_connections()),
+              static_cast<unsigned long long>(server.refused_clients()));
+  CHECK(opened >= hostile);
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer makes the server's work per hostile connection about ten
+  // times dearer (median about 800 ms seen on 2 shared cores): the goal is
+  // asserted by the uninstrumented build; this one checks the flood is survived.
+  constexpr long long kAllowedDelayMs = 5000;
+#else
+  constexpr long long kAllowedDelayMs = 1000;
+#endif
+  CHECK(flooded[kRuns / 2] < undisturbed[kRuns / 2] + kAllowedDelayMs);
+}
+
+TEST_CASE("job key prefix: derived from the token, same on every rank, reveals nothing of it") {
+  using powersgd::transport::job_key_prefix;
+  CHECK(job_key_prefix("").empty());
+  std::string p = job_key_prefix(kToken);
+  CHECK(p == job_key_prefix(kToken));
+  CHECK(p.size() == 4 + 32);
+  CHECK(p.rfind("job-", 0) == 0);
+  CHECK(p.find(kToken) == std::string::npos);
+  CHECK(p != job_key_prefix(kToken + "x"));
+  // First 128 bits of SHA-1("powersgd store key prefix v1:abc") (python3 hashlib):
+  // a change of the derivation, which would split mixed-version jobs, shows.
+  CHECK(job_key_prefix("abc") == "job-3fd3dff95c1b3fd9428554f5657859bf");
+}
+
+TEST_CASE("rank 0's store binds the loopback MASTER_ADDR only, and keys carry the job prefix") {
+  uint16_t port = 0;
+  {
+    TcpStoreServer probe(server_options());
+    port = probe.port();
+  }
+  powersgd::CommOptions o;
+  o.rank = 0;
+  o.world_size = 1;
+  o.store_addr = "127.0.0.2";
+  o.store_port = port;
+  o.host_store = true;
+  o.token = kToken;
+  o.timeout = 10s;
+  o.address = "127.0.0.2";
+  auto comm = powersgd::transport::GlooCommunicator::create(o);
+  auto store = connect_tcp_store("127.0.0.2", port, kToken, 5s);
+  CHECK(store->check({"powersgd/" + powersgd::transport::job_key_prefix(kToken) + "/default/joined"}));
+  CHECK_FALSE(store->check({"powersgd/default/joined"}));
+  // Not on another loopback address (and so on no other interface).
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0);
+  CHECK(errno == ECONNREFUSED);
+  ::close(fd);
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

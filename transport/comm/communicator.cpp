@@ -1,5 +1,6 @@
 #include "comm/communicator.hpp"
 
+#include <arpa/inet.h>
 #include <gloo/common/error.h>
 
 #include <csignal>
@@ -74,21 +75,33 @@ std::unique_ptr<GlooCommunicator> GlooCommunicator::create(const CommOptions& op
 void GlooCommunicator::connect() {
   if (options_.host_store) {
     TcpStoreServerOptions server;
-    // Other hosts must reach the store unless the whole job is on loopback.
-    server.bind_address = is_loopback(options_.store_addr, kMasterAddr) ? "127.0.0.1"
-                          : options_.store_addr.find(':') != std::string::npos ? "::"
-                                                                               : "0.0.0.0";
+    // Only the address the other ranks use to reach MASTER_ADDR, never every
+    // interface: a loopback MASTER_ADDR itself (127.0.0.1 for a name such as
+    // localhost), else the local address that faces it (MASTER_ADDR itself
+    // when it names this host).
+    const std::string& master = options_.store_addr;
+    bool loopback = is_loopback(master, kMasterAddr);
+    unsigned char probe[sizeof(in6_addr)];
+    bool literal = inet_pton(AF_INET, master.c_str(), probe) == 1 || inet_pton(AF_INET6, master.c_str(), probe) == 1;
+    server.bind_address = !loopback ? local_address_towards(master, kMasterAddr) : literal ? master : "127.0.0.1";
     server.port = options_.store_port;
     server.token = options_.token;
     server_ = std::make_unique<TcpStoreServer>(server);
     options_.store_port = server_->port();
+    if (!loopback && options_.token.empty())
+      PSGD_LOG(Warn, "the rendezvous store on ", server.bind_address, ":", options_.store_port,
+               " accepts any client that can reach it (it could redirect this job's traffic or stall its "
+               "rendezvous): set PSGD_TOKEN to the same secret on every rank, or use powersgd-run, which does");
   }
   store_ = connect_tcp_store(options_.store_addr, options_.store_port, options_.token, options_.timeout);
   store_->set_timeout(options_.timeout);
 
   // Every group that forms on this store gets a fresh generation, so a rebuilt
-  // group never reads the keys of the one before.
-  std::string run = "powersgd/" + (options_.run_id.empty() ? std::string("default") : options_.run_id);
+  // group never reads the keys of the one before. With a token, keys also
+  // carry a prefix derived from it (job_key_prefix), so no key of this job
+  // can be predicted without the token.
+  std::string run = "powersgd/" + (options_.token.empty() ? std::string() : job_key_prefix(options_.token) + "/") +
+                    (options_.run_id.empty() ? std::string("default") : options_.run_id);
   int64_t joined = store_->add(run + "/joined", 1);
   std::string prefix = run + "/g" + std::to_string((joined - 1) / options_.world_size);
   auto scoped = make_prefix_store(*store_, prefix);

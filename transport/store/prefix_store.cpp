@@ -1,4 +1,9 @@
-// Prefix store: namespaces keys as "<prefix>/<key>" in a wrapped store.
+// Prefix store: namespaces keys as "<prefix>/<key>" in a wrapped store; the
+// per-job prefix derived from the token.
+#include <boost/uuid/detail/sha1.hpp>
+
+#include <cstdio>
+
 #include "common/check.hpp"
 #include "store.hpp"
 
@@ -50,6 +55,23 @@ class PrefixStore final : public Store {
 std::unique_ptr<Store> make_prefix_store(Store& inner, const std::string& prefix) {
   PSGD_REQUIRE(!prefix.empty(), InvalidArgumentError, "store prefix must not be empty");
   return std::make_unique<PrefixStore>(inner, prefix);
+}
+
+std::string job_key_prefix(const std::string& token) {
+  if (token.empty()) return {};
+  static const std::string kDomain = "powersgd store key prefix v1:";
+  boost::uuids::detail::sha1 sha;
+  sha.process_bytes(kDomain.data(), kDomain.size());
+  sha.process_bytes(token.data(), token.size());
+  boost::uuids::detail::sha1::digest_type digest;
+  sha.get_digest(digest);
+  std::string out = "job-";
+  char word[9];
+  for (int i = 0; i < 4; ++i) {  // 128 of the 160 bits
+    std::snprintf(word, sizeof word, "%08x", digest[i]);
+    out += word;
+  }
+  return out;
 }
 
 }  // namespace powersgd::transport

@@ -53,15 +53,28 @@ struct TcpStoreServerOptions {
   std::string bind_address = "127.0.0.1";  // "0.0.0.0" / "::" to serve other hosts
   uint16_t port = 0;                        // 0: pick a free port
   std::string token;                        // empty: no authentication
-  std::chrono::milliseconds client_idle_timeout{0};  // 0: none; frames in progress always have one
-  // A frame whose first byte has arrived must complete within this, and a new
-  // connection must authenticate within it; otherwise the connection is closed.
+  std::chrono::milliseconds client_idle_timeout{0};  // 0: none; a client waiting in get/wait is not idle
+  // A frame whose first byte has arrived must complete within this (and a
+  // client must read its last reply within it before the server closes).
   std::chrono::milliseconds frame_timeout{10000};
+  // A new connection must authenticate (send a valid HELLO) within this.
+  std::chrono::milliseconds auth_timeout{1000};
+  // Caps on connections that have not authenticated yet, overall and per peer
+  // address. Over a cap the oldest such connection is closed to admit the new one.
+  size_t max_unauthenticated = 256;
+  size_t max_unauthenticated_per_address = 64;
+  // Quotas on the stored data: number of keys, and bytes of keys plus values. A
+  // set or add beyond them fails with an Error reply naming the quota; the
+  // connection stays usable.
+  size_t max_keys = size_t{1} << 20;
+  size_t max_bytes = size_t{4} << 30;
 };
 
 // Serves on its own thread until destroyed or stop()ped. Never blocks or crashes
-// on malformed, oversized, slow or vanished clients; refuses clients with a wrong
-// token (logging their address) and keeps serving the others.
+// on malformed, oversized, slow or vanished clients, nor on floods of idle
+// connections; refuses clients with a wrong token (logging their address, at
+// most one line per cause every 10 s) and keeps serving the others. Every socket
+// it creates is close-on-exec.
 class TcpStoreServer {
  public:
   // Binds and starts listening before returning (throws IoError naming the
@@ -77,6 +90,8 @@ class TcpStoreServer {
   void stop();
   // Number of connections refused for a bad token so far (for tests and logs).
   uint64_t refused_clients() const;
+  // Number of unauthenticated connections closed to respect the caps so far.
+  uint64_t shed_connections() const;
 
   struct Impl;
 
@@ -97,5 +112,12 @@ std::unique_ptr<Store> make_file_store(const std::string& directory, const std::
 
 // ---- prefix wrapper: owns nothing, `inner` must outlive it ----
 std::unique_ptr<Store> make_prefix_store(Store& inner, const std::string& prefix);
+
+// The per-job key prefix derived from the job token: "job-" and 32 hex digits
+// of SHA-1 over a domain tag and the token, so every rank computes the same
+// one, it names no key another job could predict without the token, and it
+// reveals nothing of the token (keys appear in logs and error messages).
+// Empty for an empty token.
+std::string job_key_prefix(const std::string& token);
 
 }  // namespace powersgd::transport

@@ -2,6 +2,10 @@
 // operation runs the client's private io_context until the reply or the
 // deadline, the Asio idiom for blocking I/O with a timeout.
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <mutex>
 #include <thread>
 
@@ -22,6 +26,9 @@ using protocol::Request;
 // Time a get/wait reply may lag behind the server's own timeout before the
 // client stops waiting for it (server stalled or network lost).
 constexpr std::chrono::milliseconds kReplyGrace{1000};
+// Pause before connecting again after a failed connect or a connection the
+// server closed before authentication.
+constexpr std::chrono::milliseconds kReconnectDelay{20};
 
 std::string key_list(const std::vector<std::string>& keys) {
   std::string out;
@@ -37,14 +44,29 @@ class TcpStore final : public Store {
     PSGD_REQUIRE(token.size() <= kMaxKeyBytes, InvalidArgumentError, "store job token is ", token.size(),
                  " bytes, the limit is ", kMaxKeyBytes);
     set_timeout(timeout);
-    connect(host, port, Clock::now() + timeout);
+    auto deadline = Clock::now() + timeout;
     auto hello = protocol::Writer(static_cast<uint8_t>(Request::Hello)).u32(protocol::kVersion).str(token).finish();
-    auto [type, payload] = exchange(hello, Clock::now() + timeout, "HELLO");
-    if (type == Reply::Refused || type == Reply::Error) {
-      broken_ = true;
-      PSGD_THROW(IoError, "store at ", where_, " refused this client: ", message(payload));
+    // A server under a flood of unauthenticated connections may close this one
+    // before reading its HELLO (it keeps the newest): connect again until the
+    // deadline. A refusal is final.
+    for (;;) {
+      connect(host, port, deadline);
+      try {
+        auto [type, payload] = exchange(hello, deadline, "HELLO");
+        if (type == Reply::Refused || type == Reply::Error) {
+          broken_ = true;
+          PSGD_THROW(IoError, "store at ", where_, " refused this client: ", message(payload));
+        }
+        expect_ok(type, payload, "HELLO");
+        return;
+      } catch (const IoError&) {
+        if (!connection_lost_ || Clock::now() + kReconnectDelay >= deadline) throw;
+      }
+      boost::system::error_code ignored;
+      socket_.close(ignored);
+      broken_ = connection_lost_ = false;
+      std::this_thread::sleep_for(kReconnectDelay);
     }
-    expect_ok(type, payload, "HELLO");
   }
 
   void set(const std::string& key, const std::vector<char>& value) override {
@@ -186,19 +208,36 @@ class TcpStore final : public Store {
     if (ec) PSGD_THROW(IoError, "cannot resolve store host ", where_, ": ", ec.message());
     // The server may start after its clients: retry until the deadline.
     for (;;) {
-      boost::system::error_code result = asio::error::would_block;
-      asio::async_connect(socket_, endpoints,
-                          [&](boost::system::error_code e, const tcp::endpoint&) { result = e; });
-      ec = run_until(result, deadline);
+      for (const auto& entry : endpoints) {
+        ec = connect_to(entry.endpoint(), deadline);
+        if (!ec) break;
+      }
       if (!ec) break;
-      boost::system::error_code ignored;
-      socket_.close(ignored);
-      if (Clock::now() + std::chrono::milliseconds(50) >= deadline)
+      if (Clock::now() + kReconnectDelay >= deadline)
         PSGD_THROW(TimeoutError, "could not connect to the store at ", where_, " within ", timeout().count(),
                    " ms: ", ec.message());
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::this_thread::sleep_for(kReconnectDelay);
     }
     socket_.set_option(tcp::no_delay(true), ec);
+  }
+
+  // One connection attempt on a socket created close-on-exec in one step (a
+  // child the trainer forks and execs must not inherit the store connection).
+  boost::system::error_code connect_to(const tcp::endpoint& endpoint, Clock::time_point deadline) {
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+    int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+    if (fd < 0) return {errno, boost::system::system_category()};
+    boost::system::error_code ec;
+    if (socket_.assign(endpoint.protocol(), fd, ec)) {
+      ::close(fd);
+      return ec;
+    }
+    boost::system::error_code result = asio::error::would_block;
+    socket_.async_connect(endpoint, [&](boost::system::error_code e) { result = e; });
+    ec = run_until(result, deadline);
+    if (ec) socket_.close(ignored);
+    return ec;
   }
 
   // Sends one request and reads its reply. Caller holds mutex_ (or is the constructor).
@@ -207,6 +246,7 @@ class TcpStore final : public Store {
     if (broken_) PSGD_THROW(IoError, "connection to the store at ", where_, " is closed after an earlier failure");
     auto lost = [&](const boost::system::error_code& ec) -> Response {
       broken_ = true;
+      connection_lost_ = true;
       if (ec == asio::error::timed_out) {
         if (wait_limit)
           PSGD_THROW(TimeoutError, "store ", what, " timed out after ", wait_limit->count(), " ms (no reply from ",
@@ -245,6 +285,7 @@ class TcpStore final : public Store {
   tcp::socket socket_{io_};
   std::mutex mutex_;
   bool broken_ = false;
+  bool connection_lost_ = false;  // the last exchange failed on the connection itself
 };
 
 }  // namespace

@@ -1,9 +1,26 @@
 // TCP store server: one io_context thread serves every connection; the store's
 // state is touched only on that thread, so it needs no lock.
+//
+// Defences against hostile or broken clients (docs/reliability.md, "Rendezvous
+// store: threat model"): unauthenticated connections are capped overall and per
+// peer address (the oldest is closed to admit a new one), must authenticate within
+// auth_timeout, and are never given more than a HELLO's worth of buffer;
+// accept() running out of descriptors sheds an unauthenticated connection or
+// backs off instead of spinning; warnings are rate-limited per cause; the
+// store's keys and bytes are bounded by quotas.
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <deque>
+#include <list>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -22,6 +39,7 @@ namespace {
 
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
 using protocol::Reply;
 using protocol::Request;
 
@@ -58,6 +76,47 @@ std::optional<int64_t> parse_counter(const std::vector<char>& value) {
   return v;
 }
 
+// Warnings about clients, at most one line per cause per interval: the first is
+// written at once, later ones in the interval are counted and their number is
+// appended to the next line written for that cause (or to the summary at stop).
+// A flood of hostile connections thus costs a few lines, not one per connection.
+class ThrottledLog {
+ public:
+  static constexpr std::chrono::seconds kInterval{10};
+
+  void warn(const std::string& cause, const std::string& line) {
+    auto now = Clock::now();
+    Entry& e = entries_[cause];
+    if (e.written && now - e.last < kInterval) {
+      ++e.suppressed;
+      return;
+    }
+    if (e.suppressed > 0)
+      PSGD_LOG(Warn, "store server: ", line, " (and ", e.suppressed, " more of this kind in the last ",
+               kInterval.count(), " s)");
+    else
+      PSGD_LOG(Warn, "store server: ", line);
+    e = Entry{true, now, 0};
+  }
+
+  // Reports what was counted but never written.
+  void flush() {
+    for (auto& [cause, e] : entries_)
+      if (e.suppressed > 0) {
+        PSGD_LOG(Warn, "store server: ", e.suppressed, " more event(s) of kind '", cause, "' were not logged");
+        e.suppressed = 0;
+      }
+  }
+
+ private:
+  struct Entry {
+    bool written = false;
+    Clock::time_point last;
+    uint64_t suppressed = 0;
+  };
+  std::map<std::string, Entry> entries_;
+};
+
 }  // namespace
 
 struct TcpStoreServer::Impl {
@@ -67,19 +126,37 @@ struct TcpStoreServer::Impl {
   asio::io_context io;
   tcp::acceptor acceptor{io};
   asio::steady_timer accept_retry{io};
+  std::chrono::milliseconds accept_backoff{kMinAcceptBackoff};
   std::thread thread;
   std::atomic<uint64_t> refused{0};
+  std::atomic<uint64_t> shed{0};
   uint16_t bound_port = 0;
   std::mutex stop_mutex;
   bool stopped = false;
 
+  static constexpr std::chrono::milliseconds kMinAcceptBackoff{10};
+  static constexpr std::chrono::milliseconds kMaxAcceptBackoff{1000};
+  // Connections accepted per wake-up before the sessions' own handlers get a
+  // turn, so a burst of connections cannot starve the clients already in.
+  static constexpr int kAcceptBatch = 16;
+
   // io thread only.
   std::unordered_map<std::string, std::vector<char>> data;
+  size_t data_bytes = 0;  // sum of key and value sizes in `data`
   std::set<std::shared_ptr<Session>> sessions;
   std::unordered_map<std::string, std::unordered_set<Session*>> waiting;  // key -> sessions waiting for it
+  std::list<Session*> unauthenticated;                                    // oldest first
+  std::unordered_map<std::string, size_t> unauthenticated_per_address;
+  ThrottledLog log;
 
-  void accept();
+  void accept();        // waits for the listening socket to become readable
+  void accept_ready();  // accepts what is in the backlog (a batch), then waits again
+  void admit(int fd);
+  bool shed_oldest_unauthenticated(const std::string* address, const std::string& why);
   void on_set(const std::string& key);
+  // Stores key = value if the quotas allow; else the reason it does not.
+  std::optional<std::string> store(const std::string& key, std::vector<char> value);
+  void erase(const std::string& key);
   void run();
 };
 
@@ -87,12 +164,17 @@ namespace {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(TcpStoreServer::Impl& server, tcp::socket socket, std::string peer)
+  Session(TcpStoreServer::Impl& server, tcp::socket socket, std::string peer, std::string address)
       : server_(server), socket_(std::move(socket)), deadline_(server.io), wait_timer_(server.io),
-        peer_(std::move(peer)) {}
+        peer_(std::move(peer)), address_(std::move(address)) {}
+
+  const std::string& peer() const { return peer_; }
+  const std::string& address() const { return address_; }
+  // Position in Impl::unauthenticated while not authenticated.
+  std::optional<std::list<Session*>::iterator> unauthenticated_entry;
 
   void start() {
-    arm_deadline(server_.options.frame_timeout, "authenticate");  // HELLO must come within it
+    arm_deadline(server_.options.auth_timeout, "authenticate", "authentication deadline");
     read_header();
   }
 
@@ -101,6 +183,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (closed_) return;
     closed_ = true;
     drop_pending();
+    leave_unauthenticated();
     boost::system::error_code ignored;
     deadline_.cancel();
     wait_timer_.cancel();
@@ -130,30 +213,52 @@ class Session : public std::enable_shared_from_this<Session> {
     uint64_t timeout_ms;
   };
 
-  void arm_deadline(std::chrono::milliseconds after, const char* what) {
+  // Body buffer growth: a frame's buffer starts at this size and doubles as
+  // bytes arrive, so a header declaring 64 MiB costs memory only once the
+  // client has actually sent that much.
+  static constexpr size_t kInitialBodyBytes = 4096;
+
+  void leave_unauthenticated() {
+    if (!unauthenticated_entry) return;
+    server_.unauthenticated.erase(*unauthenticated_entry);
+    unauthenticated_entry.reset();
+    auto it = server_.unauthenticated_per_address.find(address_);
+    if (it != server_.unauthenticated_per_address.end() && --it->second == 0)
+      server_.unauthenticated_per_address.erase(it);
+  }
+
+  void arm_deadline(std::chrono::milliseconds after, const char* what, const char* cause) {
     deadline_.expires_after(after);
-    deadline_.async_wait([self = shared_from_this(), gen = ++deadline_gen_, what](boost::system::error_code ec) {
-      if (ec || gen != self->deadline_gen_ || self->closed_) return;
-      PSGD_LOG(Warn, "store server: closing connection from ", self->peer_, ": it did not ", what, " within ",
-               self->server_.options.frame_timeout.count(), " ms");
-      self->close();
-    });
+    deadline_.async_wait(
+        [self = shared_from_this(), gen = ++deadline_gen_, what, cause, after](boost::system::error_code ec) {
+          if (ec || gen != self->deadline_gen_ || self->closed_) return;
+          self->server_.log.warn(cause, detail::concat("closing connection from ", self->peer_, ": it did not ",
+                                                       what, " within ", after.count(), " ms"));
+          self->close();
+        });
   }
   void disarm_deadline() {
     ++deadline_gen_;
     deadline_.cancel();
   }
 
+  // An authenticated connection with nothing in progress (no frame being read,
+  // no get/wait pending, no reply queued) is idle: only then does the idle
+  // timeout run. A client blocked in a long GET/WAIT is not idle.
+  void rearm_idle() {
+    if (!authenticated_ || closed_ || closing_) return;
+    if (header_got_ != 0 || pending_ || !out_.empty()) return;
+    if (server_.options.client_idle_timeout.count() > 0)
+      arm_deadline(server_.options.client_idle_timeout, "send a request (idle timeout)", "idle timeout");
+    else
+      disarm_deadline();
+  }
+
   void read_header() {
-    if (closed_) return;
+    if (closed_ || closing_ || reading_) return;
     header_got_ = 0;
     reading_ = true;
-    if (authenticated_) {
-      if (server_.options.client_idle_timeout.count() > 0)
-        arm_deadline(server_.options.client_idle_timeout, "send a request (idle timeout)");
-      else
-        disarm_deadline();
-    }
+    rearm_idle();
     read_header_part();
   }
 
@@ -165,14 +270,16 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void on_header(boost::system::error_code ec, size_t n) {
-    if (closed_) return;
+    if (closed_ || closing_) return;
     if (ec) {
+      reading_ = false;
       if (ec != asio::error::eof || header_got_ != 0 || pending_)
         PSGD_LOG(Debug, "store server: connection from ", peer_, " ended: ", ec.message());
       close();
       return;
     }
-    if (header_got_ == 0 && authenticated_) arm_deadline(server_.options.frame_timeout, "complete a frame");
+    if (header_got_ == 0 && authenticated_)
+      arm_deadline(server_.options.frame_timeout, "complete a frame", "frame deadline");
     header_got_ += n;
     if (header_got_ < 4) {
       read_header_part();
@@ -182,35 +289,47 @@ class Session : public std::enable_shared_from_this<Session> {
     size_t limit = authenticated_ ? protocol::kMaxFrameBytes : protocol::kMaxHelloBytes;
     if (length == 0 || length > limit) {
       // Refused before allocating anything for the body.
+      reading_ = false;
       fail(detail::concat("frame length ", length, " is outside [1, ", limit, "]"));
       return;
     }
-    body_.resize(length);
-    asio::async_read(socket_, asio::buffer(body_),
-                     [self = shared_from_this()](boost::system::error_code ec2, size_t) { self->on_body(ec2); });
+    body_length_ = length;
+    body_.assign(std::min<size_t>(length, kInitialBodyBytes), 0);
+    body_got_ = 0;
+    read_body_part();
   }
 
-  void on_body(boost::system::error_code ec) {
-    if (closed_) return;
-    reading_ = false;
+  void read_body_part() {
+    if (body_got_ == body_.size()) body_.resize(std::min(body_length_, body_.size() * 2));
+    socket_.async_read_some(asio::buffer(body_.data() + body_got_, body_.size() - body_got_),
+                            [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+                              self->on_body(ec, n);
+                            });
+  }
+
+  void on_body(boost::system::error_code ec, size_t n) {
+    if (closed_ || closing_) return;
     if (ec) {
-      PSGD_LOG(Warn, "store server: connection from ", peer_, " lost in the middle of a frame: ", ec.message());
+      reading_ = false;
+      server_.log.warn("lost mid-frame", detail::concat("connection from ", peer_,
+                                                        " lost in the middle of a frame: ", ec.message()));
       close();
       return;
     }
-    if (authenticated_) disarm_deadline();
-    if (writing_) {
-      deferred_ = true;  // answered once the reply in flight is written: one write at a time
+    body_got_ += n;
+    if (body_got_ < body_length_) {
+      read_body_part();
       return;
     }
-    process();
-  }
-
-  void process() {
+    reading_ = false;
+    header_got_ = 0;
+    if (authenticated_) disarm_deadline();
     handle_frame();
-    body_.clear();
-    body_.shrink_to_fit();
-    if (!closed_ && !writing_ && !reading_) read_header();
+    body_ = {};
+    // The next request is read once every reply is written (a client that does
+    // not read its replies stalls only itself), or at once while a get/wait is
+    // pending (to notice a disconnect).
+    if (out_.empty()) read_header();
   }
 
   void handle_frame() {
@@ -230,7 +349,8 @@ class Session : public std::enable_shared_from_this<Session> {
         auto key = in.str(kMaxKeyBytes);
         auto value = in.str(kMaxValueBytes);
         if (!key || !value || !in.done()) return malformed();
-        server_.data[*key] = std::vector<char>(value->begin(), value->end());
+        if (auto refused = server_.store(*key, std::vector<char>(value->begin(), value->end())))
+          return send(reply(Reply::Error, *refused));
         send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
         server_.on_set(*key);
         return;
@@ -254,20 +374,17 @@ class Session : public std::enable_shared_from_this<Session> {
         int64_t current = 0;
         if (auto it = server_.data.find(*key); it != server_.data.end()) {
           auto parsed = parse_counter(it->second);
-          if (!parsed) {
-            send(reply(Reply::Error, "add on key '" + *key + "', whose value is not a decimal 64-bit integer"));
-            return;
-          }
+          if (!parsed)
+            return send(reply(Reply::Error, "add on key '" + *key + "', whose value is not a decimal 64-bit integer"));
           current = *parsed;
         }
         int64_t result = 0;
-        if (__builtin_add_overflow(current, *delta, &result)) {
-          send(reply(Reply::Error, detail::concat("add of ", *delta, " to key '", *key, "' (value ", current,
-                                                  ") overflows a 64-bit integer")));
-          return;
-        }
+        if (__builtin_add_overflow(current, *delta, &result))
+          return send(reply(Reply::Error, detail::concat("add of ", *delta, " to key '", *key, "' (value ", current,
+                                                         ") overflows a 64-bit integer")));
         std::string text = std::to_string(result);
-        server_.data[*key] = std::vector<char>(text.begin(), text.end());
+        if (auto refused = server_.store(*key, std::vector<char>(text.begin(), text.end())))
+          return send(reply(Reply::Error, *refused));
         send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).i64(result).finish());
         server_.on_set(*key);
         return;
@@ -282,7 +399,8 @@ class Session : public std::enable_shared_from_this<Session> {
       case Request::Remove: {
         auto key = in.str(kMaxKeyBytes);
         if (!key || !in.done()) return malformed();
-        bool existed = server_.data.erase(*key) > 0;
+        bool existed = server_.data.count(*key) > 0;
+        server_.erase(*key);
         send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).u8(existed ? 1 : 0).finish());
         return;
       }
@@ -295,7 +413,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void hello(uint8_t type, protocol::Reader& in) {
     auto refuse = [&](const std::string& why) {
       server_.refused.fetch_add(1);
-      PSGD_LOG(Warn, "store server: refused client ", peer_, ": ", why);
+      server_.log.warn("refused client", detail::concat("refused client ", peer_, ": ", why));
       send(reply(Reply::Refused, why), true);
     };
     if (type != static_cast<uint8_t>(Request::Hello))
@@ -308,6 +426,7 @@ class Session : public std::enable_shared_from_this<Session> {
                                    protocol::kVersion));
     if (!token_matches(server_.options.token, *token)) return refuse("wrong job token");
     authenticated_ = true;
+    leave_unauthenticated();
     disarm_deadline();
     send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
   }
@@ -326,6 +445,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void wait_for(bool is_get, std::vector<std::string> keys, uint64_t timeout_ms) {
     pending_ = Pending{is_get, std::move(keys), timeout_ms};
+    disarm_deadline();  // waiting is not idling
     bool missing = false;
     for (const auto& k : pending_->keys)
       if (!server_.data.count(k)) {
@@ -359,82 +479,210 @@ class Session : public std::enable_shared_from_this<Session> {
     pending_.reset();
   }
 
-  // Protocol violation: tell the client why, then close.
+  // Protocol violation: tell the client why (after any reply already queued),
+  // then close.
   void fail(const std::string& why) {
-    PSGD_LOG(Warn, "store server: closing connection from ", peer_, ": ", why);
+    server_.log.warn("protocol violation", detail::concat("closing connection from ", peer_, ": ", why));
     drop_pending();
     wait_timer_.cancel();
     send(reply(Reply::Error, why), true);
   }
 
+  // Queues a reply; replies go out in order, one write at a time. With
+  // close_after, nothing more is read and the connection closes once the queue
+  // is written (or after frame_timeout if the client does not read it).
   void send(std::vector<char> frame, bool close_after = false) {
+    if (closed_ || closing_) return;
+    out_.push_back(std::move(frame));
+    if (close_after) {
+      closing_ = true;
+      arm_deadline(server_.options.frame_timeout, "read its last reply", "frame deadline");
+    } else if (header_got_ == 0) {
+      disarm_deadline();  // a reply being written is not idling; rearmed once written
+    }
+    if (out_.size() == 1) write_front();
+  }
+
+  void write_front() {
+    asio::async_write(socket_, asio::buffer(out_.front()),
+                      [self = shared_from_this()](boost::system::error_code ec, size_t) { self->on_written(ec); });
+  }
+
+  void on_written(boost::system::error_code ec) {
     if (closed_) return;
-    PSGD_ASSERT(!writing_, "one reply at a time per connection");
-    out_ = std::move(frame);
-    writing_ = true;
-    close_after_ = close_after;
-    if (close_after) reading_ = true;  // no further reads on this connection
-    asio::async_write(socket_, asio::buffer(out_), [self = shared_from_this()](boost::system::error_code ec, size_t) {
-      self->writing_ = false;
-      self->out_ = {};
-      if (self->closed_) return;
-      if (ec || self->close_after_) {
-        self->close();
-        return;
-      }
-      if (self->deferred_) {
-        self->deferred_ = false;
-        self->process();
-      } else if (!self->reading_) {
-        self->read_header();
-      }
-    });
+    out_.pop_front();
+    if (ec) {
+      close();
+      return;
+    }
+    if (!out_.empty()) {
+      write_front();
+      return;
+    }
+    if (closing_) {
+      close();
+      return;
+    }
+    if (reading_)
+      rearm_idle();  // the read armed while a get/wait was pending carries on
+    else
+      read_header();
   }
 
   TcpStoreServer::Impl& server_;
   tcp::socket socket_;
-  asio::steady_timer deadline_;    // authentication, frame in progress, idle
+  asio::steady_timer deadline_;    // authentication, frame in progress, idle, last reply
   asio::steady_timer wait_timer_;  // pending get/wait
   uint64_t deadline_gen_ = 0;
-  std::string peer_;
+  std::string peer_;     // address:port, for logs
+  std::string address_;  // address only, for the per-address cap
   bool authenticated_ = false;
   bool closed_ = false;
-  bool reading_ = false;
-  bool writing_ = false;
-  bool deferred_ = false;
-  bool close_after_ = false;
+  bool closing_ = false;  // last reply queued; nothing more is read or sent
+  bool reading_ = false;  // a header or body read is outstanding
   unsigned char header_[4] = {};
   size_t header_got_ = 0;
   std::vector<char> body_;
-  std::vector<char> out_;
+  size_t body_length_ = 0;
+  size_t body_got_ = 0;
+  std::deque<std::vector<char>> out_;  // replies not yet written; front is in flight
   std::optional<Pending> pending_;
 };
 
 }  // namespace
 
 void TcpStoreServer::Impl::accept() {
-  acceptor.async_accept([this](boost::system::error_code ec, tcp::socket socket) {
-    if (!acceptor.is_open()) return;
-    if (ec) {
-      // EMFILE and the like: retry later instead of spinning.
-      PSGD_LOG(Warn, "store server: accept failed: ", ec.message());
-      accept_retry.expires_after(std::chrono::milliseconds(100));
-      accept_retry.async_wait([this](boost::system::error_code ec2) {
-        if (!ec2) accept();
-      });
+  acceptor.async_wait(tcp::acceptor::wait_read, [this](boost::system::error_code ec) {
+    if (ec || !acceptor.is_open()) return;
+    accept_ready();
+  });
+}
+
+void TcpStoreServer::Impl::accept_ready() {
+  for (int i = 0; i < kAcceptBatch; ++i) {
+    int fd = ::accept4(acceptor.native_handle(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd >= 0) {
+      accept_backoff = kMinAcceptBackoff;
+      admit(fd);
+      continue;
+    }
+    int err = errno;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      accept();  // backlog drained: wait for the next connection
       return;
     }
-    boost::system::error_code ignored;
-    auto remote = socket.remote_endpoint(ignored);
-    std::string peer = detail::concat(remote.address().to_string(ignored), ":", remote.port());
-    socket.set_option(tcp::no_delay(true), ignored);
-    // Detects peers that vanished without a FIN while idle.
-    socket.set_option(asio::socket_base::keep_alive(true), ignored);
-    auto session = std::make_shared<Session>(*this, std::move(socket), std::move(peer));
-    sessions.insert(session);
-    session->start();
-    accept();
+    // The connection died in the backlog, or a signal: take the next one.
+    if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+    if (err == EMFILE || err == ENFILE) {
+      // Linux reports EMFILE before looking at the backlog: with none waiting,
+      // wait for the next connection rather than shed anyone.
+      pollfd backlog{acceptor.native_handle(), POLLIN, 0};
+      if (::poll(&backlog, 1, 0) == 0) {
+        accept();
+        return;
+      }
+      // Out of descriptors with a connection waiting: an unauthenticated
+      // connection is the one to give up.
+      if (shed_oldest_unauthenticated(nullptr, std::string("out of file descriptors (") + std::strerror(err) + ")"))
+        continue;
+    }
+    // Nothing to shed (EMFILE with only authenticated clients, ENOBUFS, ENOMEM):
+    // wait before trying again, so the loop does not spin on a full backlog;
+    // connected clients are served meanwhile.
+    log.warn("accept failed", detail::concat("accept failed: ", std::strerror(err), "; retrying in ",
+                                             accept_backoff.count(), " ms, connected clients are still served"));
+    accept_retry.expires_after(accept_backoff);
+    accept_backoff = std::min(accept_backoff * 2, kMaxAcceptBackoff);
+    accept_retry.async_wait([this](boost::system::error_code ec) {
+      if (!ec && acceptor.is_open()) accept_ready();
+    });
+    return;
+  }
+  // Batch done with connections left in the backlog: come back after the
+  // handlers already queued. Not through accept(): the reactor is
+  // edge-triggered, so waiting for readiness that was already reported would
+  // stall until yet another connection arrives.
+  asio::post(io, [this] {
+    if (acceptor.is_open()) accept_ready();
   });
+}
+
+void TcpStoreServer::Impl::admit(int fd) {
+  sockaddr_storage remote{};
+  socklen_t length = sizeof remote;
+  bool v6 = ::getpeername(fd, reinterpret_cast<sockaddr*>(&remote), &length) == 0 && remote.ss_family == AF_INET6;
+  boost::system::error_code ec;
+  tcp::socket socket(io);
+  socket.assign(v6 ? tcp::v6() : tcp::v4(), fd, ec);
+  if (ec) {
+    ::close(fd);
+    return;
+  }
+  boost::system::error_code ignored;
+  auto endpoint = socket.remote_endpoint(ignored);
+  std::string address = endpoint.address().to_string(ignored);
+  std::string peer = detail::concat(address, ":", endpoint.port());
+  socket.set_option(tcp::no_delay(true), ignored);
+  // Detects peers that vanished without a FIN while idle.
+  socket.set_option(asio::socket_base::keep_alive(true), ignored);
+
+  // Admission: the newest connection always gets in; over a cap, the oldest
+  // unauthenticated one (from the same address first) makes room. A legitimate
+  // client authenticates within a round trip of connecting, so only connections
+  // that sit silent are pushed out; an evicted client reconnects.
+  auto from_address = unauthenticated_per_address.find(address);
+  if (from_address != unauthenticated_per_address.end() &&
+      from_address->second >= options.max_unauthenticated_per_address)
+    shed_oldest_unauthenticated(&address, detail::concat(options.max_unauthenticated_per_address,
+                                                         " unauthenticated connections from ", address,
+                                                         " (max_unauthenticated_per_address)"));
+  if (unauthenticated.size() >= options.max_unauthenticated)
+    shed_oldest_unauthenticated(
+        nullptr, detail::concat(options.max_unauthenticated, " unauthenticated connections (max_unauthenticated)"));
+
+  auto session = std::make_shared<Session>(*this, std::move(socket), std::move(peer), address);
+  sessions.insert(session);
+  session->unauthenticated_entry = unauthenticated.insert(unauthenticated.end(), session.get());
+  ++unauthenticated_per_address[address];
+  session->start();
+}
+
+bool TcpStoreServer::Impl::shed_oldest_unauthenticated(const std::string* address, const std::string& why) {
+  auto it = std::find_if(unauthenticated.begin(), unauthenticated.end(),
+                         [&](Session* s) { return address == nullptr || s->address() == *address; });
+  if (it == unauthenticated.end()) return false;
+  Session* victim = *it;
+  shed.fetch_add(1);
+  log.warn("shed unauthenticated",
+           detail::concat("closing unauthenticated connection from ", victim->peer(), " to admit another: ", why));
+  victim->close();
+  return true;
+}
+
+std::optional<std::string> TcpStoreServer::Impl::store(const std::string& key, std::vector<char> value) {
+  auto it = data.find(key);
+  size_t old_bytes = it == data.end() ? 0 : key.size() + it->second.size();
+  size_t new_bytes = key.size() + value.size();
+  if (it == data.end() && data.size() >= options.max_keys)
+    return detail::concat("store quota exceeded: setting key '", key, "' would make ", data.size() + 1,
+                          " keys, the limit is ", options.max_keys, " (TcpStoreServerOptions::max_keys)");
+  if (data_bytes - old_bytes + new_bytes > options.max_bytes)
+    return detail::concat("store quota exceeded: setting key '", key, "' (", new_bytes, " bytes) would make ",
+                          data_bytes - old_bytes + new_bytes, " bytes of keys and values, the limit is ",
+                          options.max_bytes, " (TcpStoreServerOptions::max_bytes)");
+  data_bytes = data_bytes - old_bytes + new_bytes;
+  if (it == data.end())
+    data.emplace(key, std::move(value));
+  else
+    it->second = std::move(value);
+  return std::nullopt;
+}
+
+void TcpStoreServer::Impl::erase(const std::string& key) {
+  auto it = data.find(key);
+  if (it == data.end()) return;
+  data_bytes -= key.size() + it->second.size();
+  data.erase(it);
 }
 
 void TcpStoreServer::Impl::on_set(const std::string& key) {
@@ -460,6 +708,12 @@ void TcpStoreServer::Impl::run() {
 TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std::make_unique<Impl>(options)) {
   PSGD_REQUIRE(options.frame_timeout.count() > 0, InvalidArgumentError,
                "store server frame_timeout must be > 0 ms, got ", options.frame_timeout.count());
+  PSGD_REQUIRE(options.auth_timeout.count() > 0, InvalidArgumentError,
+               "store server auth_timeout must be > 0 ms, got ", options.auth_timeout.count());
+  PSGD_REQUIRE(options.max_unauthenticated >= 1 && options.max_unauthenticated_per_address >= 1,
+               InvalidArgumentError, "store server max_unauthenticated (", options.max_unauthenticated,
+               ") and max_unauthenticated_per_address (", options.max_unauthenticated_per_address,
+               ") must be >= 1");
   PSGD_REQUIRE(options.token.size() <= kMaxKeyBytes, InvalidArgumentError, "store job token is ",
                options.token.size(), " bytes, the limit is ", kMaxKeyBytes);
   std::string where = detail::concat(options.bind_address, ":", options.port);
@@ -472,11 +726,18 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
                "' does not resolve: ", ec.message());
   tcp::endpoint endpoint = results.begin()->endpoint();
   auto& acceptor = impl_->acceptor;
-  if (acceptor.open(endpoint.protocol(), ec) || acceptor.set_option(tcp::acceptor::reuse_address(true), ec) ||
-      acceptor.bind(endpoint, ec) || acceptor.listen(asio::socket_base::max_listen_connections, ec))
+  // Created close-on-exec in one step: another thread may fork and exec at any time.
+  int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+  if (fd < 0) PSGD_THROW(IoError, "store server cannot create a socket for ", where, ": ", std::strerror(errno));
+  if (acceptor.assign(endpoint.protocol(), fd, ec)) {
+    ::close(fd);
+    PSGD_THROW(IoError, "store server cannot listen on ", where, ": ", ec.message());
+  }
+  if (acceptor.set_option(tcp::acceptor::reuse_address(true), ec) || acceptor.bind(endpoint, ec) ||
+      acceptor.listen(asio::socket_base::max_listen_connections, ec) || acceptor.non_blocking(true, ec))
     PSGD_THROW(IoError, "store server cannot listen on ", where, ": ", ec.message());
   impl_->bound_port = acceptor.local_endpoint().port();
-  impl_->accept();
+  asio::post(impl_->io, [impl = impl_.get()] { impl->accept_ready(); });
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
   PSGD_LOG(Info, "store server listening on ", options.bind_address, ":", impl_->bound_port);
 }
@@ -486,6 +747,8 @@ TcpStoreServer::~TcpStoreServer() { stop(); }
 uint16_t TcpStoreServer::port() const { return impl_->bound_port; }
 
 uint64_t TcpStoreServer::refused_clients() const { return impl_->refused.load(); }
+
+uint64_t TcpStoreServer::shed_connections() const { return impl_->shed.load(); }
 
 void TcpStoreServer::stop() {
   std::lock_guard lock(impl_->stop_mutex);
@@ -500,6 +763,7 @@ void TcpStoreServer::stop() {
     auto sessions = impl->sessions;
     for (const auto& s : sessions) s->close();
     impl->waiting.clear();
+    impl->log.flush();
   });
   impl_->thread.join();
 }
