@@ -60,6 +60,11 @@ struct CommOptions {
 };
 
 class Communicator;
+// Opaque to users: the completion state behind Work and ReduceHandle.
+class Completion;
+namespace transport {
+class GlooCommunicator;
+}
 
 // Handle of an async operation. wait() blocks until it finished and rethrows its
 // error. Copyable; all copies refer to the same operation.
@@ -70,11 +75,10 @@ class Work {
   bool done() const;
   bool valid() const { return state_ != nullptr; }
 
-  struct State;
-  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-
  private:
-  std::shared_ptr<State> state_;
+  friend class transport::GlooCommunicator;  // the only maker of non-empty handles
+  explicit Work(std::shared_ptr<Completion> state) : state_(std::move(state)) {}
+  std::shared_ptr<Completion> state_;
 };
 
 class Communicator {

@@ -81,11 +81,10 @@ class ReduceHandle {
   bool done() const;
   bool valid() const { return state_ != nullptr; }
 
-  struct State;
-  explicit ReduceHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
-
  private:
-  std::shared_ptr<State> state_;
+  friend class Reducer;  // the only maker of non-empty handles
+  explicit ReduceHandle(std::shared_ptr<Completion> state) : state_(std::move(state)) {}
+  std::shared_ptr<Completion> state_;
 };
 
 class Reducer {
@@ -138,9 +137,8 @@ class Reducer {
   void save(const std::string& path) const;
   void load(const std::string& path);
 
-  class Impl;
-
  private:
+  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -11,4 +11,8 @@ void throw_system(const char* call, const char* file, int line, int err) {
   throw IoError(concat(call, " failed at ", file, ":", line, ": ", std::strerror(err)));
 }
 
+void throw_system(const char* call, const char* file, int line, int err, const std::string& context) {
+  throw IoError(concat(context, ": ", call, " failed at ", file, ":", line, ": ", std::strerror(err)));
+}
+
 }  // namespace powersgd::detail

@@ -20,6 +20,7 @@ std::string concat(const Args&... args) {
 
 [[noreturn]] void throw_internal(const char* expr, const char* file, int line, const std::string& what);
 [[noreturn]] void throw_system(const char* call, const char* file, int line, int err);
+[[noreturn]] void throw_system(const char* call, const char* file, int line, int err, const std::string& context);
 
 }  // namespace powersgd::detail
 
@@ -46,4 +47,18 @@ std::string concat(const Args&... args) {
     auto psgd_rc_ = (call);                                                      \
     if (psgd_rc_ == -1) ::powersgd::detail::throw_system(#call, __FILE__, __LINE__, errno); \
     return psgd_rc_;                                                             \
+  }())
+
+// The same, with the streamed arguments as context (what was being done, on
+// which file or peer) in front of the call's text:
+//   PSGD_CHECK_SYS_MSG(::open(p, O_RDONLY), "cannot open checkpoint ", p);
+#define PSGD_CHECK_SYS_MSG(call, ...)                                                                 \
+  ([&]() {                                                                                            \
+    auto psgd_rc_ = (call);                                                                           \
+    if (psgd_rc_ == -1) {                                                                             \
+      const int psgd_errno_ = errno; /* before concat() may change it */                             \
+      ::powersgd::detail::throw_system(#call, __FILE__, __LINE__, psgd_errno_,                        \
+                                       ::powersgd::detail::concat(__VA_ARGS__));                      \
+    }                                                                                                 \
+    return psgd_rc_;                                                                                  \
   }())

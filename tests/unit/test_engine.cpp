@@ -17,9 +17,11 @@
 #include <string>
 
 #include "engine_reference.hpp"
+#include "error_of.hpp"
 #include "powersgd/powersgd.h"
 
 using namespace powersgd;
+using powersgd::test::error_of;
 using powersgd::test::Reference;
 using powersgd::test::config_for;
 using powersgd::test::gradients;
@@ -28,15 +30,6 @@ using powersgd::test::relative_difference;
 namespace {
 
 std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // A per-test temporary file name.
 std::string temp_path(const char* tag) {

@@ -36,8 +36,6 @@
 
 namespace powersgd {
 
-struct Work::State : Completion {};
-
 void Work::wait() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "Work::wait() on an empty Work handle");
   state_->wait();
@@ -342,7 +340,7 @@ Algorithm GlooCommunicator::choose(size_t bytes) const {
 }
 
 Work GlooCommunicator::submit(std::string name, RunFn run) {
-  auto state = std::make_shared<Work::State>();
+  auto state = std::make_shared<Completion>();
   {
     std::lock_guard lock(mutex_);
     if (broken_ == nullptr) {

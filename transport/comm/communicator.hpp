@@ -61,7 +61,7 @@ class GlooCommunicator final : public Communicator {
   struct Op {
     std::string name;
     RunFn run;
-    std::shared_ptr<Work::State> state;
+    std::shared_ptr<Completion> state;
   };
 
   GlooCommunicator(const CommOptions& options, GlooApi api);
