@@ -24,6 +24,12 @@
 extern "C" {
 #endif
 
+/* Every declaration of this header is exported: PSGD_API marks each function, and the pragma keeps a
+ * function added without the marker from silently disappearing from libpowersgd.so. */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+
 typedef enum psgd_status { PSGD_OK = 0, PSGD_ERR_INVALID_ARGUMENT = 1, PSGD_ERR_IO = 2, PSGD_ERR_TIMEOUT = 3,
   PSGD_ERR_MISMATCH = 4, PSGD_ERR_NONFINITE = 5, PSGD_ERR_UNSUPPORTED = 6, PSGD_ERR_INTERNAL = 7 } psgd_status;
 PSGD_API const char* psgd_last_error(void);     /* thread-local message of the last failed call on this thread */
@@ -76,6 +82,10 @@ PSGD_API psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
 PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
 PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
 PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
+
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }
