@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "powersgd/comm.hpp"
+#include "powersgd/gradient_record.hpp"
 #include "powersgd/reducer.hpp"
 
 namespace {
@@ -213,6 +214,9 @@ int main(int argc, char** argv) {
   int64_t start_iter = 10;
   float lr = 0.05f;
   bool no_compression = false;
+  std::string record_path;
+  int record_steps = 10;
+  int64_t record_from = 0;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::Range(1, 100));
   app.add_option("--batch", global_batch, "Global batch size (split over the ranks)")->check(CLI::Range(1, 60000));
@@ -221,6 +225,10 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr, "Learning rate (SGD with momentum 0.9)");
   app.add_option("--hidden", hidden1, "Width of the first hidden layer")->check(CLI::Range(8, 4096));
   app.add_flag("--no-compression", no_compression, "Average gradients with a plain allreduce instead");
+  app.add_option("--record-gradients", record_path,
+                 "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
+  app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
+  app.add_option("--record-from", record_from, "First global step to record")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -246,6 +254,12 @@ int main(int argc, char** argv) {
                   global_batch,
                   no_compression ? "plain allreduce" : ("PowerSGD rank " + std::to_string(rank)).c_str());
 
+    std::unique_ptr<powersgd::GradientRecordWriter> recorder;
+    if (me == 0 && !record_path.empty())
+      recorder = std::make_unique<powersgd::GradientRecordWriter>(
+          record_path, std::vector<std::vector<powersgd::Shape>>{model.bucket_shapes(0), model.bucket_shapes(1)});
+    int64_t global_step = 0;
+
     std::vector<size_t> order(train.count);
     std::iota(order.begin(), order.end(), size_t{0});
     std::vector<float> x(size_t(local_batch) * 784);
@@ -268,6 +282,11 @@ int main(int argc, char** argv) {
         auto [loss, ok] = model.train_step(x.data(), y.data(), local_batch);
         loss_sum += loss;
         correct += ok;
+        if (recorder && global_step >= record_from && global_step < record_from + record_steps) {
+          const float* local[2] = {model.grads(0).data(), model.grads(1).data()};
+          recorder->append_step(local);
+        }
+        ++global_step;
         for (int bucket : buckets) {
           auto& g = model.grads(bucket);
           if (no_compression) {

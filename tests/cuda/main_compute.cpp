@@ -3,6 +3,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "support/doctest_main.hpp"
+
 #include <cstdio>
 
 #include "compute/backend.hpp"
@@ -12,6 +14,5 @@ int main(int argc, char** argv) {
     std::puts("test_compute_cuda: no usable CUDA device on this host; skipping");
     return 77;
   }
-  doctest::Context context(argc, argv);
-  return context.run();
+  return powersgd::testing::run_selected_tests(argc, argv);
 }

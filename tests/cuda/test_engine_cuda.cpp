@@ -4,6 +4,8 @@
 // (Meson: skipped) when no CUDA device is usable.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
 #include <unistd.h>
 
 #include <cstdio>
@@ -106,6 +108,5 @@ int main(int argc, char** argv) {
     std::puts("test_engine_cuda: no usable CUDA device on this host; skipping");
     return 77;
   }
-  doctest::Context context(argc, argv);
-  return context.run();
+  return powersgd::testing::run_selected_tests(argc, argv);
 }

@@ -5,6 +5,8 @@
 // Without WORLD_SIZE in the environment the binary exits 77 (skipped).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
 #include <signal.h>
 #include <sys/wait.h>
 #include <sys/socket.h>
@@ -401,7 +403,7 @@ TEST_CASE("ibverbs: usable when an RDMA device exists, else a clear error naming
       GlooCommunicator::create(o);
       FAIL("expected UnsupportedError without an RDMA device");
     } catch (const UnsupportedError& e) {
-      INFO(e.what());
+      INFO(std::string(e.what()));
       CHECK(std::string(e.what()).find("PSGD_TRANSPORT=tcp") != std::string::npos);
     }
   }
@@ -426,7 +428,7 @@ TEST_CASE("from_env: validation names the variable and the value") {
       CommOptions::from_env();
       FAIL("expected InvalidArgumentError for ", var, "=", value);
     } catch (const InvalidArgumentError& e) {
-      INFO(e.what());
+      INFO(std::string(e.what()));
       CHECK(std::string(e.what()).find(needle) != std::string::npos);
     }
     if (old) setenv(var, keep.c_str(), 1); else unsetenv(var);
@@ -453,6 +455,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "test_comm: WORLD_SIZE is not set; run under powersgd-run (skipped)\n");
     return 77;
   }
-  doctest::Context context(argc, argv);
-  return context.run();
+  return powersgd::testing::run_selected_tests(argc, argv);
 }

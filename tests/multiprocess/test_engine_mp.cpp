@@ -5,6 +5,9 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "support/doctest_main.hpp"
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -81,7 +84,92 @@ std::vector<double> mean_of(const std::vector<std::vector<float>>& all) {
 
 const std::vector<Shape> kShapes = {{32, 24}, {32}, {16, 8, 3, 3}, {}, {5, 6}, {40, 10}};
 
+// Resident set size of this process in KiB (/proc/self/status VmRSS).
+long resident_kib() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  REQUIRE(f != nullptr);
+  char line[256];
+  long kib = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr)
+    if (std::strncmp(line, "VmRSS:", 6) == 0) kib = std::strtol(line + 6, nullptr, 10);
+  std::fclose(f);
+  REQUIRE(kib > 0);
+  return kib;
+}
+
 }  // namespace
+
+// Long run with several buckets in flight: no error, the resident set flat
+// after warm-up, and the error-feedback invariant over the whole run:
+//   sum over ranks and steps of the inputs
+//     = W * (sum over steps of the outputs) + sum over ranks of the final error memory.
+// PSGD_SOAK_STEPS sets the length (CI: 1500; bench/soak.sh: 20000).
+TEST_CASE("soak: several buckets in flight for many steps, memory flat, invariant holds") {
+  const char* env_steps = std::getenv("PSGD_SOAK_STEPS");
+  const int steps = env_steps != nullptr ? std::atoi(env_steps) : 1500;
+  REQUIRE(steps >= 100);
+  auto comm = connect("engine-soak");
+  const int world = comm->size();
+  Config c;
+  c.rank = 2;
+  c.start_iter = 20;
+  Reducer reducer(*comm, c);
+  const std::vector<std::vector<Shape>> buckets = {{{64, 48}, {48}}, {{32, 32, 3, 3}}, {{9}}, {{100, 20}, {20}}};
+  std::vector<std::vector<double>> sum_in, sum_out;
+  for (const auto& shapes : buckets) {
+    int b = reducer.add_bucket(shapes);
+    sum_in.emplace_back(reducer.bucket_size(b), 0.0);
+    sum_out.emplace_back(reducer.bucket_size(b), 0.0);
+  }
+  std::vector<std::vector<float>> data(buckets.size());
+  uint64_t state = 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(comm->rank() + 1);
+  auto uniform = [&state] {  // xorshift64*: cheap, deterministic per rank
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    return static_cast<float>((state * 0x2545F4914F6CDD1DULL) >> 40) / static_cast<float>(1 << 24) - 0.5f;
+  };
+  const int warmup = std::max(100, steps / 10);
+  long rss_after_warmup = 0;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<ReduceHandle> handles;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      data[b].resize(sum_in[b].size());
+      for (size_t i = 0; i < data[b].size(); ++i) {
+        // A slowly turning low-rank signal plus noise, as gradients are.
+        data[b][i] = std::sin(0.001f * static_cast<float>(step) + 0.01f * static_cast<float>(i % 97)) + uniform();
+        sum_in[b][i] += data[b][i];
+      }
+      handles.push_back(reducer.reduce_async(static_cast<int>(b), data[b].data()));
+    }
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      handles[b].wait();
+      for (size_t i = 0; i < data[b].size(); ++i) sum_out[b][i] += data[b][i];
+    }
+    if (step + 1 == warmup) rss_after_warmup = resident_kib();
+  }
+  const long rss_end = resident_kib();
+  CHECK(reducer.iteration() == steps);
+  double worst = 0, scale = 1;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    std::vector<float> error(sum_in[b].size());
+    reducer.error_feedback(static_cast<int>(b), error.data());
+    std::vector<double> error_sum(error.begin(), error.end());
+    comm->allreduce(sum_in[b].data(), sum_in[b].size(), DataType::Float64);
+    comm->allreduce(error_sum.data(), error_sum.size(), DataType::Float64);
+    for (size_t i = 0; i < error.size(); ++i) {
+      worst = std::max(worst, std::abs(sum_in[b][i] - world * sum_out[b][i] - error_sum[i]));
+      scale = std::max(scale, std::abs(sum_in[b][i]));
+    }
+  }
+  INFO("invariant residual ", worst, " at scale ", scale, "; RSS ", rss_after_warmup, " KiB after warm-up, ", rss_end,
+       " KiB at the end");
+  MESSAGE("soak: ", steps, " steps, invariant residual/scale ", worst / scale, ", RSS ", rss_after_warmup, " -> ",
+          rss_end, " KiB");
+  // float32 outputs summed over the run: relative rounding of ~steps * 2^-24.
+  CHECK(worst / scale < 1e-4);
+  CHECK(static_cast<double>(rss_end) <= 1.01 * static_cast<double>(rss_after_warmup));
+}
 
 TEST_CASE("reference: W ranks against the double-precision reference, every option") {
   auto comm = connect("engine-reference");
@@ -341,6 +429,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "test_engine_mp: WORLD_SIZE is not set; run under powersgd-run (skipped)\n");
     return 77;
   }
-  doctest::Context context(argc, argv);
-  return context.run();
+  return powersgd::testing::run_selected_tests(argc, argv);
 }

@@ -6,6 +6,8 @@
 // (skipped) when that is missing; the rest goes to doctest.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -616,6 +618,28 @@ TEST_SUITE("emulated") {
     CHECK(namespaces_of(l.pid()).empty());
   }
 
+  TEST_CASE("a host's link goes down mid-job: the others fail with a timeout or I/O error, no namespace is left") {
+    TempDir dir;
+    auto start = std::chrono::steady_clock::now();
+    Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2", "--timeout", "90", "--env", "PSGD_TIMEOUT_MS=3000"},
+                           {"allreduce", dir.path.string()}));
+    REQUIRE(wait_for([&] { return all_files(dir, 2, ".running"); }, 30s));
+    const std::string host1 = "psgd-" + std::to_string(l.pid()) + "-h1";
+    REQUIRE(std::system(("ip -n " + host1 + " link set eth0 down").c_str()) == 0);
+    auto down = std::chrono::steady_clock::now();
+    Result r = l.finish(60s);
+    auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - down).count();
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    MESSAGE("job ended ", seconds, " s after the link went down (PSGD_TIMEOUT_MS=3000); ",
+            std::chrono::duration<double>(down - start).count(), " s to start");
+    CHECK(r.code == 3);
+    // Rank 0 (on the healthy host) names the failure as a timeout or an I/O error.
+    CHECK((contains(r.out, "[0] allreduce failed: timeout") || contains(r.out, "[0] allreduce failed: I/O") ||
+           contains(r.out, "[1] allreduce failed: timeout") || contains(r.out, "[1] allreduce failed: I/O")));
+    CHECK(seconds < 30.0);
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
   TEST_CASE("the namespaces are removed after SIGTERM, a failure, --timeout, and SIGKILL of the launcher") {
     SUBCASE("SIGTERM") {
       TempDir dir;
@@ -672,5 +696,5 @@ int main(int argc, char** argv) {
   }
   doctest::Context context;
   context.applyCommandLine(static_cast<int>(rest.size()), rest.data());
-  return context.run();
+  return powersgd::testing::run_selected_tests(context);
 }

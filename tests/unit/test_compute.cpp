@@ -5,9 +5,12 @@
 // backend, suite unit) and, compiled with PSGD_TEST_COMPUTE_CUDA, the
 // `test_compute_cuda` binary (tests/cuda, whose main exits 77 without a GPU).
 #ifndef PSGD_TEST_COMPUTE_CUDA
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#define DOCTEST_CONFIG_IMPLEMENT
 #endif
 #include <doctest/doctest.h>
+#ifndef PSGD_TEST_COMPUTE_CUDA
+#include "support/doctest_main.hpp"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -793,3 +796,7 @@ TEST_CASE("cuda: kind, device memory, bad device index") {
 
 }  // namespace
 }  // namespace powersgd::compute
+
+#ifndef PSGD_TEST_COMPUTE_CUDA
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
+#endif

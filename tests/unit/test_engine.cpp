@@ -2,8 +2,10 @@
 // option against the double-precision reference, validation, the step counter,
 // the non-finite guard, async and fused reduction, statistics, checkpoints, and
 // the C API. Properties across ranks: tests/multiprocess/test_engine_mp.cpp.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
 #include <unistd.h>
 
 #include <cmath>
@@ -495,3 +497,5 @@ TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
   ::unsetenv("RANK");
   ::unsetenv("WORLD_SIZE");
 }
+
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

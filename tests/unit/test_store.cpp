@@ -1,8 +1,10 @@
 // Rendezvous stores: TCP store semantics and robustness (raw sockets speak the
 // wire protocol of docs/store-protocol.md by hand), file store, prefix store,
 // and Gloo's connectFullMesh over the TCP store.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -20,6 +22,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <latch>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -292,7 +296,7 @@ TEST_CASE("tcp store: many concurrent clients, shared clients and counters") {
         for (int r = 0; r < kClients; ++r)
           if (text(own->get("rank" + std::to_string(r))) != std::to_string(r)) failures++;
       } catch (const std::exception& e) {
-        MESSAGE(e.what());
+        MESSAGE(std::string(e.what()));
         failures++;
       }
     });
@@ -632,30 +636,49 @@ TEST_CASE("gloo connectFullMesh and allreduce over the TCP store") {
   for (int world : {2, 3}) {
     CAPTURE(world);
     std::vector<std::thread> ranks;
-    std::atomic<int> correct{0};
+    std::mutex errors_mutex;
+    std::vector<std::string> errors;  // one line per failed rank, reported from the test thread
+    std::latch all_done(world);
     for (int rank = 0; rank < world; ++rank)
       ranks.emplace_back([&, rank] {
+        std::string error;
+        const char* stage = "rendezvous";
+        std::shared_ptr<gloo::rendezvous::Context> context;  // outlives the try: see all_done below
         try {
           auto store = client(server, 10s);
           auto prefixed = powersgd::transport::make_prefix_store(*store, "mesh" + std::to_string(world));
           gloo::transport::tcp::attr attr;
           attr.hostname = "127.0.0.1";
           auto device = gloo::transport::tcp::CreateDevice(attr);
-          auto context = std::make_shared<gloo::rendezvous::Context>(rank, world);
+          context = std::make_shared<gloo::rendezvous::Context>(rank, world);
           context->setTimeout(10s);
           context->connectFullMesh(*prefixed, device);
+          stage = "allreduce";
           std::vector<float> data(1000);
           for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(rank + 1) * static_cast<float>(i);
           gloo::AllreduceRing<float>(context, {data.data()}, static_cast<int>(data.size())).run();
           float sum_ranks = static_cast<float>(world * (world + 1) / 2);
-          bool ok = true;
-          for (size_t i = 0; i < data.size(); ++i) ok = ok && data[i] == sum_ranks * static_cast<float>(i);
-          if (ok) correct++;
+          for (size_t i = 0; i < data.size() && error.empty(); ++i)
+            if (data[i] != sum_ranks * static_cast<float>(i))
+              error = "wrong sum at " + std::to_string(i) + ": " + std::to_string(data[i]);
         } catch (const std::exception& e) {
-          MESSAGE("rank ", rank, ": ", e.what());
+          error = std::string(stage) + ": " + e.what();
+        }
+        // A rank that returns destroys its context and closes its pairs. Gloo
+        // fails a pair that reads EOF with "Connection closed by peer" even when
+        // the peer's last bytes were already delivered, so a rank that finished
+        // the ring early would fail a peer still inside run(): every rank keeps
+        // its context until all are done (as a real job's last barrier does).
+        all_done.arrive_and_wait();
+        if (!error.empty()) {
+          std::lock_guard lock(errors_mutex);
+          errors.push_back("rank " + std::to_string(rank) + ": " + error);
         }
       });
     for (auto& t : ranks) t.join();
-    CHECK(correct == world);
+    for (const auto& e : errors) MESSAGE(e);
+    CHECK(errors.empty());
   }
 }
+
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

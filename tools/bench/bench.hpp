@@ -8,5 +8,6 @@ namespace powersgd::bench {
 
 void add_allreduce_command(CLI::App& app);  // allreduce.cpp: bus bandwidth and latency vs size
 void add_engine_command(CLI::App& app);     // engine.cpp: PowerSGD step time on model shapes
+void add_sweep_command(CLI::App& app);      // sweep.cpp: approximation error vs bytes per step, per rank
 
 }  // namespace powersgd::bench

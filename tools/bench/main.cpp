@@ -7,6 +7,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   powersgd::bench::add_allreduce_command(app);
   powersgd::bench::add_engine_command(app);
+  powersgd::bench::add_sweep_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

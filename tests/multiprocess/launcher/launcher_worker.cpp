@@ -9,6 +9,9 @@
 //   term DIR              write DIR/rank-R.pid, wait for SIGTERM, then write DIR/rank-R.term and exit 0
 //   throughput SECONDS    rank 0 receives, rank 1 sends over TCP between their PSGD_ADDRs for SECONDS;
 //                         rank 0 prints throughput_mbit=X measured after a 0.5 s warm-up
+//   allreduce DIR         join a Communicator, write DIR/rank-R.running after the first allreduce, then
+//                         allreduce 1 MiB in a loop for up to 120 s; on failure print "allreduce failed:
+//                         CODE: MESSAGE" and exit 3 (PSGD_TIMEOUT_MS bounds each collective)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -24,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include "powersgd/comm.hpp"
+#include "powersgd/error.hpp"
 #include "store/store.hpp"
 
 namespace {
@@ -193,6 +198,29 @@ int mode_throughput(char** argv) {
   return 0;
 }
 
+int mode_allreduce(char** argv) {
+  auto comm = powersgd::Communicator::from_env();
+  std::vector<float> data(size_t{1} << 18, 1.0f);
+  const auto end = Clock::now() + 120s;
+  bool announced = false;
+  try {
+    while (Clock::now() < end) {
+      comm->allreduce(data.data(), data.size(), powersgd::DataType::Float32);
+      std::fill(data.begin(), data.end(), 1.0f);
+      if (!announced) {
+        std::ofstream(std::string(argv[2]) + "/rank-" + std::to_string(rank()) + ".running") << "1\n";
+        announced = true;
+      }
+    }
+  } catch (const powersgd::Error& e) {
+    std::printf("allreduce failed: %s: %s\n", powersgd::to_string(e.code()), e.what());
+    std::fflush(stdout);
+    return 3;
+  }
+  std::printf("allreduce loop ended without a failure\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,6 +233,7 @@ int main(int argc, char** argv) {
     if (mode == "pids" && argc == 3) return mode_pids(argv);
     if (mode == "term" && argc == 3) return mode_term(argv);
     if (mode == "throughput" && argc == 3) return mode_throughput(argv);
+    if (mode == "allreduce" && argc == 3) return mode_allreduce(argv);
   } catch (const std::exception& e) {
     die(e.what());
   }
