@@ -26,8 +26,9 @@ int main(void) {
   psgd_comm* comm = NULL;
   psgd_reducer* reducer = NULL;
   psgd_config config = psgd_config_default();
-  psgd_stats stats;
+  psgd_stats stats = PSGD_STATS_INIT;
   int bucket = -1;
+  size_t bucket_size = 0;
   int step;
   size_t i;
   float* grad = malloc(count * sizeof(float));
@@ -38,12 +39,20 @@ int main(void) {
   config.start_iter = 2;
   CHECK_OK(psgd_reducer_create(comm, &config, &reducer));
   CHECK_OK(psgd_reducer_add_bucket(reducer, 3, ndims, dims, &bucket));
+  CHECK_OK(psgd_reducer_bucket_size(reducer, bucket, &bucket_size));
+  if (bucket_size != count) {
+    fprintf(stderr, "c_demo: bucket of %zu floats, expected %zu\n", bucket_size, count);
+    return 1;
+  }
   for (step = 0; step < 10; ++step) {
     for (i = 0; i < count; ++i)
       grad[i] = (float)((i * 7 + (size_t)step * 13 + (size_t)psgd_comm_rank(comm) * 31) % 101) / 101.0f - 0.5f;
     CHECK_OK(psgd_reducer_reduce(reducer, bucket, grad));
   }
   CHECK_OK(psgd_reducer_stats(reducer, &stats));
+  if (psgd_comm_rank(comm) == 0)
+    printf("c_demo: powersgd %s (header %d.%d.%d)\n", psgd_version(), PSGD_VERSION_MAJOR, PSGD_VERSION_MINOR,
+           PSGD_VERSION_PATCH);
   if (psgd_comm_rank(comm) == 0)
     printf("c_demo: %d rank(s), %lld steps, compression %.1fx, %llu bytes sent, relative error %.3f\n",
            psgd_comm_size(comm), (long long)psgd_reducer_iteration(reducer), stats.compression_rate,

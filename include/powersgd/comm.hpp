@@ -22,12 +22,12 @@
 namespace powersgd {
 
 enum class DataType { Float32, Float64, Float16, BFloat16 };
-size_t size_of(DataType type);
-const char* to_string(DataType type);
+PSGD_API size_t size_of(DataType type);
+PSGD_API const char* to_string(DataType type);
 
 enum class TransportKind { Tcp, Ibverbs };
 
-struct CommOptions {
+struct PSGD_API CommOptions {
   int rank = -1;
   int world_size = -1;
   int local_rank = 0;
@@ -60,24 +60,28 @@ struct CommOptions {
 };
 
 class Communicator;
+// Opaque to users: the completion state behind Work and ReduceHandle.
+class Completion;
+namespace transport {
+class GlooCommunicator;
+}
 
 // Handle of an async operation. wait() blocks until it finished and rethrows its
 // error. Copyable; all copies refer to the same operation.
-class Work {
+class PSGD_API Work {
  public:
   Work() = default;
   void wait() const;
   bool done() const;
   bool valid() const { return state_ != nullptr; }
 
-  struct State;
-  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-
  private:
-  std::shared_ptr<State> state_;
+  friend class transport::GlooCommunicator;  // the only maker of non-empty handles
+  explicit Work(std::shared_ptr<Completion> state) : state_(std::move(state)) {}
+  std::shared_ptr<Completion> state_;
 };
 
-class Communicator {
+class PSGD_API Communicator {
  public:
   // Collective: rendezvous with all ranks, connect the full mesh, then check
   // that every rank agrees on version, world size and settings (throws

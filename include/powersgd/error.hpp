@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "powersgd/export.h"
+
 namespace powersgd {
 
 // Values equal the C API's psgd_status codes.
@@ -21,9 +23,9 @@ enum class ErrorCode : int {
   Internal = 7,         // broken invariant: a bug in powersgd
 };
 
-const char* to_string(ErrorCode code) noexcept;
+PSGD_API const char* to_string(ErrorCode code) noexcept;
 
-class Error : public std::runtime_error {
+class PSGD_API Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const noexcept { return code_; }
@@ -32,44 +34,44 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
-class InvalidArgumentError : public Error {
+class PSGD_API InvalidArgumentError : public Error {
  public:
   explicit InvalidArgumentError(const std::string& m) : Error(ErrorCode::InvalidArgument, m) {}
 };
 
-class IoError : public Error {
+class PSGD_API IoError : public Error {
  public:
   explicit IoError(const std::string& m) : Error(ErrorCode::Io, m) {}
 };
 
-class TimeoutError : public Error {
+class PSGD_API TimeoutError : public Error {
  public:
   explicit TimeoutError(const std::string& m) : Error(ErrorCode::Timeout, m) {}
 };
 
-class MismatchError : public Error {
+class PSGD_API MismatchError : public Error {
  public:
   explicit MismatchError(const std::string& m) : Error(ErrorCode::Mismatch, m) {}
 };
 
-class NonFiniteError : public Error {
+class PSGD_API NonFiniteError : public Error {
  public:
   explicit NonFiniteError(const std::string& m) : Error(ErrorCode::NonFinite, m) {}
 };
 
-class UnsupportedError : public Error {
+class PSGD_API UnsupportedError : public Error {
  public:
   explicit UnsupportedError(const std::string& m) : Error(ErrorCode::Unsupported, m) {}
 };
 
-class InternalError : public Error {
+class PSGD_API InternalError : public Error {
  public:
   explicit InternalError(const std::string& m) : Error(ErrorCode::Internal, m) {}
 };
 
 // A collective failed because of one peer (it closed the connection, reset it,
 // or stopped answering). `code()` is Io, or Timeout for a stalled peer.
-class PeerError : public Error {
+class PSGD_API PeerError : public Error {
  public:
   PeerError(ErrorCode code, std::string operation, int peer, const std::string& message)
       : Error(code, message), operation_(std::move(operation)), peer_(peer) {}

@@ -4,30 +4,48 @@
  * message (thread-local, valid until the next failing call on this thread).
  * Null pointer arguments return PSGD_ERR_INVALID_ARGUMENT naming the parameter.
  * Objects are used from one thread at a time. Calls marked "Collective" must be
- * made by every rank in the same order. */
+ * made by every rank in the same order.
+ *
+ * ABI: structs passed by pointer begin with struct_size, the size the caller was
+ * compiled with, so fields can be appended without breaking compiled callers:
+ * the library reads (or writes) only the first struct_size bytes and defaults
+ * the fields a shorter struct lacks. Get a psgd_config from
+ * psgd_config_default(); declare a psgd_stats as PSGD_STATS_INIT. */
 #ifndef POWERSGD_POWERSGD_H
 #define POWERSGD_POWERSGD_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "powersgd/export.h"
+#include "powersgd/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+/* Every declaration of this header is exported: PSGD_API marks each function, and the pragma keeps a
+ * function added without the marker from silently disappearing from libpowersgd.so. */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+
 typedef enum psgd_status { PSGD_OK = 0, PSGD_ERR_INVALID_ARGUMENT = 1, PSGD_ERR_IO = 2, PSGD_ERR_TIMEOUT = 3,
   PSGD_ERR_MISMATCH = 4, PSGD_ERR_NONFINITE = 5, PSGD_ERR_UNSUPPORTED = 6, PSGD_ERR_INTERNAL = 7 } psgd_status;
-const char* psgd_last_error(void);              /* thread-local message of the last failed call on this thread */
+PSGD_API const char* psgd_last_error(void);     /* thread-local message of the last failed call on this thread */
+/* The library's version, "MAJOR.MINOR.PATCH" (compare with PSGD_VERSION_* of the header compiled against). */
+PSGD_API const char* psgd_version(void);
 
 typedef struct psgd_comm psgd_comm;
-psgd_status psgd_comm_init_from_env(psgd_comm** out);   /* RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSGD_* */
-int psgd_comm_rank(const psgd_comm* comm);              /* -1 for a null comm */
-int psgd_comm_size(const psgd_comm* comm);              /* -1 for a null comm */
-psgd_status psgd_comm_allreduce_sum_f32(psgd_comm* comm, float* data, size_t count);  /* Collective, host memory */
-psgd_status psgd_comm_barrier(psgd_comm* comm);                                      /* Collective */
-void psgd_comm_destroy(psgd_comm* comm);                /* null is a no-op; destroy reducers first */
+PSGD_API psgd_status psgd_comm_init_from_env(psgd_comm** out);   /* RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSGD_* */
+PSGD_API int psgd_comm_rank(const psgd_comm* comm);              /* -1 for a null comm */
+PSGD_API int psgd_comm_size(const psgd_comm* comm);              /* -1 for a null comm */
+PSGD_API psgd_status psgd_comm_allreduce_sum_f32(psgd_comm* comm, float* data, size_t count);  /* Collective, host memory */
+PSGD_API psgd_status psgd_comm_barrier(psgd_comm* comm);                                      /* Collective */
+PSGD_API void psgd_comm_destroy(psgd_comm* comm);                /* null is a no-op; destroy reducers first */
 
 typedef struct psgd_config {
+  size_t struct_size;                /* sizeof(psgd_config) as the caller was compiled; set by psgd_config_default */
   int rank;                          /* default 1 */
   int64_t start_iter;                /* default 1000; 0 = compress from the first step */
   double min_compression_rate;       /* default 2.0 */
@@ -40,26 +58,34 @@ typedef struct psgd_config {
   int device;                        /* 0 = CPU (default), 1 = CUDA: data pointers are device pointers */
   int device_index;                  /* default 0 */
 } psgd_config;
-psgd_config psgd_config_default(void);
+PSGD_API psgd_config psgd_config_default(void);
 
 typedef struct psgd_reducer psgd_reducer;
 /* The reducer keeps a reference to comm: destroy it before comm. */
-psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out);
+PSGD_API psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out);
 /* Declares the next bucket: num_tensors tensors, tensor i has ndims[i] dimensions, all dimensions concatenated
    in dims; they lie contiguously in that order. *bucket_index receives 0, 1, 2, ... Collective. */
-psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const int* ndims, const int64_t* dims,
-                                    int* bucket_index);
+PSGD_API psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const int* ndims,
+                                             const int64_t* dims, int* bucket_index);
 /* In place: this rank's gradients in, the world's averaged (compressed) gradients out. Collective. */
-psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data);
-int64_t psgd_reducer_iteration(const psgd_reducer* r);  /* completed steps */
+PSGD_API psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data);
+/* Elements (floats) of a bucket's flat buffer: the sum of its tensors' sizes. */
+PSGD_API psgd_status psgd_reducer_bucket_size(const psgd_reducer* r, int bucket_index, size_t* size);
+PSGD_API int64_t psgd_reducer_iteration(const psgd_reducer* r);  /* completed steps */
 /* Copies this rank's error-feedback memory of a bucket (bucket length; zeros before compression starts). */
-psgd_status psgd_reducer_error_feedback(const psgd_reducer* r, int bucket_index, float* out);
-typedef struct psgd_stats { uint64_t numel_before; uint64_t numel_after; double compression_rate;
-  uint64_t bytes_sent; double relative_error; } psgd_stats;
-psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
-psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
-psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
-void psgd_reducer_destroy(psgd_reducer* r);
+PSGD_API psgd_status psgd_reducer_error_feedback(const psgd_reducer* r, int bucket_index, float* out);
+typedef struct psgd_stats { size_t struct_size; uint64_t numel_before; uint64_t numel_after;
+  double compression_rate; uint64_t bytes_sent; double relative_error; } psgd_stats;
+#define PSGD_STATS_INIT { sizeof(psgd_stats), 0, 0, 0.0, 0, 0.0 }
+/* Fills the first out->struct_size bytes of *out (struct_size must be set, e.g. by PSGD_STATS_INIT). */
+PSGD_API psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
+PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
+PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
+PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
+
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
 
 /* ==== Async reduce and the torch.distributed rendezvous (issue 10: the PyTorch DDP comm hook) ==== */
 

@@ -32,7 +32,7 @@ namespace powersgd {
 enum class Device { Cpu, Cuda };
 
 // The reference's fields (PyTorch's PowerSGDState) and defaults.
-struct Config {
+struct PSGD_API Config {
   int rank = 1;                             // matrix approximation rank r, >= 1 and <= 64
   int64_t start_iter = 1000;                // plain averaged allreduce while iteration < start_iter; >= 0
   double min_compression_rate = 2.0;        // compress n x m iff (n + m) * r * rate < n * m; finite, >= 0
@@ -51,7 +51,7 @@ struct Config {
 
 using Shape = std::vector<int64_t>;
 
-struct Stats {
+struct PSGD_API Stats {
   // Cumulative over compressed steps, as the reference counts them: elements of
   // the buckets, and elements actually reduced (P, Q and uncompressed tensors).
   uint64_t numel_before = 0;
@@ -74,21 +74,20 @@ struct Stats {
 
 // Completion handle of reduce_async. wait() blocks until the reduction finished
 // and rethrows its error. Copyable; copies refer to the same reduction.
-class ReduceHandle {
+class PSGD_API ReduceHandle {
  public:
   ReduceHandle() = default;
   void wait() const;
   bool done() const;
   bool valid() const { return state_ != nullptr; }
 
-  struct State;
-  explicit ReduceHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
-
  private:
-  std::shared_ptr<State> state_;
+  friend class Reducer;  // the only maker of non-empty handles
+  explicit ReduceHandle(std::shared_ptr<Completion> state) : state_(std::move(state)) {}
+  std::shared_ptr<Completion> state_;
 };
 
-class Reducer {
+class PSGD_API Reducer {
  public:
   // Validates config and creates the compute backend. `comm` must outlive the
   // Reducer. Not collective.
@@ -138,9 +137,8 @@ class Reducer {
   void save(const std::string& path) const;
   void load(const std::string& path);
 
-  class Impl;
-
  private:
+  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,5 +1,7 @@
 // The C API boundary: every exception becomes a psgd_status here and nowhere
 // else; the message goes to a thread-local buffer for psgd_last_error().
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -10,6 +12,7 @@
 #include "powersgd/comm.hpp"
 #include "powersgd/powersgd.h"
 #include "powersgd/reducer.hpp"
+#include "powersgd_build_config.h"
 
 struct psgd_comm {
   std::unique_ptr<powersgd::Communicator> comm;
@@ -53,6 +56,30 @@ bool as_bool(int value, const char* field) {
   return value == 1;
 }
 
+// The smallest struct_size of each struct: its fields as of powersgd 0.1. A
+// caller compiled against a later header passes a larger size.
+constexpr size_t kConfigSizeV1 = offsetof(psgd_config, device_index) + sizeof(int);
+constexpr size_t kStatsSizeV1 = offsetof(psgd_stats, relative_error) + sizeof(double);
+
+// The caller's struct as this library's: the first min(struct_size, sizeof)
+// bytes copied over the defaults. Bytes beyond what this library knows must be
+// 0 (a field of a newer header left at its default); anything else is a setting
+// this version cannot honour.
+psgd_config read_config(const psgd_config* in) {
+  const size_t size = in->struct_size;
+  PSGD_REQUIRE(size >= kConfigSizeV1, InvalidArgumentError, "config.struct_size = ", size, ": expected at least ",
+               kConfigSizeV1, " (sizeof(psgd_config); get the config from psgd_config_default())");
+  psgd_config c = psgd_config_default();
+  std::memcpy(&c, in, std::min(size, sizeof(c)));
+  const auto* tail = reinterpret_cast<const unsigned char*>(in);
+  for (size_t i = sizeof(c); i < size; ++i)
+    PSGD_REQUIRE(tail[i] == 0, UnsupportedError, "config.struct_size = ", size, ": byte ", i,
+                 " is set, but this library (powersgd ", PSGD_VERSION, ") knows only the first ", sizeof(c),
+                 " bytes of psgd_config");
+  c.struct_size = sizeof(c);
+  return c;
+}
+
 powersgd::Config to_config(const psgd_config& c) {
   powersgd::Config config;
   config.rank = c.rank;
@@ -77,6 +104,8 @@ powersgd::Config to_config(const psgd_config& c) {
 extern "C" {
 
 const char* psgd_last_error(void) { return g_last_error.c_str(); }
+
+const char* psgd_version(void) { return PSGD_VERSION; }
 
 psgd_status psgd_comm_init_from_env(psgd_comm** out) {
   return guarded(__func__, [&] {
@@ -111,6 +140,7 @@ void psgd_comm_destroy(psgd_comm* comm) { delete comm; }
 psgd_config psgd_config_default(void) {
   const powersgd::Config d;
   psgd_config c;
+  c.struct_size = sizeof(c);
   c.rank = d.rank;
   c.start_iter = d.start_iter;
   c.min_compression_rate = d.min_compression_rate;
@@ -132,7 +162,7 @@ psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd
     PSGD_C_NOT_NULL(comm);
     PSGD_C_NOT_NULL(config);
     auto handle = std::make_unique<psgd_reducer>();
-    handle->reducer = std::make_unique<powersgd::Reducer>(*comm->comm, to_config(*config));
+    handle->reducer = std::make_unique<powersgd::Reducer>(*comm->comm, to_config(read_config(config)));
     *out = handle.release();
   });
 }
@@ -168,6 +198,14 @@ psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data) 
   });
 }
 
+psgd_status psgd_reducer_bucket_size(const psgd_reducer* r, int bucket_index, size_t* size) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(size);
+    *size = r->reducer->bucket_size(bucket_index);
+  });
+}
+
 int64_t psgd_reducer_iteration(const psgd_reducer* r) {
   if (r == nullptr) return -1;
   int64_t result = -1;
@@ -187,12 +225,19 @@ psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(r);
     PSGD_C_NOT_NULL(out);
+    const size_t size = out->struct_size;
+    PSGD_REQUIRE(size >= kStatsSizeV1, InvalidArgumentError, "stats.struct_size = ", size, ": expected at least ",
+                 kStatsSizeV1, " (sizeof(psgd_stats); declare it as PSGD_STATS_INIT)");
     const powersgd::Stats s = r->reducer->stats();
-    out->numel_before = s.numel_before;
-    out->numel_after = s.numel_after;
-    out->compression_rate = s.compression_rate();
-    out->bytes_sent = s.bytes_sent;
-    out->relative_error = s.total_relative_error;
+    psgd_stats result;
+    result.struct_size = size;
+    result.numel_before = s.numel_before;
+    result.numel_after = s.numel_after;
+    result.compression_rate = s.compression_rate();
+    result.bytes_sent = s.bytes_sent;
+    result.relative_error = s.total_relative_error;
+    // A caller's larger struct keeps its later fields; a smaller one gets only what it has.
+    std::memcpy(out, &result, std::min(size, sizeof(result)));
   });
 }
 

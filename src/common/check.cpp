@@ -17,4 +17,8 @@ std::string errno_text(int err) {
   return strerror_r(err, buffer, sizeof(buffer));
 }
 
+void throw_system(const char* call, const char* file, int line, int err, const std::string& context) {
+  throw IoError(concat(context, ": ", call, " failed at ", file, ":", line, ": ", std::strerror(err)));
+}
+
 }  // namespace powersgd::detail

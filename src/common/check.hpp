@@ -20,6 +20,7 @@ std::string concat(const Args&... args) {
 
 [[noreturn]] void throw_internal(const char* expr, const char* file, int line, const std::string& what);
 [[noreturn]] void throw_system(const char* call, const char* file, int line, int err);
+[[noreturn]] void throw_system(const char* call, const char* file, int line, int err, const std::string& context);
 
 // errno as text (thread-safe, unlike strerror).
 std::string errno_text(int err);
@@ -86,3 +87,17 @@ std::string errno_text(int err);
     int psgd_err_ = (err);                                                       \
     PSGD_THROW(ErrorType, __VA_ARGS__, ": ", ::powersgd::detail::errno_text(psgd_err_)); \
   } while (0)
+
+// PSGD_CHECK_SYS_CTX(call, ...): PSGD_CHECK_SYS with the streamed arguments as context (what was being done, on
+// which file or peer) in front of the call's text:
+//   PSGD_CHECK_SYS_CTX(::open(p, O_RDONLY), "cannot open checkpoint ", p);
+#define PSGD_CHECK_SYS_CTX(call, ...)                                                                 \
+  ([&]() {                                                                                            \
+    auto psgd_rc_ = (call);                                                                           \
+    if (psgd_rc_ == -1) {                                                                             \
+      const int psgd_errno_ = errno; /* before concat() may change it */                             \
+      ::powersgd::detail::throw_system(#call, __FILE__, __LINE__, psgd_errno_,                        \
+                                       ::powersgd::detail::concat(__VA_ARGS__));                      \
+    }                                                                                                 \
+    return psgd_rc_;                                                                                  \
+  }())

@@ -6,22 +6,14 @@
 
 #include <array>
 #include <cerrno>
-#include <cstring>
 #include <utility>
 
 #include "common/check.hpp"
 #include "common/fd.hpp"
+#include "engine/config_fields.hpp"
 
 namespace powersgd::engine {
 namespace {
-
-struct Header {
-  char magic[8];
-  uint32_t version;
-  uint32_t crc;
-  uint64_t payload_bytes;
-};
-static_assert(sizeof(Header) == 24);
 
 constexpr std::array<uint32_t, 256> make_crc_table() {
   std::array<uint32_t, 256> table{};
@@ -38,18 +30,62 @@ void write_fully(int fd, const void* data, size_t size, const std::string& path)
   if (int err = write_all(fd, data, size); err != 0) PSGD_THROW_ERRNO(IoError, err, "writing checkpoint ", path);
 }
 
-// Reads up to `size` bytes; returns how many (fewer only at end of file).
-size_t read_some(int fd, void* data, size_t size, const std::string& path) {
-  char* p = static_cast<char*>(data);
-  size_t total = 0;
-  while (total < size) {
-    ssize_t n = ::read(fd, p + total, size - total);
-    if (n < 0 && errno == EINTR) continue;
-    PSGD_REQUIRE(n >= 0, IoError, "reading checkpoint ", path, ": ", std::strerror(errno));
-    if (n == 0) break;
-    total += static_cast<size_t>(n);
-  }
-  return total;
+// The type a config field has in the file: bools as one byte, int and enums as 32 bits.
+template <typename T>
+using WireType = std::conditional_t<std::is_same_v<T, bool>, uint8_t,
+                                    std::conditional_t<std::is_same_v<T, int> || std::is_enum_v<T>, int32_t, T>>;
+
+void put_config(Writer& w, const Config& config) {
+  for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
+    if (spec.scope == FieldScope::Shared) w.put(static_cast<WireType<std::decay_t<decltype(value)>>>(value));
+  });
+}
+
+void expect_config(Reader& r, const Config& config) {
+  for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
+    if (spec.scope != FieldScope::Shared) return;
+    using Wire = WireType<std::decay_t<decltype(value)>>;
+    const Wire theirs = r.get<Wire>(spec.name);
+    const Wire mine = static_cast<Wire>(value);
+    PSGD_REQUIRE(theirs == mine, MismatchError, "checkpoint ", r.path(), " was written with config.", spec.name, " = ",
+                 +theirs, ", this reducer has ", +mine);
+  });
+}
+
+std::vector<float> get_counted_floats(Reader& r, size_t expected, const char* field, size_t bucket) {
+  const auto count = r.get<uint64_t>(field);
+  PSGD_REQUIRE(count == expected, MismatchError, "checkpoint ", r.path(), ": bucket ", bucket, " has ", count, " ",
+               field, " values, this reducer expects ", expected);
+  return r.get_floats(expected, field);
+}
+
+void put_counted_floats(Writer& w, const std::vector<float>& values) {
+  w.put(static_cast<uint64_t>(values.size()));
+  w.put_floats(values);
+}
+
+// Returns the payload of a checked file.
+std::span<const char> unframe(std::span<const char> file, const std::string& path) {
+  PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
+               " bytes, shorter than its ", kCheckpointHeaderBytes, "-byte header");
+  Reader header(file.first(kCheckpointHeaderBytes), path);
+  char magic[sizeof(kCheckpointMagic)];
+  header.get_raw(magic, sizeof(magic), "magic");
+  PSGD_REQUIRE(std::memcmp(magic, kCheckpointMagic, sizeof(magic)) == 0, IoError, "file ", path,
+               " is not a powersgd checkpoint (bad magic)");
+  const auto version = header.get<uint32_t>("version");
+  PSGD_REQUIRE(version == kCheckpointVersion, IoError, "checkpoint ", path, " has format version ", version,
+               ": this build reads version ", kCheckpointVersion);
+  const auto crc = header.get<uint32_t>("crc");
+  const auto recorded = header.get<uint64_t>("payload length");
+  const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
+  PSGD_REQUIRE(payload.size() == recorded, IoError, "checkpoint ", path, " is ",
+               payload.size() < recorded ? "truncated" : "longer than recorded", ": payload of ", payload.size(),
+               " bytes, header says ", recorded);
+  const uint32_t actual = crc32(payload.data(), payload.size());
+  PSGD_REQUIRE(actual == crc, IoError, "checkpoint ", path, " is corrupted: CRC-32 of the payload is ", actual,
+               ", header says ", crc);
+  return payload;
 }
 
 }  // namespace
@@ -61,59 +97,137 @@ uint32_t crc32(const void* data, size_t size) {
   return c ^ 0xFFFFFFFFU;
 }
 
-void Writer::put_bytes(const void* data, size_t size) {
+void Writer::put_floats(std::span<const float> values) {
+  if constexpr (std::endian::native == std::endian::little) {
+    put_raw(values.data(), values.size_bytes());
+  } else {
+    for (float v : values) put(v);
+  }
+}
+
+void Writer::put_raw(const void* data, size_t size) {
   const char* p = static_cast<const char*>(data);
   bytes_.insert(bytes_.end(), p, p + size);
 }
 
-void Reader::get_bytes(void* out, size_t size, const char* field) {
+const char* Reader::take(size_t size, const char* field) {
   PSGD_REQUIRE(size <= bytes_.size() - pos_, IoError, "checkpoint ", path_, " is malformed: it ends inside ", field);
-  if (size > 0) std::memcpy(out, bytes_.data() + pos_, size);
+  const char* p = bytes_.data() + pos_;
   pos_ += size;
+  return p;
 }
 
-void write_checkpoint(const std::string& path, const std::vector<char>& payload) {
-  Header header{};
-  std::memcpy(header.magic, kCheckpointMagic, sizeof(header.magic));
-  header.version = kCheckpointVersion;
-  header.crc = crc32(payload.data(), payload.size());
-  header.payload_bytes = payload.size();
+void Reader::get_raw(void* out, size_t size, const char* field) {
+  const char* p = take(size, field);
+  if (size > 0) std::memcpy(out, p, size);
+}
+
+std::vector<float> Reader::get_floats(size_t count, const char* field) {
+  PSGD_REQUIRE(count <= (bytes_.size() - pos_) / sizeof(float), IoError, "checkpoint ", path_,
+               " is malformed: it ends inside ", field);
+  std::vector<float> values(count);
+  if constexpr (std::endian::native == std::endian::little) {
+    get_raw(values.data(), count * sizeof(float), field);
+  } else {
+    for (float& v : values) v = get<float>(field);
+  }
+  return values;
+}
+
+std::vector<char> encode_checkpoint(const CheckpointContents& c) {
+  Writer w;
+  put_config(w, c.config);
+  w.put(c.layout_fingerprint);
+  w.put(static_cast<uint32_t>(c.buckets.size()));
+  for (const auto& b : c.buckets) w.put(b.numel);
+  w.put(c.world_size);
+  w.put(c.rank);
+  w.put(c.iteration);
+  w.put(c.numel_before);
+  w.put(c.numel_after);
+  w.put(c.bytes_sent);
+  for (const auto& b : c.buckets) {
+    w.put(static_cast<uint8_t>(b.q_initialized));
+    w.put(b.draws);
+    put_counted_floats(w, b.error);
+    put_counted_floats(w, b.p);
+    put_counted_floats(w, b.q);
+  }
+  const std::vector<char> payload = w.take();
+
+  Writer file;
+  file.put_raw(kCheckpointMagic, sizeof(kCheckpointMagic));
+  file.put(kCheckpointVersion);
+  file.put(crc32(payload.data(), payload.size()));
+  file.put(static_cast<uint64_t>(payload.size()));
+  PSGD_ASSERT(file.bytes().size() == kCheckpointHeaderBytes);
+  file.put_raw(payload.data(), payload.size());
+  return file.take();
+}
+
+CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
+                                     uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets) {
+  Reader r(unframe(file, path), path);
+  CheckpointContents c;
+  expect_config(r, config);
+  c.config = config;
+  c.layout_fingerprint = r.get<uint64_t>("layout fingerprint");
+  const auto count = r.get<uint32_t>("bucket count");
+  PSGD_REQUIRE(count == buckets.size(), MismatchError, "checkpoint ", path, " has ", count,
+               " buckets, this reducer declares ", buckets.size());
+  c.buckets.resize(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    c.buckets[b].numel = r.get<uint64_t>("bucket size");
+    PSGD_REQUIRE(c.buckets[b].numel == buckets[b].numel, MismatchError, "checkpoint ", path, ": bucket ", b, " has ",
+                 c.buckets[b].numel, " elements, this reducer's has ", buckets[b].numel);
+  }
+  PSGD_REQUIRE(c.layout_fingerprint == layout_fingerprint, MismatchError, "checkpoint ", path,
+               " was written for another bucket layout (tensor shapes differ; fingerprint ", c.layout_fingerprint,
+               " vs ", layout_fingerprint, ")");
+  c.world_size = r.get<int32_t>("world size");
+  c.rank = r.get<int32_t>("rank");
+  c.iteration = r.get<int64_t>("iteration");
+  PSGD_REQUIRE(c.iteration >= 0, IoError, "checkpoint ", path, " is malformed: iteration ", c.iteration);
+  c.numel_before = r.get<uint64_t>("numel_before");
+  c.numel_after = r.get<uint64_t>("numel_after");
+  c.bytes_sent = r.get<uint64_t>("bytes_sent");
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    CheckpointBucket& out = c.buckets[b];
+    out.q_initialized = r.get<uint8_t>("q_initialized") != 0;
+    out.draws = r.get<uint64_t>("draws");
+    out.error = get_counted_floats(r, buckets[b].error, "error", b);
+    out.p = get_counted_floats(r, buckets[b].p, "P", b);
+    out.q = get_counted_floats(r, buckets[b].q, "Q", b);
+  }
+  PSGD_REQUIRE(r.at_end(), IoError, "checkpoint ", path, " is malformed: bytes after the last bucket");
+  return c;
+}
+
+void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes) {
   const std::string tmp = path + ".tmp";
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  PSGD_REQUIRE(fd.get() >= 0, IoError, "cannot create checkpoint file ", tmp, ": ", std::strerror(errno));
-  write_fully(fd.get(), &header, sizeof(header), tmp);
-  write_fully(fd.get(), payload.data(), payload.size(), tmp);
-  PSGD_REQUIRE(::fsync(fd.get()) == 0, IoError, "fsync of checkpoint ", tmp, ": ", std::strerror(errno));
-  PSGD_REQUIRE(::close(fd.release()) == 0, IoError, "closing checkpoint ", tmp, ": ", std::strerror(errno));
-  PSGD_REQUIRE(::rename(tmp.c_str(), path.c_str()) == 0, IoError, "renaming checkpoint ", tmp, " to ", path, ": ",
-               std::strerror(errno));
+  Fd fd(PSGD_CHECK_SYS_CTX(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                           "cannot create checkpoint file ", tmp));
+  write_fully(fd.get(), bytes.data(), bytes.size(), tmp);
+  PSGD_CHECK_SYS_CTX(::fsync(fd.get()), "fsync of checkpoint ", tmp);
+  PSGD_CHECK_SYS_CTX(::close(fd.release()), "closing checkpoint ", tmp);
+  PSGD_CHECK_SYS_CTX(::rename(tmp.c_str(), path.c_str()), "renaming checkpoint ", tmp, " to ", path);
 }
 
-std::vector<char> read_checkpoint(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  PSGD_REQUIRE(fd.get() >= 0, IoError, "cannot open checkpoint ", path, ": ", std::strerror(errno));
-  Header header{};
-  const size_t got = read_some(fd.get(), &header, sizeof(header), path);
-  PSGD_REQUIRE(got == sizeof(header), IoError, "checkpoint ", path, " is truncated: ", got,
-               " bytes, shorter than its ", sizeof(header), "-byte header");
-  PSGD_REQUIRE(std::memcmp(header.magic, kCheckpointMagic, sizeof(header.magic)) == 0, IoError, "file ", path,
-               " is not a powersgd checkpoint (bad magic)");
-  PSGD_REQUIRE(header.version == kCheckpointVersion, IoError, "checkpoint ", path, " has format version ",
-               header.version, ": this build reads version ", kCheckpointVersion);
+std::vector<char> read_checkpoint_file(const std::string& path) {
+  Fd fd(PSGD_CHECK_SYS_CTX(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "cannot open checkpoint ", path));
   struct stat st {};
-  PSGD_CHECK_SYS(::fstat(fd.get(), &st));
-  const uint64_t actual = static_cast<uint64_t>(st.st_size) - sizeof(header);
-  PSGD_REQUIRE(actual == header.payload_bytes, IoError, "checkpoint ", path, " is ",
-               actual < header.payload_bytes ? "truncated" : "longer than recorded", ": payload of ", actual,
-               " bytes, header says ", header.payload_bytes);
-  std::vector<char> payload(header.payload_bytes);
-  const size_t read = read_some(fd.get(), payload.data(), payload.size(), path);
-  PSGD_REQUIRE(read == payload.size(), IoError, "checkpoint ", path, " is truncated: read ", read, " of ",
-               payload.size(), " payload bytes");
-  const uint32_t crc = crc32(payload.data(), payload.size());
-  PSGD_REQUIRE(crc == header.crc, IoError, "checkpoint ", path, " is corrupted: CRC-32 of the payload is ", crc,
-               ", header says ", header.crc);
-  return payload;
+  PSGD_CHECK_SYS_CTX(::fstat(fd.get(), &st), "reading checkpoint ", path);
+  std::vector<char> bytes(static_cast<size_t>(st.st_size));
+  size_t total = 0;
+  while (total < bytes.size()) {
+    const ssize_t n = ::read(fd.get(), bytes.data() + total, bytes.size() - total);
+    if (n < 0 && errno == EINTR) continue;
+    PSGD_CHECK_SYS_CTX(n, "reading checkpoint ", path);
+    if (n == 0) break;  // shrank while reading: the frame check reports it truncated
+    total += static_cast<size_t>(n);
+  }
+  bytes.resize(total);
+  return bytes;
 }
 
 }  // namespace powersgd::engine

@@ -1,56 +1,124 @@
-// Checkpoint file framing: a versioned header with the payload's length and
-// CRC-32, then the payload (little-endian fields; docs/engine.md lists them).
-// The Reducer composes the payload with Writer and parses it with Reader.
+// Checkpoint codec and file I/O. A checkpoint file is a 24-byte header (magic,
+// format version, CRC-32 and length of the payload), then the payload. Every
+// field, header and payload, is written little-endian whatever the host's byte
+// order; docs/engine.md lists the fields. The codec is a pure function of its
+// inputs (no communicator, no backend), so it is tested on bytes; the Reducer
+// gathers and applies the state.
 #pragma once
 
+#include <bit>
 #include <cstdint>
+#include <cstring>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "powersgd/reducer.hpp"
 
 namespace powersgd::engine {
 
 inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 'T'};
 inline constexpr uint32_t kCheckpointVersion = 1;
+inline constexpr size_t kCheckpointHeaderBytes = 24;
 
 uint32_t crc32(const void* data, size_t size);
 
+namespace wire {
+template <size_t N> struct Unsigned;
+template <> struct Unsigned<1> { using type = uint8_t; };
+template <> struct Unsigned<2> { using type = uint16_t; };
+template <> struct Unsigned<4> { using type = uint32_t; };
+template <> struct Unsigned<8> { using type = uint64_t; };
+template <typename T>
+using Bits = typename Unsigned<sizeof(T)>::type;
+}  // namespace wire
+
+// Appends arithmetic values little-endian.
 class Writer {
  public:
   template <typename T>
-  void put(const T& value) { put_bytes(&value, sizeof(T)); }
-  void put_bytes(const void* data, size_t size);
+  void put(T value) {
+    static_assert(std::is_arithmetic_v<T>);
+    const auto bits = std::bit_cast<wire::Bits<T>>(value);
+    for (size_t i = 0; i < sizeof(T); ++i) bytes_.push_back(static_cast<char>((bits >> (8 * i)) & 0xFF));
+  }
+  void put_floats(std::span<const float> values);
+  void put_raw(const void* data, size_t size);  // bytes as they are (the magic)
   const std::vector<char>& bytes() const { return bytes_; }
+  std::vector<char> take() { return std::move(bytes_); }
 
  private:
   std::vector<char> bytes_;
 };
 
-// Reads a payload; running past its end throws IoError naming `path` and the field.
+// Reads little-endian values; running past the end throws IoError naming
+// `path` and the field.
 class Reader {
  public:
-  Reader(const std::vector<char>& bytes, std::string path) : bytes_(bytes), path_(std::move(path)) {}
+  Reader(std::span<const char> bytes, std::string path) : bytes_(bytes), path_(std::move(path)) {}
   template <typename T>
   T get(const char* field) {
-    T value;
-    get_bytes(&value, sizeof(T), field);
-    return value;
+    static_assert(std::is_arithmetic_v<T>);
+    const char* p = take(sizeof(T), field);
+    wire::Bits<T> bits = 0;
+    for (size_t i = 0; i < sizeof(T); ++i)
+      bits = static_cast<wire::Bits<T>>(bits | (static_cast<wire::Bits<T>>(static_cast<unsigned char>(p[i])) << (8 * i)));
+    return std::bit_cast<T>(bits);
   }
-  void get_bytes(void* out, size_t size, const char* field);
+  std::vector<float> get_floats(size_t count, const char* field);
+  void get_raw(void* out, size_t size, const char* field);
   bool at_end() const { return pos_ == bytes_.size(); }
+  const std::string& path() const { return path_; }
 
  private:
-  const std::vector<char>& bytes_;
+  const char* take(size_t size, const char* field);
+
+  std::span<const char> bytes_;
   std::string path_;
   size_t pos_ = 0;
 };
 
-// Writes header + payload to `path` through a temporary file and rename(), so a
-// crash never leaves a half-written checkpoint under `path`. Throws IoError.
-void write_checkpoint(const std::string& path, const std::vector<char>& payload);
+// One bucket's state in a checkpoint.
+struct CheckpointBucket {
+  uint64_t numel = 0;  // elements of the bucket (a layout check)
+  bool q_initialized = false;
+  uint64_t draws = 0;
+  std::vector<float> error;  // error-feedback memory in the bucket's order; empty without error feedback
+  std::vector<float> p, q;   // warm-start state
+};
 
-// Reads and verifies the header, length and checksum; returns the payload.
-// Throws IoError naming the path and what is wrong (missing, truncated,
-// not a checkpoint, unknown version, checksum mismatch).
-std::vector<char> read_checkpoint(const std::string& path);
+// A rank's whole reducer state.
+struct CheckpointContents {
+  Config config;  // the Shared fields are saved (config_fields.hpp)
+  uint64_t layout_fingerprint = 0;
+  int32_t world_size = 0;  // informational: a checkpoint may be loaded at another world size
+  int32_t rank = 0;
+  int64_t iteration = 0;
+  uint64_t numel_before = 0, numel_after = 0, bytes_sent = 0;
+  std::vector<CheckpointBucket> buckets;
+};
+
+// What the loading reducer expects of each bucket: its size and float counts.
+struct CheckpointBucketShape {
+  uint64_t numel = 0;
+  size_t error = 0, p = 0, q = 0;
+};
+
+// Header + payload, ready for write_checkpoint_file.
+std::vector<char> encode_checkpoint(const CheckpointContents& contents);
+
+// Verifies the header (length, magic, version, size, CRC-32) and parses the
+// payload against what the loading reducer has: IoError for a damaged or foreign
+// file, MismatchError for another configuration or layout; `path` names the file
+// in every message. The result's PerRank config fields are `config`'s.
+CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
+                                     uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets);
+
+// Writes `bytes` to `path` through a temporary file, fsync and rename(), so a
+// crash never leaves a half-written checkpoint under `path`. Throws IoError.
+void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes);
+// The whole file. Throws IoError ("cannot open checkpoint ...").
+std::vector<char> read_checkpoint_file(const std::string& path);
 
 }  // namespace powersgd::engine

@@ -17,8 +17,10 @@
 #include <unistd.h>
 
 #include "engine_reference.hpp"
+#include "error_of.hpp"
 
 using namespace powersgd;
+using powersgd::test::error_of;
 using powersgd::test::Reference;
 using powersgd::test::config_for;
 using powersgd::test::gradients;
@@ -78,15 +80,6 @@ std::vector<double> mean_of(const std::vector<std::vector<float>>& all) {
     for (size_t i = 0; i < g.size(); ++i) mean[i] += g[i];
   for (auto& m : mean) m /= static_cast<double>(all.size());
   return mean;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 const std::vector<Shape> kShapes = {{32, 24}, {32}, {16, 8, 3, 3}, {}, {5, 6}, {40, 10}};

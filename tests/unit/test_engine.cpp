@@ -17,12 +17,13 @@
 #include <iterator>
 #include <limits>
 #include <string>
-#include <thread>
 
 #include "engine_reference.hpp"
+#include "error_of.hpp"
 #include "powersgd/powersgd.h"
 
 using namespace powersgd;
+using powersgd::test::error_of;
 using powersgd::test::Reference;
 using powersgd::test::config_for;
 using powersgd::test::gradients;
@@ -31,15 +32,6 @@ using powersgd::test::relative_difference;
 namespace {
 
 std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // A per-test temporary file name.
 std::string temp_path(const char* tag) {
@@ -417,7 +409,7 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(std::string(psgd_last_error()).find("NaN or Inf") != std::string::npos);
   std::vector<float> error(53);
   CHECK(psgd_reducer_error_feedback(r, 0, error.data()) == PSGD_OK);
-  psgd_stats stats;
+  psgd_stats stats = PSGD_STATS_INIT;
   CHECK(psgd_reducer_stats(r, &stats) == PSGD_OK);
   CHECK(stats.numel_before == 2 * 53);
   CHECK(stats.compression_rate > 1.0);
@@ -427,6 +419,79 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(psgd_reducer_load(r, (path + ".none").c_str()) == PSGD_ERR_IO);
   CHECK(psgd_reducer_load(r, path.c_str()) == PSGD_OK);
   std::remove(path.c_str());
+  psgd_reducer_destroy(r);
+  psgd_comm_destroy(comm);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}
+
+TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
+  CHECK(std::string(psgd_version()) == std::to_string(PSGD_VERSION_MAJOR) + "." + std::to_string(PSGD_VERSION_MINOR) +
+                                           "." + std::to_string(PSGD_VERSION_PATCH));
+  CHECK(PSGD_VERSION_NUMBER == 10000 * PSGD_VERSION_MAJOR + 100 * PSGD_VERSION_MINOR + PSGD_VERSION_PATCH);
+  const psgd_config d = psgd_config_default();
+  CHECK(d.struct_size == sizeof(psgd_config));
+
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_reducer* r = nullptr;
+
+  // A config that does not say its size (not from psgd_config_default) is refused, naming the value.
+  psgd_config unsized = d;
+  unsized.struct_size = 8;
+  CHECK(psgd_reducer_create(comm, &unsized, &r) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("config.struct_size = 8: expected at least") != std::string::npos);
+  CHECK(r == nullptr);
+
+  // A caller compiled against a newer header: a longer struct whose extra fields are at their zero
+  // defaults works; a set extra field this library cannot honour is refused.
+  struct Newer {
+    psgd_config config;
+    uint64_t appended;
+  } newer{d, 0};
+  newer.config.struct_size = sizeof(Newer);
+  newer.config.rank = 2;
+  REQUIRE(psgd_reducer_create(comm, &newer.config, &r) == PSGD_OK);
+  psgd_reducer_destroy(r);
+  r = nullptr;
+  newer.appended = 1;
+  CHECK(psgd_reducer_create(comm, &newer.config, &r) == PSGD_ERR_UNSUPPORTED);
+  CHECK(std::string(psgd_last_error()).find("byte " + std::to_string(sizeof(psgd_config)) + " is set") !=
+        std::string::npos);
+  CHECK(r == nullptr);
+
+  REQUIRE(psgd_reducer_create(comm, &d, &r) == PSGD_OK);
+  const int ndims[] = {2, 1};
+  const int64_t dims[] = {8, 6, 5};
+  int index = -1;
+  REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims, &index) == PSGD_OK);
+  size_t size = 0;
+  CHECK(psgd_reducer_bucket_size(r, index, &size) == PSGD_OK);
+  CHECK(size == 53);
+  CHECK(psgd_reducer_bucket_size(r, 3, &size) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("bucket index 3") != std::string::npos);
+  CHECK(psgd_reducer_bucket_size(r, 0, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'size'") != std::string::npos);
+  CHECK(psgd_reducer_bucket_size(nullptr, 0, &size) == PSGD_ERR_INVALID_ARGUMENT);
+
+  std::vector<float> g = gradients(53, 0, 0);
+  REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  psgd_stats unset{};
+  CHECK(psgd_reducer_stats(r, &unset) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("stats.struct_size = 0") != std::string::npos);
+  // A newer caller's longer stats: the fields this library knows are filled, the rest untouched.
+  struct NewerStats {
+    psgd_stats stats;
+    uint64_t appended;
+  } longer{PSGD_STATS_INIT, 77};
+  longer.stats.struct_size = sizeof(NewerStats);
+  CHECK(psgd_reducer_stats(r, &longer.stats) == PSGD_OK);
+  CHECK(longer.stats.struct_size == sizeof(NewerStats));
+  CHECK(longer.stats.bytes_sent == 54 * sizeof(float));  // one plain step: 53 floats and the finite flag
+  CHECK(longer.appended == 77);
+
   psgd_reducer_destroy(r);
   psgd_comm_destroy(comm);
   ::unsetenv("RANK");

@@ -16,8 +16,6 @@
 
 namespace powersgd {
 
-struct Work::State : Completion {};
-
 void Work::wait() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "Work::wait() on an empty Work handle");
   state_->wait();
@@ -121,7 +119,7 @@ void GlooCommunicator::connect() {
     PSGD_THROW(IoError, "rendezvous of ", options_.world_size, " ranks at ", options_.store_addr, ":",
                options_.store_port, " failed: ", message);
   }
-  worker_ = std::make_unique<SerialWorker<Op, Work::State>>("communicator", [this](Op& op) { execute(op); });
+  worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint();
 }
 
@@ -155,7 +153,7 @@ Work GlooCommunicator::submit(std::string name, RunFn run) {
   {
     std::lock_guard lock(broken_mutex_);
     if (broken_ != nullptr) {
-      auto state = std::make_shared<Work::State>();
+      auto state = std::make_shared<Completion>();
       state->finish(broken_);
       return Work(state);
     }

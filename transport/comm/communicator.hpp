@@ -88,7 +88,7 @@ class GlooCommunicator final : public Communicator {
   std::exception_ptr broken_;  // first failure; every later op fails with it
   uint32_t next_tag_ = 0;      // touched by the communication thread only
   // Last member: stopped (pending operations cancelled) before the rest goes.
-  std::unique_ptr<SerialWorker<Op, Work::State>> worker_;
+  std::unique_ptr<SerialWorker<Op, Completion>> worker_;
 };
 
 }  // namespace powersgd::transport

@@ -1,0 +1,28 @@
+// Config::validate: every field against the range config_fields.hpp gives it.
+#include <cmath>
+#include <type_traits>
+
+#include "common/check.hpp"
+#include "engine/config_fields.hpp"
+
+namespace powersgd {
+
+void Config::validate() const {
+  engine::for_each_config_field(*this, [](const engine::FieldSpec& spec, const auto& value) {
+    using T = std::decay_t<decltype(value)>;
+    if constexpr (!std::is_same_v<T, bool>) {  // a bool holds only valid values
+      const auto number = [&] {
+        if constexpr (std::is_enum_v<T>)
+          return static_cast<std::underlying_type_t<T>>(value);
+        else
+          return value;
+      }();
+      const auto real = static_cast<double>(number);
+      bool valid = real >= spec.min && real <= spec.max;
+      if constexpr (std::is_floating_point_v<T>) valid = valid && std::isfinite(value);
+      PSGD_REQUIRE(valid, InvalidArgumentError, "config.", spec.name, " = ", number, ": expected ", spec.expected);
+    }
+  });
+}
+
+}  // namespace powersgd

@@ -1,0 +1,46 @@
+// One list of the Config fields. The fingerprint ranks compare, the checkpoint's
+// config record and Config::validate() all walk this list, so a new field is
+// added here once and every one of them sees it.
+#pragma once
+
+#include "powersgd/reducer.hpp"
+
+namespace powersgd::engine {
+
+// Shared: every rank and a checkpoint must agree on the value (it is in the
+// fingerprint and in the checkpoint, in this order). PerRank: may differ between
+// ranks (which device a rank computes on) and is neither compared nor saved.
+enum class FieldScope { Shared, PerRank };
+
+// What validate() accepts: min <= value <= max (and finite, for floating-point
+// fields); `expected` is the phrase its error message ends with.
+struct FieldSpec {
+  const char* name;
+  FieldScope scope;
+  double min;
+  double max;
+  const char* expected;
+};
+
+inline constexpr double kNoLimit = 1.7976931348623157e308;
+
+// Calls f(spec, field) for every field of `config` (const or not), in the
+// checkpoint's order. The field is passed by reference with its own type.
+template <typename ConfigT, typename F>
+void for_each_config_field(ConfigT& config, F&& f) {
+  using enum FieldScope;
+  f(FieldSpec{"rank", Shared, 1, 64, "1 to 64"}, config.rank);
+  f(FieldSpec{"start_iter", Shared, 0, kNoLimit, ">= 0"}, config.start_iter);
+  f(FieldSpec{"min_compression_rate", Shared, 0, kNoLimit, "a finite value >= 0"}, config.min_compression_rate);
+  f(FieldSpec{"error_feedback", Shared, 0, 1, "0 or 1"}, config.error_feedback);
+  f(FieldSpec{"warm_start", Shared, 0, 1, "0 or 1"}, config.warm_start);
+  f(FieldSpec{"orthogonalization_epsilon", Shared, 0, kNoLimit, "a finite value >= 0"},
+    config.orthogonalization_epsilon);
+  f(FieldSpec{"seed", Shared, 0, kNoLimit, "any value"}, config.seed);
+  f(FieldSpec{"batch_same_shape", Shared, 0, 1, "0 or 1"}, config.batch_same_shape);
+  f(FieldSpec{"whole_bucket", Shared, 0, 1, "0 or 1"}, config.whole_bucket);
+  f(FieldSpec{"device", PerRank, 0, 1, "Cpu (0) or Cuda (1)"}, config.device);
+  f(FieldSpec{"device_index", PerRank, 0, kNoLimit, ">= 0"}, config.device_index);
+}
+
+}  // namespace powersgd::engine

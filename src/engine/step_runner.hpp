@@ -1,0 +1,74 @@
+// StepRunner: the PowerSGD math of one reduction, on the worker thread. Local
+// compute (prepare), the collectives in wire order (docs/engine.md), and the
+// output and the error memory (decompress). It prepares the next queued
+// reduction while its own collectives are in flight when the two share no bucket.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "compute/backend.hpp"
+#include "engine/arenas.hpp"
+#include "powersgd/reducer.hpp"
+
+namespace powersgd::engine {
+
+// One reduction: one bucket (reduce) or all of them (reduce_all).
+struct Reduction {
+  std::vector<int> buckets;
+  std::vector<float*> data;  // the user's buffer of each bucket
+  int64_t iteration = 0;
+  bool closes_step = false;  // the last reduction of its step
+  bool compressed = false;   // iteration >= start_iter
+  // Filled by prepare, possibly ahead of time while the previous reduction communicates.
+  bool prepared = false;
+  std::exception_ptr prepare_error;
+  std::vector<double> m2;  // ||M||^2 over compressed matrices, per bucket of the reduction
+  std::vector<char> drew;  // whether Q came from the generator, per bucket
+};
+
+class StepRunner {
+ public:
+  using NextReduction = std::function<std::shared_ptr<Reduction>()>;
+
+  // Everything by reference is owned by the Reducer and outlives the runner;
+  // `next` returns the reduction queued after the running one, if any.
+  StepRunner(const Config& config, Communicator& comm, compute::Backend& backend,
+             std::vector<std::unique_ptr<BucketState>>& buckets, Arenas& arenas, Stats& stats, NextReduction next)
+      : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats),
+        next_(std::move(next)) {}
+
+  // Throws NonFiniteError (the same decision on every rank) before changing any
+  // state, or the collectives' errors.
+  void run(Reduction& job);
+
+ private:
+  BucketState& bucket(int b) { return *buckets_[static_cast<size_t>(b)]; }
+
+  void prepare(Reduction& job);
+  void prepare_plain(BucketState& s, const float* data);
+  void prepare_compressed(Reduction& job, size_t i, BucketState& s);
+  void lookahead(const Reduction& current);
+
+  void run_plain(Reduction& job);
+  void run_compressed(Reduction& job);
+  void decompress(const Reduction& job, size_t i);
+
+  Work send(const Segment& seg);
+  void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments);
+  [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
+
+  const Config& config_;
+  Communicator& comm_;
+  compute::Backend& be_;
+  std::vector<std::unique_ptr<BucketState>>& buckets_;
+  Arenas& arenas_;
+  Stats& stats_;
+  NextReduction next_;
+};
+
+}  // namespace powersgd::engine
