@@ -96,25 +96,25 @@ typedef struct psgd_reduce_handle psgd_reduce_handle;
    bad index, a bucket reduced twice in a step) are returned here and *out stays null; errors of the reduction
    itself (a peer lost, NaN/Inf, a timeout) are returned by psgd_reduce_handle_wait. Collective: every rank
    starts the same buckets in the same order. */
-psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* data, psgd_reduce_handle** out);
+PSGD_API psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* data, psgd_reduce_handle** out);
 /* Blocks until the reduction finished and returns its status; the message is psgd_last_error() of the
    calling thread. Callable from any thread (one that never touches the reducer, e.g. a waiter thread) and
    more than once (same status each time). Never blocks past the communicator's timeout (PSGD_TIMEOUT_MS). */
-psgd_status psgd_reduce_handle_wait(psgd_reduce_handle* h);
-int psgd_reduce_handle_done(const psgd_reduce_handle* h);  /* 1 finished, 0 in flight, -1 for a null handle */
+PSGD_API psgd_status psgd_reduce_handle_wait(psgd_reduce_handle* h);
+PSGD_API int psgd_reduce_handle_done(const psgd_reduce_handle* h);  /* 1 finished, 0 in flight, -1 for a null handle */
 /* Frees the handle, not the reduction: one not waited for still completes (psgd_reducer_destroy waits for
    it). Null is a no-op. */
-void psgd_reduce_handle_free(psgd_reduce_handle* h);
+PSGD_API void psgd_reduce_handle_free(psgd_reduce_handle* h);
 
 /* Store port of a communicator that lives beside torch.distributed, whose TCPStore holds MASTER_PORT:
    PSGD_STORE_PORT when set; else MASTER_PORT when PSGD_STORE_HOSTED=1 (powersgd-run's store speaks this
    library's protocol); else MASTER_PORT + 1 (an error when MASTER_PORT is 65535 or unset). */
-psgd_status psgd_store_port_beside_torch(int* port);
+PSGD_API psgd_status psgd_store_port_beside_torch(int* port);
 /* As psgd_comm_init_from_env, with the rendezvous store on psgd_store_port_beside_torch(). */
-psgd_status psgd_comm_init_beside_torch(psgd_comm** out);
+PSGD_API psgd_status psgd_comm_init_beside_torch(psgd_comm** out);
 
 /* Collective: copies `bytes` bytes at data on rank `root` to data on every other rank (host memory). */
-psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root);
+PSGD_API psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root);
 
 /* ==== end of issue 10 additions ==== */
 

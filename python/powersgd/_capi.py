@@ -34,6 +34,7 @@ class Config(ctypes.Structure):
     and set fields by name, so a field added to the C struct is one line here."""
 
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),  # set by psgd_config_default(); the library checks it
         ("rank", ctypes.c_int),
         ("start_iter", ctypes.c_int64),
         ("min_compression_rate", ctypes.c_double),
@@ -52,12 +53,17 @@ class Stats(ctypes.Structure):
     """psgd_stats."""
 
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),  # must be set before psgd_reducer_stats (see __init__)
         ("numel_before", ctypes.c_uint64),
         ("numel_after", ctypes.c_uint64),
         ("compression_rate", ctypes.c_double),
         ("bytes_sent", ctypes.c_uint64),
         ("relative_error", ctypes.c_double),
     ]
+
+    def __init__(self):
+        super().__init__()
+        self.struct_size = ctypes.sizeof(Stats)
 
 
 def _load():

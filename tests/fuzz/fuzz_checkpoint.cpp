@@ -44,8 +44,23 @@ void write_file(const std::string& path, char mode, const std::vector<char>& byt
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-// The header before the payload: magic, u32 version, u32 crc, u64 length (checkpoint.cpp).
-constexpr size_t kHeaderBytes = 8 + 4 + 8 + 4;
+// The header before the payload: magic, u32 version, u32 crc, u64 length (checkpoint.hpp).
+constexpr size_t kHeaderBytes = powersgd::engine::kCheckpointHeaderBytes;
+
+// A valid header (magic, version, CRC-32, length; little-endian) in front of
+// `payload`, so that mutations reach the payload parser.
+std::vector<char> framed(const std::vector<char>& payload) {
+  namespace engine = powersgd::engine;
+  std::vector<char> out(engine::kCheckpointMagic, engine::kCheckpointMagic + sizeof engine::kCheckpointMagic);
+  auto put = [&out](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  put(engine::kCheckpointVersion, 4);
+  put(engine::crc32(payload.data(), payload.size()), 4);
+  put(payload.size(), 8);
+  out.insert(out.end(), payload.begin(), payload.end());
+  return out;
+}
 
 Target& target() {
   static Target* t = [] {
@@ -90,7 +105,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool frame_it = (data[0] & 1) != 0;
   std::vector<char> bytes(reinterpret_cast<const char*>(data) + 1, reinterpret_cast<const char*>(data) + size);
   if (frame_it) {
-    powersgd::engine::write_checkpoint(t.path, bytes);
+    powersgd::engine::write_checkpoint_file(t.path, framed(bytes));
   } else {
     std::ofstream out(t.path, std::ios::binary | std::ios::trunc);
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

@@ -17,6 +17,7 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <thread>
 
 #include "engine_reference.hpp"
 #include "error_of.hpp"
