@@ -1,14 +1,16 @@
 // Reducer: the facade of the PowerSGD pipeline (docs/engine.md). The user thread
 // validates calls and keeps the step bookkeeping (steps.hpp); every reduction
-// and every access to device state runs on one SerialWorker thread (worker.hpp)
+// and every access to device state runs on one SerialWorker thread (common/serial_worker.hpp)
 // through the StepRunner (step_runner.hpp), in submission order. Buffers:
 // arenas.hpp; fingerprints: fingerprint.hpp; the checkpoint format: checkpoint.hpp.
 #include "powersgd/reducer.hpp"
 
 #include <cmath>
+#include <functional>
 
 #include "common/check.hpp"
 #include "common/completion.hpp"
+#include "common/serial_worker.hpp"
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
 #include "engine/checkpoint.hpp"
@@ -16,7 +18,6 @@
 #include "engine/plan.hpp"
 #include "engine/step_runner.hpp"
 #include "engine/steps.hpp"
-#include "engine/worker.hpp"
 
 namespace powersgd {
 
@@ -37,16 +38,16 @@ class Reducer::Impl {
  public:
   Impl(Communicator& comm, const Config& config) : comm_(comm), config_(config) {
     config_.validate();
-    worker_.call([this] {
+    call([this] {
       backend_ = compute::make_backend(
           config_.device == Device::Cpu ? compute::DeviceKind::Cpu : compute::DeviceKind::Cuda, config_.device_index);
       runner_ = std::make_unique<engine::StepRunner>(config_, comm_, *backend_, buckets_, arenas_, stats_,
-                                                     [this] { return worker_.next_item(); });
+                                                     [this] { return next_reduction(); });
     });
   }
 
-  // The worker is the last member: it finishes queued reductions and joins first.
-  ~Impl() = default;
+  // Runs the queued reductions, then joins, before any member goes.
+  ~Impl() { worker_.stop(nullptr); }
 
   int add_bucket(std::span<const Shape> shapes) {
     PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
@@ -77,7 +78,7 @@ class Reducer::Impl {
     reduction->buckets = {b};
     reduction->data = {data};
     steps_.record(*reduction, config_.start_iter, false);
-    return worker_.submit(std::move(reduction));
+    return worker_.submit(WorkerTask{std::move(reduction), nullptr});
   }
 
   void reduce_all(std::span<float* const> data) {
@@ -91,19 +92,19 @@ class Reducer::Impl {
     for (int b = 0; b < num_buckets(); ++b) reduction->buckets.push_back(b);
     reduction->data.assign(data.begin(), data.end());
     steps_.record(*reduction, config_.start_iter, true);
-    worker_.submit(std::move(reduction))->wait();
+    worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
   }
 
   int64_t iteration() {
     int64_t result = 0;
-    worker_.call([&] { result = completed_steps_; });
+    call([&] { result = completed_steps_; });
     return result;
   }
 
   void error_feedback(int b, float* out) {
     const BucketState& s = checked(b);
     PSGD_REQUIRE(out != nullptr, InvalidArgumentError, "error_feedback of bucket ", b, ": out is null");
-    worker_.call([&] {
+    call([&] {
       if (s.nerr.empty()) {
         std::fill(out, out + s.plan.numel, 0.0f);
         return;
@@ -115,7 +116,7 @@ class Reducer::Impl {
 
   Stats stats() {
     Stats result;
-    worker_.call([&] {
+    call([&] {
       result = stats_;
       double m2 = 0, e2 = 0;
       result.relative_error.clear();
@@ -138,7 +139,7 @@ class Reducer::Impl {
 
   std::string backend_name() {
     std::string name;
-    worker_.call([&] { name = backend_->name(); });
+    call([&] { name = backend_->name(); });
     return name;
   }
 
@@ -146,7 +147,7 @@ class Reducer::Impl {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save before any add_bucket: nothing to checkpoint");
     steps_.require_boundary("save");
     start();
-    worker_.call([&] { engine::write_checkpoint_file(path, engine::encode_checkpoint(gather())); });
+    call([&] { engine::write_checkpoint_file(path, engine::encode_checkpoint(gather())); });
   }
 
   void load(const std::string& path) {
@@ -161,7 +162,7 @@ class Reducer::Impl {
                                                                     layout_fingerprint_, expected);
     // Everything parsed and checked: apply.
     start();
-    worker_.call([&] { apply(contents); });
+    call([&] { apply(contents); });
     steps_.restart_at(contents.iteration);
   }
 
@@ -177,7 +178,7 @@ class Reducer::Impl {
     if (started_) return;
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "reduce before any add_bucket");
     started_ = true;
-    worker_.call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback); });
+    call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback); });
   }
 
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
@@ -253,7 +254,25 @@ class Reducer::Impl {
   Stats stats_;
   std::unique_ptr<engine::StepRunner> runner_;
 
-  engine::SerialWorker<Reduction> worker_{[this](Reduction& r) { run(r); }};
+  // One entry of the worker's queue: a reduction, or a call that reads or
+  // changes worker-owned state for the user thread.
+  struct WorkerTask {
+    std::shared_ptr<Reduction> reduction;
+    std::function<void()> call;
+  };
+  // Runs fn on the worker after everything queued before it; rethrows its exception.
+  void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn)})->wait(); }
+  // The reduction queued after the running one (the step runner's lookahead); null when a call is next.
+  std::shared_ptr<Reduction> next_reduction() const {
+    auto next = worker_.peek_next();
+    return next ? next->reduction : nullptr;
+  }
+  SerialWorker<WorkerTask> worker_{"reducer", [this](WorkerTask& task) {
+                                     if (task.call)
+                                       task.call();
+                                     else
+                                       run(*task.reduction);
+                                   }};
 };
 
 Reducer::Reducer(Communicator& comm, const Config& config) : impl_(std::make_unique<Impl>(comm, config)) {}
