@@ -112,7 +112,7 @@ const CudaModuleTable& load_module() {
   std::vector<std::string> tried;
   for (const auto& candidate : candidates()) {
     if (!candidate.bare_name && access(candidate.path.c_str(), F_OK) != 0) {
-      tried.push_back(candidate.origin + candidate.path + " (" + std::strerror(errno) + ")");
+      tried.push_back(candidate.origin + candidate.path + " (" + detail::errno_text(errno) + ")");
       continue;
     }
     dlerror();

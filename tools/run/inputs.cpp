@@ -76,7 +76,7 @@ int open_log_file(const std::string& path) {
   // No O_TRUNC before the checks: a file that is refused is left as it was.
   // O_NONBLOCK: opening a FIFO must not wait for a reader (it is refused below).
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0600);
-  PSGD_REQUIRE(fd >= 0, IoError, "cannot create log file ", path, ": ", std::strerror(errno),
+  PSGD_REQUIRE(fd >= 0, IoError, "cannot create log file ", path, ": ", detail::errno_text(errno),
                errno == ELOOP   ? " (it is a symbolic link, which is not followed)"
                : errno == ENXIO ? " (a FIFO or socket: not a regular file)"
                                 : "");
@@ -85,11 +85,12 @@ int open_log_file(const std::string& path) {
     throw IoError(detail::concat("refusing log file ", path, ": ", why));
   };
   struct stat st {};
-  if (::fstat(fd, &st) != 0) refuse(std::strerror(errno));
+  if (::fstat(fd, &st) != 0) refuse(detail::errno_text(errno).c_str());
   if (!S_ISREG(st.st_mode)) refuse("not a regular file");
   if (st.st_nlink != 1) refuse("it has other hard links");
   if (st.st_uid != ::geteuid()) refuse("owned by another user");
-  if (::ftruncate(fd, 0) != 0 || ::fchmod(fd, 0600) != 0 || ::fcntl(fd, F_SETFL, 0) != 0) refuse(std::strerror(errno));
+  if (::ftruncate(fd, 0) != 0 || ::fchmod(fd, 0600) != 0 || ::fcntl(fd, F_SETFL, 0) != 0)
+    refuse(detail::errno_text(errno).c_str());
   return fd;
 }
 

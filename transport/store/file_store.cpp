@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "common/check.hpp"
+#include "common/fd.hpp"
 #include "store.hpp"
 
 namespace powersgd::transport {
@@ -21,8 +22,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 [[noreturn]] void sys_error(const char* call, const std::string& path) {
-  int err = errno;
-  PSGD_THROW(IoError, "file store: ", call, " of ", path, " failed: ", std::strerror(err));
+  PSGD_THROW_ERRNO(IoError, errno, "file store: ", call, " of ", path, " failed");
 }
 
 uint64_t fnv1a(const std::string& s, uint64_t basis) {
@@ -200,18 +200,11 @@ class FileStore final : public Store {
                           .string();
     int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) sys_error("open", tmp);
-    size_t done = 0;
-    while (done < value.size()) {
-      ssize_t n = ::write(fd, value.data() + done, value.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        int err = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        errno = err;
-        sys_error("write", tmp);
-      }
-      done += static_cast<size_t>(n);
+    if (int err = write_all(fd, value.data(), value.size()); err != 0) {
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      errno = err;
+      sys_error("write", tmp);
     }
     if (::close(fd) != 0) {
       int err = errno;

@@ -583,13 +583,13 @@ void TcpStoreServer::Impl::accept_ready() {
       }
       // Out of descriptors with a connection waiting: an unauthenticated
       // connection is the one to give up.
-      if (shed_oldest_unauthenticated(nullptr, std::string("out of file descriptors (") + std::strerror(err) + ")"))
+      if (shed_oldest_unauthenticated(nullptr, std::string("out of file descriptors (") + detail::errno_text(err) + ")"))
         continue;
     }
     // Nothing to shed (EMFILE with only authenticated clients, ENOBUFS, ENOMEM):
     // wait before trying again, so the loop does not spin on a full backlog;
     // connected clients are served meanwhile.
-    log.warn("accept failed", detail::concat("accept failed: ", std::strerror(err), "; retrying in ",
+    log.warn("accept failed", detail::concat("accept failed: ", detail::errno_text(err), "; retrying in ",
                                              accept_backoff.count(), " ms, connected clients are still served"));
     accept_retry.expires_after(accept_backoff);
     accept_backoff = std::min(accept_backoff * 2, kMaxAcceptBackoff);
@@ -728,7 +728,7 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
   auto& acceptor = impl_->acceptor;
   // Created close-on-exec in one step: another thread may fork and exec at any time.
   int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
-  if (fd < 0) PSGD_THROW(IoError, "store server cannot create a socket for ", where, ": ", std::strerror(errno));
+  if (fd < 0) PSGD_THROW_ERRNO(IoError, errno, "store server cannot create a socket for ", where);
   if (acceptor.assign(endpoint.protocol(), fd, ec)) {
     ::close(fd);
     PSGD_THROW(IoError, "store server cannot listen on ", where, ": ", ec.message());
