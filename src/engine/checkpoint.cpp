@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <utility>
 
 #include "common/check.hpp"
@@ -204,13 +205,26 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
 }
 
 void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes) {
-  const std::string tmp = path + ".tmp";
-  Fd fd(PSGD_CHECK_SYS_CTX(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                           "cannot create checkpoint file ", tmp));
-  write_fully(fd.get(), bytes.data(), bytes.size(), tmp);
-  PSGD_CHECK_SYS_CTX(::fsync(fd.get()), "fsync of checkpoint ", tmp);
-  PSGD_CHECK_SYS_CTX(::close(fd.release()), "closing checkpoint ", tmp);
-  PSGD_CHECK_SYS_CTX(::rename(tmp.c_str(), path.c_str()), "renaming checkpoint ", tmp, " to ", path);
+  // A temporary name of this process alone (mkstemp: O_EXCL, never an existing
+  // file or link), so that concurrent savers to one path never write into each
+  // other's file; the last rename wins whole. fsync of the file and then of its
+  // directory makes the rename survive a crash.
+  std::string tmp = path + ".tmp.XXXXXX";
+  Fd fd(PSGD_CHECK_SYS_CTX(::mkostemp(tmp.data(), O_CLOEXEC), "cannot create a temporary file for checkpoint ", path));
+  try {
+    PSGD_CHECK_SYS_CTX(::fchmod(fd.get(), 0644), "setting the mode of checkpoint ", tmp);
+    write_fully(fd.get(), bytes.data(), bytes.size(), tmp);
+    PSGD_CHECK_SYS_CTX(::fsync(fd.get()), "fsync of checkpoint ", tmp);
+    PSGD_CHECK_SYS_CTX(::close(fd.release()), "closing checkpoint ", tmp);
+    PSGD_CHECK_SYS_CTX(::rename(tmp.c_str(), path.c_str()), "renaming checkpoint ", tmp, " to ", path);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  const auto slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  Fd dir_fd(PSGD_CHECK_SYS_CTX(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), "opening the directory of checkpoint ", path));
+  PSGD_CHECK_SYS_CTX(::fsync(dir_fd.get()), "fsync of the directory of checkpoint ", path);
 }
 
 std::vector<char> read_checkpoint_file(const std::string& path) {

@@ -160,6 +160,13 @@ class Reducer::Impl {
                           static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel)});
     engine::CheckpointContents contents = engine::decode_checkpoint(engine::read_checkpoint_file(path), path, config_,
                                                                     layout_fingerprint_, expected);
+    // A per-rank checkpoint holds this rank's own error memory: resuming from
+    // another rank's file would apply one rank's error W times and lose the rest.
+    PSGD_REQUIRE(contents.rank == comm_.rank() && contents.world_size == comm_.size(), MismatchError, "checkpoint ",
+                 path, " was saved by rank ", contents.rank, " of ", contents.world_size, "; this is rank ",
+                 comm_.rank(), " of ", comm_.size(),
+                 ": a per-rank checkpoint resumes on the same rank of the same world size (save one file per rank, "
+                 "e.g. step.rank<RANK>.ckpt)");
     // Everything parsed and checked: apply.
     start();
     call([&] { apply(contents); });

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <unistd.h>
@@ -317,6 +318,51 @@ TEST_CASE("checkpoint: a resumed run equals an uninterrupted one bit for bit") {
   CHECK(b.iteration() == 6);
   for (int t = 6; t < 12; ++t) CHECK(step(b, t) == expected[static_cast<size_t>(t - 6)]);
   std::remove(path.c_str());
+}
+
+TEST_CASE("checkpoint: another rank's file is refused, naming both; ranks saving to one path never fail") {
+  auto comm = connect("engine-checkpoint-ranks");
+  const int world = comm->size(), me = comm->rank();
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  for (int t = 0; t < 3; ++t) {
+    auto g = gradients(r.bucket_size(0), me, t, 9);
+    r.reduce(0, g.data());
+  }
+  const char* port = std::getenv("MASTER_PORT");
+  REQUIRE(port != nullptr);
+  const std::string base = std::string("/tmp/psgd-test-ckpt-") + port;
+  const std::string mine = base + ".rank" + std::to_string(me);
+  r.save(mine);
+  std::vector<float> error_before(r.bucket_size(0)), error_after(r.bucket_size(0));
+  r.error_feedback(0, error_before.data());
+  comm->barrier();
+  // Before: load ignored the file's rank, so every rank could resume with one rank's error memory.
+  const int next = (me + 1) % world;
+  const std::string refused = error_of([&] { r.load(base + ".rank" + std::to_string(next)); });
+  INFO(refused);
+  CHECK(refused.find("was saved by rank " + std::to_string(next) + " of " + std::to_string(world)) != std::string::npos);
+  CHECK(refused.find("this is rank " + std::to_string(me) + " of " + std::to_string(world)) != std::string::npos);
+  r.error_feedback(0, error_after.data());
+  CHECK(error_after == error_before);  // refused: state unchanged
+  CHECK(r.iteration() == 3);
+  r.load(mine);
+  // Every rank saves to one path at once, many times (the README's old example): no save fails.
+  const std::string shared = base + ".shared";
+  int failed = 0;
+  for (int i = 0; i < 40; ++i) failed += error_of([&] { r.save(shared); }).empty() ? 0 : 1;
+  CHECK(failed == 0);
+  comm->barrier();
+  if (me == 0) {
+    for (const auto& entry : std::filesystem::directory_iterator("/tmp"))
+      CHECK(entry.path().string().rfind(shared + ".tmp", 0) != 0);  // no temporary file left
+    std::remove(shared.c_str());
+  }
+  comm->barrier();
+  std::remove(mine.c_str());
 }
 
 TEST_CASE("non-finite: NaN on one rank fails the step everywhere and leaves all state intact") {
