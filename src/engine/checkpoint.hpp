@@ -92,7 +92,7 @@ struct CheckpointBucket {
 struct CheckpointContents {
   Config config;  // the Shared fields are saved (config_fields.hpp)
   uint64_t layout_fingerprint = 0;
-  int32_t world_size = 0;  // informational: a checkpoint may be loaded at another world size
+  int32_t world_size = 0;  // Reducer::load refuses a file of another rank or world size
   int32_t rank = 0;
   int64_t iteration = 0;
   uint64_t numel_before = 0, numel_after = 0, bytes_sent = 0;
