@@ -75,9 +75,15 @@ class SerialWorker {
   std::optional<Item> peek_next() const
     requires std::is_copy_constructible_v<Item>
   {
+    return peek_next([](const Item& item) { return item; });
+  }
+  // project(next item) under the queue's lock, or nullopt when none is queued:
+  // lets a caller read one field of the next item without copying all of it.
+  template <typename Project>
+  auto peek_next(Project project) const -> std::optional<decltype(project(std::declval<const Item&>()))> {
     std::lock_guard lock(mutex_);
     if (queue_.empty()) return std::nullopt;
-    return queue_.front().item;
+    return project(queue_.front().item);
   }
 
   void stop(std::exception_ptr cancel_with) {

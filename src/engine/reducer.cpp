@@ -271,8 +271,8 @@ class Reducer::Impl {
   void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn)})->wait(); }
   // The reduction queued after the running one (the step runner's lookahead); null when a call is next.
   std::shared_ptr<Reduction> next_reduction() const {
-    auto next = worker_.peek_next();
-    return next ? next->reduction : nullptr;
+    // Only the pointer: the task's std::function is not copied on this per-reduction path.
+    return worker_.peek_next([](const WorkerTask& task) { return task.reduction; }).value_or(nullptr);
   }
   SerialWorker<WorkerTask> worker_{"reducer", [this](WorkerTask& task) {
                                      if (task.call)

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -145,9 +144,7 @@ void run(const Settings& settings) {
                           {"ring_threshold_bytes", options.ring_threshold_bytes},
                           {"crossover_bytes", crossover},
                           {"results", results}};
-    std::ofstream out(settings.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) throw IoError("cannot write " + settings.json_path);
+    write_json(settings.json_path, doc, "allreduce");
   }
 }
 

@@ -263,11 +263,7 @@ void run(const Settings& settings) {
     std::printf("I/O floor %.1f MB (g, e, output, e once each) -> %.3f ms; step = %.2fx the floor\n", io_bytes / 1e6,
                 io_bytes / (bw * 1e9) * 1e3, step_s / (io_bytes / (bw * 1e9)));
   }
-  if (print && !settings.json_path.empty()) {
-    std::ofstream out(settings.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) throw IoError("powersgd-bench engine: cannot write " + settings.json_path);
-  }
+  if (print && !settings.json_path.empty()) write_json(settings.json_path, doc, "engine");
 }
 
 }  // namespace

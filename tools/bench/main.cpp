@@ -1,4 +1,17 @@
+#include <fstream>
+
 #include "bench.hpp"
+#include "powersgd/error.hpp"
+
+namespace powersgd::bench {
+
+void write_json(const std::string& path, const nlohmann::json& doc, const std::string& subcommand) {
+  std::ofstream out(path);
+  out << doc.dump(2) << "\n";
+  if (!out) throw IoError("powersgd-bench " + subcommand + ": cannot write " + path);
+}
+
+}  // namespace powersgd::bench
 
 int main(int argc, char** argv) {
   CLI::App app{"powersgd-bench: benchmarks of the powersgd transport and engine.\n"

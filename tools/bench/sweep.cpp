@@ -11,7 +11,6 @@
 // and bytes reduced per step per rank: a table, and JSON for bench/plot_sweep.py.
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -83,8 +82,8 @@ RankResult replay(Communicator& comm, const GradientRecord& rec, const std::vect
   RankResult result;
   result.rank = rank;
   std::vector<std::vector<float>> memory(rec.buckets.size()), output(rec.buckets.size());
+  std::vector<double> residual(tensors.size()), norm(tensors.size());  // per tensor, of the current step
   for (const auto& step : rec.steps) {
-    std::vector<double> residual(tensors.size()), norm(tensors.size());
     for (size_t b = 0; b < rec.buckets.size(); ++b) {
       memory[b].resize(rec.bucket_sizes[b]);
       reducer.error_feedback(static_cast<int>(b), memory[b].data());  // e before this step
@@ -107,14 +106,14 @@ RankResult replay(Communicator& comm, const GradientRecord& rec, const std::vect
       norm[t] = m2;
     }
     double r_all = 0, m_all = 0;
-    result.final_tensor_error.assign(tensors.size(), 0.0);
     for (size_t t = 0; t < tensors.size(); ++t) {
       r_all += residual[t];
       m_all += norm[t];
-      result.final_tensor_error[t] = norm[t] > 0 ? std::sqrt(residual[t] / norm[t]) : 0.0;
     }
     result.step_error.push_back(m_all > 0 ? std::sqrt(r_all / m_all) : 0.0);
   }
+  for (size_t t = 0; t < tensors.size(); ++t)  // of the last step
+    result.final_tensor_error.push_back(norm[t] > 0 ? std::sqrt(residual[t] / norm[t]) : 0.0);
   Stats stats = reducer.stats();
   result.compression_rate = stats.compression_rate();
   result.elements_per_step = double(stats.numel_after) / double(rec.steps.size());
@@ -169,11 +168,7 @@ void run(const Settings& settings) {
     for (const auto& entry : doc["ranks"]) std::printf(" %8.4f", entry["tensor_relative_error"][t].get<double>());
     std::printf("\n");
   }
-  if (!settings.json_path.empty()) {
-    std::ofstream out(settings.json_path);
-    out << doc.dump(2) << "\n";
-    if (!out) throw IoError("powersgd-bench sweep: cannot write " + settings.json_path);
-  }
+  if (!settings.json_path.empty()) write_json(settings.json_path, doc, "sweep");
 }
 
 }  // namespace
