@@ -5,8 +5,10 @@
 // arenas.hpp; fingerprints: fingerprint.hpp; the checkpoint format: checkpoint.hpp.
 #include "powersgd/reducer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include "common/check.hpp"
 #include "common/completion.hpp"
@@ -14,8 +16,10 @@
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
 #include "engine/checkpoint.hpp"
+#include "engine/fault_injection.hpp"
 #include "engine/fingerprint.hpp"
 #include "engine/plan.hpp"
+#include "engine/rank_reports.hpp"
 #include "engine/step_runner.hpp"
 #include "engine/steps.hpp"
 
@@ -38,11 +42,12 @@ class Reducer::Impl {
  public:
   Impl(Communicator& comm, const Config& config) : comm_(comm), config_(config) {
     config_.validate();
-    call([this] {
+    std::optional<engine::Fault> fault = engine::take_armed_fault();
+    call([this, fault] {
       backend_ = compute::make_backend(
           config_.device == Device::Cpu ? compute::DeviceKind::Cpu : compute::DeviceKind::Cuda, config_.device_index);
       runner_ = std::make_unique<engine::StepRunner>(config_, comm_, *backend_, buckets_, arenas_, stats_,
-                                                     [this] { return next_reduction(); });
+                                                     [this] { return next_reduction(); }, fault);
     });
   }
 
@@ -50,13 +55,28 @@ class Reducer::Impl {
   ~Impl() { worker_.stop(nullptr); }
 
   int add_bucket(std::span<const Shape> shapes) {
-    PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
-                 "buckets before reducing; bucket ", buckets_.size(), " refused");
-    engine::BucketPlan plan = engine::make_plan(shapes, config_);
     const int index = num_buckets();
-    const uint64_t layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
-    comm_.check_same(engine::reducer_fingerprint(layout, config_),
-                     detail::concat("layout of buckets 0..", index, " and reducer configuration"));
+    // A rank that refuses the bucket still takes part in the layout check (a
+    // fixed-size gather of reports), so every rank fails at once with its reason.
+    engine::BucketPlan plan;
+    uint64_t layout = 0;
+    std::exception_ptr refused;
+    try {
+      PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
+                   "buckets before reducing; bucket ", buckets_.size(), " refused");
+      plan = engine::make_plan(shapes, config_);
+      layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
+    } catch (...) {
+      refused = std::current_exception();
+    }
+    const auto reports = engine::gather_reports(
+        comm_, refused != nullptr ? engine::report_failure(refused)
+                                  : engine::report_values({engine::reducer_fingerprint(layout, config_)}));
+    engine::throw_if_any_failed(reports, refused, detail::concat("add_bucket of bucket ", index));
+    for (size_t r = 1; r < reports.size(); ++r)
+      PSGD_REQUIRE(reports[r].values[0] == reports[0].values[0], MismatchError, "layout of buckets 0..", index,
+                   " and reducer configuration differs between ranks: rank ", r, " has fingerprint ", std::hex,
+                   reports[r].values[0], ", rank 0 has ", reports[0].values[0]);
     layout_fingerprint_ = layout;
     auto bucket = std::make_unique<BucketState>();
     bucket->plan = std::move(plan);
@@ -191,12 +211,62 @@ class Reducer::Impl {
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
   void run(Reduction& reduction) {
     try {
+      if (state_check_pending_) {
+        check_state(reduction);
+        state_check_pending_ = false;
+      }
       runner_->run(reduction);
     } catch (...) {
       if (reduction.closes_step) completed_steps_ = reduction.iteration + 1;
       throw;
     }
     if (reduction.closes_step) completed_steps_ = reduction.iteration + 1;
+  }
+
+  // Worker thread, collective (one fixed-size gather): the state that decides
+  // the sizes and the meaning of the collectives (the step, hence compressed or
+  // not; configuration and layout; the warm-start state; the reduction's
+  // buckets) is the same on every rank. Runs before the first reduction after
+  // construction and after every load, before that reduction's data
+  // collectives: ranks resumed from checkpoints of different steps would
+  // otherwise pass Gloo collectives of different sizes. Throws MismatchError on
+  // every rank, naming the first rank that differs from rank 0 and what
+  // differs; the check then stays pending (every later reduction fails the
+  // same way) until a load.
+  void check_state(const Reduction& reduction) {
+    engine::Fnv warm, reduced;
+    uint64_t warm_buckets = 0;
+    for (const auto& s : buckets_) {
+      warm_buckets += s->q_initialized ? 1 : 0;
+      warm.add(s->q_initialized);
+      warm.add(s->draws);
+    }
+    for (int b : reduction.buckets) reduced.add(b);
+    enum Field : size_t { Step, Config, Layout, WarmBuckets, Warm, Reduced, Fields };
+    const auto reports = engine::gather_reports(
+        comm_, engine::report_values({static_cast<uint64_t>(reduction.iteration), engine::config_fingerprint(config_),
+                                      layout_fingerprint_, warm_buckets, warm.value(), reduced.value()}));
+    for (size_t r = 1; r < reports.size(); ++r) {
+      const auto& mine = reports[r].values;
+      const auto& root = reports[0].values;
+      if (std::equal(mine.begin(), mine.begin() + Fields, root.begin())) continue;
+      auto step = [&](uint64_t v) {
+        const auto iteration = static_cast<int64_t>(v);
+        return detail::concat(iteration, iteration >= config_.start_iter ? " (compressed)" : " (uncompressed)");
+      };
+      std::string what;
+      auto add = [&](const std::string& text) { what += (what.empty() ? "" : "; ") + text; };
+      if (mine[Step] != root[Step]) add(detail::concat("step ", step(mine[Step]), " against ", step(root[Step])));
+      if (mine[Config] != root[Config]) add("configuration");
+      if (mine[Layout] != root[Layout]) add("bucket layout");
+      if (mine[WarmBuckets] != root[WarmBuckets] || mine[Warm] != root[Warm])
+        add(detail::concat("warm-start state (a warm-start Q in ", mine[WarmBuckets], " of ", buckets_.size(),
+                           " buckets against ", root[WarmBuckets], ", or other generator draws)"));
+      if (mine[Reduced] != root[Reduced]) add("the buckets of the first reduction (reduce them in the same order)");
+      PSGD_THROW(MismatchError, "ranks resumed from inconsistent state: rank ", r, " differs from rank 0 in ", what,
+                 ". Nothing was reduced or changed; load checkpoints of one step on every rank (load is due on "
+                 "every rank before the next reduce), then reduce again");
+    }
   }
 
   // Worker thread: this rank's state, for the checkpoint.
@@ -238,6 +308,7 @@ class Reducer::Impl {
       s.last_m2 = s.last_e2 = std::nan("");
     }
     completed_steps_ = c.iteration;
+    state_check_pending_ = true;
     stats_.numel_before = c.numel_before;
     stats_.numel_after = c.numel_after;
     stats_.bytes_sent = c.bytes_sent;
@@ -258,6 +329,7 @@ class Reducer::Impl {
   std::vector<std::unique_ptr<BucketState>> buckets_;
   engine::Arenas arenas_;
   int64_t completed_steps_ = 0;
+  bool state_check_pending_ = true;  // check_state before the next reduction
   Stats stats_;
   std::unique_ptr<engine::StepRunner> runner_;
 

@@ -2,9 +2,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "common/check.hpp"
 #include "engine/random.hpp"
+#include "engine/rank_reports.hpp"
 
 namespace powersgd::engine {
 
@@ -38,13 +40,13 @@ void StepRunner::lookahead(const Reduction& current) {
   }
 }
 
-Work StepRunner::send(const Segment& seg) {
-  if (seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
+Work StepRunner::send(const Segment& seg, bool stage) {
+  if (stage && seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
   stats_.bytes_sent += seg.count * sizeof(float);
   return comm_.allreduce_async(seg.host, seg.count, DataType::Float32);
 }
 
-void StepRunner::wait_all(std::vector<Work>& works, const std::vector<Segment>& segments) {
+void StepRunner::wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back) {
   const auto start = Clock::now();
   std::exception_ptr first;
   for (auto& w : works) {
@@ -55,14 +57,23 @@ void StepRunner::wait_all(std::vector<Work>& works, const std::vector<Segment>& 
     }
   }
   if (first) std::rethrow_exception(first);
-  for (const auto& seg : segments)
-    if (seg.host != seg.dev) be_.copy_from_host(seg.dev, seg.host, seg.count);
+  if (copy_back)
+    for (const auto& seg : segments)
+      if (seg.host != seg.dev) be_.copy_from_host(seg.dev, seg.host, seg.count);
   stats_.communicate_seconds += seconds_since(start);
 }
 
-
+void StepRunner::raise_local_failures(const Reduction& job, std::exception_ptr own) {
+  std::string buckets;
+  for (int b : job.buckets) buckets += (buckets.empty() ? "" : ", ") + std::to_string(b);
+  const auto reports = gather_reports(comm_, own != nullptr ? report_failure(own) : RankReport{});
+  throw_if_any_failed(reports, own,
+                      detail::concat("step ", job.iteration, ", bucket", job.buckets.size() > 1 ? "s " : " ", buckets),
+                      "nothing written, error-feedback and warm-start state unchanged on every rank");
+}
 
 void StepRunner::prepare(Reduction& job) {
+  maybe_inject(fault_, FaultPoint::Prepare, job.iteration);
   const auto start = Clock::now();
   job.m2.assign(job.buckets.size(), 0.0);
   job.drew.assign(job.buckets.size(), 0);
@@ -142,8 +153,15 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
 }
 
 void StepRunner::run(Reduction& job) {
-  if (!job.prepared) prepare(job);
-  if (job.prepare_error) std::rethrow_exception(job.prepare_error);
+  if (!job.prepared) {
+    try {
+      prepare(job);
+    } catch (...) {
+      job.prepare_error = std::current_exception();
+      job.prepared = true;
+    }
+  }
+  // A failed prepare still issues the step's first collective, poisoned (run_plain, run_compressed).
   if (job.compressed)
     run_compressed(job);
   else
@@ -156,15 +174,23 @@ void StepRunner::throw_nonfinite(const Reduction& job, int bucket, const std::st
 }
 
 void StepRunner::run_plain(Reduction& job) {
+  const std::exception_ptr failed = job.prepare_error;
   std::vector<Segment> segs;
   std::vector<Work> works;
   for (int b : job.buckets) {
     BucketState& s = bucket(b);
     segs.push_back(arenas_.plain_segment(s));
-    works.push_back(send(segs.back()));
+    if (failed) segs.back().host[segs.back().count - 1] = kFailedFlag;
+    works.push_back(send(segs.back(), !failed));
   }
   lookahead(job);
-  wait_all(works, segs);
+  wait_all(works, segs, !failed);
+  // The flags' sums are the same on every rank, so every rank takes the same branch.
+  for (const Segment& seg : segs)
+    if (seg.host[seg.count - 1] >= kFailedFlag) {
+      raise_local_failures(job, failed);
+      PSGD_THROW(InternalError, "step ", job.iteration, ": a rank flagged a local failure but none reported one");
+    }
   for (size_t i = 0; i < job.buckets.size(); ++i) {
     const float flag = segs[i].host[segs[i].count - 1];
     if (flag != 0.0f) throw_nonfinite(job, job.buckets[i], detail::concat("NaN or Inf in the gradients of ", flag, " rank(s)"));
@@ -191,41 +217,69 @@ void StepRunner::run_compressed(Reduction& job) {
 
   // Wire order: packed uncompressed tensors, finite flag and P in one
   // collective, then Q (reduce_all: all buckets' in one collective each).
-  std::vector<Work> works{send(unc)};
+  const std::exception_ptr prepare_failed = job.prepare_error;
+  auto flag_of = [&](const BucketState& s) -> float& {
+    return unc.host[s.unc_offset - (one ? first.unc_offset : 0) + s.plan.packed_numel];
+  };
+  if (prepare_failed)
+    for (int b : job.buckets) flag_of(bucket(b)) = kFailedFlag;
+  std::vector<Work> works{send(unc, !prepare_failed)};
   lookahead(job);
-  wait_all(works, {unc});
+  wait_all(works, {unc}, !prepare_failed);
+  for (int b : job.buckets)
+    if (flag_of(bucket(b)) >= kFailedFlag) {
+      raise_local_failures(job, prepare_failed);
+      PSGD_THROW(InternalError, "step ", job.iteration, ": a rank flagged a local failure but none reported one");
+    }
   for (int b : job.buckets) {
-    const BucketState& s = bucket(b);
-    const float flag = unc.host[s.unc_offset - (one ? first.unc_offset : 0) + s.plan.packed_numel];
+    const float flag = flag_of(bucket(b));
     if (flag != 0.0f) throw_nonfinite(job, b, detail::concat("NaN or Inf in the gradients of ", flag, " rank(s)"));
   }
   // Every rank holds the same sums, so this check decides the same everywhere.
   if (!be_.all_finite(unc.dev, unc.count))
     throw_nonfinite(job, job.buckets[0], "the allreduced P or uncompressed tensors overflowed to Inf/NaN");
 
+  // Buckets without compressed tensors have no Q and no work between the
+  // collectives: the layout is the same on every rank, so all skip both.
   auto start = Clock::now();
-  const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
-  for (int b : job.buckets) {
-    BucketState& s = bucket(b);
-    float* pb = arenas_.unc.data() + s.p_work_offset;
-    float* qb = arenas_.q_work.data() + s.q_offset;
-    for (const auto& g : s.plan.groups)
-      be_.orthogonalize(pb + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
-    // Q = M^T P, one streaming pass per matrix (the whole-bucket matrix is one group of one).
-    for (const auto& g : s.plan.groups)
-      for (int64_t k = 0; k < g.count; ++k)
-        be_.project_transposed(s.in.data() + g.work_offset + k * g.rows * g.cols, g.rows, g.cols,
-                              pb + g.p_offset + k * g.rows * g.rank, g.rank, qb + g.q_offset + k * g.cols * g.rank);
+  std::exception_ptr between_failed;
+  if (q.count > 0) {
+    try {
+      maybe_inject(fault_, FaultPoint::Between, job.iteration);
+      const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
+      for (int b : job.buckets) {
+        BucketState& s = bucket(b);
+        float* pb = arenas_.unc.data() + s.p_work_offset;
+        float* qb = arenas_.q_work.data() + s.q_offset;
+        for (const auto& g : s.plan.groups)
+          be_.orthogonalize(pb + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
+        // Q = M^T P, one streaming pass per matrix (the whole-bucket matrix is one group of one).
+        for (const auto& g : s.plan.groups)
+          for (int64_t k = 0; k < g.count; ++k)
+            be_.project_transposed(s.in.data() + g.work_offset + k * g.rows * g.cols, g.rows, g.cols,
+                                  pb + g.p_offset + k * g.rows * g.rank, g.rank, qb + g.q_offset + k * g.cols * g.rank);
+      }
+      be_.synchronize();
+    } catch (...) {
+      between_failed = std::current_exception();
+    }
   }
-  be_.synchronize();
   stats_.compress_seconds += seconds_since(start);
 
-  // Buckets without compressed tensors have no Q: the layout is the same on every rank, so all skip it.
+  // A rank whose work between the collectives failed poisons Q with NaN: every
+  // rank then sees a non-finite sum and takes part in the report gather, which
+  // tells a local failure from an overflow.
   works.clear();
-  if (q.count > 0) works.push_back(send(q));
+  if (q.count > 0) {
+    if (between_failed) q.host[0] = std::numeric_limits<float>::quiet_NaN();
+    works.push_back(send(q, !between_failed));
+  }
   lookahead(job);
-  wait_all(works, {q});
-  if (!be_.all_finite(q.dev, q.count)) throw_nonfinite(job, job.buckets[0], "the allreduced Q overflowed to Inf/NaN");
+  wait_all(works, {q}, !between_failed);
+  if (between_failed || !be_.all_finite(q.dev, q.count)) {
+    raise_local_failures(job, between_failed);
+    throw_nonfinite(job, job.buckets[0], "the allreduced Q overflowed to Inf/NaN");
+  }
 
   // Commit point: from here on nothing can fail for a reason the ranks disagree on.
   start = Clock::now();

@@ -8,11 +8,13 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
+#include "engine/fault_injection.hpp"
 #include "powersgd/reducer.hpp"
 
 namespace powersgd::engine {
@@ -38,13 +40,23 @@ class StepRunner {
   // Everything by reference is owned by the Reducer and outlives the runner;
   // `next` returns the reduction queued after the running one, if any.
   StepRunner(const Config& config, Communicator& comm, compute::Backend& backend,
-             std::vector<std::unique_ptr<BucketState>>& buckets, Arenas& arenas, Stats& stats, NextReduction next)
+             std::vector<std::unique_ptr<BucketState>>& buckets, Arenas& arenas, Stats& stats, NextReduction next,
+             std::optional<Fault> fault = std::nullopt)
       : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats),
-        next_(std::move(next)) {}
+        next_(std::move(next)), fault_(fault) {}
 
   // Throws NonFiniteError (the same decision on every rank) before changing any
-  // state, or the collectives' errors.
+  // state, or the collectives' errors. A local failure (prepare, or the compute
+  // between the P and Q collectives) on any rank fails the reduction on every
+  // rank, before any state changes: the failing rank still issues the step's
+  // collectives, poisoned (kFailedFlag in the finite flag, NaN in Q), and then
+  // every rank takes part in one fixed-size gather of reports (rank_reports.hpp).
   void run(Reduction& job);
+
+  // A rank whose local work failed puts this into its finite flags: the sum is
+  // kFailedFlag * (failed ranks) + (ranks with NaN/Inf), exact while the world
+  // has fewer than 4096 ranks (floats hold integers exactly up to 2^24).
+  static constexpr float kFailedFlag = 4096.0f;
 
  private:
   BucketState& bucket(int b) { return *buckets_[static_cast<size_t>(b)]; }
@@ -58,8 +70,14 @@ class StepRunner {
   void run_compressed(Reduction& job);
   void decompress(const Reduction& job, size_t i);
 
-  Work send(const Segment& seg);
-  void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments);
+  // stage: copy the device range to its host staging first; a rank whose local
+  // work failed sends its host buffer as it is (its device may be what failed).
+  Work send(const Segment& seg, bool stage = true);
+  void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back = true);
+  // Collective, on the error path only (every rank saw from the sums that one
+  // failed, or that Q is not finite): throws the failure on every rank when a
+  // rank reports one (`own` on the failing rank); returns when none did.
+  void raise_local_failures(const Reduction& job, std::exception_ptr own);
   [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
 
   const Config& config_;
@@ -69,6 +87,7 @@ class StepRunner {
   Arenas& arenas_;
   Stats& stats_;
   NextReduction next_;
+  std::optional<Fault> fault_;  // test-only fault injection (fault_injection.hpp)
 };
 
 }  // namespace powersgd::engine

@@ -8,6 +8,7 @@
 #include "support/doctest_main.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "engine/fault_injection.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
 
@@ -468,6 +470,205 @@ TEST_CASE("in flight: many buckets async, 500 steps, results exact") {
   }
   CHECK(wrong == 0);
   CHECK(reducer.iteration() == 500);
+}
+
+namespace {
+
+// The error code and message fn throws (code 0 and "" when it throws none), and how long it took.
+struct Outcome {
+  int code = 0;
+  std::string message;
+  double seconds = 0;
+};
+Outcome outcome_of(const std::function<void()>& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  Outcome o;
+  try {
+    fn();
+  } catch (const Error& e) {
+    o.code = static_cast<int>(e.code());
+    o.message = e.what();
+  }
+  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return o;
+}
+
+// A failure on one rank must reach every rank at once, not after PSGD_TIMEOUT_MS
+// (300 s by default): 1 s is the guarantee; the bound leaves room for a loaded machine.
+constexpr double kFailTogetherSeconds = 5.0;
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+// Before: rank 0 sent a plain allreduce of the whole bucket and rank 1 a
+// compressed one, and Gloo aborted the process (SIGABRT, pair.cc enforce).
+TEST_CASE("resume: ranks loading checkpoints of different steps get MismatchError; a consistent load recovers") {
+  auto comm = connect("engine-resume");
+  const int me = comm->rank();
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  const char* port = std::getenv("MASTER_PORT");
+  REQUIRE(port != nullptr);
+  auto file = [&](int step) {
+    return std::string("/tmp/psgd-test-resume-") + port + ".step" + std::to_string(step) + ".rank" + std::to_string(me);
+  };
+  Reducer a(*comm, c);
+  a.add_bucket(kShapes);
+  const size_t n = a.bucket_size(0);
+  std::vector<std::vector<float>> expected;  // the uninterrupted run's outputs of steps 3, 4, 5
+  for (int t = 0; t < 6; ++t) {
+    if (t == 1 || t == 3) a.save(file(t));
+    auto g = gradients(n, me, t, 21);
+    a.reduce(0, g.data());
+    if (t >= 3) expected.push_back(g);
+  }
+
+  Reducer b(*comm, c);
+  b.add_bucket(kShapes);
+  b.load(file(me == 0 ? 1 : 3));
+  std::vector<float> error_before(n), error_after(n);
+  b.error_feedback(0, error_before.data());
+  auto g = gradients(n, me, 3, 21);
+  const auto data = g;
+  // The check stays pending until a load, so a second reduce fails the same way
+  // (a failed reduction counts as a step, as for NaN: steps 4 and 2 then).
+  for (const char* differs : {"rank 1 differs from rank 0 in step 3 (compressed) against 1 (uncompressed)",
+                              "rank 1 differs from rank 0 in step 4 (compressed) against 2 (compressed)"}) {
+    const Outcome o = outcome_of([&] { b.reduce(0, g.data()); });
+    INFO(o.message);
+    CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+    CHECK(contains(o.message, differs));
+    CHECK(o.seconds < kFailTogetherSeconds);
+    CHECK(g == data);
+    b.error_feedback(0, error_after.data());
+    CHECK(error_after == error_before);
+  }
+  // A consistent load on every rank: the reducer works again, exactly as the uninterrupted run.
+  b.load(file(3));
+  CHECK(b.iteration() == 3);
+  for (int t = 3; t < 6; ++t) {
+    auto h = gradients(n, me, t, 21);
+    b.reduce(0, h.data());
+    CHECK(h == expected[static_cast<size_t>(t - 3)]);
+  }
+
+  // Only rank 0 loads: the others' first reduce (step 0) differs from its (step 3).
+  Reducer d(*comm, c);
+  d.add_bucket(kShapes);
+  if (me == 0) d.load(file(3));
+  const Outcome o = outcome_of([&] { d.reduce(0, g.data()); });
+  INFO(o.message);
+  CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+  CHECK(contains(o.message, "rank 1 differs from rank 0 in step 0 (uncompressed) against 3 (compressed)"));
+  CHECK(contains(o.message, "warm-start state"));
+  comm->barrier();
+  std::remove(file(1).c_str());
+  std::remove(file(3).c_str());
+}
+
+// Before: the refusing rank threw at once and the others waited in the layout
+// check for PSGD_TIMEOUT_MS, after which their communicator was broken.
+TEST_CASE("fail together: add_bucket refused on one rank fails every rank at once, naming it") {
+  auto comm = connect("engine-fail-add-bucket");
+  const int me = comm->rank(), last = comm->size() - 1;
+  Config c;
+  c.start_iter = 0;
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  for (const std::vector<Shape>& bad : {std::vector<Shape>{}, std::vector<Shape>{{4, -2}}}) {
+    const Outcome o = outcome_of([&] { r.add_bucket(me == last ? bad : kShapes); });
+    INFO(o.message);
+    CHECK(o.code == static_cast<int>(ErrorCode::InvalidArgument));
+    CHECK(o.seconds < kFailTogetherSeconds);
+    if (me != last) CHECK(contains(o.message, "add_bucket of bucket 1 failed on rank " + std::to_string(last) + ": "));
+    CHECK(contains(o.message, bad.empty() ? "bucket has no tensors" : "-2"));
+  }
+  // Nothing was declared anywhere: a consistent add_bucket and a step work.
+  CHECK(r.num_buckets() == 1);
+  CHECK(r.add_bucket({{8, 8}}) == 1);
+  std::vector<std::vector<float>> data;
+  for (int b = 0; b < 2; ++b) data.push_back(gradients(r.bucket_size(b), me, 0, 4));
+  std::vector<float*> ptrs{data[0].data(), data[1].data()};
+  r.reduce_all(ptrs);
+  CHECK(r.iteration() == 1);
+}
+
+namespace {
+
+// Rank 1's local work fails (a real exception, from the test-only fault hook)
+// at step 3, at `point`: every rank fails that step at once, naming rank 1 and
+// the reason; no state changes anywhere; the run then continues exactly as a
+// run that skipped the step. Two buckets reduced asynchronously, so the second
+// one's prepare runs ahead (the lookahead) and fails there.
+void fail_together_at(engine::FaultPoint point, int64_t start_iter, const char* run_id) {
+  auto comm = connect(run_id);
+  const int me = comm->rank();
+  constexpr int64_t kFailStep = 3;
+  Config c;
+  c.rank = 2;
+  c.start_iter = start_iter;
+  if (me == 1) engine::arm_fault({point, kFailStep});
+  Reducer r(*comm, c), clean(*comm, c);  // r takes the armed fault
+  const std::vector<std::vector<Shape>> buckets = {kShapes, {{64, 64}, {64}}};
+  for (const auto& shapes : buckets) {
+    r.add_bucket(shapes);
+    clean.add_bucket(shapes);
+  }
+  for (int step = 0; step < 7; ++step) {
+    std::vector<std::vector<float>> g;
+    for (int b = 0; b < 2; ++b) g.push_back(gradients(r.bucket_size(b), me, step, 17));
+    CAPTURE(step);
+    if (step == kFailStep) {
+      std::vector<std::vector<float>> before;
+      for (int b = 0; b < 2; ++b) {
+        before.emplace_back(r.bucket_size(b));
+        r.error_feedback(b, before.back().data());
+      }
+      const auto data = g;
+      const auto submitted = std::chrono::steady_clock::now();
+      std::vector<ReduceHandle> handles;
+      for (int b = 0; b < 2; ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
+      for (int b = 0; b < 2; ++b) {
+        const Outcome o = outcome_of([&] { handles[static_cast<size_t>(b)].wait(); });
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - submitted).count();
+        INFO(o.message);
+        MESSAGE("rank ", me, " bucket ", b, ": failed ", seconds, " s after submission: ", o.message);
+        CHECK(o.code == static_cast<int>(ErrorCode::Io));
+        CHECK(seconds < kFailTogetherSeconds);
+        CHECK(contains(o.message, "injected fault"));
+        if (me != 1) CHECK(contains(o.message, "step 3, bucket " + std::to_string(b) + " failed on rank 1: injected"));
+        if (me != 1) CHECK(contains(o.message, "; nothing written, error-feedback and warm-start state unchanged"));
+        std::vector<float> after(r.bucket_size(b));
+        r.error_feedback(b, after.data());
+        CHECK(after == before[static_cast<size_t>(b)]);
+      }
+      CHECK(g == data);
+      continue;
+    }
+    auto h = g;
+    std::vector<ReduceHandle> handles;
+    for (int b = 0; b < 2; ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
+    for (auto& handle : handles) handle.wait();
+    for (int b = 0; b < 2; ++b) clean.reduce(b, h[static_cast<size_t>(b)].data());
+    CHECK(g == h);
+  }
+  CHECK(r.iteration() == 7);
+}
+
+}  // namespace
+
+// Before: the failing rank threw alone and the others waited in the step's
+// first (or second) collective for PSGD_TIMEOUT_MS.
+TEST_CASE("fail together: a failure in one rank's prepare, compressed step") {
+  fail_together_at(engine::FaultPoint::Prepare, 0, "engine-fail-prepare-compressed");
+}
+TEST_CASE("fail together: a failure in one rank's prepare, plain step") {
+  fail_together_at(engine::FaultPoint::Prepare, 100, "engine-fail-prepare-plain");
+}
+TEST_CASE("fail together: a failure on one rank between the P and Q collectives") {
+  fail_together_at(engine::FaultPoint::Between, 0, "engine-fail-between");
 }
 
 int main(int argc, char** argv) {

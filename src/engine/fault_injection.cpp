@@ -1,0 +1,34 @@
+#include "engine/fault_injection.hpp"
+
+#include <mutex>
+
+#include "common/check.hpp"
+
+namespace powersgd::engine {
+namespace {
+
+std::mutex armed_mutex;
+std::optional<Fault> armed;
+
+}  // namespace
+
+void arm_fault(const Fault& fault) {
+  std::lock_guard lock(armed_mutex);
+  armed = fault;
+}
+
+std::optional<Fault> take_armed_fault() {
+  std::lock_guard lock(armed_mutex);
+  std::optional<Fault> fault = armed;
+  armed.reset();
+  return fault;
+}
+
+void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
+  if (fault && fault->point == point && fault->step == step)
+    PSGD_THROW(IoError, "injected fault (engine::arm_fault, test only) in ",
+               point == FaultPoint::Prepare ? "prepare" : "the compute between the P and Q collectives", " of step ",
+               step);
+}
+
+}  // namespace powersgd::engine

@@ -1,0 +1,32 @@
+// Test-only fault injection (docs/reliability.md, "Fault injection"): a real
+// failure of this rank's local work at a chosen step, to test that the other
+// ranks fail together with it instead of waiting for the timeout. Not part of
+// the public API; tests that link the internal library arm it. Armed faults are
+// taken by the next Reducer constructed in this process (one Reducer each), so
+// nothing is read per step but the Reducer's own copy.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+namespace powersgd::engine {
+
+enum class FaultPoint {
+  Prepare,  // local compute before the step's first collective
+  Between,  // local compute between the P and the Q collectives (compressed steps)
+};
+
+struct Fault {
+  FaultPoint point = FaultPoint::Prepare;
+  int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError
+};
+
+// Arms `fault` for the next Reducer this process constructs. Thread-safe.
+void arm_fault(const Fault& fault);
+// The armed fault, if any, disarming it (the Reducer's constructor calls this).
+std::optional<Fault> take_armed_fault();
+
+// Throws IoError("injected fault ...") when `fault` is at `point` of `step`.
+void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step);
+
+}  // namespace powersgd::engine
