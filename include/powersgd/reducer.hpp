@@ -100,7 +100,9 @@ class PSGD_API Reducer {
   // Collective. Declares the next bucket and returns its index (0, 1, ...).
   // Refused: an empty list, total size 0, a negative dimension, more than 2^31
   // elements, or a call after the first reduce. Throws MismatchError naming the
-  // first rank whose layout or configuration differs from rank 0's.
+  // first rank whose layout or configuration differs from rank 0's. A bucket
+  // refused on one rank fails every rank at once with that rank's error code
+  // (the others' message names the rank and its reason); nothing is declared.
   int add_bucket(std::span<const Shape> shapes);
   int add_bucket(std::initializer_list<Shape> shapes) { return add_bucket(std::span<const Shape>(shapes.begin(), shapes.size())); }
 
@@ -112,7 +114,13 @@ class PSGD_API Reducer {
   // InvalidArgumentError; a step completes when every bucket was reduced once.
   // NaN/Inf in any rank's bucket: NonFiniteError on every rank, `data`, the
   // error-feedback and warm-start state unchanged (the bucket still counts as
-  // reduced in this step).
+  // reduced in this step). A local failure on one rank (its compute before or
+  // between the collectives) fails the reduction on every rank at once the same
+  // way, with that rank's error code; the others' message names the rank and
+  // its reason (docs/errors.md). The first reduction after construction and
+  // after every load first checks that every rank resumed from the same state
+  // (step, warm start, configuration, layout): MismatchError on every rank
+  // naming the first differing rank, state unchanged, until a consistent load.
   void reduce(int bucket, float* data);
   ReduceHandle reduce_async(int bucket, float* data);
   // One whole step: data[i] is bucket i. The collectives of all buckets are fused
@@ -133,7 +141,9 @@ class PSGD_API Reducer {
   // Checkpoint of this rank's whole state; at a step boundary only (waits for
   // in-flight reductions). load() refuses, with a clear error, a truncated or
   // corrupted file (IoError) or one of another configuration or layout
-  // (MismatchError), and then leaves the state unchanged. Not collective.
+  // (MismatchError), and then leaves the state unchanged. Not collective, but
+  // load is due on every rank before the next reduce (checkpoints of one step;
+  // the next reduce checks that, see reduce).
   void save(const std::string& path) const;
   void load(const std::string& path);
 

@@ -538,6 +538,7 @@ TEST_CASE("resume: ranks loading checkpoints of different steps get MismatchErro
                               "rank 1 differs from rank 0 in step 4 (compressed) against 2 (compressed)"}) {
     const Outcome o = outcome_of([&] { b.reduce(0, g.data()); });
     INFO(o.message);
+    MESSAGE("rank ", me, ": failed after ", o.seconds, " s: ", o.message);
     CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
     CHECK(contains(o.message, differs));
     CHECK(o.seconds < kFailTogetherSeconds);
@@ -580,6 +581,7 @@ TEST_CASE("fail together: add_bucket refused on one rank fails every rank at onc
   for (const std::vector<Shape>& bad : {std::vector<Shape>{}, std::vector<Shape>{{4, -2}}}) {
     const Outcome o = outcome_of([&] { r.add_bucket(me == last ? bad : kShapes); });
     INFO(o.message);
+    MESSAGE("rank ", me, ": failed after ", o.seconds, " s: ", o.message);
     CHECK(o.code == static_cast<int>(ErrorCode::InvalidArgument));
     CHECK(o.seconds < kFailTogetherSeconds);
     if (me != last) CHECK(contains(o.message, "add_bucket of bucket 1 failed on rank " + std::to_string(last) + ": "));

@@ -19,6 +19,8 @@
 #include <string>
 #include <thread>
 
+#include "engine/fault_injection.hpp"
+#include "engine/rank_reports.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
 #include "powersgd/powersgd.h"
@@ -635,6 +637,61 @@ TEST_CASE("C API: the store port beside torch.distributed") {
     CHECK(last_error().find("PSGD_STORE_PORT") != std::string::npos);
   }
   for (const char* name : {"PSGD_STORE_PORT", "MASTER_PORT"}) ::unsetenv(name);
+}
+
+TEST_CASE("rank reports: a failing rank's error reaches the others with its code, rank and reason") {
+  using engine::RankReport;
+  std::vector<RankReport> reports(4, engine::report_values({7}));
+  CHECK_NOTHROW(engine::throw_if_any_failed(reports, nullptr, "step 2"));
+  const std::string long_reason(1000, 'x');
+  reports[2] = engine::report_failure(std::make_exception_ptr(InvalidArgumentError("bad shape " + long_reason)));
+  reports[3] = engine::report_failure(std::make_exception_ptr(std::runtime_error("not a powersgd error")));
+  CHECK(reports[2].reason_text().size() == RankReport::kReasonBytes - 1);  // truncated, NUL-terminated
+  CHECK(reports[3].code == static_cast<int32_t>(ErrorCode::Internal));
+  // The others: the first failing rank's class and code, its rank and reason, the consequence.
+  CHECK_THROWS_WITH_AS(engine::throw_if_any_failed(reports, nullptr, "step 2", "nothing written"),
+                       doctest::Contains("step 2 failed on rank 2 (and 1 other rank(s)): bad shape xxx"),
+                       InvalidArgumentError);
+  CHECK(error_of([&] { engine::throw_if_any_failed(reports, nullptr, "step 2", "nothing written"); })
+            .ends_with("x; nothing written"));
+  // The failing rank: its own error.
+  CHECK_THROWS_AS(engine::throw_if_any_failed(reports, std::make_exception_ptr(IoError("mine")), "step 2"), IoError);
+  for (int code = 1; code <= 8; ++code) {  // every code keeps its class; an unknown one is Internal
+    try {
+      engine::throw_error(static_cast<ErrorCode>(code), "m");
+    } catch (const Error& e) {
+      CHECK(static_cast<int>(e.code()) == (code <= 7 ? code : 7));
+    }
+  }
+}
+
+TEST_CASE("fault injection: a failed prepare or compute between the collectives changes no state") {
+  auto comm = solo();
+  for (auto point : {engine::FaultPoint::Prepare, engine::FaultPoint::Between}) {
+    Config c;
+    c.rank = 2;
+    c.start_iter = 1;
+    engine::arm_fault({point, 2});
+    Reducer r(*comm, c);
+    CHECK_FALSE(engine::take_armed_fault().has_value());  // the Reducer took it
+    r.add_bucket({{16, 12}, {12}});
+    const size_t n = r.bucket_size(0);
+    for (int step = 0; step < 4; ++step) {
+      auto g = gradients(n, 0, step);
+      if (step != 2) {
+        r.reduce(0, g.data());
+        continue;
+      }
+      std::vector<float> before(n), after(n);
+      r.error_feedback(0, before.data());
+      const auto data = g;
+      CHECK_THROWS_WITH_AS(r.reduce(0, g.data()), doctest::Contains("injected fault"), IoError);
+      r.error_feedback(0, after.data());
+      CHECK(after == before);
+      CHECK(g == data);
+    }
+    CHECK(r.iteration() == 4);
+  }
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
