@@ -80,6 +80,8 @@ typedef struct psgd_stats { size_t struct_size; uint64_t numel_before; uint64_t 
 /* Fills the first out->struct_size bytes of *out (struct_size must be set, e.g. by PSGD_STATS_INIT). */
 PSGD_API psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
 PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
+/* Not collective, but due on every rank before the next reduce, from checkpoints of one step: the next reduce
+   checks that and returns PSGD_ERR_MISMATCH on every rank, naming the first differing rank, if not. */
 PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
 PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
 
