@@ -72,6 +72,11 @@ void StepRunner::raise_local_failures(const Reduction& job, std::exception_ptr o
                       "nothing written, error-feedback and warm-start state unchanged on every rank");
 }
 
+void StepRunner::fail_flagged(const Reduction& job, std::exception_ptr own) {
+  raise_local_failures(job, own);
+  PSGD_THROW(InternalError, "step ", job.iteration, ": a rank flagged a local failure but none reported one");
+}
+
 void StepRunner::prepare(Reduction& job) {
   maybe_inject(fault_, FaultPoint::Prepare, job.iteration);
   const auto start = Clock::now();
@@ -188,8 +193,7 @@ void StepRunner::run_plain(Reduction& job) {
   // The flags' sums are the same on every rank, so every rank takes the same branch.
   for (const Segment& seg : segs)
     if (seg.host[seg.count - 1] >= kFailedFlag) {
-      raise_local_failures(job, failed);
-      PSGD_THROW(InternalError, "step ", job.iteration, ": a rank flagged a local failure but none reported one");
+      fail_flagged(job, failed);
     }
   for (size_t i = 0; i < job.buckets.size(); ++i) {
     const float flag = segs[i].host[segs[i].count - 1];
@@ -228,8 +232,7 @@ void StepRunner::run_compressed(Reduction& job) {
   wait_all(works, {unc}, !prepare_failed);
   for (int b : job.buckets)
     if (flag_of(bucket(b)) >= kFailedFlag) {
-      raise_local_failures(job, prepare_failed);
-      PSGD_THROW(InternalError, "step ", job.iteration, ": a rank flagged a local failure but none reported one");
+      fail_flagged(job, prepare_failed);
     }
   for (int b : job.buckets) {
     const float flag = flag_of(bucket(b));

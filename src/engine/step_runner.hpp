@@ -78,6 +78,8 @@ class StepRunner {
   // failed, or that Q is not finite): throws the failure on every rank when a
   // rank reports one (`own` on the failing rank); returns when none did.
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
+  // The first collective's flags said a rank failed locally: raise it on every rank.
+  [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);
   [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
 
   const Config& config_;
