@@ -9,17 +9,12 @@
 // for comparison). The model is small enough for a 2-core machine and real
 // enough to show accuracy and traffic side by side.
 //
-// Checkpoint and resume (--checkpoint-dir DIR --checkpoint-every N): every N
-// steps each rank writes its model parameters, momentum, epoch accumulators and
-// its reducer's per-rank checkpoint into DIR/step-<S>/, and rank 0 then marks
-// the set complete (DIR/step-<S>/COMPLETE). At start the job resumes from the
-// newest complete set: the data order is replayed from its fixed seed up to
-// step S, so the resumed job ends with the same parameters, bit for bit, as an
-// uninterrupted one. A set a crash interrupted has no COMPLETE and is ignored.
+// --checkpoint-dir DIR --checkpoint-every N: per-rank checkpoints every N steps
+// (trainer_checkpoint.hpp); at start the job resumes from the newest complete
+// one, and the data order is replayed from its fixed seed, so a job killed and
+// restarted ends with the same parameters, bit for bit, as an uninterrupted one.
 #include <cblas.h>
-#include <fcntl.h>
 #include <signal.h>
-#include <unistd.h>
 #include <zlib.h>
 
 #include <CLI/CLI.hpp>
@@ -28,10 +23,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -40,6 +34,7 @@
 #include "powersgd/comm.hpp"
 #include "powersgd/gradient_record.hpp"
 #include "powersgd/reducer.hpp"
+#include "trainer_checkpoint.hpp"
 
 namespace {
 
@@ -67,8 +62,7 @@ uint32_t big_endian32(const uint8_t* p) {
   return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
 }
 
-// The first `limit` samples of a split (0: all).
-Dataset load(const std::string& dir, const std::string& split, size_t limit) {
+Dataset load(const std::string& dir, const std::string& split) {
   auto images = read_gzip(dir + "/" + split + "-images-idx3-ubyte.gz");
   auto labels = read_gzip(dir + "/" + split + "-labels-idx1-ubyte.gz");
   if (images.size() < 16 || big_endian32(images.data()) != 2051 || labels.size() < 8 ||
@@ -83,11 +77,6 @@ Dataset load(const std::string& dir, const std::string& split, size_t limit) {
   // Fashion-MNIST pixel mean 0.286 and std 0.353 (of the training set).
   for (size_t i = 0; i < d.images.size(); ++i) d.images[i] = (images[16 + i] / 255.0f - 0.286f) / 0.353f;
   d.labels.assign(labels.begin() + 8, labels.end());
-  if (limit > 0 && limit < d.count) {
-    d.count = limit;
-    d.images.resize(limit * 784);
-    d.labels.resize(limit);
-  }
   return d;
 }
 
@@ -128,10 +117,8 @@ class Mlp {
     return {{dims_[1], dims_[0]}, {dims_[1]}};
   }
   std::vector<float>& grads(int bucket) { return grads_[bucket]; }
-  // What a checkpoint holds: parameters and momentum of each bucket (momentum is
-  // empty before the first step).
   std::vector<float>& params(int bucket) { return params_[bucket]; }
-  std::vector<float>& velocity(int bucket) { return velocity_[bucket]; }
+  std::vector<float>& velocity(int bucket) { return velocity_[bucket]; }  // empty before the first step
   size_t parameter_count() const { return params_[0].size() + params_[1].size(); }
 
   // Forward and backward on `batch` samples; returns the summed loss and the
@@ -227,155 +214,6 @@ class Mlp {
   std::vector<float> acts_[4];
 };
 
-// ---- checkpoint: one set per step S in DIR/step-<S>/, complete once rank 0 wrote COMPLETE ----
-
-// FNV-1a over bytes: the options a checkpoint must match, and the parameter hash printed at the end.
-uint64_t fnv1a(const void* data, size_t size, uint64_t hash = 0xCBF29CE484222325ULL) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) hash = (hash ^ p[i]) * 0x100000001B3ULL;
-  return hash;
-}
-
-[[noreturn]] void fail_io(const std::string& what, const std::string& path) {
-  throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
-}
-
-// Writes through a temporary file, fsync and rename, then fsyncs the directory:
-// `path` holds the old contents or the new ones whole, whenever the process dies.
-void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd < 0) fail_io("cannot create", tmp);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      fail_io("cannot write", tmp);
-    }
-    done += size_t(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) fail_io("cannot sync", tmp);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_io("cannot rename to", path);
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  const int dir_fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) fail_io("cannot open directory", dir);
-  const int synced = ::fsync(dir_fd);
-  ::close(dir_fd);
-  if (synced != 0) fail_io("cannot sync directory", dir);
-}
-
-std::vector<char> read_file(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) fail_io("cannot open", path);
-  std::vector<char> bytes;
-  char chunk[1 << 16];
-  size_t n;
-  while ((n = std::fread(chunk, 1, sizeof chunk, f)) > 0) bytes.insert(bytes.end(), chunk, chunk + n);
-  std::fclose(f);
-  return bytes;
-}
-
-// This rank's trainer state at a step boundary, host byte order (a checkpoint
-// resumes on the machine type that wrote it).
-struct TrainerState {
-  uint64_t options = 0;  // fingerprint of the options that change the run (resume refuses others)
-  int64_t step = 0;      // completed global steps
-  double loss_sum = 0;   // the current epoch's accumulators
-  int64_t correct = 0;
-};
-constexpr char kTrainerMagic[8] = {'P', 'S', 'G', 'D', 'T', 'R', 'N', '1'};
-
-std::string set_dir(const std::string& dir, int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "step-%010lld", static_cast<long long>(step));
-  return dir + "/" + name;
-}
-std::string trainer_file(const std::string& set, int rank) { return set + "/trainer.rank" + std::to_string(rank); }
-std::string reducer_file(const std::string& set, int rank) { return set + "/reducer.rank" + std::to_string(rank) + ".ckpt"; }
-
-template <typename T>
-void put(std::vector<char>& out, const T& value) {
-  const char* p = reinterpret_cast<const char*>(&value);
-  out.insert(out.end(), p, p + sizeof(T));
-}
-void put_floats(std::vector<char>& out, const std::vector<float>& v) {
-  put(out, uint64_t(v.size()));
-  const char* p = reinterpret_cast<const char*>(v.data());
-  out.insert(out.end(), p, p + v.size() * sizeof(float));
-}
-
-class Cursor {
- public:
-  Cursor(const std::vector<char>& bytes, std::string path) : bytes_(bytes), path_(std::move(path)) {}
-  template <typename T>
-  T get() {
-    T value;
-    std::memcpy(&value, take(sizeof(T)), sizeof(T));
-    return value;
-  }
-  std::vector<float> get_floats(size_t expected) {
-    const auto n = get<uint64_t>();
-    if (n != expected) throw std::runtime_error(path_ + ": " + std::to_string(n) + " floats, expected " + std::to_string(expected));
-    std::vector<float> v(n);
-    if (n > 0) std::memcpy(v.data(), take(n * sizeof(float)), n * sizeof(float));
-    return v;
-  }
-  bool at_end() const { return pos_ == bytes_.size(); }
-
- private:
-  const char* take(size_t n) {
-    if (n > bytes_.size() - pos_) throw std::runtime_error(path_ + " is truncated");
-    const char* p = bytes_.data() + pos_;
-    pos_ += n;
-    return p;
-  }
-  const std::vector<char>& bytes_;
-  std::string path_;
-  size_t pos_ = 0;
-};
-
-void save_trainer(const std::string& path, const TrainerState& state, Mlp& model) {
-  std::vector<char> out(kTrainerMagic, kTrainerMagic + sizeof kTrainerMagic);
-  put(out, state);
-  for (int b = 0; b < 2; ++b) {
-    put_floats(out, model.params(b));
-    put_floats(out, model.velocity(b));
-  }
-  write_file_durably(path, out);
-}
-
-TrainerState load_trainer(const std::string& path, uint64_t options, Mlp& model) {
-  const std::vector<char> bytes = read_file(path);
-  Cursor in(bytes, path);
-  char magic[sizeof kTrainerMagic];
-  for (char& c : magic) c = in.get<char>();
-  if (std::memcmp(magic, kTrainerMagic, sizeof magic) != 0) throw std::runtime_error(path + " is not a trainer checkpoint");
-  const auto state = in.get<TrainerState>();
-  if (state.options != options)
-    throw std::runtime_error(path + " was written with other options (world size, batch, model, PowerSGD "
-                                    "settings, data subset, epochs or learning rate differ)");
-  for (int b = 0; b < 2; ++b) {
-    model.params(b) = in.get_floats(model.params(b).size());
-    const auto velocity_size = state.step > 0 ? model.params(b).size() : 0;
-    model.velocity(b) = in.get_floats(velocity_size);
-  }
-  if (!in.at_end()) throw std::runtime_error(path + " has bytes after its last field");
-  return state;
-}
-
-// The newest step whose set rank 0 marked complete, or -1.
-int64_t newest_complete_set(const std::string& dir) {
-  int64_t newest = -1;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step-", 0) != 0 || !std::filesystem::exists(entry.path() / "COMPLETE")) continue;
-    newest = std::max<int64_t>(newest, std::stoll(name.substr(5)));
-  }
-  return newest;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -389,10 +227,9 @@ int main(int argc, char** argv) {
   std::string record_path;
   int record_steps = 10;
   int64_t record_from = 0;
-  size_t subset = 0;
+  size_t train_limit = 0, test_limit = 0;
   std::string checkpoint_dir;
-  int checkpoint_every = 0;
-  int64_t crash_at_step = -1;
+  int64_t checkpoint_every = 0, crash_at_step = -1;
   int crash_rank = 0;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::Range(1, 100));
@@ -406,25 +243,24 @@ int main(int argc, char** argv) {
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
   app.add_option("--record-from", record_from, "First global step to record")->check(CLI::NonNegativeNumber);
-  app.add_option("--subset", subset, "Use only the first N samples of the training and the test set (0: all)")
-      ->check(CLI::NonNegativeNumber);
+  app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)");
+  app.add_option("--test-limit", test_limit, "Test on the first N test images only (0: all 10000)");
   app.add_option("--checkpoint-dir", checkpoint_dir,
-                 "Checkpoint every --checkpoint-every steps into this directory and resume from its newest "
-                 "complete checkpoint at start")->check(CLI::ExistingDirectory);
-  app.add_option("--checkpoint-every", checkpoint_every, "Steps between checkpoints")->check(CLI::Range(1, 1 << 30));
+                 "Checkpoint into this directory every --checkpoint-every steps; resume from its newest complete "
+                 "checkpoint at start")->check(CLI::ExistingDirectory);
+  app.add_option("--checkpoint-every", checkpoint_every, "Steps between checkpoints")->check(CLI::PositiveNumber);
   app.add_option("--crash-at-step", crash_at_step,
-                 "Test of resuming: rank --crash-rank kills itself with SIGKILL at this step, after writing its "
-                 "own checkpoint files of the step when it is a checkpoint step, before the set is complete")
-      ->check(CLI::NonNegativeNumber);
+                 "Test of resuming: rank --crash-rank kills itself with SIGKILL at this step (at a checkpoint step: "
+                 "after writing its own files, before the checkpoint is complete)")->check(CLI::NonNegativeNumber);
   app.add_option("--crash-rank", crash_rank, "The rank --crash-at-step kills")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   if (checkpoint_dir.empty() != (checkpoint_every == 0)) {
     std::fprintf(stderr, "--checkpoint-dir and --checkpoint-every go together\n");
     return 2;
   }
-
-  // Progress lines reach the launcher as they are printed, also when the job is then stopped.
+  // Progress lines reach the launcher as they are printed, also when the job is stopped.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+
   try {
     auto comm = powersgd::Communicator::from_env();
     const int world = comm->size();
@@ -434,11 +270,22 @@ int main(int argc, char** argv) {
       return 2;
     }
     const int local_batch = global_batch / world;
-    Dataset train = load(data_dir, "train", subset);
-    Dataset test = load(data_dir, "t10k", subset);
-    if (train.count < size_t(global_batch)) {
-      std::fprintf(stderr, "--batch %d is larger than the %zu training samples\n", global_batch, train.count);
-      return 2;
+    Dataset train = load(data_dir, "train");
+    Dataset test = load(data_dir, "t10k");
+    if (train_limit > 0) {
+      if (train_limit < size_t(global_batch) || train_limit > train.count) {
+        std::fprintf(stderr, "--train-limit %zu: expected 0 or %d (--batch) .. %zu images\n", train_limit,
+                     global_batch, train.count);
+        return 2;
+      }
+      train.count = train_limit;
+    }
+    if (test_limit > 0) {
+      if (test_limit > test.count) {
+        std::fprintf(stderr, "--test-limit %zu: expected 0 .. %zu images\n", test_limit, test.count);
+        return 2;
+      }
+      test.count = test_limit;
     }
 
     Mlp model(hidden1, hidden2, /*seed=*/42);
@@ -458,46 +305,25 @@ int main(int argc, char** argv) {
           record_path, std::vector<std::vector<powersgd::Shape>>{model.bucket_shapes(0), model.bucket_shapes(1)});
     int64_t global_step = 0;
 
-    // Resume: rank 0 picks the newest complete set and every rank loads its own files of it.
+    // Checkpoints: what they hold, and the options a resumed job must share.
+    std::vector<float>* tensors[4] = {&model.params(0), &model.params(1), &model.velocity(0), &model.velocity(1)};
+    const size_t tensor_sizes[4] = {model.params(0).size(), model.params(1).size(), model.params(0).size(),
+                                    model.params(1).size()};
     uint64_t options = 0;
     for (const int64_t v : {int64_t(world), int64_t(global_batch), int64_t(rank), int64_t(hidden1), int64_t(hidden2),
-                            start_iter, int64_t(epochs), int64_t(subset), int64_t(no_compression)})
-      options = fnv1a(&v, sizeof v, options);
-    options = fnv1a(&lr, sizeof lr, options);
-    TrainerState resumed;
+                            start_iter, int64_t(epochs), int64_t(train.count), int64_t(no_compression)})
+      options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    options = fashion_mnist::fnv1a(&lr, sizeof lr, options);
+    std::optional<fashion_mnist::TrainerCheckpoints> checkpoints;
+    fashion_mnist::TrainerState resumed;
     if (!checkpoint_dir.empty()) {
-      int64_t newest = me == 0 ? newest_complete_set(checkpoint_dir) : -1;
-      comm->broadcast(&newest, sizeof newest, 0);
-      if (newest >= 0) {
-        const std::string set = set_dir(checkpoint_dir, newest);
-        resumed = load_trainer(trainer_file(set, me), options, model);
-        reducer.load(reducer_file(set, me));
-        if (resumed.step != newest || reducer.iteration() != (no_compression ? 0 : newest))
-          throw std::runtime_error("checkpoint " + set + " holds step " + std::to_string(resumed.step) +
-                                   " (reducer: " + std::to_string(reducer.iteration()) + "), expected " +
-                                   std::to_string(newest));
-        global_step = newest;
-        if (me == 0) std::printf("resumed from %s at step %lld\n", set.c_str(), static_cast<long long>(newest));
+      checkpoints.emplace(checkpoint_dir, checkpoint_every, options, *comm, reducer);
+      if (auto state = checkpoints->resume(tensors, tensor_sizes)) {
+        resumed = *state;
+        global_step = resumed.step;
+        if (me == 0) std::printf("resumed from %s at step %lld\n", checkpoint_dir.c_str(), static_cast<long long>(global_step));
       }
     }
-    // After step `global_step` completed: the checkpoint set of that step.
-    auto checkpoint = [&](double loss_sum, int64_t correct) {
-      const std::string set = set_dir(checkpoint_dir, global_step);
-      std::filesystem::create_directories(set);
-      save_trainer(trainer_file(set, me), {options, global_step, loss_sum, correct}, model);
-      reducer.save(reducer_file(set, me));
-      if (global_step == crash_at_step && me == crash_rank) ::raise(SIGKILL);  // a real crash, mid-save
-      comm->barrier();  // every rank's files are durable
-      if (me == 0) {
-        write_file_durably(set + "/COMPLETE", {});
-        // Keep the previous complete set too; older ones go.
-        for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir)) {
-          const std::string name = entry.path().filename().string();
-          if (name.rfind("step-", 0) == 0 && std::stoll(name.substr(5)) < global_step - checkpoint_every)
-            std::filesystem::remove_all(entry.path());
-        }
-      }
-    };
 
     std::vector<size_t> order(train.count);
     std::iota(order.begin(), order.end(), size_t{0});
@@ -509,17 +335,16 @@ int main(int argc, char** argv) {
     auto t0 = std::chrono::steady_clock::now();
     const int64_t first_epoch = global_step / steps_per_epoch;
     for (int epoch = 0; epoch < epochs; ++epoch) {
-      // Every epoch's permutation, also of epochs a resumed job skips: the order is replayed, not stored.
-      std::shuffle(order.begin(), order.end(), shuffle_rng);
+      std::shuffle(order.begin(), order.end(), shuffle_rng);  // also of the epochs a resumed job skips: replayed
       if (epoch < first_epoch) continue;
-      // Resumed inside this epoch: its accumulators so far (at its start they are zero).
-      const bool resumed_epoch = epoch == first_epoch && resumed.step > first_epoch * steps_per_epoch;
-      double loss_sum = resumed_epoch ? resumed.loss_sum : 0;
-      int64_t correct = resumed_epoch ? resumed.correct : 0;
+      // Resumed inside this epoch: its accumulators so far.
+      const bool resumed_here = epoch == first_epoch && resumed.step > first_epoch * steps_per_epoch;
+      double loss_sum = resumed_here ? resumed.loss_sum : 0;
+      int correct = resumed_here ? int(resumed.correct) : 0;
       float epoch_lr = lr * (epoch + 1 == epochs && epochs > 2 ? 0.1f : 1.0f);
       for (int step = int(global_step - int64_t(epoch) * steps_per_epoch); step < steps_per_epoch; ++step) {
-        if (global_step == crash_at_step && me == crash_rank && (checkpoint_every == 0 || global_step % checkpoint_every != 0))
-          ::raise(SIGKILL);  // a real crash, mid-epoch
+        if (global_step == crash_at_step && me == crash_rank && !(checkpoints && checkpoints->due(global_step)))
+          ::raise(SIGKILL);  // a real crash, mid-epoch (test of resuming)
         for (int b = 0; b < local_batch; ++b) {
           size_t index = order[size_t(step) * global_batch + size_t(me) * local_batch + b];
           std::copy_n(&train.images[index * 784], 784, &x[size_t(b) * 784]);
@@ -544,7 +369,9 @@ int main(int argc, char** argv) {
           }
         }
         model.sgd(epoch_lr, 0.9f, 5e-4f);
-        if (checkpoint_every > 0 && global_step % checkpoint_every == 0) checkpoint(loss_sum, correct);
+        if (checkpoints && checkpoints->due(global_step))
+          checkpoints->save({global_step, loss_sum, correct}, tensors,
+                            global_step == crash_at_step && me == crash_rank);
       }
       // Accuracy on the whole test set, split over ranks and summed.
       int test_correct = 0;
@@ -561,8 +388,8 @@ int main(int argc, char** argv) {
       }
     }
     if (me == 0) {
-      uint64_t hash = 0xCBF29CE484222325ULL;
-      for (int b = 0; b < 2; ++b) hash = fnv1a(model.params(b).data(), model.params(b).size() * sizeof(float), hash);
+      uint64_t hash = fashion_mnist::fnv1a(nullptr, 0);
+      for (int b = 0; b < 2; ++b) hash = fashion_mnist::fnv1a(model.params(b).data(), model.params(b).size() * 4, hash);
       std::printf("parameters fnv1a64 %016llx after %lld steps\n", static_cast<unsigned long long>(hash),
                   static_cast<long long>(global_step));
       if (no_compression) {
