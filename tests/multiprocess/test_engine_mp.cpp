@@ -581,6 +581,17 @@ TEST_CASE("job checkpoint: a missing, corrupted, foreign or mismatching file fai
   std::vector<float> error = all_error_feedback(r), rank0 = error;
   comm->broadcast(rank0.data(), rank0.size() * sizeof(float), 0);
   CHECK(error == rank0);
+
+  // Ranks at different steps (rank 0 alone goes back to its step-3 per-rank file): save_job refuses on every
+  // rank, naming the first differing rank, and writes nothing.
+  job_step(r, mine(3));
+  if (me == 0) r.load(base + ".rank0");
+  const std::string diverged = error_of([&] { r.save_job(base + ".diverged"); });
+  INFO(diverged);
+  CHECK(diverged.find("save_job: the step count (this rank: " + std::to_string(me == 0 ? 3 : 4) +
+                      ") and warm-start state differs between ranks: rank 1") != std::string::npos);
+  comm->barrier();
+  CHECK_FALSE(std::filesystem::exists(base + ".diverged"));
   comm->barrier();
   if (me == 0)
     for (const char* suffix : {".job", ".damaged"}) std::remove((base + suffix).c_str());
