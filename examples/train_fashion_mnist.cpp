@@ -321,7 +321,8 @@ int main(int argc, char** argv) {
       if (auto state = checkpoints->resume(tensors, tensor_sizes)) {
         resumed = *state;
         global_step = resumed.step;
-        if (me == 0) std::printf("resumed from %s at step %lld\n", checkpoint_dir.c_str(), static_cast<long long>(global_step));
+        if (me == 0)
+          std::printf("resumed from %s at step %lld\n", checkpoint_dir.c_str(), static_cast<long long>(global_step));
       }
     }
 
@@ -389,7 +390,8 @@ int main(int argc, char** argv) {
     }
     if (me == 0) {
       uint64_t hash = fashion_mnist::fnv1a(nullptr, 0);
-      for (int b = 0; b < 2; ++b) hash = fashion_mnist::fnv1a(model.params(b).data(), model.params(b).size() * 4, hash);
+      for (int b = 0; b < 2; ++b)
+        hash = fashion_mnist::fnv1a(model.params(b).data(), model.params(b).size() * sizeof(float), hash);
       std::printf("parameters fnv1a64 %016llx after %lld steps\n", static_cast<unsigned long long>(hash),
                   static_cast<long long>(global_step));
       if (no_compression) {

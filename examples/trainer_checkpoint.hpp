@@ -43,7 +43,7 @@ class TrainerCheckpoints {
   // (or the reducer's error) naming the file.
   std::optional<TrainerState> resume(std::span<std::vector<float>* const> tensors, std::span<const size_t> sizes);
 
-  bool due(int64_t step) const { return step % every_ == 0; }
+  bool due(int64_t step) const { return step > 0 && step % every_ == 0; }
   // Collective, after step state.step. `crash_before_complete` (a test of
   // resuming) kills this rank with SIGKILL once its own files are written,
   // before the set is complete.

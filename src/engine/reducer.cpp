@@ -193,7 +193,8 @@ class Reducer::Impl {
                                                       ") and warm-start state"));
       engine::average_error_memories(comm_, contents.buckets);
       contents.rank = -1;
-      engine::write_on_rank0(comm_, path, [&] { return engine::encode_checkpoint(contents, engine::CheckpointKind::Job); });
+      engine::write_on_rank0(comm_, path,
+                             [&] { return engine::encode_checkpoint(contents, engine::CheckpointKind::Job); });
     });
   }
 

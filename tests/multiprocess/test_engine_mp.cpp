@@ -479,7 +479,8 @@ TEST_CASE("job checkpoint: phase 1, 4 ranks run, save_job, and record the next s
   comm->barrier();
 }
 
-TEST_CASE("job checkpoint: phase 2, 2 ranks load_job and reduce the same mean: outputs equal to 1e-5" * doctest::skip()) {
+TEST_CASE("job checkpoint: phase 2, 2 ranks load_job and reduce the same mean: outputs equal to 1e-5" *
+          doctest::skip()) {
   const std::string dir = job_dir();
   auto comm = connect("engine-job-resume");
   REQUIRE(comm->size() == 2);
@@ -502,7 +503,8 @@ TEST_CASE("job checkpoint: phase 2, 2 ranks load_job and reduce the same mean: o
       return g;
     }));
     const auto first = static_cast<std::ptrdiff_t>(total) * (t - kJobSteps);
-    const std::vector<float> uninterrupted(expected.begin() + first, expected.begin() + first + static_cast<std::ptrdiff_t>(total));
+    const std::vector<float> uninterrupted(expected.begin() + first,
+                                           expected.begin() + first + static_cast<std::ptrdiff_t>(total));
     INFO("step ", t);
     CHECK(max_relative_difference(out, uninterrupted) < 1e-5);
   }

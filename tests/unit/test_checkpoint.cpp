@@ -206,7 +206,8 @@ TEST_CASE("checkpoint codec: a job checkpoint has its own magic; each loader ref
 
   CHECK_THROWS_AS(decode(job, in), MismatchError);
   CHECK(contains(error_of([&] { decode(job, in); }),
-                 "checkpoint ckpt is a job checkpoint (save_job), not a per-rank checkpoint (save): load it with load_job"));
+                 "checkpoint ckpt is a job checkpoint (save_job), not a per-rank checkpoint (save): load it with "
+                 "load_job"));
   const std::vector<char> per_rank = encode_checkpoint(in);
   auto as_job = [&](const std::vector<char>& file) {
     return decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, shapes_of(in), CheckpointKind::Job);
