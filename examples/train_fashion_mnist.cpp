@@ -8,7 +8,13 @@
 // reduced with PowerSGD (or with a plain averaged allreduce, --no-compression,
 // for comparison). The model is small enough for a 2-core machine and real
 // enough to show accuracy and traffic side by side.
+//
+// --checkpoint-dir DIR --checkpoint-every N: per-rank checkpoints every N steps
+// (trainer_checkpoint.hpp); at start the job resumes from the newest complete
+// one, and the data order is replayed from its fixed seed, so a job killed and
+// restarted ends with the same parameters, bit for bit, as an uninterrupted one.
 #include <cblas.h>
+#include <signal.h>
 #include <zlib.h>
 
 #include <CLI/CLI.hpp>
@@ -19,6 +25,7 @@
 #include <cstdio>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -27,6 +34,7 @@
 #include "powersgd/comm.hpp"
 #include "powersgd/gradient_record.hpp"
 #include "powersgd/reducer.hpp"
+#include "trainer_checkpoint.hpp"
 
 namespace {
 
@@ -109,6 +117,8 @@ class Mlp {
     return {{dims_[1], dims_[0]}, {dims_[1]}};
   }
   std::vector<float>& grads(int bucket) { return grads_[bucket]; }
+  std::vector<float>& params(int bucket) { return params_[bucket]; }
+  std::vector<float>& velocity(int bucket) { return velocity_[bucket]; }  // empty before the first step
   size_t parameter_count() const { return params_[0].size() + params_[1].size(); }
 
   // Forward and backward on `batch` samples; returns the summed loss and the
@@ -217,6 +227,10 @@ int main(int argc, char** argv) {
   std::string record_path;
   int record_steps = 10;
   int64_t record_from = 0;
+  size_t train_limit = 0, test_limit = 0;
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0, crash_at_step = -1;
+  int crash_rank = 0;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::Range(1, 100));
   app.add_option("--batch", global_batch, "Global batch size (split over the ranks)")->check(CLI::Range(1, 60000));
@@ -229,7 +243,23 @@ int main(int argc, char** argv) {
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
   app.add_option("--record-from", record_from, "First global step to record")->check(CLI::NonNegativeNumber);
+  app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)");
+  app.add_option("--test-limit", test_limit, "Test on the first N test images only (0: all 10000)");
+  app.add_option("--checkpoint-dir", checkpoint_dir,
+                 "Checkpoint into this directory every --checkpoint-every steps; resume from its newest complete "
+                 "checkpoint at start")->check(CLI::ExistingDirectory);
+  app.add_option("--checkpoint-every", checkpoint_every, "Steps between checkpoints")->check(CLI::PositiveNumber);
+  app.add_option("--crash-at-step", crash_at_step,
+                 "Test of resuming: rank --crash-rank kills itself with SIGKILL at this step (at a checkpoint step: "
+                 "after writing its own files, before the checkpoint is complete)")->check(CLI::NonNegativeNumber);
+  app.add_option("--crash-rank", crash_rank, "The rank --crash-at-step kills")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
+  if (checkpoint_dir.empty() != (checkpoint_every == 0)) {
+    std::fprintf(stderr, "--checkpoint-dir and --checkpoint-every go together\n");
+    return 2;
+  }
+  // Progress lines reach the launcher as they are printed, also when the job is stopped.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
 
   try {
     auto comm = powersgd::Communicator::from_env();
@@ -242,6 +272,21 @@ int main(int argc, char** argv) {
     const int local_batch = global_batch / world;
     Dataset train = load(data_dir, "train");
     Dataset test = load(data_dir, "t10k");
+    if (train_limit > 0) {
+      if (train_limit < size_t(global_batch) || train_limit > train.count) {
+        std::fprintf(stderr, "--train-limit %zu: expected 0 or %d (--batch) .. %zu images\n", train_limit,
+                     global_batch, train.count);
+        return 2;
+      }
+      train.count = train_limit;
+    }
+    if (test_limit > 0) {
+      if (test_limit > test.count) {
+        std::fprintf(stderr, "--test-limit %zu: expected 0 .. %zu images\n", test_limit, test.count);
+        return 2;
+      }
+      test.count = test_limit;
+    }
 
     Mlp model(hidden1, hidden2, /*seed=*/42);
     powersgd::Config config;
@@ -260,6 +305,27 @@ int main(int argc, char** argv) {
           record_path, std::vector<std::vector<powersgd::Shape>>{model.bucket_shapes(0), model.bucket_shapes(1)});
     int64_t global_step = 0;
 
+    // Checkpoints: what they hold, and the options a resumed job must share.
+    std::vector<float>* tensors[4] = {&model.params(0), &model.params(1), &model.velocity(0), &model.velocity(1)};
+    const size_t tensor_sizes[4] = {model.params(0).size(), model.params(1).size(), model.params(0).size(),
+                                    model.params(1).size()};
+    uint64_t options = 0;
+    for (const int64_t v : {int64_t(world), int64_t(global_batch), int64_t(rank), int64_t(hidden1), int64_t(hidden2),
+                            start_iter, int64_t(epochs), int64_t(train.count), int64_t(no_compression)})
+      options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    options = fashion_mnist::fnv1a(&lr, sizeof lr, options);
+    std::optional<fashion_mnist::TrainerCheckpoints> checkpoints;
+    fashion_mnist::TrainerState resumed;
+    if (!checkpoint_dir.empty()) {
+      checkpoints.emplace(checkpoint_dir, checkpoint_every, options, *comm, reducer);
+      if (auto state = checkpoints->resume(tensors, tensor_sizes)) {
+        resumed = *state;
+        global_step = resumed.step;
+        if (me == 0)
+          std::printf("resumed from %s at step %lld\n", checkpoint_dir.c_str(), static_cast<long long>(global_step));
+      }
+    }
+
     std::vector<size_t> order(train.count);
     std::iota(order.begin(), order.end(), size_t{0});
     std::vector<float> x(size_t(local_batch) * 784);
@@ -268,12 +334,18 @@ int main(int argc, char** argv) {
     const int steps_per_epoch = int(train.count / global_batch);
     uint64_t plain_bytes = 0;
     auto t0 = std::chrono::steady_clock::now();
+    const int64_t first_epoch = global_step / steps_per_epoch;
     for (int epoch = 0; epoch < epochs; ++epoch) {
-      std::shuffle(order.begin(), order.end(), shuffle_rng);
-      double loss_sum = 0;
-      int correct = 0;
+      std::shuffle(order.begin(), order.end(), shuffle_rng);  // also of the epochs a resumed job skips: replayed
+      if (epoch < first_epoch) continue;
+      // Resumed inside this epoch: its accumulators so far.
+      const bool resumed_here = epoch == first_epoch && resumed.step > first_epoch * steps_per_epoch;
+      double loss_sum = resumed_here ? resumed.loss_sum : 0;
+      int correct = resumed_here ? int(resumed.correct) : 0;
       float epoch_lr = lr * (epoch + 1 == epochs && epochs > 2 ? 0.1f : 1.0f);
-      for (int step = 0; step < steps_per_epoch; ++step) {
+      for (int step = int(global_step - int64_t(epoch) * steps_per_epoch); step < steps_per_epoch; ++step) {
+        if (global_step == crash_at_step && me == crash_rank && !(checkpoints && checkpoints->due(global_step)))
+          ::raise(SIGKILL);  // a real crash, mid-epoch (test of resuming)
         for (int b = 0; b < local_batch; ++b) {
           size_t index = order[size_t(step) * global_batch + size_t(me) * local_batch + b];
           std::copy_n(&train.images[index * 784], 784, &x[size_t(b) * 784]);
@@ -298,6 +370,9 @@ int main(int argc, char** argv) {
           }
         }
         model.sgd(epoch_lr, 0.9f, 5e-4f);
+        if (checkpoints && checkpoints->due(global_step))
+          checkpoints->save({global_step, loss_sum, correct}, tensors,
+                            global_step == crash_at_step && me == crash_rank);
       }
       // Accuracy on the whole test set, split over ranks and summed.
       int test_correct = 0;
@@ -314,6 +389,11 @@ int main(int argc, char** argv) {
       }
     }
     if (me == 0) {
+      uint64_t hash = fashion_mnist::fnv1a(nullptr, 0);
+      for (int b = 0; b < 2; ++b)
+        hash = fashion_mnist::fnv1a(model.params(b).data(), model.params(b).size() * sizeof(float), hash);
+      std::printf("parameters fnv1a64 %016llx after %lld steps\n", static_cast<unsigned long long>(hash),
+                  static_cast<long long>(global_step));
       if (no_compression) {
         std::printf("sent %.1f MB of gradients per rank (uncompressed)\n", plain_bytes / 1e6);
       } else {

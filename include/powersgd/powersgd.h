@@ -83,6 +83,15 @@ PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
 /* Not collective, but due on every rank before the next reduce, from checkpoints of one step: the next reduce
    checks that and returns PSGD_ERR_MISMATCH on every rank, naming the first differing rank, if not. */
 PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
+/* Job checkpoint, resumable on any world size (docs/engine.md). Collective, at a step boundary. save_job: the
+   ranks average their error memories and rank 0 alone writes `path` (step count, configuration and layout,
+   warm-start state, the mean error memory); every rank returns once the file is durable, and rank 0's write
+   error is returned on every rank. load_job, on any number of ranks: rank 0 reads `path` and broadcasts it
+   (no shared filesystem needed); every rank takes the mean error memory, the step count and the warm-start
+   state. PSGD_ERR_IO (missing, truncated, corrupted) or PSGD_ERR_MISMATCH (another configuration or layout,
+   a per-rank file) on every rank, the state unchanged everywhere. */
+PSGD_API psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path);
+PSGD_API psgd_status psgd_reducer_load_job(psgd_reducer* r, const char* path);
 PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
 
 #if defined(__GNUC__) || defined(__clang__)

@@ -147,6 +147,23 @@ class PSGD_API Reducer {
   void save(const std::string& path) const;
   void load(const std::string& path);
 
+  // Job checkpoint: the whole job's state in one file, resumable on any world
+  // size. Collective, at a step boundary (waits for in-flight reductions).
+  // save_job: the ranks average their error memories; rank 0 writes one file
+  // (completed steps, configuration and layout, warm-start P and Q, the mean
+  // error memory), the others write nothing; every rank returns once the file is
+  // durable, and a failure on rank 0 (bad path, full disk) is thrown on every
+  // rank. load_job, on any number of ranks: rank 0 reads the file and broadcasts
+  // it (no shared filesystem needed); every rank takes the mean as its error
+  // memory, the step count and the warm-start state. Refused on every rank, with
+  // the state unchanged everywhere: a missing, truncated or corrupted file
+  // (IoError), another configuration or layout, or a per-rank file
+  // (MismatchError). The averaged update depends on the error memories only
+  // through their mean, so with the same mean gradients the resumed run's
+  // outputs equal the uninterrupted run's (to rounding). Format: docs/engine.md.
+  void save_job(const std::string& path) const;
+  void load_job(const std::string& path);
+
  private:
   class Impl;
   std::unique_ptr<Impl> impl_;

@@ -257,6 +257,22 @@ psgd_status psgd_reducer_load(psgd_reducer* r, const char* path) {
   });
 }
 
+psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(path);
+    r->reducer->save_job(path);
+  });
+}
+
+psgd_status psgd_reducer_load_job(psgd_reducer* r, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(path);
+    r->reducer->load_job(path);
+  });
+}
+
 void psgd_reducer_destroy(psgd_reducer* r) { delete r; }
 
 }  // extern "C"

@@ -65,18 +65,34 @@ void put_counted_floats(Writer& w, const std::vector<float>& values) {
   w.put_floats(values);
 }
 
-// Returns the payload of a checked file.
-std::span<const char> unframe(std::span<const char> file, const std::string& path) {
+struct Framing {
+  const char* magic;
+  uint32_t version;
+  const char* name;    // in messages
+  const char* loader;  // the call that loads this kind
+};
+
+Framing framing_of(CheckpointKind kind) {
+  if (kind == CheckpointKind::Job) return {kJobCheckpointMagic, kJobCheckpointVersion, "a job checkpoint (save_job)", "load_job"};
+  return {kCheckpointMagic, kCheckpointVersion, "a per-rank checkpoint (save)", "load"};
+}
+
+// Returns the payload of a checked file of `kind`.
+std::span<const char> unframe(std::span<const char> file, const std::string& path, CheckpointKind kind) {
+  const Framing mine = framing_of(kind);
+  const Framing other = framing_of(kind == CheckpointKind::Job ? CheckpointKind::PerRank : CheckpointKind::Job);
   PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
                " bytes, shorter than its ", kCheckpointHeaderBytes, "-byte header");
   Reader header(file.first(kCheckpointHeaderBytes), path);
   char magic[sizeof(kCheckpointMagic)];
   header.get_raw(magic, sizeof(magic), "magic");
-  PSGD_REQUIRE(std::memcmp(magic, kCheckpointMagic, sizeof(magic)) == 0, IoError, "file ", path,
+  PSGD_REQUIRE(std::memcmp(magic, other.magic, sizeof(magic)) != 0, MismatchError, "checkpoint ", path, " is ",
+               other.name, ", not ", mine.name, ": load it with ", other.loader);
+  PSGD_REQUIRE(std::memcmp(magic, mine.magic, sizeof(magic)) == 0, IoError, "file ", path,
                " is not a powersgd checkpoint (bad magic)");
   const auto version = header.get<uint32_t>("version");
-  PSGD_REQUIRE(version == kCheckpointVersion, IoError, "checkpoint ", path, " has format version ", version,
-               ": this build reads version ", kCheckpointVersion);
+  PSGD_REQUIRE(version == mine.version, IoError, "checkpoint ", path, " has format version ", version,
+               ": this build reads version ", mine.version);
   const auto crc = header.get<uint32_t>("crc");
   const auto recorded = header.get<uint64_t>("payload length");
   const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
@@ -135,7 +151,7 @@ std::vector<float> Reader::get_floats(size_t count, const char* field) {
   return values;
 }
 
-std::vector<char> encode_checkpoint(const CheckpointContents& c) {
+std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind kind) {
   Writer w;
   put_config(w, c.config);
   w.put(c.layout_fingerprint);
@@ -156,9 +172,10 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c) {
   }
   const std::vector<char> payload = w.take();
 
+  const Framing framing = framing_of(kind);
   Writer file;
-  file.put_raw(kCheckpointMagic, sizeof(kCheckpointMagic));
-  file.put(kCheckpointVersion);
+  file.put_raw(framing.magic, sizeof(kCheckpointMagic));
+  file.put(framing.version);
   file.put(crc32(payload.data(), payload.size()));
   file.put(static_cast<uint64_t>(payload.size()));
   PSGD_ASSERT(file.bytes().size() == kCheckpointHeaderBytes);
@@ -167,8 +184,9 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c) {
 }
 
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
-                                     uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets) {
-  Reader r(unframe(file, path), path);
+                                     uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets,
+                                     CheckpointKind kind) {
+  Reader r(unframe(file, path, kind), path);
   CheckpointContents c;
   expect_config(r, config);
   c.config = config;

@@ -21,6 +21,15 @@ namespace powersgd::engine {
 inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 'T'};
 inline constexpr uint32_t kCheckpointVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
+// A job checkpoint (Reducer::save_job) has the same header and payload layout
+// under its own magic and version, so that load() refuses a job file and
+// load_job() a per-rank file, naming the other kind.
+inline constexpr char kJobCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'J', 'O', 'B', 'C'};
+inline constexpr uint32_t kJobCheckpointVersion = 1;
+
+// PerRank: one rank's own state (Reducer::save). Job: the world's state with the
+// mean of the ranks' error memories (Reducer::save_job), loadable on any world size.
+enum class CheckpointKind { PerRank, Job };
 
 uint32_t crc32(const void* data, size_t size);
 
@@ -92,7 +101,9 @@ struct CheckpointBucket {
 struct CheckpointContents {
   Config config;  // the Shared fields are saved (config_fields.hpp)
   uint64_t layout_fingerprint = 0;
-  int32_t world_size = 0;  // Reducer::load refuses a file of another rank or world size
+  // Per-rank: Reducer::load refuses a file of another rank or world size. Job:
+  // the world size whose mean the file holds, and rank -1 (no rank's own state).
+  int32_t world_size = 0;
   int32_t rank = 0;
   int64_t iteration = 0;
   uint64_t numel_before = 0, numel_after = 0, bytes_sent = 0;
@@ -106,14 +117,16 @@ struct CheckpointBucketShape {
 };
 
 // Header + payload, ready for write_checkpoint_file.
-std::vector<char> encode_checkpoint(const CheckpointContents& contents);
+std::vector<char> encode_checkpoint(const CheckpointContents& contents, CheckpointKind kind = CheckpointKind::PerRank);
 
 // Verifies the header (length, magic, version, size, CRC-32) and parses the
 // payload against what the loading reducer has: IoError for a damaged or foreign
 // file, MismatchError for another configuration or layout; `path` names the file
-// in every message. The result's PerRank config fields are `config`'s.
+// in every message; a file of the other kind is a MismatchError naming both
+// kinds. The result's PerRank config fields are `config`'s.
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
-                                     uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets);
+                                     uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets,
+                                     CheckpointKind kind = CheckpointKind::PerRank);
 
 // Writes `bytes` to `path` through a temporary file, fsync and rename(), so a
 // crash never leaves a half-written checkpoint under `path`. Throws IoError.

@@ -18,6 +18,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine/fault_injection.hpp"
 #include "engine/fingerprint.hpp"
+#include "engine/job_checkpoint.hpp"
 #include "engine/plan.hpp"
 #include "engine/rank_reports.hpp"
 #include "engine/step_runner.hpp"
@@ -173,13 +174,8 @@ class Reducer::Impl {
   void load(const std::string& path) {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load before any add_bucket: declare the buckets first");
     steps_.require_boundary("load");
-    std::vector<engine::CheckpointBucketShape> expected;
-    for (const auto& s : buckets_)
-      expected.push_back({static_cast<uint64_t>(s->plan.numel),
-                          config_.error_feedback ? static_cast<size_t>(s->plan.numel) : 0,
-                          static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel)});
     engine::CheckpointContents contents = engine::decode_checkpoint(engine::read_checkpoint_file(path), path, config_,
-                                                                    layout_fingerprint_, expected);
+                                                                    layout_fingerprint_, checkpoint_shapes());
     // A per-rank checkpoint holds this rank's own error memory: resuming from
     // another rank's file would apply one rank's error W times and lose the rest.
     PSGD_REQUIRE(contents.rank == comm_.rank() && contents.world_size == comm_.size(), MismatchError, "checkpoint ",
@@ -193,7 +189,67 @@ class Reducer::Impl {
     steps_.restart_at(contents.iteration);
   }
 
+  void save_job(const std::string& path) {
+    PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save_job before any add_bucket: nothing to checkpoint");
+    steps_.require_boundary("save_job");
+    start();
+    call([&] {
+      engine::CheckpointContents contents;
+      std::exception_ptr local;
+      try {
+        contents = gather();
+      } catch (...) {
+        local = std::current_exception();
+      }
+      engine::agree_on_outcome(comm_, local, "save_job: reading the reducer state");
+      // The mean is only meaningful over ranks at the same step with the same warm-start state.
+      engine::Fnv state;
+      state.add(contents.iteration);
+      for (const auto& b : contents.buckets) {
+        state.add(b.q_initialized);
+        state.add(b.draws);
+      }
+      comm_.check_same(state.value(), detail::concat("save_job: the step count (this rank: ", contents.iteration,
+                                                      ") and warm-start state"));
+      engine::average_error_memories(comm_, contents.buckets);
+      contents.rank = -1;
+      engine::write_on_rank0(comm_, path,
+                             [&] { return engine::encode_checkpoint(contents, engine::CheckpointKind::Job); });
+    });
+  }
+
+  void load_job(const std::string& path) {
+    PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load_job before any add_bucket: declare the buckets first");
+    steps_.require_boundary("load_job");
+    engine::CheckpointContents contents;
+    call([&] {
+      const std::vector<char> file = engine::read_on_rank0(comm_, path);
+      std::exception_ptr local;
+      try {
+        contents = engine::decode_checkpoint(file, path, config_, layout_fingerprint_, checkpoint_shapes(),
+                                             engine::CheckpointKind::Job);
+      } catch (...) {
+        local = std::current_exception();
+      }
+      // Applied only when every rank parsed and checked it: a refusal leaves every rank's state as it was.
+      engine::agree_on_outcome(comm_, local, "load_job of " + path);
+    });
+    start();
+    call([&] { apply(contents); });
+    steps_.restart_at(contents.iteration);
+  }
+
  private:
+  // What a checkpoint of this reducer holds per bucket.
+  std::vector<engine::CheckpointBucketShape> checkpoint_shapes() const {
+    std::vector<engine::CheckpointBucketShape> expected;
+    for (const auto& s : buckets_)
+      expected.push_back({static_cast<uint64_t>(s->plan.numel),
+                          config_.error_feedback ? static_cast<size_t>(s->plan.numel) : 0,
+                          static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel)});
+    return expected;
+  }
+
   const BucketState& checked(int b) const {
     PSGD_REQUIRE(b >= 0 && b < num_buckets(), InvalidArgumentError, "bucket index ", b, ": expected 0 to ",
                  num_buckets() - 1);
@@ -371,5 +427,7 @@ uint64_t Reducer::fingerprint() const { return impl_->fingerprint(); }
 std::string Reducer::backend_name() const { return impl_->backend_name(); }
 void Reducer::save(const std::string& path) const { impl_->save(path); }
 void Reducer::load(const std::string& path) { impl_->load(path); }
+void Reducer::save_job(const std::string& path) const { impl_->save_job(path); }
+void Reducer::load_job(const std::string& path) { impl_->load_job(path); }
 
 }  // namespace powersgd

@@ -367,6 +367,241 @@ TEST_CASE("checkpoint: another rank's file is refused, naming both; ranks saving
   std::remove(mine.c_str());
 }
 
+// ---- Job checkpoint (Reducer::save_job / load_job): saved on 4 ranks, resumed on 2.
+// job_checkpoint.sh runs the two phases one after the other under powersgd-run
+// (-n 4, then -n 2) with PSGD_JOB_DIR set; doctest::skip keeps them out of a run
+// without it. Rank j of the 2-rank job gets the mean of the 4-rank job's ranks
+// 2j and 2j+1, so the mean gradient is the same and, the update depending on the
+// error memories only through their mean, so are the outputs.
+namespace {
+
+constexpr int kJobSteps = 5;        // steps before save_job
+constexpr int kJobAfter = 3;        // steps compared after it
+constexpr uint64_t kJobSalt = 21;
+
+Config job_config() {
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  return c;
+}
+
+void declare_job_buckets(Reducer& r) {
+  r.add_bucket(kShapes);
+  r.add_bucket({{64, 64}, {64}});
+}
+
+std::string job_dir() {
+  const char* dir = std::getenv("PSGD_JOB_DIR");
+  REQUIRE_MESSAGE(dir != nullptr, "run through job_checkpoint.sh (PSGD_JOB_DIR)");
+  return dir;
+}
+
+// All buckets' floats one after the other.
+std::vector<float> concatenated(const std::vector<std::vector<float>>& parts) {
+  std::vector<float> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+void write_floats(const std::string& path, const std::vector<float>& values) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  REQUIRE(f != nullptr);
+  REQUIRE(std::fwrite(values.data(), sizeof(float), values.size(), f) == values.size());
+  REQUIRE(std::fclose(f) == 0);
+}
+
+std::vector<float> read_floats(const std::string& path, size_t count) {
+  std::vector<float> values(count);
+  FILE* f = std::fopen(path.c_str(), "rb");
+  REQUIRE_MESSAGE(f != nullptr, path);
+  REQUIRE(std::fread(values.data(), sizeof(float), count, f) == count);
+  std::fclose(f);
+  return values;
+}
+
+// One step of the job; `gradient(bucket, size)` gives this rank's gradients. Returns the outputs.
+std::vector<std::vector<float>> job_step(Reducer& r, const std::function<std::vector<float>(int, size_t)>& gradient) {
+  std::vector<std::vector<float>> data;
+  std::vector<float*> ptrs;
+  for (int b = 0; b < r.num_buckets(); ++b) data.push_back(gradient(b, r.bucket_size(b)));
+  for (auto& d : data) ptrs.push_back(d.data());
+  r.reduce_all(ptrs);
+  return data;
+}
+
+std::vector<float> all_error_feedback(const Reducer& r) {
+  std::vector<std::vector<float>> parts;
+  for (int b = 0; b < r.num_buckets(); ++b) {
+    parts.emplace_back(r.bucket_size(b));
+    r.error_feedback(b, parts.back().data());
+  }
+  return concatenated(parts);
+}
+
+double max_relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return diff / scale;
+}
+
+}  // namespace
+
+TEST_CASE("job checkpoint: phase 1, 4 ranks run, save_job, and record the next steps" * doctest::skip()) {
+  const std::string dir = job_dir();
+  auto comm = connect("engine-job-save");
+  REQUIRE(comm->size() == 4);
+  const int me = comm->rank();
+  Reducer r(*comm, job_config());
+  declare_job_buckets(r);
+  auto mine = [&](int64_t t) {
+    return [&, t](int b, size_t n) { return gradients(n, me, t, kJobSalt + static_cast<uint64_t>(b)); };
+  };
+  for (int t = 0; t < kJobSteps; ++t) job_step(r, mine(t));
+  r.save_job(dir + "/job.ckpt");
+  // The mean error memory every rank of the resumed job must hold.
+  std::vector<float> error = all_error_feedback(r);
+  std::vector<double> sum(error.begin(), error.end());
+  comm->allreduce(sum.data(), sum.size(), DataType::Float64);
+  std::vector<float> mean(sum.size());
+  for (size_t i = 0; i < sum.size(); ++i) mean[i] = static_cast<float>(sum[i] / 4.0);
+  std::vector<float> outputs;
+  for (int t = kJobSteps; t < kJobSteps + kJobAfter; ++t) {
+    const std::vector<float> out = concatenated(job_step(r, mine(t)));
+    outputs.insert(outputs.end(), out.begin(), out.end());
+  }
+  if (me == 0) {
+    write_floats(dir + "/mean_error.bin", mean);
+    write_floats(dir + "/outputs.bin", outputs);
+  }
+  comm->barrier();
+}
+
+TEST_CASE("job checkpoint: phase 2, 2 ranks load_job and reduce the same mean: outputs equal to 1e-5" *
+          doctest::skip()) {
+  const std::string dir = job_dir();
+  auto comm = connect("engine-job-resume");
+  REQUIRE(comm->size() == 2);
+  const int me = comm->rank();
+  Reducer r(*comm, job_config());
+  declare_job_buckets(r);
+  size_t total = 0;
+  for (int b = 0; b < r.num_buckets(); ++b) total += r.bucket_size(b);
+  r.load_job(dir + "/job.ckpt");
+  CHECK(r.iteration() == kJobSteps);
+  // Every rank holds the 4 ranks' mean error memory (the test's mean and the reducer's may round apart).
+  CHECK(max_relative_difference(all_error_feedback(r), read_floats(dir + "/mean_error.bin", total)) < 1e-6);
+  const std::vector<float> expected = read_floats(dir + "/outputs.bin", total * kJobAfter);
+  for (int t = kJobSteps; t < kJobSteps + kJobAfter; ++t) {
+    const std::vector<float> out = concatenated(job_step(r, [&](int b, size_t n) {
+      const uint64_t salt = kJobSalt + static_cast<uint64_t>(b);
+      std::vector<float> g = gradients(n, 2 * me, t, salt);
+      const std::vector<float> h = gradients(n, 2 * me + 1, t, salt);
+      for (size_t i = 0; i < n; ++i) g[i] = (g[i] + h[i]) / 2;
+      return g;
+    }));
+    const auto first = static_cast<std::ptrdiff_t>(total) * (t - kJobSteps);
+    const std::vector<float> uninterrupted(expected.begin() + first,
+                                           expected.begin() + first + static_cast<std::ptrdiff_t>(total));
+    INFO("step ", t);
+    CHECK(max_relative_difference(out, uninterrupted) < 1e-5);
+  }
+}
+
+TEST_CASE("job checkpoint: a missing, corrupted, foreign or mismatching file fails every rank, state unchanged") {
+  auto comm = connect("engine-job-refusals");
+  const int me = comm->rank();
+  const char* port = std::getenv("MASTER_PORT");
+  REQUIRE(port != nullptr);
+  const std::string base = std::string("/tmp/psgd-test-job-") + port;
+  Reducer r(*comm, job_config());
+  declare_job_buckets(r);
+  auto mine = [&](int64_t t) {
+    return [&, t](int b, size_t n) { return gradients(n, me, t, kJobSalt + static_cast<uint64_t>(b)); };
+  };
+  for (int t = 0; t < 3; ++t) job_step(r, mine(t));
+  r.save_job(base + ".job");
+  r.save(base + ".rank" + std::to_string(me));
+  // Rank 0 alone writes; the file exists for every rank once save_job returned.
+  CHECK(std::filesystem::exists(base + ".job"));
+  // A write failure on rank 0 is an error on every rank, not a hang.
+  const std::string unwritable = error_of([&] { r.save_job("/nonexistent-psgd-dir/job.ckpt"); });
+  CHECK(unwritable.find("save_job: writing job checkpoint /nonexistent-psgd-dir/job.ckpt failed on rank 0") !=
+        std::string::npos);
+  job_step(r, mine(3));
+  const std::vector<float> error_before = all_error_feedback(r);
+  auto unchanged = [&] {
+    CHECK(r.iteration() == 4);
+    CHECK(all_error_feedback(r) == error_before);
+  };
+
+  const std::string missing = error_of([&] { r.load_job(base + ".none"); });
+  INFO(missing);
+  CHECK_THROWS_AS(r.load_job(base + ".none"), IoError);
+  CHECK(missing.find("load_job: reading job checkpoint " + base + ".none failed on rank 0") != std::string::npos);
+  CHECK(missing.find("cannot open checkpoint") != std::string::npos);
+  unchanged();
+
+  if (me == 0) {  // a damaged copy, visible to rank 0 only: the others get its bytes by broadcast
+    std::filesystem::copy_file(base + ".job", base + ".damaged", std::filesystem::copy_options::overwrite_existing);
+    FILE* f = std::fopen((base + ".damaged").c_str(), "r+b");
+    REQUIRE(f != nullptr);
+    std::fseek(f, -7, SEEK_END);
+    std::fputc('!', f);
+    std::fclose(f);
+  }
+  comm->barrier();
+  const std::string damaged = error_of([&] { r.load_job(base + ".damaged"); });
+  INFO(damaged);
+  CHECK_THROWS_AS(r.load_job(base + ".damaged"), IoError);
+  CHECK(damaged.find("is corrupted: CRC-32") != std::string::npos);
+  unchanged();
+
+  // Rank 0's per-rank file: refused on every rank as the wrong kind.
+  CHECK_THROWS_AS(r.load_job(base + ".rank0"), MismatchError);
+  CHECK(error_of([&] { r.load_job(base + ".rank0"); }).find("not a job checkpoint (save_job): load it with load") !=
+        std::string::npos);
+  CHECK_THROWS_AS(r.load(base + ".job"), MismatchError);
+  unchanged();
+
+  // Another configuration: MismatchError everywhere, naming the field.
+  Config other = job_config();
+  other.rank = 1;
+  Reducer o(*comm, other);
+  declare_job_buckets(o);
+  const std::string mismatch = error_of([&] { o.load_job(base + ".job"); });
+  INFO(mismatch);
+  CHECK_THROWS_AS(o.load_job(base + ".job"), MismatchError);
+  CHECK(mismatch.find("was written with config.rank = 2, this reducer has 1") != std::string::npos);
+  CHECK(o.iteration() == 0);
+
+  // And a good load after the refusals: every rank at step 3 with the same (mean) error memory.
+  r.load_job(base + ".job");
+  CHECK(r.iteration() == 3);
+  std::vector<float> error = all_error_feedback(r), rank0 = error;
+  comm->broadcast(rank0.data(), rank0.size() * sizeof(float), 0);
+  CHECK(error == rank0);
+
+  // Ranks at different steps (rank 0 alone goes back to its step-3 per-rank file): save_job refuses on every
+  // rank, naming the first differing rank, and writes nothing.
+  job_step(r, mine(3));
+  if (me == 0) r.load(base + ".rank0");
+  const std::string diverged = error_of([&] { r.save_job(base + ".diverged"); });
+  INFO(diverged);
+  CHECK(diverged.find("save_job: the step count (this rank: " + std::to_string(me == 0 ? 3 : 4) +
+                      ") and warm-start state differs between ranks: rank 1") != std::string::npos);
+  comm->barrier();
+  CHECK_FALSE(std::filesystem::exists(base + ".diverged"));
+  comm->barrier();
+  if (me == 0)
+    for (const char* suffix : {".job", ".damaged"}) std::remove((base + suffix).c_str());
+  std::remove((base + ".rank" + std::to_string(me)).c_str());
+}
+
 TEST_CASE("non-finite: NaN on one rank fails the step everywhere and leaves all state intact") {
   auto comm = connect("engine-nonfinite");
   const int last = comm->size() - 1;

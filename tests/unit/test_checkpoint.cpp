@@ -187,6 +187,42 @@ TEST_CASE("checkpoint codec: truncated, corrupted and foreign input is refused w
   CHECK(contains(error_of([&] { decode(framed(extra), like); }), "is malformed: bytes after the last bucket"));
 }
 
+TEST_CASE("checkpoint codec: a job checkpoint has its own magic; each loader refuses the other kind") {
+  CheckpointContents in = test_contents();
+  in.rank = -1;
+  const std::vector<char> job = encode_checkpoint(in, CheckpointKind::Job);
+  CHECK(std::memcmp(job.data(), kJobCheckpointMagic, 8) == 0);
+  CHECK(std::memcmp(job.data(), kCheckpointMagic, 8) != 0);
+  const CheckpointContents out =
+      decode_checkpoint(job, "job", in.config, in.layout_fingerprint, shapes_of(in), CheckpointKind::Job);
+  CHECK(out.rank == -1);
+  CHECK(out.world_size == 4);
+  CHECK(out.iteration == 11);
+  REQUIRE(out.buckets.size() == 2);
+  CHECK(out.buckets[0].error == in.buckets[0].error);
+  CHECK(out.buckets[0].q == in.buckets[0].q);
+  // Same payload, other frame.
+  CHECK(payload_of(job) == payload_of(encode_checkpoint(in)));
+
+  CHECK_THROWS_AS(decode(job, in), MismatchError);
+  CHECK(contains(error_of([&] { decode(job, in); }),
+                 "checkpoint ckpt is a job checkpoint (save_job), not a per-rank checkpoint (save): load it with "
+                 "load_job"));
+  const std::vector<char> per_rank = encode_checkpoint(in);
+  auto as_job = [&](const std::vector<char>& file) {
+    return decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, shapes_of(in), CheckpointKind::Job);
+  };
+  CHECK_THROWS_AS(as_job(per_rank), MismatchError);
+  CHECK(contains(error_of([&] { as_job(per_rank); }),
+                 "is a per-rank checkpoint (save), not a job checkpoint (save_job): load it with load"));
+  std::vector<char> damaged = job;
+  damaged[job.size() - 2] ^= 0x01;
+  CHECK_THROWS_AS(as_job(damaged), IoError);
+  damaged = job;
+  damaged[4] = 'X';
+  CHECK(contains(error_of([&] { as_job(damaged); }), "is not a powersgd checkpoint (bad magic)"));
+}
+
 TEST_CASE("checkpoint codec: another configuration or layout is refused with MismatchError") {
   const CheckpointContents saved = test_contents();
   const std::vector<char> file = encode_checkpoint(saved);

@@ -428,6 +428,56 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   ::unsetenv("WORLD_SIZE");
 }
 
+TEST_CASE("C API: job checkpoint save_job/load_job, and each kind refused by the other's load") {
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_config d = psgd_config_default();
+  d.start_iter = 1;
+  psgd_reducer* r = nullptr;
+  REQUIRE(psgd_reducer_create(comm, &d, &r) == PSGD_OK);
+  const int ndims[] = {2, 1};
+  const int64_t dims[] = {8, 6, 5};
+  int index = -1;
+  REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims, &index) == PSGD_OK);
+  for (int t = 0; t < 3; ++t) {
+    std::vector<float> g = gradients(53, 0, t);
+    REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  }
+  std::vector<float> saved_error(53), error(53);
+  REQUIRE(psgd_reducer_error_feedback(r, 0, saved_error.data()) == PSGD_OK);
+  const std::string job = temp_path("capi-job"), per_rank = temp_path("capi-rank");
+  CHECK(psgd_reducer_save_job(nullptr, job.c_str()) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_save_job(r, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'path'") != std::string::npos);
+  CHECK(psgd_reducer_load_job(r, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  REQUIRE(psgd_reducer_save_job(r, job.c_str()) == PSGD_OK);
+  REQUIRE(psgd_reducer_save(r, per_rank.c_str()) == PSGD_OK);
+  CHECK(psgd_reducer_save_job(r, "/nonexistent-dir/job.ckpt") == PSGD_ERR_IO);
+  CHECK(std::string(psgd_last_error()).find("/nonexistent-dir/job.ckpt") != std::string::npos);
+
+  std::vector<float> g = gradients(53, 0, 3);
+  REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  CHECK(psgd_reducer_iteration(r) == 4);
+  CHECK(psgd_reducer_load_job(r, (job + ".none").c_str()) == PSGD_ERR_IO);
+  CHECK(psgd_reducer_load_job(r, per_rank.c_str()) == PSGD_ERR_MISMATCH);
+  CHECK(std::string(psgd_last_error()).find("is a per-rank checkpoint (save), not a job checkpoint (save_job): load it with load") != std::string::npos);
+  CHECK(psgd_reducer_load(r, job.c_str()) == PSGD_ERR_MISMATCH);
+  CHECK(std::string(psgd_last_error()).find("is a job checkpoint (save_job), not a per-rank checkpoint (save): load it with load_job") != std::string::npos);
+  CHECK(psgd_reducer_iteration(r) == 4);  // refused: unchanged
+  REQUIRE(psgd_reducer_load_job(r, job.c_str()) == PSGD_OK);
+  CHECK(psgd_reducer_iteration(r) == 3);
+  REQUIRE(psgd_reducer_error_feedback(r, 0, error.data()) == PSGD_OK);
+  CHECK(error == saved_error);  // a world of one: the mean is its own memory
+  std::remove(job.c_str());
+  std::remove(per_rank.c_str());
+  psgd_reducer_destroy(r);
+  psgd_comm_destroy(comm);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}
+
 TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
   CHECK(std::string(psgd_version()) == std::to_string(PSGD_VERSION_MAJOR) + "." + std::to_string(PSGD_VERSION_MINOR) +
                                            "." + std::to_string(PSGD_VERSION_PATCH));
