@@ -36,6 +36,7 @@ struct PSGD_API Config {
   int rank = 1;                             // matrix approximation rank r, >= 1 and <= 64
   int64_t start_iter = 1000;                // plain averaged allreduce while iteration < start_iter; >= 0
   double min_compression_rate = 2.0;        // compress n x m iff (n + m) * r * rate < n * m; finite, >= 0
+                                            // (every tensor viewed as shape[0] x rest: 1-D n as n x 1)
   bool error_feedback = true;
   bool warm_start = true;
   double orthogonalization_epsilon = 0.0;   // finite, >= 0
@@ -131,6 +132,8 @@ class PSGD_API Reducer {
   int64_t iteration() const;
   // This rank's error-feedback memory of a bucket into host memory `out`
   // (bucket_size floats; zeros before compression starts or without error feedback).
+  // whole_bucket: the bucket's elements; the zero padding's error is carried
+  // internally (and checkpointed) but not returned.
   void error_feedback(int bucket, float* out) const;
   Stats stats() const;
   const Config& config() const;

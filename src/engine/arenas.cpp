@@ -14,7 +14,7 @@ void Arenas::allocate(compute::Backend& be, std::vector<std::unique_ptr<BucketSt
     const BucketPlan& plan = s.plan;
     const auto work = static_cast<size_t>(plan.whole ? plan.side * plan.side : plan.numel);
     s.in = be.allocate(work + 1);
-    if (error_feedback) s.nerr = be.allocate(plan.whole ? static_cast<size_t>(plan.numel) : work + 1);
+    if (error_feedback) s.nerr = be.allocate(plan.whole ? work : work + 1);
     if (plan.whole) s.tmp = be.allocate(std::max(work, static_cast<size_t>(plan.numel) + 1));
     if (!host_accessible) s.host_plain.resize(static_cast<size_t>(plan.numel) + 1);
     s.unc_offset = unc_count;
@@ -47,13 +47,14 @@ Segment Arenas::plain_segment(BucketState& s) const {
 
 namespace {
 
-// Calls f(bucket_index, work_index) for every element of the bucket: where it
-// lies in the user's buffer and where in the work layout (the bucket's own
-// order for the whole-bucket variant, else regrouped by tensor).
+// Calls f(memory_index, work_index) for every element of the error memory:
+// where it lies in the bucket's own order (then, whole bucket, the padding)
+// and where in the work layout (the same for the whole-bucket variant, else
+// regrouped by tensor).
 template <typename F>
 void for_each_element(const BucketPlan& plan, F&& f) {
   if (plan.whole) {
-    for (size_t k = 0; k < static_cast<size_t>(plan.numel); ++k) f(k, k);
+    for (size_t k = 0; k < error_memory_size(plan); ++k) f(k, k);
     return;
   }
   for (const auto& t : plan.tensors)
@@ -65,14 +66,14 @@ void for_each_element(const BucketPlan& plan, F&& f) {
 std::vector<float> read_error(compute::Backend& backend, const BucketState& s) {
   std::vector<float> nerr(s.nerr.size());
   backend.copy_to_host(nerr.data(), s.nerr.data(), nerr.size());
-  std::vector<float> error(static_cast<size_t>(s.plan.numel));
+  std::vector<float> error(error_memory_size(s.plan));
   for_each_element(s.plan, [&](size_t i, size_t w) { error[i] = -nerr[w]; });
   return error;
 }
 
 void write_error(compute::Backend& backend, BucketState& s, const std::vector<float>& error) {
-  PSGD_ASSERT(error.size() == static_cast<size_t>(s.plan.numel), "error memory of ", error.size(),
-              " floats for a bucket of ", s.plan.numel);
+  PSGD_ASSERT(error.size() == error_memory_size(s.plan), "error memory of ", error.size(),
+              " floats for a bucket whose memory holds ", error_memory_size(s.plan));
   std::vector<float> nerr(s.nerr.size(), 0.0f);
   for_each_element(s.plan, [&](size_t i, size_t w) { nerr[w] = -error[i]; });
   backend.copy_from_host(s.nerr.data(), nerr.data(), nerr.size());

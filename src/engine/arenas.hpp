@@ -22,6 +22,8 @@ struct BucketState {
   compute::DeviceBuffer in;
   // Negated error-feedback memory, in the work buffer's layout (error = in - out;
   // keeping out - in lets one gemm produce it and one subtract consume it).
+  // Whole bucket: the side x side square, padding included (the reference's
+  // batched hook carries the padding's error too).
   compute::DeviceBuffer nerr;
   // Whole bucket only: the side x side output, and the plain step's buffer.
   compute::DeviceBuffer tmp;
@@ -65,7 +67,14 @@ struct Arenas {
   Segment segment(compute::DeviceBuffer& arena, std::vector<float>& host, int64_t offset, int64_t count) const;
 };
 
-// This rank's error memory in the bucket's own element order (host). Worker thread.
+// Floats of a bucket's error memory: its elements, and for the whole-bucket
+// variant the padding of the square after them (side * side in all).
+inline size_t error_memory_size(const BucketPlan& plan) {
+  return static_cast<size_t>(plan.whole ? plan.side * plan.side : plan.numel);
+}
+
+// This rank's error memory (host), error_memory_size floats: the bucket's own
+// element order, then the whole bucket's padding. Worker thread.
 std::vector<float> read_error(compute::Backend& backend, const BucketState& s);
 void write_error(compute::Backend& backend, BucketState& s, const std::vector<float>& error);
 

@@ -53,11 +53,17 @@ void expect_config(Reader& r, const Config& config) {
   });
 }
 
-std::vector<float> get_counted_floats(Reader& r, size_t expected, const char* field, size_t bucket) {
+// `expected` floats. A file may also hold `shorter` (if not 0) floats: they are
+// padded with zeros to `expected` (a whole bucket's error memory saved before
+// its padding's error was kept).
+std::vector<float> get_counted_floats(Reader& r, size_t expected, const char* field, size_t bucket,
+                                      size_t shorter = 0) {
   const auto count = r.get<uint64_t>(field);
-  PSGD_REQUIRE(count == expected, MismatchError, "checkpoint ", r.path(), ": bucket ", bucket, " has ", count, " ",
-               field, " values, this reducer expects ", expected);
-  return r.get_floats(expected, field);
+  PSGD_REQUIRE(count == expected || (shorter != 0 && count == shorter), MismatchError, "checkpoint ", r.path(),
+               ": bucket ", bucket, " has ", count, " ", field, " values, this reducer expects ", expected);
+  std::vector<float> values = r.get_floats(static_cast<size_t>(count), field);
+  values.resize(expected, 0.0f);
+  return values;
 }
 
 void put_counted_floats(Writer& w, const std::vector<float>& values) {
@@ -214,7 +220,7 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
     CheckpointBucket& out = c.buckets[b];
     out.q_initialized = r.get<uint8_t>("q_initialized") != 0;
     out.draws = r.get<uint64_t>("draws");
-    out.error = get_counted_floats(r, buckets[b].error, "error", b);
+    out.error = get_counted_floats(r, buckets[b].error, "error", b, buckets[b].error_without_padding);
     out.p = get_counted_floats(r, buckets[b].p, "P", b);
     out.q = get_counted_floats(r, buckets[b].q, "Q", b);
   }

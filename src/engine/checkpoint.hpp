@@ -93,7 +93,9 @@ struct CheckpointBucket {
   uint64_t numel = 0;  // elements of the bucket (a layout check)
   bool q_initialized = false;
   uint64_t draws = 0;
-  std::vector<float> error;  // error-feedback memory in the bucket's order; empty without error feedback
+  // Error-feedback memory in the bucket's order, then for a whole bucket the
+  // padding's error (side * side in all); empty without error feedback.
+  std::vector<float> error;
   std::vector<float> p, q;   // warm-start state
 };
 
@@ -114,6 +116,10 @@ struct CheckpointContents {
 struct CheckpointBucketShape {
   uint64_t numel = 0;
   size_t error = 0, p = 0, q = 0;
+  // Whole bucket with error feedback: the bucket's size. Files written before
+  // the padding's error was kept hold only these floats; they load with a zero
+  // padding error, which is what that build carried. 0: no such files.
+  size_t error_without_padding = 0;
 };
 
 // Header + payload, ready for write_checkpoint_file.

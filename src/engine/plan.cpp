@@ -70,8 +70,11 @@ BucketPlan make_plan(std::span<const Shape> shapes, const Config& config) {
   std::vector<std::vector<int>> members;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     TensorPlan& t = plan.tensors[i];
-    if (t.shape.size() <= 1 || t.numel == 0) continue;  // the reference never compresses 0-D and 1-D tensors
-    const int64_t rows = t.shape[0];
+    // The reference's view, tensor.view(shape[0], -1): n elements of a 1-D
+    // tensor are n x 1. A 0-D tensor (where the reference's shape[0] raises) is
+    // 1 x 1; an empty one (where its view raises or gives n x 0) is never compressed.
+    if (t.numel == 0) continue;
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const int64_t cols = t.numel / rows;
     if (!should_compress(rows, cols, config.rank, config.min_compression_rate)) continue;
     t.compressed = true;

@@ -130,8 +130,9 @@ class Reducer::Impl {
         std::fill(out, out + s.plan.numel, 0.0f);
         return;
       }
+      // The bucket's elements; a whole bucket's padding error stays internal.
       const std::vector<float> error = engine::read_error(*backend_, s);
-      std::copy(error.begin(), error.end(), out);
+      std::copy_n(error.begin(), s.plan.numel, out);
     });
   }
 
@@ -245,8 +246,9 @@ class Reducer::Impl {
     std::vector<engine::CheckpointBucketShape> expected;
     for (const auto& s : buckets_)
       expected.push_back({static_cast<uint64_t>(s->plan.numel),
-                          config_.error_feedback ? static_cast<size_t>(s->plan.numel) : 0,
-                          static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel)});
+                          config_.error_feedback ? engine::error_memory_size(s->plan) : 0,
+                          static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel),
+                          config_.error_feedback && s->plan.whole ? static_cast<size_t>(s->plan.numel) : 0});
     return expected;
   }
 

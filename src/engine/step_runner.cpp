@@ -129,10 +129,16 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
   // the local half of the non-finite guard and the denominator of the stats.
   double m2 = 0;
   if (plan.whole) {
-    if (ef)
+    // M = padded(data) + error over the whole square, as the reference's batched
+    // hook: the padding of M is its error (0 without error feedback).
+    const auto padding = static_cast<size_t>(plan.compressed_numel - plan.numel);
+    if (ef) {
       be_.subtract(in, data, nerr, static_cast<size_t>(plan.numel));
-    else
+      be_.copy(in + plan.numel, nerr + plan.numel, padding);
+      be_.scale(in + plan.numel, -1.0f, padding);
+    } else {
       be_.copy(in, data, static_cast<size_t>(plan.numel));
+    }
     const Group& g = plan.groups[0];
     be_.gemm(Transpose::No, Transpose::No, g.rows, g.rank, g.cols, 1.0f, in, g.cols, 0, q, g.rank, 0, 0.0f, p,
             g.rank, 0, 1);
@@ -199,6 +205,11 @@ void StepRunner::run_plain(Reduction& job) {
     const float flag = segs[i].host[segs[i].count - 1];
     if (flag != 0.0f) throw_nonfinite(job, job.buckets[i], detail::concat("NaN or Inf in the gradients of ", flag, " rank(s)"));
   }
+  // Finite inputs can still overflow in the sum: refused as on the compressed
+  // path, before any bucket of the reduction is written (identical sums: the same decision everywhere).
+  for (size_t i = 0; i < job.buckets.size(); ++i)
+    if (!be_.all_finite(segs[i].dev, segs[i].count - 1))
+      throw_nonfinite(job, job.buckets[i], "the allreduced gradients overflowed to Inf/NaN");
   const auto start = Clock::now();
   const float inv = 1.0f / static_cast<float>(comm_.size());
   for (size_t i = 0; i < job.buckets.size(); ++i) {
@@ -321,9 +332,9 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
     be_.gemm(Transpose::No, Transpose::Yes, g.rows, g.cols, g.rank, 1.0f, p, g.rank, 0, q, g.rank, 0, 0.0f, out,
             g.cols, 0, 1);
     be_.copy(data, out, static_cast<size_t>(plan.numel));
-    be_.subtract(out, out, in, full);  // P Q^T - M (the padding of M is 0)
+    be_.subtract(out, out, in, full);  // P Q^T - M, padding included
     e2 = be_.squared_norm(out, full);
-    if (ef) be_.copy(s.nerr.data(), out, static_cast<size_t>(plan.numel));
+    if (ef) be_.copy(s.nerr.data(), out, full);
   } else {
     // Output P Q^T into the user's buffer and, in the same pass, the work
     // buffer becomes P Q^T - M: the negated error of the compressed part.

@@ -637,6 +637,47 @@ TEST_CASE("non-finite: NaN on one rank fails the step everywhere and leaves all 
   }
 }
 
+TEST_CASE("non-finite: finite inputs that overflow in the sum fail plain and compressed steps alike") {
+  auto comm = connect("engine-overflow");
+  // kShapes' 1-D tensor {32} (offset 768) travels uncompressed: every rank's 3e38
+  // there sums to Inf. Both paths refuse on the allreduced sums, on every rank.
+  for (int64_t start : {0, 100}) {
+    CAPTURE(start);
+    Config c;
+    c.rank = 2;
+    c.start_iter = start;
+    Reducer r(*comm, c), clean(*comm, c);
+    r.add_bucket(kShapes);
+    clean.add_bucket(kShapes);
+    const size_t n = r.bucket_size(0);
+    REQUIRE_FALSE(engine::make_plan(kShapes, c).tensors[1].compressed);
+    for (int step = 0; step < 6; ++step) {
+      auto g = gradients(n, comm->rank(), step, 5);
+      if (step == 2) {
+        g[768 + 5] = 3e38f;
+        std::vector<float> before(n), after(n);
+        r.error_feedback(0, before.data());
+        const auto data = g;
+        std::string message;
+        try {
+          r.reduce(0, g.data());
+        } catch (const NonFiniteError& e) {
+          message = e.what();
+        }
+        CHECK(message.find("overflowed to Inf/NaN") != std::string::npos);
+        r.error_feedback(0, after.data());
+        CHECK(std::memcmp(before.data(), after.data(), n * sizeof(float)) == 0);
+        CHECK(std::memcmp(data.data(), g.data(), n * sizeof(float)) == 0);
+        continue;
+      }
+      auto h = g;
+      r.reduce(0, g.data());
+      clean.reduce(0, h.data());
+      CHECK(g == h);
+    }
+  }
+}
+
 TEST_CASE("mismatch: a rank with another layout or configuration is named") {
   auto comm = connect("engine-mismatch");
   const int last = comm->size() - 1;

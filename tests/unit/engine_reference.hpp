@@ -4,9 +4,12 @@
 // tests/unit/test_engine.cpp and tests/multiprocess/test_engine_mp.cpp.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "engine/plan.hpp"
@@ -31,17 +34,49 @@ inline void orthogonalize(double* m, int64_t rows, int64_t cols, double eps) {
   }
 }
 
-// One bucket of the reference reducer, for `world` ranks.
+// PyTorch's powerSGD_hook (torch 1.13) on one tensor: matrix = tensor.view(shape[0], -1),
+// r = min(n, m, rank), compressed iff _should_compress: (n + m) * r * rate < n * m.
+// A 1-D tensor of n elements is n x 1. Where the reference raises (0-D:
+// shape[0]; a first dimension of 0: an ambiguous view) the engine's documented
+// choice: a 0-D tensor is 1 x 1, an empty tensor is never compressed.
+inline bool reference_compresses(const Shape& shape, const Config& config) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (numel == 0) return false;
+  const int64_t n = shape.empty() ? 1 : shape[0], m = numel / n;
+  const int64_t r = std::min({n, m, static_cast<int64_t>(config.rank)});
+  return static_cast<double>((n + m) * r) * config.min_compression_rate < static_cast<double>(n * m);
+}
+
+// One bucket of the reference reducer, for `world` ranks. The Q layout (and so
+// the initial Q's draw) is the engine's plan; which tensors are compressed is
+// the reference's own rule, and the plan must agree with it.
 class Reference {
  public:
   Reference(std::vector<Shape> shapes, const Config& config, int world, int bucket = 0)
       : config_(config), world_(world), bucket_(bucket),
         plan_(engine::make_plan(shapes, config)),
-        error_(static_cast<size_t>(world), std::vector<double>(static_cast<size_t>(plan_.numel), 0.0)),
-        q_(static_cast<size_t>(plan_.q_numel), 0.0) {}
+        // batched_powerSGD_hook keeps the error of the whole padded square (side * side).
+        error_(static_cast<size_t>(world),
+               std::vector<double>(static_cast<size_t>(plan_.whole ? plan_.side * plan_.side : plan_.numel), 0.0)),
+        q_(static_cast<size_t>(plan_.q_numel), 0.0) {
+    for (size_t i = 0; i < shapes.size(); ++i)
+      if (!plan_.whole && plan_.tensors[i].compressed != reference_compresses(shapes[i], config))
+        throw std::logic_error("the engine's plan disagrees with the reference's compression rule on tensor " +
+                               std::to_string(i));
+  }
 
   const engine::BucketPlan& plan() const { return plan_; }
-  const std::vector<double>& error(int rank) const { return error_[static_cast<size_t>(rank)]; }
+  // Rank `rank`'s error memory of the bucket's elements (what Reducer::error_feedback returns).
+  std::vector<double> error(int rank) const {
+    const auto& e = error_[static_cast<size_t>(rank)];
+    return {e.begin(), e.begin() + static_cast<std::ptrdiff_t>(plan_.numel)};
+  }
+  // Whole bucket: rank `rank`'s error of the zero padding (empty otherwise).
+  std::vector<double> padding_error(int rank) const {
+    const auto& e = error_[static_cast<size_t>(rank)];
+    return {e.begin() + static_cast<std::ptrdiff_t>(plan_.numel), e.end()};
+  }
 
   // grads[w]: rank w's bucket. Returns the averaged output every rank receives.
   std::vector<double> step(const std::vector<std::vector<float>>& grads) {
@@ -53,9 +88,13 @@ class Reference {
       for (auto& v : out) v /= world_;
       return out;
     }
-    std::vector<std::vector<double>> in(grads.size(), std::vector<double>(n));
+    // The input plus the error memory; whole bucket (batched_powerSGD_hook):
+    // resized to side * side, the padding set to 0, then the error of the whole square added.
+    const size_t len = error_[0].size();
+    std::vector<std::vector<double>> in(grads.size(), std::vector<double>(len, 0.0));
     for (size_t w = 0; w < grads.size(); ++w)
-      for (size_t i = 0; i < n; ++i) in[w][i] = grads[w][i] + (config_.error_feedback ? error_[w][i] : 0.0);
+      for (size_t i = 0; i < len; ++i)
+        in[w][i] = (i < n ? grads[w][i] : 0.0) + (config_.error_feedback ? error_[w][i] : 0.0);
     if (!config_.warm_start || !q_initialized_) {
       std::vector<float> q(q_.size());
       engine::standard_normal(config_.seed, static_cast<uint64_t>(bucket_), draws_++, q);
@@ -64,11 +103,14 @@ class Reference {
     q_initialized_ = true;
     if (plan_.whole) {
       const int64_t s = plan_.side;
-      std::vector<std::vector<double>> padded(in.size(), std::vector<double>(static_cast<size_t>(s * s), 0.0));
-      for (size_t w = 0; w < in.size(); ++w) std::copy(in[w].begin(), in[w].end(), padded[w].begin());
       std::vector<double> full(static_cast<size_t>(s * s));
-      matrix_step(padded, 0, s, s, plan_.groups[0].rank, q_.data(), full.data());
+      matrix_step(in, 0, s, s, plan_.groups[0].rank, q_.data(), full.data());
+      // error = input_tensor_cp - input_tensor over the square, then resize_(total_length).
+      if (config_.error_feedback)
+        for (size_t w = 0; w < in.size(); ++w)
+          for (size_t i = 0; i < len; ++i) error_[w][i] = in[w][i] - full[i];
       std::copy(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(n), out.begin());
+      return out;
     } else {
       for (const auto& t : plan_.tensors) {
         if (t.compressed) {

@@ -255,6 +255,30 @@ TEST_CASE("checkpoint codec: another configuration or layout is refused with Mis
   CHECK(contains(error_of([&] { decode(file, other); }), "bucket 0 has 6 P values, this reducer expects 7"));
 }
 
+TEST_CASE("checkpoint codec: a whole bucket's error memory from before its padding was kept loads zero-padded") {
+  // A whole bucket of 12 elements is a 4 x 4 square: its error memory is 16
+  // floats; files written before the padding's error was kept hold 12.
+  const CheckpointContents saved = test_contents();  // bucket 0: 12 error floats
+  const std::vector<char> file = encode_checkpoint(saved);
+  std::vector<CheckpointBucketShape> shapes = shapes_of(saved);
+  shapes[0].error = 16;
+  shapes[0].error_without_padding = 12;
+  const CheckpointContents out = decode_checkpoint(file, "ckpt", saved.config, saved.layout_fingerprint, shapes);
+  std::vector<float> padded = saved.buckets[0].error;
+  padded.resize(16, 0.0f);
+  CHECK(out.buckets[0].error == padded);
+  CHECK(out.buckets[1].error == saved.buckets[1].error);
+  // Without that allowance 12 is refused, naming both counts; so is any other count.
+  shapes[0].error_without_padding = 0;
+  CHECK_THROWS_AS(decode_checkpoint(file, "ckpt", saved.config, saved.layout_fingerprint, shapes), MismatchError);
+  CHECK(contains(error_of([&] { decode_checkpoint(file, "ckpt", saved.config, saved.layout_fingerprint, shapes); }),
+                 "bucket 0 has 12 error values, this reducer expects 16"));
+  shapes[0].error = 25;
+  shapes[0].error_without_padding = 13;
+  CHECK(contains(error_of([&] { decode_checkpoint(file, "ckpt", saved.config, saved.layout_fingerprint, shapes); }),
+                 "bucket 0 has 12 error values, this reducer expects 25"));
+}
+
 TEST_CASE("checkpoint file: written atomically, read back whole; a missing file is named") {
   const std::string path = "/tmp/psgd-test-checkpoint-" + std::to_string(::getpid());
   const std::vector<char> file = encode_checkpoint(test_contents());

@@ -76,8 +76,8 @@ TEST_CASE("plan: compression test, matrix views and packing as the reference") {
   auto plan = engine::make_plan(kShapes, c);
   // 16x20 at r=2: (36)*2*2 = 144 < 320 -> compressed; 3x40 at r=2: 86*2*2 > 120 -> not.
   CHECK(plan.tensors[0].compressed);
-  CHECK_FALSE(plan.tensors[1].compressed);  // 0-D
-  CHECK_FALSE(plan.tensors[4].compressed);  // 1-D
+  CHECK_FALSE(plan.tensors[1].compressed);  // 0-D as 1 x 1: 2 * 1 * 2 > 1
+  CHECK_FALSE(plan.tensors[4].compressed);  // 1-D as 5 x 1: 6 * 1 * 2 > 5
   CHECK_FALSE(plan.tensors[5].compressed);
   CHECK(plan.numel == 320 + 1 + 48 + 320 + 5 + 120 + 100 + 320);
   CHECK(plan.p_numel == 3 * 16 * 2);
@@ -94,6 +94,100 @@ TEST_CASE("plan: compression test, matrix views and packing as the reference") {
   plan = engine::make_plan(kShapes, c);
   CHECK(plan.side * plan.side >= plan.numel);
   CHECK((plan.side - 1) * (plan.side - 1) < plan.numel);
+}
+
+TEST_CASE("plan: every tensor by the reference's rule, as PyTorch 1.13 decides it") {
+  // Recorded from Debian's python3-torch 1.13 (/usr/bin/python3): per shape,
+  // m = torch.zeros(shape).view(shape[0], -1); n, m = m.shape; r = min(n, m, rank);
+  // c = powerSGD_hook._should_compress(n, m, r, rate): c[0] and c[2] if c[0] else c[1]
+  // (the elements it sends). 1-D tensors are n x 1 and compressed when the rule holds.
+  const std::vector<Shape> shapes = {{512}, {1}, {2}, {3}, {16, 20}, {3, 40}, {5, 0}, {4, 3, 2, 2}, {7, 1}, {1, 7}, {2, 50}};
+  struct Row {
+    int rank;
+    double rate;
+    std::vector<int> compressed;
+    std::vector<int64_t> sent;
+  };
+  const std::vector<Row> torch = {
+      {1, 0.5, {1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1}, {513, 1, 3, 4, 36, 43, 0, 16, 8, 8, 52}},
+      {1, 2.0, {0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0}, {512, 1, 2, 3, 36, 43, 0, 16, 7, 7, 100}},
+      {1, 0.0, {1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1}, {513, 2, 3, 4, 36, 43, 0, 16, 8, 8, 52}},
+      {2, 0.5, {1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1}, {513, 1, 3, 4, 72, 86, 0, 32, 8, 8, 104}},
+      {2, 2.0, {0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}, {512, 1, 2, 3, 72, 120, 0, 48, 7, 7, 100}},
+      {2, 0.0, {1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1}, {513, 2, 3, 4, 72, 86, 0, 32, 8, 8, 104}},
+  };
+  for (const Row& row : torch) {
+    Config c;
+    c.rank = row.rank;
+    c.min_compression_rate = row.rate;
+    CAPTURE(row.rank);
+    CAPTURE(row.rate);
+    const auto plan = engine::make_plan(shapes, c);
+    int64_t sent = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      CAPTURE(i);
+      CHECK(plan.tensors[i].compressed == (row.compressed[i] != 0));
+      CHECK(powersgd::test::reference_compresses(shapes[i], c) == (row.compressed[i] != 0));
+      sent += row.sent[i];
+    }
+    CHECK(plan.p_numel + plan.q_numel + plan.packed_numel == sent);
+  }
+  // 0-D, where the reference's shape[0] raises: 1 x 1, as {1}.
+  Config c;
+  c.min_compression_rate = 0.0;
+  CHECK(engine::make_plan(std::vector<Shape>{{}}, c).tensors[0].compressed);
+  c.min_compression_rate = 0.5;
+  CHECK_FALSE(engine::make_plan(std::vector<Shape>{{}}, c).tensors[0].compressed);
+}
+
+TEST_CASE("step: a 1-D bucket {512} at rank 1, rate 0.5 is compressed as 512 x 1: 513 elements per step") {
+  auto comm = solo();
+  Config c;
+  c.rank = 1;
+  c.min_compression_rate = 0.5;
+  c.start_iter = 0;
+  const std::vector<Shape> shapes = {{512}};
+  Reducer r(*comm, c);
+  r.add_bucket(shapes);
+  Reference ref(shapes, c, 1);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> g = gradients(512, 0, step);
+    const std::vector<double> expected = ref.step({g});
+    r.reduce(0, g.data());
+    CHECK(relative_difference(g, expected) < 2e-5);
+    std::vector<float> error(512);
+    r.error_feedback(0, error.data());
+    CHECK(relative_difference(error, ref.error(0)) < 2e-5);
+  }
+  CHECK(r.stats().numel_before == 3 * 512);
+  CHECK(r.stats().numel_after == 3 * 513);
+}
+
+TEST_CASE("whole bucket: the padding's error is carried across steps, as batched_powerSGD_hook") {
+  auto comm = solo();
+  // 13 elements: a 4 x 4 square with 3 padding elements.
+  const std::vector<Shape> shapes = {{7}, {3, 2}};
+  for (int rank : {1, 2}) {
+    Config c = config_for(rank, 1 | 2 | 8);  // error feedback, warm start, whole bucket
+    CAPTURE(rank);
+    Reducer r(*comm, c);
+    r.add_bucket(shapes);
+    Reference ref(shapes, c, 1);
+    REQUIRE(ref.plan().side == 4);
+    double padding_error = 0;
+    for (int step = 0; step < 8; ++step) {
+      CAPTURE(step);
+      std::vector<float> g = gradients(13, 0, step);
+      const std::vector<double> expected = ref.step({g});
+      r.reduce(0, g.data());
+      CHECK(relative_difference(g, expected) < 2e-5);
+      std::vector<float> error(13);
+      r.error_feedback(0, error.data());  // the bucket's elements; the padding's error stays internal
+      CHECK(relative_difference(error, ref.error(0)) < 2e-5);
+      for (double e : ref.padding_error(0)) padding_error = std::max(padding_error, std::abs(e));
+    }
+    CHECK(padding_error > 0.01);  // there was padding error to carry: dropping it changes the outputs
+  }
 }
 
 TEST_CASE("add_bucket: empty buckets and bad shapes are refused clearly") {
