@@ -100,8 +100,9 @@ def main():
             print("step %d: loss %.4f, %.3f s (forward %.3f, backward %.3f, optimizer %.3f)%s"
                   % (i, loss.item(), sum(parts), *parts,
                      ", compute only %.3f s" % compute[-1] if i >= args.warmup else ""), flush=True)
-    # DDP's own record of its buckets after the rebuild (sizes in bytes, comma-separated).
-    buckets = len(model._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+    # DDP's own record of its buckets (sizes in bytes, comma-separated), after the rebuild where it made one.
+    logged = model._get_ddp_logging_data()
+    buckets = len((logged.get("rebuilt_bucket_sizes") or logged["bucket_sizes"]).split(","))
     mean = {name: sum(values) / len(values) for name, values in times.items()}
     step_s = sum(mean.values())
     compute_s = sum(compute) / len(compute)
