@@ -1,39 +1,75 @@
 #!/usr/bin/env bash
 # ResNet-18 under DDP on CPU/Gloo with each comm hook, every job under a hard timeout: records whether it
-# trains, crashes (and how) or hangs, and its mean step time.
+# trains, crashes (and how) or hangs, its mean step time and what of it is compute and what reduction.
 #   bench/torch_ddp_hooks.sh BUILD_DIR [RANKS] [BUCKET_CAP_MB] [TIMEOUT_S]
-# Local ranks over loopback by default; LAUNCH_ARGS adds powersgd-run options, e.g. an emulated cluster
-# (root): LAUNCH_ARGS="--emulate-hosts 4 --link-rate 1gbit" bench/torch_ddp_hooks.sh build 4
+# Local ranks over loopback by default. Environment:
+#   LAUNCH_ARGS  powersgd-run options, e.g. an emulated cluster (root): "--emulate-hosts 4 --link-rate 1gbit"
+#   CONFIGS      jobs as HOOK@CAP, CAP in MB or "one" (one DDP bucket: first-bucket and bucket cap 1024 MB);
+#                default: every hook at BUCKET_CAP_MB (allreduce torch torch-batched ours ours-batched)
+#   BATCH_SIZES  images per rank and step, each run with every config (default 16)
+#   IMAGE_SIZE   image height and width (default 32, CIFAR)
+#   STEPS        training steps per job, the first 5 not timed (default bench/torch_ddp_resnet18.py's, 12)
+#   RESULTS_TSV  also append one tab-separated line per job there (input of bench/plot_torch_ddp.py)
+# The end-to-end comparison of issue 10 (README, "Use it from PyTorch"):
+#   LAUNCH_ARGS="--emulate-hosts 4 --link-rate 1gbit" CONFIGS="allreduce@25 torch@one ours@25 torch@25" \
+#     BATCH_SIZES="16 2" STEPS=25 RESULTS_TSV=/tmp/ddp.tsv bench/torch_ddp_hooks.sh build 4 25 240
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 build=${1:?usage: bench/torch_ddp_hooks.sh BUILD_DIR [RANKS] [BUCKET_CAP_MB] [TIMEOUT_S]}
 ranks=${2:-4}
 cap=${3:-1}
 limit=${4:-300}
+configs=${CONFIGS:-allreduce@$cap torch@$cap torch-batched@$cap ours@$cap ours-batched@$cap}
 export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1
-echo "| hook | outcome | buckets | mean step (s) |"
-echo "| --- | --- | --- | --- |"
-for hook in allreduce torch torch-batched ours ours-batched; do
-  log=$(mktemp)
-  # shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
-  "$build/tools/run/powersgd-run" ${LAUNCH_ARGS:-} -n "$ranks" --timeout "$limit" -- /usr/bin/python3 bench/torch_ddp_resnet18.py \
-    --hook "$hook" --bucket-cap-mb "$cap" > "$log" 2>&1
-  rc=$?
-  result=$(grep -a "RESULT" "$log" | head -1)
-  if [ $rc -eq 0 ] && [ -n "$result" ]; then
-    buckets=$(sed -n 's/.*buckets=\([^ ]*\).*/\1/p' <<< "$result")
-    step=$(sed -n 's/.*mean_step_s=\([^ ]*\).*/\1/p' <<< "$result")
-    echo "| $hook | trains | $buckets | $step |"
-  elif [ $rc -eq 124 ]; then
-    echo "| $hook | hangs (killed by powersgd-run --timeout $limit) | | |"
-  else
-    # The first line naming the failure: a Gloo enforce, an assertion, a signal.
-    why=$(grep -a -m1 -E "enforce fail|Error|error|Assertion|signal|Signal" "$log" | sed 's/^\[[0-9]*\] //; s/|/\\|/g' | cut -c1-160)
-    echo "| $hook | fails, exit $rc: \`$why\` | | |"
-  fi
-  cp "$log" "/tmp/torch_ddp_hooks-$hook.log"
-  rm -f "$log"
+tsv=${RESULTS_TSV:-}
+if [ -n "$tsv" ] && [ ! -s "$tsv" ]; then
+  printf 'hook\tbucket_cap\tbatch\timage\toutcome\tbuckets\tstep_s\tforward_s\tbackward_s\toptimizer_s\tcompute_s\treduction_wait_s\tloadavg\n' > "$tsv"
+fi
+field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<< "$2"; }
+echo "| hook | bucket cap (MB) | batch | outcome | buckets | mean step (s) | forward / backward / optimizer (s) | compute only (s) | reduction wait (s) | load avg |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+for batch in ${BATCH_SIZES:-16}; do
+  for config in $configs; do
+    hook=${config%@*}
+    bucket=${config#*@}
+    if [ "$bucket" = one ]; then
+      caps=(--bucket-cap-mb 1024 --first-bucket-mb 1024)
+    else
+      caps=(--bucket-cap-mb "$bucket")
+    fi
+    log=$(mktemp)
+    # shellcheck disable=SC2086  # LAUNCH_ARGS is a list of options
+    "$build/tools/run/powersgd-run" ${LAUNCH_ARGS:-} -n "$ranks" --timeout "$limit" -- /usr/bin/python3 \
+      bench/torch_ddp_resnet18.py --hook "$hook" "${caps[@]}" --batch-size "$batch" --image-size "${IMAGE_SIZE:-32}" \
+      ${STEPS:+--steps "$STEPS"} > "$log" 2>&1
+    rc=$?
+    load=$(cut -d' ' -f1 /proc/loadavg)
+    result=$(grep -a "RESULT" "$log" | head -1)
+    buckets='' step='' forward='' backward='' optimizer='' compute='' wait=''
+    if [ $rc -eq 0 ] && [ -n "$result" ]; then
+      outcome=trains
+      buckets=$(field buckets "$result") step=$(field mean_step_s "$result")
+      forward=$(field forward_s "$result") backward=$(field backward_s "$result")
+      optimizer=$(field optimizer_s "$result") compute=$(field compute_s "$result")
+      wait=$(field reduction_wait_s "$result")
+      echo "| $hook | $bucket | $batch | trains | $buckets | $step | $forward / $backward / $optimizer | $compute | $wait | $load |"
+    elif [ $rc -eq 124 ]; then
+      outcome="hangs (killed by powersgd-run --timeout $limit)"
+      echo "| $hook | $bucket | $batch | $outcome | | | | | | $load |"
+    else
+      # The first line naming the failure: a Gloo enforce, an assertion, a signal.
+      why=$(grep -a -m1 -E "enforce fail|Error|error|Assertion|signal|Signal" "$log" | sed 's/^\[[0-9]*\] //; s/|/\\|/g' | cut -c1-160)
+      outcome="fails, exit $rc: \`$why\`"
+      echo "| $hook | $bucket | $batch | $outcome | | | | | | $load |"
+    fi
+    if [ -n "$tsv" ]; then
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$hook" "$bucket" "$batch" "${IMAGE_SIZE:-32}" \
+        "$(tr '\t' ' ' <<< "$outcome")" "$buckets" "$step" "$forward" "$backward" "$optimizer" "$compute" "$wait" "$load" >> "$tsv"
+    fi
+    cp "$log" "/tmp/torch_ddp_hooks-$hook-$bucket-$batch.log"
+    rm -f "$log"
+  done
 done
 echo
-echo "(full logs: /tmp/torch_ddp_hooks-HOOK.log)"
+echo "(full logs: /tmp/torch_ddp_hooks-HOOK-CAP-BATCH.log)"

@@ -8,6 +8,12 @@ the outcome and the mean time of a training step (forward, backward with reducti
 batched_powerSGD_hook), ours (powersgd.torch.powerSGD_hook), ours-batched (its batched_powerSGD_hook). Synthetic CIFAR-sized data (random images and
 labels, a fixed seed per rank): the point is the step time and whether the job runs at all.
 bench/torch_ddp_hooks.sh runs every hook under a hard timeout and records crashes and hangs.
+
+Rank 0's RESULT line splits the timed steps into forward, backward (which includes DDP's wait for the
+last bucket's reduction at its end) and optimizer, and adds compute_s: the mean forward + backward +
+optimizer of a step under DDP's no_sync() (no reduction at all) that every rank runs right after each timed
+step, so under the same contention for the cores (the host may be shared). reduction_wait_s = step -
+compute_s is what the reduction adds to a step.
 """
 import argparse
 import sys
@@ -28,6 +34,9 @@ def main():
     parser.add_argument("--hook", choices=["allreduce", "torch", "torch-batched", "ours", "ours-batched"],
                         required=True)
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    parser.add_argument("--first-bucket-mb", type=float, default=None,
+                        help="DDP's first (smallest) bucket cap, dist._DEFAULT_FIRST_BUCKET_BYTES (default "
+                             "DDP's 1 MB); equal to --bucket-cap-mb and large enough, DDP makes one bucket")
     parser.add_argument("--rank", type=int, default=2, help="PowerSGD matrix_approximation_rank")
     parser.add_argument("--start-iter", type=int, default=3, help="start_powerSGD_iter")
     parser.add_argument("--steps", type=int, default=12)
@@ -35,14 +44,21 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=32)
     args = parser.parse_args()
+    if args.batch_size < 2:
+        parser.error("--batch-size %d: ResNet-18's batch norm in training needs at least 2 images per rank"
+                     % args.batch_size)
+    if args.steps <= args.warmup:
+        parser.error("--steps %d must exceed --warmup %d (no step would be timed)" % (args.steps, args.warmup))
 
     torch.set_num_threads(1)
     ours.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.first_bucket_mb is not None:
+        # Read by DistributedDataParallel's constructor (torch 1.13 documents setting it there).
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(args.first_bucket_mb * 1024 * 1024)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(torchvision.models.resnet18(num_classes=10),
                                                 bucket_cap_mb=args.bucket_cap_mb)
-    buckets = set()
     if args.hook in ("torch", "torch-batched"):
         state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                              start_powerSGD_iter=args.start_iter)
@@ -54,30 +70,50 @@ def main():
     else:
         state, hook = None, None
     if hook is not None:
-        def counting(s, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            buckets.add(bucket.index())
-            return hook(s, bucket)
-        model.register_comm_hook(state, counting)
+        model.register_comm_hook(state, hook)
 
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
     y = torch.randint(0, 10, (args.batch_size,), generator=generator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    times = []
-    for step in range(args.steps):
+    times = {"forward": [], "backward": [], "optimizer": []}
+
+    def step():
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
+        forward_done = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         optimizer.step()
-        times.append(time.perf_counter() - start)
+        return loss, (forward_done - start, backward_done - forward_done, time.perf_counter() - backward_done)
+
+    compute = []
+    for i in range(args.steps):
+        loss, parts = step()
+        if i >= args.warmup:
+            for name, seconds in zip(times, parts):
+                times[name].append(seconds)
+            with model.no_sync():
+                compute.append(sum(step()[1]))
         if rank == 0:
-            print("step %d: loss %.4f, %.3f s" % (step, loss.item(), times[-1]), flush=True)
-    timed = times[args.warmup:] or times
+            print("step %d: loss %.4f, %.3f s (forward %.3f, backward %.3f, optimizer %.3f)%s"
+                  % (i, loss.item(), sum(parts), *parts,
+                     ", compute only %.3f s" % compute[-1] if i >= args.warmup else ""), flush=True)
+    # DDP's own record of its buckets (sizes in bytes, comma-separated), after the rebuild where it made one.
+    logged = model._get_ddp_logging_data()
+    buckets = len((logged.get("rebuilt_bucket_sizes") or logged["bucket_sizes"]).split(","))
+    mean = {name: sum(values) / len(values) for name, values in times.items()}
+    step_s = sum(mean.values())
+    compute_s = sum(compute) / len(compute)
     if rank == 0:
-        print("RESULT hook=%s ranks=%d bucket_cap_mb=%g buckets=%s mean_step_s=%.4f over %d steps"
-              % (args.hook, world, args.bucket_cap_mb, len(buckets) if buckets else "n/a",
-                 sum(timed) / len(timed), len(timed)), flush=True)
+        print("RESULT hook=%s ranks=%d bucket_cap_mb=%g first_bucket_mb=%g buckets=%s batch=%d image=%d "
+              "mean_step_s=%.4f forward_s=%.4f backward_s=%.4f optimizer_s=%.4f compute_s=%.4f "
+              "reduction_wait_s=%.4f over %d steps"
+              % (args.hook, world, args.bucket_cap_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 1024 / 1024,
+                 buckets, args.batch_size, args.image_size, step_s,
+                 mean["forward"], mean["backward"], mean["optimizer"], compute_s, step_s - compute_s,
+                 len(times["forward"])), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

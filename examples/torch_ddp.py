@@ -1,7 +1,8 @@
 """A complete CPU training job with PyTorch DDP and powersgd's comm hook: a small CNN on Fashion-MNIST.
 
     powersgd-run -n 4 -- /usr/bin/python3 examples/torch_ddp.py            # PYTHONPATH=BUILD/python if not installed
-    torchrun --nproc_per_node 4 examples/torch_ddp.py                      # also works
+    torchrun --nproc_per_node 4 --redirects 1 --tee 1 examples/torch_ddp.py  # the last two for torch 1.13 on
+                                                                           # Python 3.11 (docs/torch.md)
 
 Data: Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist, or --data DIR). Each rank trains on
 its shard of the 60000 training images and evaluates its shard of the 10000 test images; rank 0 prints, per

@@ -1,16 +1,21 @@
 """Runs a worker script on 2 local ranks with torchrun's variables only (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1, MASTER_PORT; every PSGD_* variable removed): torch's TCPStore on MASTER_PORT, the
-engine's store on MASTER_PORT + 1 (docs/torch.md, "Rendezvous"). Debian's torchrun 1.13 itself fails
-under Python 3.11 before starting workers, hence this stand-in.
+engine's store on MASTER_PORT + 1 (docs/torch.md, "Rendezvous"); or, with --torchrun, through torchrun
+itself (`python3 -m torch.distributed.run`, static rendezvous on that MASTER_PORT) with `--redirects 1
+--tee 1`: without them Debian's torchrun 1.13 fails under Python 3.11 before starting workers (its
+`Std.from_str("0")` is None there, docs/torch.md).
 
-    python3 torchrun_env.py WORKER.py ARGS...
+    python3 torchrun_env.py [--torchrun] WORKER.py ARGS...
 
 MASTER_PORT is a port below the kernel's ephemeral range (so no outgoing connection can take it or its
 successor between the check and the workers' bind) where both it and MASTER_PORT + 1 are free. Exit: the
-largest worker exit code; 124 when a worker is still running after 540 s (all are killed).
+largest worker exit code (torchrun's own with --torchrun); 124 when a worker is still running after 540 s
+(all are killed).
 """
+import importlib.util
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -44,9 +49,30 @@ def free_pair():
     raise RuntimeError("no two consecutive free ports below %d" % low)
 
 
+def run_torchrun(port, env, worker):
+    """torchrun with 2 local workers; its session (agent and workers) killed past 540 s."""
+    if importlib.util.find_spec("torch") is None:
+        print("torch is not installed (Debian: python3-torch): skipped")
+        return 77
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+               "127.0.0.1", "--master_port", str(port), "--redirects", "1", "--tee", "1"] + worker
+    agent = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        code = agent.wait(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        print("torchrun_env: torchrun ran past 540 s; killed", file=sys.stderr)
+        return 124
+    print("torchrun_env: torchrun, MASTER_PORT=%d, exit code %d" % (port, code))
+    return code
+
+
 def main():
     port = free_pair()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
+    if sys.argv[1:2] == ["--torchrun"]:
+        return run_torchrun(port, env, sys.argv[2:])
     workers = [subprocess.Popen([sys.executable] + sys.argv[1:],
                                 env=dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
