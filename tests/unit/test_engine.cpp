@@ -831,33 +831,68 @@ TEST_CASE("alternating: one collective per step; a rank-r gradient is reproduced
         std::string::npos);
 }
 
-TEST_CASE("alternating: reduce_all packs each bucket's half into one collective and equals bucket by bucket") {
-  CountingCommunicator comm(solo());
+TEST_CASE("alternating and adaptive: reduce_all packs each bucket's range into one collective, equal bucket by bucket") {
+  for (int variant = 0; variant < 3; ++variant) {  // alternating, adaptive, both
+    CAPTURE(variant);
+    CountingCommunicator comm(solo());
+    Config c = adaptive_config(1, 3, 2, variant != 1);
+    c.adaptive = variant != 0;
+    c.rank = 2;
+    Reducer fused(comm, c), single(comm, c);
+    const std::vector<std::vector<Shape>> buckets = {kAdaptiveShapes, {{16, 20}, {7}}, {{3}}};
+    for (const auto& b : buckets) {
+      fused.add_bucket(b);
+      single.add_bucket(b);
+    }
+    std::vector<int> ranks_seen;
+    for (int step = 0; step < 12; ++step) {
+      std::vector<std::vector<float>> a, b;
+      std::vector<float*> pointers;
+      for (int k = 0; k < 3; ++k) {
+        a.push_back(gradients(fused.bucket_size(k), k, step));
+        for (float& v : a.back()) v *= step % 4 < 2 ? 1.0f : 8.0f;  // changes that make adaptive switch
+        b.push_back(a.back());
+      }
+      for (auto& v : a) pointers.push_back(v.data());
+      const int before = comm.allreduces;
+      fused.reduce_all(pointers);
+      const int compressed_collectives = c.alternating ? 1 : 2;
+      CHECK(comm.allreduces == before + (step >= c.start_iter ? compressed_collectives : 3));  // plain: one per bucket
+      for (int k = 0; k < 3; ++k) single.reduce(k, b[static_cast<size_t>(k)].data());
+      for (int k = 0; k < 3; ++k) CHECK(a[static_cast<size_t>(k)] == b[static_cast<size_t>(k)]);
+      CHECK(fused.stats().current_rank == single.stats().current_rank);
+      ranks_seen.push_back(fused.bucket_rank(0));
+    }
+    CHECK(fused.stats().bytes_sent == single.stats().bytes_sent);
+    if (c.adaptive) CHECK(std::count(ranks_seen.begin(), ranks_seen.end(), 1) > 0);
+  }
+}
+
+TEST_CASE("alternating: a non-finite step changes nothing; the next step runs the same half") {
+  auto comm = solo();
   Config c;
   c.rank = 2;
-  c.start_iter = 1;
+  c.start_iter = 0;
   c.alternating = true;
-  Reducer fused(comm, c), single(comm, c);
-  const std::vector<std::vector<Shape>> buckets = {kAdaptiveShapes, {{16, 20}, {7}}, {{3}}};
-  for (const auto& b : buckets) {
-    fused.add_bucket(b);
-    single.add_bucket(b);
-  }
+  Reducer a(*comm, c), b(*comm, c);
+  a.add_bucket(kAdaptiveShapes);
+  b.add_bucket(kAdaptiveShapes);
+  const size_t n = a.bucket_size(0);
   for (int step = 0; step < 5; ++step) {
-    std::vector<std::vector<float>> a, b;
-    std::vector<float*> pointers;
-    for (int k = 0; k < 3; ++k) {
-      a.push_back(gradients(fused.bucket_size(k), k, step));
-      b.push_back(a.back());
+    CAPTURE(step);
+    if (step == 1 || step == 2) {  // a fails a P half and a Q half; b skips those steps
+      std::vector<float> bad = gradients(n, 0, step);
+      bad[7] = INFINITY;
+      const std::vector<float> kept = bad;
+      CHECK_THROWS_AS(a.reduce(0, bad.data()), NonFiniteError);
+      CHECK(std::memcmp(bad.data(), kept.data(), n * sizeof(float)) == 0);
+      continue;
     }
-    for (auto& v : a) pointers.push_back(v.data());
-    const int before = comm.allreduces;
-    fused.reduce_all(pointers);
-    CHECK(comm.allreduces == before + (step >= c.start_iter ? 1 : 3));  // plain steps: one per bucket
-    for (int k = 0; k < 3; ++k) single.reduce(k, b[static_cast<size_t>(k)].data());
-    for (int k = 0; k < 3; ++k) CHECK(a[static_cast<size_t>(k)] == b[static_cast<size_t>(k)]);
+    std::vector<float> x = gradients(n, 0, step), y = x;
+    a.reduce(0, x.data());
+    b.reduce(0, y.data());
+    CHECK(x == y);
   }
-  CHECK(fused.stats().bytes_sent == single.stats().bytes_sent);
 }
 
 TEST_CASE("adaptive: rank_high on a large change of the output norm, rank_low when steady; exact throughout") {
