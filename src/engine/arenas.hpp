@@ -70,8 +70,8 @@ struct Arenas {
   Segment plain_segment(BucketState& s) const;
 
   bool host_accessible = true;
-  compute::DeviceBuffer unc;      // packed tensors, flags and P (this step's) of every bucket
-  compute::DeviceBuffer q_work;   // this step's Q of every bucket
+  compute::DeviceBuffer unc;      // packed tensors, flags and P (alternating: P or Q) of this step, every bucket
+  compute::DeviceBuffer q_work;   // this step's Q of every bucket (alternating: the orthonormalized Q of a P half)
   compute::DeviceBuffer p_state;  // warm-start P and Q, kept between steps
   compute::DeviceBuffer q_state;
   compute::DeviceBuffer p_work;   // alternating: the orthonormalized P of a Q half
