@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdlib>
@@ -42,11 +43,22 @@ void put_config(Writer& w, const Config& config) {
   });
 }
 
-void expect_config(Reader& r, const Config& config) {
+// A field that `version` predates was at its default when the file was written.
+void expect_config(Reader& r, const Config& config, uint32_t version) {
+  const Config defaults;
+  std::vector<uint64_t> default_bits;  // each field's default, as its wire bits, in the list's order
+  for_each_config_field(defaults, [&](const FieldSpec&, const auto& value) {
+    using Wire = WireType<std::decay_t<decltype(value)>>;
+    default_bits.push_back(std::bit_cast<wire::Bits<Wire>>(static_cast<Wire>(value)));
+  });
+  size_t index = 0;
   for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
+    const uint64_t default_value = default_bits[index++];
     if (spec.scope != FieldScope::Shared) return;
     using Wire = WireType<std::decay_t<decltype(value)>>;
-    const Wire theirs = r.get<Wire>(spec.name);
+    const Wire theirs = spec.since_version <= version
+                            ? r.get<Wire>(spec.name)
+                            : std::bit_cast<Wire>(static_cast<wire::Bits<Wire>>(default_value));
     const Wire mine = static_cast<Wire>(value);
     PSGD_REQUIRE(theirs == mine, MismatchError, "checkpoint ", r.path(), " was written with config.", spec.name, " = ",
                  +theirs, ", this reducer has ", +mine);
@@ -73,18 +85,23 @@ void put_counted_floats(Writer& w, const std::vector<float>& values) {
 
 struct Framing {
   const char* magic;
-  uint32_t version;
-  const char* name;    // in messages
-  const char* loader;  // the call that loads this kind
+  uint32_t oldest, newest;  // the format versions this build reads
+  const char* name;         // in messages
+  const char* loader;       // the call that loads this kind
 };
 
+// A job file's version 1 payload is the per-rank payload of version 2 (job
+// checkpoints came with it), so the payload parser reads it as version 2.
 Framing framing_of(CheckpointKind kind) {
-  if (kind == CheckpointKind::Job) return {kJobCheckpointMagic, kJobCheckpointVersion, "a job checkpoint (save_job)", "load_job"};
-  return {kCheckpointMagic, kCheckpointVersion, "a per-rank checkpoint (save)", "load"};
+  if (kind == CheckpointKind::Job)
+    return {kJobCheckpointMagic, kJobCheckpointVersion, kJobCheckpointVersion, "a job checkpoint (save_job)",
+            "load_job"};
+  return {kCheckpointMagic, kCheckpointOldestVersion, kCheckpointVersion, "a per-rank checkpoint (save)", "load"};
 }
 
-// Returns the payload of a checked file of `kind`.
-std::span<const char> unframe(std::span<const char> file, const std::string& path, CheckpointKind kind) {
+// Returns the payload of a checked file of `kind` and sets the version of its payload layout.
+std::span<const char> unframe(std::span<const char> file, const std::string& path, CheckpointKind kind,
+                              uint32_t& payload_version) {
   const Framing mine = framing_of(kind);
   const Framing other = framing_of(kind == CheckpointKind::Job ? CheckpointKind::PerRank : CheckpointKind::Job);
   PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
@@ -97,8 +114,11 @@ std::span<const char> unframe(std::span<const char> file, const std::string& pat
   PSGD_REQUIRE(std::memcmp(magic, mine.magic, sizeof(magic)) == 0, IoError, "file ", path,
                " is not a powersgd checkpoint (bad magic)");
   const auto version = header.get<uint32_t>("version");
-  PSGD_REQUIRE(version == mine.version, IoError, "checkpoint ", path, " has format version ", version,
-               ": this build reads version ", mine.version);
+  PSGD_REQUIRE(version >= mine.oldest && version <= mine.newest, IoError, "checkpoint ", path, " has format version ",
+               version, ": this build reads ", mine.oldest == mine.newest ? detail::concat("version ", mine.newest)
+                                                                          : detail::concat("versions ", mine.oldest,
+                                                                                           " to ", mine.newest));
+  payload_version = kind == CheckpointKind::Job ? kCheckpointVersion : version;
   const auto crc = header.get<uint32_t>("crc");
   const auto recorded = header.get<uint64_t>("payload length");
   const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
@@ -172,6 +192,10 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
   for (const auto& b : c.buckets) {
     w.put(static_cast<uint8_t>(b.q_initialized));
     w.put(b.draws);
+    w.put(b.rank);
+    w.put(b.compressed_steps);
+    w.put(b.window_sum);
+    w.put(b.previous_window);
     put_counted_floats(w, b.error);
     put_counted_floats(w, b.p);
     put_counted_floats(w, b.q);
@@ -181,7 +205,7 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
   const Framing framing = framing_of(kind);
   Writer file;
   file.put_raw(framing.magic, sizeof(kCheckpointMagic));
-  file.put(framing.version);
+  file.put(framing.newest);
   file.put(crc32(payload.data(), payload.size()));
   file.put(static_cast<uint64_t>(payload.size()));
   PSGD_ASSERT(file.bytes().size() == kCheckpointHeaderBytes);
@@ -192,9 +216,10 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
                                      uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets,
                                      CheckpointKind kind) {
-  Reader r(unframe(file, path, kind), path);
+  uint32_t version = 0;
+  Reader r(unframe(file, path, kind, version), path);
   CheckpointContents c;
-  expect_config(r, config);
+  expect_config(r, config, version);
   c.config = config;
   c.layout_fingerprint = r.get<uint64_t>("layout fingerprint");
   const auto count = r.get<uint32_t>("bucket count");
@@ -220,9 +245,25 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
     CheckpointBucket& out = c.buckets[b];
     out.q_initialized = r.get<uint8_t>("q_initialized") != 0;
     out.draws = r.get<uint64_t>("draws");
+    const std::vector<CheckpointLevel>& levels = buckets[b].levels;
+    PSGD_ASSERT(!levels.empty(), "bucket ", b, " has no rank level");
+    const CheckpointLevel* level = &levels.front();
+    if (version >= 2) {
+      out.rank = r.get<int32_t>("rank");
+      const auto found = std::find_if(levels.begin(), levels.end(),
+                                      [&](const CheckpointLevel& l) { return l.rank == out.rank; });
+      PSGD_REQUIRE(found != levels.end(), MismatchError, "checkpoint ", path, ": bucket ", b, " was at rank ",
+                   out.rank, ", a rank this reducer's configuration does not use");
+      level = &*found;
+      out.compressed_steps = r.get<uint64_t>("compressed steps");
+      out.window_sum = r.get<double>("window sum");
+      out.previous_window = r.get<double>("previous window");
+    } else {
+      out.rank = level->rank;
+    }
     out.error = get_counted_floats(r, buckets[b].error, "error", b, buckets[b].error_without_padding);
-    out.p = get_counted_floats(r, buckets[b].p, "P", b);
-    out.q = get_counted_floats(r, buckets[b].q, "Q", b);
+    out.p = get_counted_floats(r, level->p, "P", b);
+    out.q = get_counted_floats(r, level->q, "Q", b);
   }
   PSGD_REQUIRE(r.at_end(), IoError, "checkpoint ", path, " is malformed: bytes after the last bucket");
   return c;

@@ -23,6 +23,12 @@ void Config::validate() const {
       PSGD_REQUIRE(valid, InvalidArgumentError, "config.", spec.name, " = ", number, ": expected ", spec.expected);
     }
   });
+  PSGD_REQUIRE(rank_low <= rank_high, InvalidArgumentError, "config.rank_low = ", rank_low, " > config.rank_high = ",
+               rank_high, ": expected rank_low <= rank_high");
+  // Each alternating half starts from the other half's averaged factor: that is the warm start.
+  PSGD_REQUIRE(!alternating || warm_start, InvalidArgumentError,
+               "config.alternating = 1 with config.warm_start = 0: alternating needs warm_start = 1 (each step "
+               "starts from the previous step's averaged factor)");
 }
 
 }  // namespace powersgd

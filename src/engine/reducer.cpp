@@ -59,13 +59,16 @@ class Reducer::Impl {
     const int index = num_buckets();
     // A rank that refuses the bucket still takes part in the layout check (a
     // fixed-size gather of reports), so every rank fails at once with its reason.
-    engine::BucketPlan plan;
+    std::vector<int> ranks;
+    std::vector<engine::BucketPlan> levels;
     uint64_t layout = 0;
     std::exception_ptr refused;
     try {
       PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
                    "buckets before reducing; bucket ", buckets_.size(), " refused");
-      plan = engine::make_plan(shapes, config_);
+      // Rank levels: {rank}, or {rank_low, rank_high} starting high (the first window).
+      ranks = config_.adaptive ? std::vector<int>{config_.rank_low, config_.rank_high} : std::vector<int>{config_.rank};
+      for (int rank : ranks) levels.push_back(engine::make_plan(shapes, config_, rank));
       layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
     } catch (...) {
       refused = std::current_exception();
@@ -80,7 +83,11 @@ class Reducer::Impl {
                    reports[r].values[0], ", rank 0 has ", reports[0].values[0]);
     layout_fingerprint_ = layout;
     auto bucket = std::make_unique<BucketState>();
-    bucket->plan = std::move(plan);
+    bucket->level = levels.size() - 1;
+    bucket->plan = levels.back();
+    bucket->levels = std::move(levels);
+    bucket->level_ranks = ranks;
+    bucket->current_rank = ranks.back();
     bucket->shapes.assign(shapes.begin(), shapes.end());
     buckets_.push_back(std::move(bucket));
     steps_.add_bucket();
@@ -90,6 +97,12 @@ class Reducer::Impl {
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   size_t bucket_size(int b) const { return static_cast<size_t>(checked(b).plan.numel); }
   std::span<const Shape> bucket_shapes(int b) const { return checked(b).shapes; }
+  int bucket_rank(int b) {
+    const BucketState& s = checked(b);
+    int rank = 0;
+    call([&] { rank = s.current_rank; });
+    return rank;
+  }
 
   std::shared_ptr<Completion> reduce_async(int b, float* data) {
     checked(b);
@@ -142,7 +155,9 @@ class Reducer::Impl {
       result = stats_;
       double m2 = 0, e2 = 0;
       result.relative_error.clear();
+      result.current_rank.clear();
       for (const auto& s : buckets_) {
+        result.current_rank.push_back(s->current_rank);
         result.relative_error.push_back(s->last_m2 > 0 ? std::sqrt(s->last_e2 / s->last_m2)
                                         : std::isnan(s->last_m2) ? std::nan("")
                                                                  : 0.0);
@@ -209,6 +224,8 @@ class Reducer::Impl {
       for (const auto& b : contents.buckets) {
         state.add(b.q_initialized);
         state.add(b.draws);
+        state.add(b.rank);
+        state.add(b.compressed_steps);
       }
       comm_.check_same(state.value(), detail::concat("save_job: the step count (this rank: ", contents.iteration,
                                                       ") and warm-start state"));
@@ -244,11 +261,16 @@ class Reducer::Impl {
   // What a checkpoint of this reducer holds per bucket.
   std::vector<engine::CheckpointBucketShape> checkpoint_shapes() const {
     std::vector<engine::CheckpointBucketShape> expected;
-    for (const auto& s : buckets_)
-      expected.push_back({static_cast<uint64_t>(s->plan.numel),
-                          config_.error_feedback ? engine::error_memory_size(s->plan) : 0,
-                          static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel),
-                          config_.error_feedback && s->plan.whole ? static_cast<size_t>(s->plan.numel) : 0});
+    for (const auto& s : buckets_) {
+      engine::CheckpointBucketShape shape;
+      shape.numel = static_cast<uint64_t>(s->plan.numel);
+      shape.error = config_.error_feedback ? engine::error_memory_size(s->plan) : 0;
+      shape.error_without_padding = config_.error_feedback && s->plan.whole ? static_cast<size_t>(s->plan.numel) : 0;
+      for (size_t l = 0; l < s->levels.size(); ++l)
+        shape.levels.push_back({s->level_ranks[l], static_cast<size_t>(s->levels[l].p_numel),
+                                static_cast<size_t>(s->levels[l].q_numel)});
+      expected.push_back(std::move(shape));
+    }
     return expected;
   }
 
@@ -263,7 +285,7 @@ class Reducer::Impl {
     if (started_) return;
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "reduce before any add_bucket");
     started_ = true;
-    call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback); });
+    call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback, config_.alternating); });
   }
 
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
@@ -275,10 +297,17 @@ class Reducer::Impl {
       }
       runner_->run(reduction);
     } catch (...) {
-      if (reduction.closes_step) completed_steps_ = reduction.iteration + 1;
+      if (reduction.closes_step) close_step(reduction);
       throw;
     }
-    if (reduction.closes_step) completed_steps_ = reduction.iteration + 1;
+    if (reduction.closes_step) close_step(reduction);
+  }
+
+  // Worker thread.
+  void close_step(const Reduction& reduction) {
+    completed_steps_ = reduction.iteration + 1;
+    stats_.last_step_bytes = stats_.bytes_sent - bytes_before_step_;
+    bytes_before_step_ = stats_.bytes_sent;
   }
 
   // Worker thread, collective (one fixed-size gather): the state that decides
@@ -298,6 +327,9 @@ class Reducer::Impl {
       warm_buckets += s->q_initialized ? 1 : 0;
       warm.add(s->q_initialized);
       warm.add(s->draws);
+      // Adaptive level and alternating half decide the sizes of the collectives too.
+      warm.add(s->current_rank);
+      warm.add(s->compressed_steps);
     }
     for (int b : reduction.buckets) reduced.add(b);
     enum Field : size_t { Step, Config, Layout, WarmBuckets, Warm, Reduced, Fields };
@@ -343,6 +375,10 @@ class Reducer::Impl {
       b.numel = static_cast<uint64_t>(s->plan.numel);
       b.q_initialized = s->q_initialized;
       b.draws = s->draws;
+      b.rank = s->current_rank;
+      b.compressed_steps = s->compressed_steps;
+      b.window_sum = s->window_sum;
+      b.previous_window = s->previous_window;
       if (!s->nerr.empty()) b.error = engine::read_error(*backend_, *s);
       b.p.resize(static_cast<size_t>(s->plan.p_numel));
       b.q.resize(static_cast<size_t>(s->plan.q_numel));
@@ -360,6 +396,14 @@ class Reducer::Impl {
       const engine::CheckpointBucket& b = c.buckets[i];
       s.q_initialized = b.q_initialized;
       s.draws = b.draws;
+      // The level first: the error memory's work layout is the level's plan.
+      for (size_t l = 0; l < s.levels.size(); ++l)
+        if (s.level_ranks[l] == b.rank) s.level = l;
+      s.plan = s.levels[s.level];
+      s.current_rank = b.rank;
+      s.compressed_steps = b.compressed_steps;
+      s.window_sum = b.window_sum;
+      s.previous_window = b.previous_window;
       if (!s.nerr.empty()) engine::write_error(*backend_, s, b.error);
       backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, b.p.data(), b.p.size());
       backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, b.q.data(), b.q.size());
@@ -370,6 +414,8 @@ class Reducer::Impl {
     stats_.numel_before = c.numel_before;
     stats_.numel_after = c.numel_after;
     stats_.bytes_sent = c.bytes_sent;
+    stats_.last_step_bytes = 0;
+    bytes_before_step_ = c.bytes_sent;
     backend_->synchronize();
   }
 
@@ -389,6 +435,7 @@ class Reducer::Impl {
   int64_t completed_steps_ = 0;
   bool state_check_pending_ = true;  // check_state before the next reduction
   Stats stats_;
+  uint64_t bytes_before_step_ = 0;  // stats_.bytes_sent when the step being run began
   std::unique_ptr<engine::StepRunner> runner_;
 
   // One entry of the worker's queue: a reduction, or a call that reads or
@@ -418,6 +465,7 @@ int Reducer::add_bucket(std::span<const Shape> shapes) { return impl_->add_bucke
 int Reducer::num_buckets() const { return impl_->num_buckets(); }
 size_t Reducer::bucket_size(int bucket) const { return impl_->bucket_size(bucket); }
 std::span<const Shape> Reducer::bucket_shapes(int bucket) const { return impl_->bucket_shapes(bucket); }
+int Reducer::bucket_rank(int bucket) const { return impl_->bucket_rank(bucket); }
 void Reducer::reduce(int bucket, float* data) { impl_->reduce_async(bucket, data)->wait(); }
 ReduceHandle Reducer::reduce_async(int bucket, float* data) { return ReduceHandle(impl_->reduce_async(bucket, data)); }
 void Reducer::reduce_all(std::span<float* const> data) { impl_->reduce_all(data); }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -59,7 +60,7 @@ CheckpointContents test_contents() {
 
 std::vector<CheckpointBucketShape> shapes_of(const CheckpointContents& c) {
   std::vector<CheckpointBucketShape> shapes;
-  for (const auto& b : c.buckets) shapes.push_back({b.numel, b.error.size(), b.p.size(), b.q.size()});
+  for (const auto& b : c.buckets) shapes.push_back({b.numel, b.error.size(), {{b.rank, b.p.size(), b.q.size()}}});
   return shapes;
 }
 
@@ -68,10 +69,10 @@ CheckpointContents decode(const std::vector<char>& file, const CheckpointContent
 }
 
 // A file framed around `payload` with a correct header.
-std::vector<char> framed(const std::vector<char>& payload) {
+std::vector<char> framed(const std::vector<char>& payload, uint32_t version = kCheckpointVersion) {
   Writer w;
   w.put_raw(kCheckpointMagic, sizeof(kCheckpointMagic));
-  w.put(kCheckpointVersion);
+  w.put(version);
   w.put(crc32(payload.data(), payload.size()));
   w.put(static_cast<uint64_t>(payload.size()));
   w.put_raw(payload.data(), payload.size());
@@ -135,10 +136,10 @@ TEST_CASE("checkpoint codec: every field is little-endian whatever the host's or
   CHECK(r.get_floats(2, "e") == floats);
   CHECK(r.at_end());
 
-  // The header: magic, then version 1, CRC and payload length, little-endian.
+  // The header: magic, then version 2, CRC and payload length, little-endian.
   const std::vector<char> file = encode_checkpoint(test_contents());
   CHECK(std::memcmp(file.data(), kCheckpointMagic, 8) == 0);
-  CHECK(file[8] == 1);
+  CHECK(file[8] == 2);
   CHECK(file[9] == 0);
   CHECK(file[10] == 0);
   CHECK(file[11] == 0);
@@ -171,9 +172,9 @@ TEST_CASE("checkpoint codec: truncated, corrupted and foreign input is refused w
   CHECK(contains(error_of([&] { decode(magic, like); }), "file ckpt is not a powersgd checkpoint (bad magic)"));
 
   std::vector<char> version = file;
-  version[8] = 2;
+  version[8] = 3;
   CHECK_THROWS_AS(decode(version, like), IoError);
-  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 2: this build reads version 1"));
+  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 3: this build reads versions 1 to 2"));
   version[8] = 0;
   version[11] = 1;  // big-endian 1 read as little-endian
   CHECK(contains(error_of([&] { decode(version, like); }), "has format version 16777216"));
@@ -321,4 +322,79 @@ TEST_CASE("checkpoint file: concurrent savers to one path never fail and never l
   for (const auto& entry : std::filesystem::directory_iterator("/tmp"))
     CHECK(entry.path().string().rfind(path + ".tmp", 0) != 0);
   ::unlink(path.c_str());
+}
+
+TEST_CASE("checkpoint codec: a version 1 file (before adaptive and alternating) loads with their defaults") {
+  // Version 1 as docs/engine.md lists it, written field by field.
+  const CheckpointContents like = test_contents();
+  const Config& c = like.config;
+  Writer w;
+  w.put(int32_t{c.rank});
+  w.put(c.start_iter);
+  w.put(c.min_compression_rate);
+  w.put(uint8_t{c.error_feedback});
+  w.put(uint8_t{c.warm_start});
+  w.put(c.orthogonalization_epsilon);
+  w.put(c.seed);
+  w.put(uint8_t{c.batch_same_shape});
+  w.put(uint8_t{c.whole_bucket});
+  w.put(like.layout_fingerprint);
+  w.put(static_cast<uint32_t>(like.buckets.size()));
+  for (const auto& b : like.buckets) w.put(b.numel);
+  w.put(like.world_size);
+  w.put(like.rank);
+  w.put(like.iteration);
+  w.put(like.numel_before);
+  w.put(like.numel_after);
+  w.put(like.bytes_sent);
+  for (const auto& b : like.buckets) {
+    w.put(static_cast<uint8_t>(b.q_initialized));
+    w.put(b.draws);
+    for (const auto* values : {&b.error, &b.p, &b.q}) {
+      w.put(static_cast<uint64_t>(values->size()));
+      w.put_floats(*values);
+    }
+  }
+  const std::vector<char> v1 = framed(w.take(), 1);
+  const CheckpointContents out = decode(v1, like);
+  CHECK(out.iteration == like.iteration);
+  REQUIRE(out.buckets.size() == 2);
+  for (size_t b = 0; b < 2; ++b) {
+    CHECK(out.buckets[b].rank == like.buckets[b].rank);  // the loader's (only) level
+    CHECK(out.buckets[b].compressed_steps == 0);
+    CHECK(std::isnan(out.buckets[b].previous_window));
+    CHECK(out.buckets[b].error == like.buckets[b].error);
+    CHECK(out.buckets[b].q == like.buckets[b].q);
+  }
+  // A reducer with adaptive (or alternating) on is another configuration for a version 1 file.
+  CheckpointContents adaptive = like;
+  adaptive.config.adaptive = true;
+  CHECK_THROWS_AS(decode(v1, adaptive), MismatchError);
+  CHECK(contains(error_of([&] { decode(v1, adaptive); }), "config.adaptive = 0, this reducer has 1"));
+}
+
+TEST_CASE("checkpoint codec: version 2 keeps each bucket's rank and window; a rank the loader lacks is refused") {
+  CheckpointContents in = test_contents();
+  in.config.adaptive = true;
+  in.config.rank_low = 1;
+  in.config.rank_high = 3;
+  in.buckets[0].rank = 3;
+  in.buckets[0].compressed_steps = 17;
+  in.buckets[0].window_sum = 2.5;
+  in.buckets[0].previous_window = 4.0;
+  const std::vector<char> file = encode_checkpoint(in);
+  const CheckpointContents out = decode(file, in);
+  CHECK(out.buckets[0].rank == 3);
+  CHECK(out.buckets[0].compressed_steps == 17);
+  CHECK(out.buckets[0].window_sum == 2.5);
+  CHECK(out.buckets[0].previous_window == 4.0);
+  CHECK(std::isnan(out.buckets[1].previous_window));
+  // The loader's levels give each rank's P and Q sizes; bucket 0 at rank 3 must be one of them.
+  std::vector<CheckpointBucketShape> shapes = shapes_of(in);
+  shapes[0].levels = {{1, 2, 3}, {2, 6, 9}};
+  CHECK_THROWS_AS(decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, shapes), MismatchError);
+  CHECK(contains(error_of([&] { decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, shapes); }),
+                 "bucket 0 was at rank 3, a rank this reducer's configuration does not use"));
+  shapes[0].levels = {{1, 2, 3}, {3, 6, 9}};
+  CHECK(decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, shapes).buckets[0].p == in.buckets[0].p);
 }

@@ -33,6 +33,10 @@ struct Settings {
   std::string mode = "sync";
   bool error_feedback = true;
   bool batch_same_shape = false;
+  bool alternating = false;
+  bool adaptive = false;
+  int rank_low = 1;
+  int64_t adaptive_interval = 100;
   std::string device = "cpu";
   std::string json_path;
 };
@@ -136,6 +140,11 @@ void run(const Settings& settings) {
   config.start_iter = 0;  // every measured step compressed
   config.error_feedback = settings.error_feedback;
   config.batch_same_shape = settings.batch_same_shape;
+  config.alternating = settings.alternating;
+  config.adaptive = settings.adaptive;
+  config.rank_low = settings.rank_low;
+  config.rank_high = settings.rank;
+  config.adaptive_interval = settings.adaptive_interval;
   config.device = settings.device == "cpu" ? Device::Cpu : Device::Cuda;
   Reducer reducer(*comm, config);
   const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
@@ -162,7 +171,9 @@ void run(const Settings& settings) {
   for (size_t b = 0; b < host.size(); ++b) data.push_back(device ? device_data[b].data() : host[b].data());
 
   std::vector<double> times;
+  uint64_t bytes_before = 0;  // bytes_sent when the timed steps begin
   for (int step = 0; step < settings.warmup + settings.steps; ++step) {
+    if (step == settings.warmup) bytes_before = reducer.stats().bytes_sent;
     for (size_t b = 0; b < host.size(); ++b) {
       if (device)
         device->copy_from_host(data[b], source[b].data(), source[b].size());
@@ -187,6 +198,7 @@ void run(const Settings& settings) {
   std::vector<double> per_rank(static_cast<size_t>(world));
   comm->allgather(&step_s, per_rank.data(), sizeof(double));
   const Stats stats = reducer.stats();
+  const double bytes_per_step = static_cast<double>(stats.bytes_sent - bytes_before) / settings.steps;
 
   // Minimal memory traffic of one step (bytes), per element. A compressed
   // matrix needs three passes over M = g + e, each depending on a reduction
@@ -223,6 +235,10 @@ void run(const Settings& settings) {
                         {"rank", settings.rank},
                         {"mode", settings.mode},
                         {"error_feedback", settings.error_feedback},
+                        {"alternating", settings.alternating},
+                        {"adaptive", settings.adaptive},
+                        {"bytes_per_step", bytes_per_step},
+                        {"current_rank", stats.current_rank},
                         {"device", settings.device},
                         {"backend", reducer.backend_name()},
                         {"ranks", world},
@@ -241,6 +257,9 @@ void run(const Settings& settings) {
                 model.name.c_str(), model.shapes.size(), total, buckets.size(), settings.rank, settings.mode.c_str(),
                 world, reducer.backend_name().c_str());
     for (int r = 0; r < world; ++r) std::printf("step time rank %d: %.3f ms (median of %d)\n", r, per_rank[static_cast<size_t>(r)] * 1e3, settings.steps);
+    std::printf("%s%s: %.0f bytes sent per step per rank (mean of the timed steps)\n",
+                settings.alternating ? "alternating" : "default (P then Q)", settings.adaptive ? ", adaptive" : "",
+                bytes_per_step);
     std::printf("compression rate %.1fx, relative error %.3f; worker time compress %.3f s, communicate %.3f s, "
                 "decompress %.3f s\n",
                 stats.compression_rate(), stats.total_relative_error, stats.compress_seconds,
@@ -282,6 +301,11 @@ void add_engine_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("!--no-error-feedback", settings->error_feedback, "Disable error feedback");
   cmd->add_flag("--batch-same-shape", settings->batch_same_shape, "Batched gemm over same-shaped matrices");
+  cmd->add_flag("--alternating", settings->alternating, "One collective per step (alternating P and Q halves)");
+  cmd->add_flag("--adaptive", settings->adaptive, "Adaptive rank between --rank-low and --rank");
+  cmd->add_option("--rank-low", settings->rank_low, "Adaptive: the low rank")->capture_default_str();
+  cmd->add_option("--adaptive-interval", settings->adaptive_interval, "Adaptive: compressed steps per decision")
+      ->capture_default_str();
   cmd->add_option("--device", settings->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--json", settings->json_path, "Write results as JSON to this file (rank 0)");
   cmd->callback([settings] { run(*settings); });
