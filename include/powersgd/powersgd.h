@@ -57,6 +57,13 @@ typedef struct psgd_config {
   int whole_bucket;                  /* default 0; 1 = the square-matrix variant */
   int device;                        /* 0 = CPU (default), 1 = CUDA: data pointers are device pointers */
   int device_index;                  /* default 0 */
+  /* Appended in 0.2 (a caller's shorter struct gets the defaults). Adaptive rank (docs/engine.md): */
+  int adaptive;                      /* default 0; 1 = switch each bucket between rank_low and rank_high (rank unused) */
+  int rank_low;                      /* default 1; 1 <= rank_low <= rank_high <= 64 */
+  int rank_high;                     /* default 4 */
+  int64_t adaptive_interval;         /* default 100 compressed steps per decision; >= 1 */
+  double adaptive_threshold;         /* default 0.5; relative norm change at or above it -> rank_high */
+  int alternating;                   /* default 0; 1 = one collective per step (alternating power-iteration halves) */
 } psgd_config;
 PSGD_API psgd_config psgd_config_default(void);
 
@@ -75,10 +82,15 @@ PSGD_API int64_t psgd_reducer_iteration(const psgd_reducer* r);  /* completed st
 /* Copies this rank's error-feedback memory of a bucket (bucket length; zeros before compression starts). */
 PSGD_API psgd_status psgd_reducer_error_feedback(const psgd_reducer* r, int bucket_index, float* out);
 typedef struct psgd_stats { size_t struct_size; uint64_t numel_before; uint64_t numel_after;
-  double compression_rate; uint64_t bytes_sent; double relative_error; } psgd_stats;
-#define PSGD_STATS_INIT { sizeof(psgd_stats), 0, 0, 0.0, 0, 0.0 }
+  double compression_rate; uint64_t bytes_sent; double relative_error;
+  uint64_t last_step_bytes;  /* appended in 0.2: payload bytes this rank sent in the last completed step */
+} psgd_stats;
+#define PSGD_STATS_INIT { sizeof(psgd_stats), 0, 0, 0.0, 0, 0.0, 0 }
 /* Fills the first out->struct_size bytes of *out (struct_size must be set, e.g. by PSGD_STATS_INIT). */
 PSGD_API psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
+/* The rank a bucket's compressed matrices use in its next compressed step: config.rank, or with adaptive
+   rank_low or rank_high (per matrix min(rows, cols, *rank)). */
+PSGD_API psgd_status psgd_reducer_bucket_rank(const psgd_reducer* r, int bucket_index, int* rank);
 PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
 PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
 PSGD_API void psgd_reducer_destroy(psgd_reducer* r);

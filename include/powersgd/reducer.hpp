@@ -44,6 +44,18 @@ struct PSGD_API Config {
   bool whole_bucket = false;                // the whole bucket as one zero-padded square matrix
   Device device = Device::Cpu;
   int device_index = 0;                     // >= 0
+  // Adaptive rank (Accordion; docs/engine.md): every adaptive_interval compressed
+  // steps each bucket switches between rank_low and rank_high on the relative
+  // change of its averaged gradient's norm (>= adaptive_threshold, or the first
+  // window: rank_high). With adaptive, `rank` is not used (still validated).
+  // rank_low, rank_high: 1 <= rank_low <= rank_high <= 64, validated whether or not adaptive is on.
+  bool adaptive = false;
+  int rank_low = 1;
+  int rank_high = 4;
+  int64_t adaptive_interval = 100;          // >= 1 compressed steps per window
+  double adaptive_threshold = 0.5;          // finite, >= 0
+  // One collective per step: alternate the power-iteration halves (docs/engine.md).
+  bool alternating = false;
 
   // Throws InvalidArgumentError naming the first invalid field and its value.
   void validate() const;
@@ -70,6 +82,11 @@ struct PSGD_API Stats {
   double compress_seconds = 0.0;
   double communicate_seconds = 0.0;
   double decompress_seconds = 0.0;
+  // Per bucket: the rank its compressed matrices use in the next compressed step
+  // (config.rank; with adaptive, rank_low or rank_high; per matrix min(n, m, that)).
+  std::vector<int> current_rank;
+  // Payload bytes this rank passed to collectives in the last completed step.
+  uint64_t last_step_bytes = 0;
 };
 
 // Completion handle of reduce_async. wait() blocks until the reduction finished
@@ -107,6 +124,9 @@ class PSGD_API Reducer {
   int num_buckets() const;
   size_t bucket_size(int bucket) const;        // elements of the bucket's flat buffer
   std::span<const Shape> bucket_shapes(int bucket) const;
+  // The rank the bucket's compressed matrices use in its next compressed step
+  // (Stats::current_rank[bucket]; waits for in-flight reductions).
+  int bucket_rank(int bucket) const;
 
   // Collective, in place. Reducing a bucket twice in one step is an
   // InvalidArgumentError; a step completes when every bucket was reduced once.

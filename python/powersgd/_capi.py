@@ -46,6 +46,12 @@ class Config(ctypes.Structure):
         ("whole_bucket", ctypes.c_int),
         ("device", ctypes.c_int),
         ("device_index", ctypes.c_int),
+        ("adaptive", ctypes.c_int),
+        ("rank_low", ctypes.c_int),
+        ("rank_high", ctypes.c_int),
+        ("adaptive_interval", ctypes.c_int64),
+        ("adaptive_threshold", ctypes.c_double),
+        ("alternating", ctypes.c_int),
     ]
 
 
@@ -59,6 +65,7 @@ class Stats(ctypes.Structure):
         ("compression_rate", ctypes.c_double),
         ("bytes_sent", ctypes.c_uint64),
         ("relative_error", ctypes.c_double),
+        ("last_step_bytes", ctypes.c_uint64),
     ]
 
     def __init__(self):

@@ -95,6 +95,12 @@ powersgd::Config to_config(const psgd_config& c) {
                ": expected 0 (CPU) or 1 (CUDA)");
   config.device = c.device == 0 ? powersgd::Device::Cpu : powersgd::Device::Cuda;
   config.device_index = c.device_index;
+  config.adaptive = as_bool(c.adaptive, "adaptive");
+  config.rank_low = c.rank_low;
+  config.rank_high = c.rank_high;
+  config.adaptive_interval = c.adaptive_interval;
+  config.adaptive_threshold = c.adaptive_threshold;
+  config.alternating = as_bool(c.alternating, "alternating");
   config.validate();
   return config;
 }
@@ -152,6 +158,12 @@ psgd_config psgd_config_default(void) {
   c.whole_bucket = d.whole_bucket ? 1 : 0;
   c.device = d.device == powersgd::Device::Cpu ? 0 : 1;
   c.device_index = d.device_index;
+  c.adaptive = d.adaptive ? 1 : 0;
+  c.rank_low = d.rank_low;
+  c.rank_high = d.rank_high;
+  c.adaptive_interval = d.adaptive_interval;
+  c.adaptive_threshold = d.adaptive_threshold;
+  c.alternating = d.alternating ? 1 : 0;
   return c;
 }
 
@@ -236,8 +248,17 @@ psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out) {
     result.compression_rate = s.compression_rate();
     result.bytes_sent = s.bytes_sent;
     result.relative_error = s.total_relative_error;
+    result.last_step_bytes = s.last_step_bytes;
     // A caller's larger struct keeps its later fields; a smaller one gets only what it has.
     std::memcpy(out, &result, std::min(size, sizeof(result)));
+  });
+}
+
+psgd_status psgd_reducer_bucket_rank(const psgd_reducer* r, int bucket_index, int* rank) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(rank);
+    *rank = r->reducer->bucket_rank(bucket_index);
   });
 }
 

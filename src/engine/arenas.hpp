@@ -33,6 +33,7 @@ struct BucketState {
   uint64_t draws = 0;
   std::vector<float> host_plain;  // staging of plain steps when the backend is not host-accessible
   double last_m2 = std::nan(""), last_e2 = std::nan("");
+  int current_rank = 1;  // Stats::current_rank
 
   // The buffer a plain (uncompressed) step reduces: numel floats and the flag.
   float* plain_buffer() const { return plan.whole ? tmp.data() : in.data(); }

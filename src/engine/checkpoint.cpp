@@ -42,11 +42,22 @@ void put_config(Writer& w, const Config& config) {
   });
 }
 
-void expect_config(Reader& r, const Config& config) {
+// A field that `version` predates was at its default when the file was written.
+void expect_config(Reader& r, const Config& config, uint32_t version) {
+  const Config defaults;
+  std::vector<uint64_t> default_bits;  // each field's default, as its wire bits, in the list's order
+  for_each_config_field(defaults, [&](const FieldSpec&, const auto& value) {
+    using Wire = WireType<std::decay_t<decltype(value)>>;
+    default_bits.push_back(std::bit_cast<wire::Bits<Wire>>(static_cast<Wire>(value)));
+  });
+  size_t index = 0;
   for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
+    const uint64_t default_value = default_bits[index++];
     if (spec.scope != FieldScope::Shared) return;
     using Wire = WireType<std::decay_t<decltype(value)>>;
-    const Wire theirs = r.get<Wire>(spec.name);
+    const Wire theirs = spec.since_version <= version
+                            ? r.get<Wire>(spec.name)
+                            : std::bit_cast<Wire>(static_cast<wire::Bits<Wire>>(default_value));
     const Wire mine = static_cast<Wire>(value);
     PSGD_REQUIRE(theirs == mine, MismatchError, "checkpoint ", r.path(), " was written with config.", spec.name, " = ",
                  +theirs, ", this reducer has ", +mine);
@@ -65,8 +76,8 @@ void put_counted_floats(Writer& w, const std::vector<float>& values) {
   w.put_floats(values);
 }
 
-// Returns the payload of a checked file.
-std::span<const char> unframe(std::span<const char> file, const std::string& path) {
+// Returns the payload of a checked file and sets its format version.
+std::span<const char> unframe(std::span<const char> file, const std::string& path, uint32_t& version) {
   PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
                " bytes, shorter than its ", kCheckpointHeaderBytes, "-byte header");
   Reader header(file.first(kCheckpointHeaderBytes), path);
@@ -74,9 +85,10 @@ std::span<const char> unframe(std::span<const char> file, const std::string& pat
   header.get_raw(magic, sizeof(magic), "magic");
   PSGD_REQUIRE(std::memcmp(magic, kCheckpointMagic, sizeof(magic)) == 0, IoError, "file ", path,
                " is not a powersgd checkpoint (bad magic)");
-  const auto version = header.get<uint32_t>("version");
-  PSGD_REQUIRE(version == kCheckpointVersion, IoError, "checkpoint ", path, " has format version ", version,
-               ": this build reads version ", kCheckpointVersion);
+  version = header.get<uint32_t>("version");
+  PSGD_REQUIRE(version >= kCheckpointOldestVersion && version <= kCheckpointVersion, IoError, "checkpoint ", path,
+               " has format version ", version, ": this build reads versions ", kCheckpointOldestVersion, " to ",
+               kCheckpointVersion);
   const auto crc = header.get<uint32_t>("crc");
   const auto recorded = header.get<uint64_t>("payload length");
   const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
@@ -168,9 +180,10 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c) {
 
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
                                      uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets) {
-  Reader r(unframe(file, path), path);
+  uint32_t version = 0;
+  Reader r(unframe(file, path, version), path);
   CheckpointContents c;
-  expect_config(r, config);
+  expect_config(r, config, version);
   c.config = config;
   c.layout_fingerprint = r.get<uint64_t>("layout fingerprint");
   const auto count = r.get<uint32_t>("bucket count");

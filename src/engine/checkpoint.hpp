@@ -19,7 +19,10 @@
 namespace powersgd::engine {
 
 inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 'T'};
-inline constexpr uint32_t kCheckpointVersion = 1;
+// Version 2 appended the adaptive and alternating config fields. load() also
+// reads version 1 files (those fields at their defaults).
+inline constexpr uint32_t kCheckpointVersion = 2;
+inline constexpr uint32_t kCheckpointOldestVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
 
 uint32_t crc32(const void* data, size_t size);

@@ -23,6 +23,11 @@ void Config::validate() const {
       PSGD_REQUIRE(valid, InvalidArgumentError, "config.", spec.name, " = ", number, ": expected ", spec.expected);
     }
   });
+  PSGD_REQUIRE(rank_low <= rank_high, InvalidArgumentError, "config.rank_low = ", rank_low, " > config.rank_high = ",
+               rank_high, ": expected rank_low <= rank_high");
+  PSGD_REQUIRE(!adaptive, UnsupportedError, "config.adaptive = 1: adaptive rank is not implemented in this build");
+  PSGD_REQUIRE(!alternating, UnsupportedError,
+               "config.alternating = 1: alternating power iterations are not implemented in this build");
 }
 
 }  // namespace powersgd

@@ -20,6 +20,9 @@ struct FieldSpec {
   double min;
   double max;
   const char* expected;
+  // The first checkpoint format version whose config record holds the field
+  // (an older file is read with the field at its default; checkpoint.cpp).
+  uint32_t since_version = 1;
 };
 
 inline constexpr double kNoLimit = 1.7976931348623157e308;
@@ -41,6 +44,12 @@ void for_each_config_field(ConfigT& config, F&& f) {
   f(FieldSpec{"whole_bucket", Shared, 0, 1, "0 or 1"}, config.whole_bucket);
   f(FieldSpec{"device", PerRank, 0, 1, "Cpu (0) or Cuda (1)"}, config.device);
   f(FieldSpec{"device_index", PerRank, 0, kNoLimit, ">= 0"}, config.device_index);
+  f(FieldSpec{"adaptive", Shared, 0, 1, "0 or 1", 2}, config.adaptive);
+  f(FieldSpec{"rank_low", Shared, 1, 64, "1 to 64", 2}, config.rank_low);
+  f(FieldSpec{"rank_high", Shared, 1, 64, "1 to 64", 2}, config.rank_high);
+  f(FieldSpec{"adaptive_interval", Shared, 1, kNoLimit, ">= 1", 2}, config.adaptive_interval);
+  f(FieldSpec{"adaptive_threshold", Shared, 0, kNoLimit, "a finite value >= 0", 2}, config.adaptive_threshold);
+  f(FieldSpec{"alternating", Shared, 0, 1, "0 or 1", 2}, config.alternating);
 }
 
 }  // namespace powersgd::engine

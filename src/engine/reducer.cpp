@@ -61,6 +61,7 @@ class Reducer::Impl {
     auto bucket = std::make_unique<BucketState>();
     bucket->plan = std::move(plan);
     bucket->shapes.assign(shapes.begin(), shapes.end());
+    bucket->current_rank = config_.adaptive ? config_.rank_high : config_.rank;
     buckets_.push_back(std::move(bucket));
     steps_.add_bucket();
     return index;
@@ -69,6 +70,12 @@ class Reducer::Impl {
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   size_t bucket_size(int b) const { return static_cast<size_t>(checked(b).plan.numel); }
   std::span<const Shape> bucket_shapes(int b) const { return checked(b).shapes; }
+  int bucket_rank(int b) {
+    const BucketState& s = checked(b);
+    int rank = 0;
+    call([&] { rank = s.current_rank; });
+    return rank;
+  }
 
   std::shared_ptr<Completion> reduce_async(int b, float* data) {
     checked(b);
@@ -120,7 +127,9 @@ class Reducer::Impl {
       result = stats_;
       double m2 = 0, e2 = 0;
       result.relative_error.clear();
+      result.current_rank.clear();
       for (const auto& s : buckets_) {
+        result.current_rank.push_back(s->current_rank);
         result.relative_error.push_back(s->last_m2 > 0 ? std::sqrt(s->last_e2 / s->last_m2)
                                         : std::isnan(s->last_m2) ? std::nan("")
                                                                  : 0.0);
@@ -193,10 +202,17 @@ class Reducer::Impl {
     try {
       runner_->run(reduction);
     } catch (...) {
-      if (reduction.closes_step) completed_steps_ = reduction.iteration + 1;
+      if (reduction.closes_step) close_step(reduction);
       throw;
     }
-    if (reduction.closes_step) completed_steps_ = reduction.iteration + 1;
+    if (reduction.closes_step) close_step(reduction);
+  }
+
+  // Worker thread.
+  void close_step(const Reduction& reduction) {
+    completed_steps_ = reduction.iteration + 1;
+    stats_.last_step_bytes = stats_.bytes_sent - bytes_before_step_;
+    bytes_before_step_ = stats_.bytes_sent;
   }
 
   // Worker thread: this rank's state, for the checkpoint.
@@ -241,6 +257,8 @@ class Reducer::Impl {
     stats_.numel_before = c.numel_before;
     stats_.numel_after = c.numel_after;
     stats_.bytes_sent = c.bytes_sent;
+    stats_.last_step_bytes = 0;
+    bytes_before_step_ = c.bytes_sent;
     backend_->synchronize();
   }
 
@@ -259,6 +277,7 @@ class Reducer::Impl {
   engine::Arenas arenas_;
   int64_t completed_steps_ = 0;
   Stats stats_;
+  uint64_t bytes_before_step_ = 0;  // stats_.bytes_sent when the step being run began
   std::unique_ptr<engine::StepRunner> runner_;
 
   // One entry of the worker's queue: a reduction, or a call that reads or
@@ -288,6 +307,7 @@ int Reducer::add_bucket(std::span<const Shape> shapes) { return impl_->add_bucke
 int Reducer::num_buckets() const { return impl_->num_buckets(); }
 size_t Reducer::bucket_size(int bucket) const { return impl_->bucket_size(bucket); }
 std::span<const Shape> Reducer::bucket_shapes(int bucket) const { return impl_->bucket_shapes(bucket); }
+int Reducer::bucket_rank(int bucket) const { return impl_->bucket_rank(bucket); }
 void Reducer::reduce(int bucket, float* data) { impl_->reduce_async(bucket, data)->wait(); }
 ReduceHandle Reducer::reduce_async(int bucket, float* data) { return ReduceHandle(impl_->reduce_async(bucket, data)); }
 void Reducer::reduce_all(std::span<float* const> data) { impl_->reduce_all(data); }

@@ -135,10 +135,10 @@ TEST_CASE("checkpoint codec: every field is little-endian whatever the host's or
   CHECK(r.get_floats(2, "e") == floats);
   CHECK(r.at_end());
 
-  // The header: magic, then version 1, CRC and payload length, little-endian.
+  // The header: magic, then version 2, CRC and payload length, little-endian.
   const std::vector<char> file = encode_checkpoint(test_contents());
   CHECK(std::memcmp(file.data(), kCheckpointMagic, 8) == 0);
-  CHECK(file[8] == 1);
+  CHECK(file[8] == 2);
   CHECK(file[9] == 0);
   CHECK(file[10] == 0);
   CHECK(file[11] == 0);
@@ -171,9 +171,9 @@ TEST_CASE("checkpoint codec: truncated, corrupted and foreign input is refused w
   CHECK(contains(error_of([&] { decode(magic, like); }), "file ckpt is not a powersgd checkpoint (bad magic)"));
 
   std::vector<char> version = file;
-  version[8] = 2;
+  version[8] = 3;
   CHECK_THROWS_AS(decode(version, like), IoError);
-  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 2: this build reads version 1"));
+  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 3: this build reads versions 1 to 2"));
   version[8] = 0;
   version[11] = 1;  // big-endian 1 read as little-endian
   CHECK(contains(error_of([&] { decode(version, like); }), "has format version 16777216"));

@@ -59,6 +59,12 @@ TEST_CASE("config: every invalid field is named with its value") {
       {[](Config& c) { c.orthogonalization_epsilon = INFINITY; }, "config.orthogonalization_epsilon = inf"},
       {[](Config& c) { c.device_index = -2; }, "config.device_index = -2"},
       {[](Config& c) { c.device = static_cast<Device>(7); }, "config.device = 7"},
+      {[](Config& c) { c.rank_low = 0; }, "config.rank_low = 0: expected 1 to 64"},
+      {[](Config& c) { c.rank_high = 65; }, "config.rank_high = 65: expected 1 to 64"},
+      {[](Config& c) { c.rank_low = 3, c.rank_high = 2; }, "config.rank_low = 3 > config.rank_high = 2"},
+      {[](Config& c) { c.adaptive_interval = 0; }, "config.adaptive_interval = 0: expected >= 1"},
+      {[](Config& c) { c.adaptive_threshold = -0.25; }, "config.adaptive_threshold = -0.25"},
+      {[](Config& c) { c.adaptive_threshold = std::nan(""); }, "config.adaptive_threshold = nan"},
   };
   for (const auto& bad : cases) {
     Config c;
@@ -363,6 +369,12 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(d.whole_bucket == 0);
   CHECK(d.device == 0);
   CHECK(d.device_index == 0);
+  CHECK(d.adaptive == 0);
+  CHECK(d.rank_low == 1);
+  CHECK(d.rank_high == 4);
+  CHECK(d.adaptive_interval == 100);
+  CHECK(d.adaptive_threshold == 0.5);
+  CHECK(d.alternating == 0);
 
   CHECK(psgd_comm_init_from_env(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("'out'") != std::string::npos);
@@ -386,6 +398,14 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("config.warm_start = 2") != std::string::npos);
   CHECK(r == nullptr);
+  bad = d;
+  bad.alternating = 3;
+  CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("config.alternating = 3") != std::string::npos);
+  bad = d;
+  bad.rank_low = 5;
+  CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("config.rank_low = 5 > config.rank_high = 4") != std::string::npos);
   CHECK(psgd_reducer_create(comm, nullptr, &r) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("'config'") != std::string::npos);
 
@@ -415,6 +435,12 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(stats.numel_before == 2 * 53);
   CHECK(stats.compression_rate > 1.0);
   CHECK(stats.relative_error > 0.0);
+  CHECK(stats.last_step_bytes > 0);
+  int bucket_rank = 0;
+  CHECK(psgd_reducer_bucket_rank(r, 0, &bucket_rank) == PSGD_OK);
+  CHECK(bucket_rank == 1);
+  CHECK(psgd_reducer_bucket_rank(r, 1, &bucket_rank) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_bucket_rank(r, 0, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
   const std::string path = temp_path("capi");
   CHECK(psgd_reducer_save(r, path.c_str()) == PSGD_OK);
   CHECK(psgd_reducer_load(r, (path + ".none").c_str()) == PSGD_ERR_IO);
@@ -445,6 +471,18 @@ TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
   CHECK(psgd_reducer_create(comm, &unsized, &r) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("config.struct_size = 8: expected at least") != std::string::npos);
   CHECK(r == nullptr);
+
+  // A caller compiled against powersgd 0.1's header: its struct ends at device_index; what lies beyond
+  // (here set to invalid values) is not read, and the appended fields take their defaults.
+  struct Older {
+    psgd_config config;
+  } older{d};
+  older.config.struct_size = offsetof(psgd_config, device_index) + sizeof(int);
+  older.config.rank_low = 99;
+  older.config.alternating = 7;
+  REQUIRE(psgd_reducer_create(comm, &older.config, &r) == PSGD_OK);
+  psgd_reducer_destroy(r);
+  r = nullptr;
 
   // A caller compiled against a newer header: a longer struct whose extra fields are at their zero
   // defaults works; a set extra field this library cannot honour is refused.
