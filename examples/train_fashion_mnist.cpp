@@ -86,6 +86,11 @@ int main(int argc, char** argv) {
   float lr = 0.05f, lr_decay_factor = 0.1f;
   std::vector<int> lr_decay_epochs;
   bool no_compression = false, no_error_feedback = false, no_warm_start = false;
+  powersgd::Config defaults;
+  bool adaptive = false, alternating = false;
+  int rank_low = defaults.rank_low, rank_high = defaults.rank_high;
+  int64_t adaptive_interval = defaults.adaptive_interval;
+  double adaptive_threshold = defaults.adaptive_threshold;
   std::string record_path;
   int record_steps = 10;
   int64_t record_from = 0;
@@ -112,6 +117,18 @@ int main(int argc, char** argv) {
   app.add_flag("--no-compression", no_compression, "Average gradients with a plain allreduce instead");
   app.add_flag("--no-error-feedback", no_error_feedback, "PowerSGD without error feedback (Config::error_feedback)");
   app.add_flag("--no-warm-start", no_warm_start, "PowerSGD without warm start of Q (Config::warm_start)");
+  app.add_flag("--adaptive", adaptive,
+               "Adaptive rank (Config::adaptive): each bucket switches between --rank-low and --rank-high; "
+               "--rank is not used");
+  app.add_option("--rank-low", rank_low, "Adaptive rank: the low rank")->check(CLI::Range(1, 64));
+  app.add_option("--rank-high", rank_high, "Adaptive rank: the high rank")->check(CLI::Range(1, 64));
+  app.add_option("--adaptive-interval", adaptive_interval, "Adaptive rank: compressed steps per decision window")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--adaptive-threshold", adaptive_threshold,
+                 "Adaptive rank: relative change of the gradient norm that selects --rank-high")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--alternating", alternating,
+               "One collective per step: alternate the power-iteration halves (Config::alternating)");
   app.add_option("--record-gradients", record_path,
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
@@ -158,12 +175,20 @@ int main(int argc, char** argv) {
     config.start_iter = start_iter;
     config.error_feedback = !no_error_feedback;
     config.warm_start = !no_warm_start;
+    config.adaptive = adaptive;
+    config.rank_low = rank_low;
+    config.rank_high = rank_high;
+    config.adaptive_interval = adaptive_interval;
+    config.adaptive_threshold = adaptive_threshold;
+    config.alternating = alternating;
     powersgd::Reducer reducer(*comm, config);
     int buckets[2] = {reducer.add_bucket(model->bucket_shapes(0)), reducer.add_bucket(model->bucket_shapes(1))};
     if (me == 0) {
       std::string method = "plain allreduce";
       if (!no_compression) {
-        method = "PowerSGD rank " + std::to_string(rank);
+        method = adaptive ? "PowerSGD adaptive rank " + std::to_string(rank_low) + ".." + std::to_string(rank_high)
+                          : "PowerSGD rank " + std::to_string(rank);
+        if (alternating) method += ", alternating";
         if (no_error_feedback) method += ", no error feedback";
         if (no_warm_start) method += ", no warm start";
       }
@@ -226,15 +251,19 @@ int main(int argc, char** argv) {
       double totals[3] = {loss_sum, double(correct), double(test_correct)};
       comm->allreduce(totals, 3, powersgd::DataType::Float64);
       double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const uint64_t bytes_so_far = no_compression ? plain_bytes : reducer.stats().bytes_sent;
+      const powersgd::Stats stats = reducer.stats();
+      const uint64_t bytes_so_far = no_compression ? plain_bytes : stats.bytes_sent;
       if (me == 0) {
         double samples = double(steps_per_epoch) * global_batch;
+        std::string ranks;  // adaptive: each bucket's rank for the next step
+        for (size_t b = 0; adaptive && b < stats.current_rank.size(); ++b)
+          ranks += (b == 0 ? ", bucket ranks " : "/") + std::to_string(stats.current_rank[b]);
         // "%.1f s" is the time since training began; the bytes are this epoch's gradient payload of rank 0.
         std::printf("epoch %d: train loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, %.1f s, lr %g, "
-                    "%llu bytes sent per rank\n",
+                    "%llu bytes sent per rank%s\n",
                     epoch + 1, totals[0] / samples, 100.0 * totals[1] / samples,
                     100.0 * totals[2] / double(test.count), seconds, double(epoch_lr),
-                    static_cast<unsigned long long>(bytes_so_far - bytes_before_epoch));
+                    static_cast<unsigned long long>(bytes_so_far - bytes_before_epoch), ranks.c_str());
         std::fflush(stdout);
       }
       bytes_before_epoch = bytes_so_far;
