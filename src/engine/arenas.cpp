@@ -6,7 +6,8 @@
 
 namespace powersgd::engine {
 
-void Arenas::allocate(compute::Backend& be, std::vector<std::unique_ptr<BucketState>>& buckets, bool error_feedback) {
+void Arenas::allocate(compute::Backend& be, std::vector<std::unique_ptr<BucketState>>& buckets, bool error_feedback,
+                      bool alternating) {
   host_accessible = be.host_accessible();
   int64_t unc_count = 0, p_count = 0, q_count = 0;
   for (auto& sp : buckets) {
@@ -17,18 +18,25 @@ void Arenas::allocate(compute::Backend& be, std::vector<std::unique_ptr<BucketSt
     if (error_feedback) s.nerr = be.allocate(plan.whole ? static_cast<size_t>(plan.numel) : work + 1);
     if (plan.whole) s.tmp = be.allocate(std::max(work, static_cast<size_t>(plan.numel) + 1));
     if (!host_accessible) s.host_plain.resize(static_cast<size_t>(plan.numel) + 1);
+    // Slots fit every level (the work buffer and packing are the same size at every level).
+    int64_t packed = 0, p_numel = 0, q_numel = 0;
+    for (const auto& level : s.levels) {
+      packed = std::max(packed, level.packed_numel);
+      p_numel = std::max(p_numel, level.p_numel);
+      q_numel = std::max(q_numel, level.q_numel);
+    }
     s.unc_offset = unc_count;
-    s.p_work_offset = unc_count + plan.packed_numel + 1;
     s.p_offset = p_count;
     s.q_offset = q_count;
-    unc_count += plan.packed_numel + 1 + plan.p_numel;
-    p_count += plan.p_numel;
-    q_count += plan.q_numel;
+    unc_count += packed + 1 + (alternating ? std::max(p_numel, q_numel) : p_numel);
+    p_count += p_numel;
+    q_count += q_numel;
   }
   unc = be.allocate(static_cast<size_t>(unc_count));
   q_work = be.allocate(static_cast<size_t>(q_count));
   p_state = be.allocate(static_cast<size_t>(p_count));
   q_state = be.allocate(static_cast<size_t>(q_count));
+  if (alternating) p_work = be.allocate(static_cast<size_t>(p_count));
   if (!host_accessible) {
     unc_host.resize(static_cast<size_t>(unc_count));
     q_host.resize(static_cast<size_t>(q_count));

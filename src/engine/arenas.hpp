@@ -16,7 +16,11 @@ namespace powersgd::engine {
 
 // One bucket: its plan, its device buffers and its slice of every arena.
 struct BucketState {
-  BucketPlan plan;
+  BucketPlan plan;  // the current level's: levels[level]
+  // One plan per rank level: {config.rank}, or with adaptive {rank_low, rank_high}.
+  std::vector<BucketPlan> levels;
+  std::vector<int> level_ranks;
+  size_t level = 0;
   std::vector<Shape> shapes;
   // Work buffer (layout in plan.hpp) plus one float: the finite flag of plain steps.
   compute::DeviceBuffer in;
@@ -25,15 +29,24 @@ struct BucketState {
   compute::DeviceBuffer nerr;
   // Whole bucket only: the side x side output, and the plain step's buffer.
   compute::DeviceBuffer tmp;
-  // In the first-collective arena: the packed uncompressed tensors, the finite
-  // flag, then P (packed_numel + 1 + p_numel floats from unc_offset).
-  int64_t unc_offset = 0, p_work_offset = 0;
-  int64_t p_offset = 0, q_offset = 0;  // in the P state arena; in the Q arenas
+  // The bucket's slot in the first-collective arena, where a reduction of this
+  // bucket alone places [packed uncompressed | finite flag | P, or with
+  // alternating P or Q] (sized for the largest level); reduce_all packs the
+  // buckets' ranges one after the other from offset 0 instead (step_runner.cpp).
+  int64_t unc_offset = 0;
+  int64_t p_offset = 0, q_offset = 0;  // slots in the P arenas; in the Q arenas
   bool q_initialized = false;
   uint64_t draws = 0;
   std::vector<float> host_plain;  // staging of plain steps when the backend is not host-accessible
   double last_m2 = std::nan(""), last_e2 = std::nan("");
-  int current_rank = 1;  // Stats::current_rank
+  int current_rank = 1;  // level_ranks[level]: Stats::current_rank
+  // Successful compressed steps (identical on every rank): the alternating
+  // half (even: P, odd: Q) and the adaptive window.
+  uint64_t compressed_steps = 0;
+  // Adaptive: sum of the averaged output's norm over this window's steps, and
+  // the previous window's sum (NaN: no window completed yet).
+  double window_sum = 0.0;
+  double previous_window = std::nan("");
 
   // The buffer a plain (uncompressed) step reduces: numel floats and the flag.
   float* plain_buffer() const { return plan.whole ? tmp.data() : in.data(); }
@@ -49,7 +62,8 @@ struct Segment {
 
 struct Arenas {
   // Allocates every bucket's buffers and the arenas, and sets each bucket's offsets.
-  void allocate(compute::Backend& backend, std::vector<std::unique_ptr<BucketState>>& buckets, bool error_feedback);
+  void allocate(compute::Backend& backend, std::vector<std::unique_ptr<BucketState>>& buckets, bool error_feedback,
+                bool alternating);
 
   Segment unc_segment(int64_t offset, int64_t count) { return segment(unc, unc_host, offset, count); }
   Segment q_segment(int64_t offset, int64_t count) { return segment(q_work, q_host, offset, count); }
@@ -60,6 +74,7 @@ struct Arenas {
   compute::DeviceBuffer q_work;   // this step's Q of every bucket
   compute::DeviceBuffer p_state;  // warm-start P and Q, kept between steps
   compute::DeviceBuffer q_state;
+  compute::DeviceBuffer p_work;   // alternating: the orthonormalized P of a Q half
   std::vector<float> unc_host, q_host;
 
  private:

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdlib>
@@ -162,6 +163,10 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c) {
   for (const auto& b : c.buckets) {
     w.put(static_cast<uint8_t>(b.q_initialized));
     w.put(b.draws);
+    w.put(b.rank);
+    w.put(b.compressed_steps);
+    w.put(b.window_sum);
+    w.put(b.previous_window);
     put_counted_floats(w, b.error);
     put_counted_floats(w, b.p);
     put_counted_floats(w, b.q);
@@ -209,9 +214,25 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
     CheckpointBucket& out = c.buckets[b];
     out.q_initialized = r.get<uint8_t>("q_initialized") != 0;
     out.draws = r.get<uint64_t>("draws");
+    const std::vector<CheckpointLevel>& levels = buckets[b].levels;
+    PSGD_ASSERT(!levels.empty(), "bucket ", b, " has no rank level");
+    const CheckpointLevel* level = &levels.front();
+    if (version >= 2) {
+      out.rank = r.get<int32_t>("rank");
+      const auto found = std::find_if(levels.begin(), levels.end(),
+                                      [&](const CheckpointLevel& l) { return l.rank == out.rank; });
+      PSGD_REQUIRE(found != levels.end(), MismatchError, "checkpoint ", path, ": bucket ", b, " was at rank ",
+                   out.rank, ", a rank this reducer's configuration does not use");
+      level = &*found;
+      out.compressed_steps = r.get<uint64_t>("compressed steps");
+      out.window_sum = r.get<double>("window sum");
+      out.previous_window = r.get<double>("previous window");
+    } else {
+      out.rank = level->rank;
+    }
     out.error = get_counted_floats(r, buckets[b].error, "error", b);
-    out.p = get_counted_floats(r, buckets[b].p, "P", b);
-    out.q = get_counted_floats(r, buckets[b].q, "Q", b);
+    out.p = get_counted_floats(r, level->p, "P", b);
+    out.q = get_counted_floats(r, level->q, "Q", b);
   }
   PSGD_REQUIRE(r.at_end(), IoError, "checkpoint ", path, " is malformed: bytes after the last bucket");
   return c;

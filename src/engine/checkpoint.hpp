@@ -7,6 +7,7 @@
 #pragma once
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -19,8 +20,9 @@
 namespace powersgd::engine {
 
 inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 'T'};
-// Version 2 appended the adaptive and alternating config fields. load() also
-// reads version 1 files (those fields at their defaults).
+// Version 2 appended the adaptive and alternating config fields and, per
+// bucket, its rank and step state. load() also reads version 1 files (those
+// fields at their defaults: a reducer without adaptive or alternating).
 inline constexpr uint32_t kCheckpointVersion = 2;
 inline constexpr uint32_t kCheckpointOldestVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
@@ -88,7 +90,13 @@ struct CheckpointBucket {
   bool q_initialized = false;
   uint64_t draws = 0;
   std::vector<float> error;  // error-feedback memory in the bucket's order; empty without error feedback
-  std::vector<float> p, q;   // warm-start state
+  std::vector<float> p, q;   // warm-start state (sized by the plan at `rank`)
+  // Version 2: the rank of the bucket's next compressed step, its successful
+  // compressed steps, and the adaptive window (sum so far, previous window's; NaN: none).
+  int32_t rank = 1;
+  uint64_t compressed_steps = 0;
+  double window_sum = 0.0;
+  double previous_window = std::nan("");
 };
 
 // A rank's whole reducer state.
@@ -102,10 +110,16 @@ struct CheckpointContents {
   std::vector<CheckpointBucket> buckets;
 };
 
-// What the loading reducer expects of each bucket: its size and float counts.
+// What the loading reducer expects of each bucket: its size, error float count,
+// and per rank level the level's rank and P and Q float counts.
+struct CheckpointLevel {
+  int32_t rank = 1;
+  size_t p = 0, q = 0;
+};
 struct CheckpointBucketShape {
   uint64_t numel = 0;
-  size_t error = 0, p = 0, q = 0;
+  size_t error = 0;
+  std::vector<CheckpointLevel> levels;  // a version 1 file has the first level's
 };
 
 // Header + payload, ready for write_checkpoint_file.

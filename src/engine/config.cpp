@@ -25,9 +25,10 @@ void Config::validate() const {
   });
   PSGD_REQUIRE(rank_low <= rank_high, InvalidArgumentError, "config.rank_low = ", rank_low, " > config.rank_high = ",
                rank_high, ": expected rank_low <= rank_high");
-  PSGD_REQUIRE(!adaptive, UnsupportedError, "config.adaptive = 1: adaptive rank is not implemented in this build");
-  PSGD_REQUIRE(!alternating, UnsupportedError,
-               "config.alternating = 1: alternating power iterations are not implemented in this build");
+  // Each alternating half starts from the other half's averaged factor: that is the warm start.
+  PSGD_REQUIRE(!alternating || warm_start, InvalidArgumentError,
+               "config.alternating = 1 with config.warm_start = 0: alternating needs warm_start = 1 (each step "
+               "starts from the previous step's averaged factor)");
 }
 
 }  // namespace powersgd

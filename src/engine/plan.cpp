@@ -16,7 +16,7 @@ bool should_compress(int64_t rows, int64_t cols, int rank, double min_compressio
          static_cast<double>(rows) * static_cast<double>(cols);
 }
 
-BucketPlan make_plan(std::span<const Shape> shapes, const Config& config) {
+BucketPlan make_plan(std::span<const Shape> shapes, const Config& config, int rank) {
   PSGD_REQUIRE(!shapes.empty(), InvalidArgumentError, "bucket has no tensors: expected at least one shape");
   // The backends take 32-bit-safe counts per gemm dimension; one flag float follows the bucket.
   constexpr int64_t kMaxNumel = std::numeric_limits<int32_t>::max() - 1;
@@ -51,7 +51,7 @@ BucketPlan make_plan(std::span<const Shape> shapes, const Config& config) {
     plan.side = side;
     Group g;
     g.rows = g.cols = side;
-    g.rank = std::min<int64_t>(side, config.rank);
+    g.rank = std::min<int64_t>(side, rank);
     g.count = 1;
     plan.groups.push_back(g);
     plan.compressed_numel = side * side;
@@ -73,7 +73,7 @@ BucketPlan make_plan(std::span<const Shape> shapes, const Config& config) {
     if (t.shape.size() <= 1 || t.numel == 0) continue;  // the reference never compresses 0-D and 1-D tensors
     const int64_t rows = t.shape[0];
     const int64_t cols = t.numel / rows;
-    if (!should_compress(rows, cols, config.rank, config.min_compression_rate)) continue;
+    if (!should_compress(rows, cols, rank, config.min_compression_rate)) continue;
     t.compressed = true;
     auto key = std::make_pair(rows, cols);
     auto found = group_of_shape.find(key);
@@ -84,7 +84,7 @@ BucketPlan make_plan(std::span<const Shape> shapes, const Config& config) {
       Group g;
       g.rows = rows;
       g.cols = cols;
-      g.rank = std::min({rows, cols, static_cast<int64_t>(config.rank)});
+      g.rank = std::min({rows, cols, static_cast<int64_t>(rank)});
       plan.groups.push_back(g);
       members.emplace_back();
       group_of_shape[key] = t.group;

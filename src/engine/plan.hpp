@@ -48,8 +48,30 @@ struct BucketPlan {
 };
 
 // Throws InvalidArgumentError for an empty bucket, a negative dimension or a
-// bucket above 2^31 - 2 elements. `config` must be valid.
-BucketPlan make_plan(std::span<const Shape> shapes, const Config& config);
+// bucket above 2^31 - 2 elements. `config` must be valid. The plan at `rank`
+// (the compression test and the factors' width depend on it); without it, at config.rank.
+BucketPlan make_plan(std::span<const Shape> shapes, const Config& config, int rank);
+inline BucketPlan make_plan(std::span<const Shape> shapes, const Config& config) {
+  return make_plan(shapes, config, config.rank);
+}
+
+// Calls f(key, rows, cols, rank, p_offset, q_offset) for every compressed
+// matrix of the plan; `key` names the matrix the same way in every plan of the
+// bucket (its tensor's index; 0 for the whole-bucket matrix).
+template <typename F>
+void for_each_matrix(const BucketPlan& plan, F&& f) {
+  if (plan.whole) {
+    const Group& g = plan.groups[0];
+    f(size_t{0}, g.rows, g.cols, g.rank, int64_t{0}, int64_t{0});
+    return;
+  }
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const TensorPlan& t = plan.tensors[i];
+    if (!t.compressed) continue;
+    const Group& g = plan.groups[static_cast<size_t>(t.group)];
+    f(i, g.rows, g.cols, g.rank, t.p_offset, t.q_offset);
+  }
+}
 
 // The reference's compression test for an n x m matrix at rank r = min(n, m, rank).
 bool should_compress(int64_t rows, int64_t cols, int rank, double min_compression_rate);

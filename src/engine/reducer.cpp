@@ -52,16 +52,23 @@ class Reducer::Impl {
   int add_bucket(std::span<const Shape> shapes) {
     PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
                  "buckets before reducing; bucket ", buckets_.size(), " refused");
-    engine::BucketPlan plan = engine::make_plan(shapes, config_);
+    // Rank levels: {rank}, or {rank_low, rank_high} starting high (the first window).
+    std::vector<int> ranks = config_.adaptive ? std::vector<int>{config_.rank_low, config_.rank_high}
+                                              : std::vector<int>{config_.rank};
+    std::vector<engine::BucketPlan> levels;
+    for (int rank : ranks) levels.push_back(engine::make_plan(shapes, config_, rank));
     const int index = num_buckets();
     const uint64_t layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
     comm_.check_same(engine::reducer_fingerprint(layout, config_),
                      detail::concat("layout of buckets 0..", index, " and reducer configuration"));
     layout_fingerprint_ = layout;
     auto bucket = std::make_unique<BucketState>();
-    bucket->plan = std::move(plan);
+    bucket->level = levels.size() - 1;
+    bucket->plan = levels.back();
+    bucket->levels = std::move(levels);
+    bucket->level_ranks = ranks;
+    bucket->current_rank = ranks.back();
     bucket->shapes.assign(shapes.begin(), shapes.end());
-    bucket->current_rank = config_.adaptive ? config_.rank_high : config_.rank;
     buckets_.push_back(std::move(bucket));
     steps_.add_bucket();
     return index;
@@ -163,10 +170,14 @@ class Reducer::Impl {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load before any add_bucket: declare the buckets first");
     steps_.require_boundary("load");
     std::vector<engine::CheckpointBucketShape> expected;
-    for (const auto& s : buckets_)
-      expected.push_back({static_cast<uint64_t>(s->plan.numel),
-                          config_.error_feedback ? static_cast<size_t>(s->plan.numel) : 0,
-                          static_cast<size_t>(s->plan.p_numel), static_cast<size_t>(s->plan.q_numel)});
+    for (const auto& s : buckets_) {
+      engine::CheckpointBucketShape shape{static_cast<uint64_t>(s->plan.numel),
+                                          config_.error_feedback ? static_cast<size_t>(s->plan.numel) : 0, {}};
+      for (size_t l = 0; l < s->levels.size(); ++l)
+        shape.levels.push_back({s->level_ranks[l], static_cast<size_t>(s->levels[l].p_numel),
+                                static_cast<size_t>(s->levels[l].q_numel)});
+      expected.push_back(std::move(shape));
+    }
     engine::CheckpointContents contents = engine::decode_checkpoint(engine::read_checkpoint_file(path), path, config_,
                                                                     layout_fingerprint_, expected);
     // A per-rank checkpoint holds this rank's own error memory: resuming from
@@ -194,7 +205,7 @@ class Reducer::Impl {
     if (started_) return;
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "reduce before any add_bucket");
     started_ = true;
-    call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback); });
+    call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback, config_.alternating); });
   }
 
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
@@ -231,6 +242,10 @@ class Reducer::Impl {
       b.numel = static_cast<uint64_t>(s->plan.numel);
       b.q_initialized = s->q_initialized;
       b.draws = s->draws;
+      b.rank = s->current_rank;
+      b.compressed_steps = s->compressed_steps;
+      b.window_sum = s->window_sum;
+      b.previous_window = s->previous_window;
       if (!s->nerr.empty()) b.error = engine::read_error(*backend_, *s);
       b.p.resize(static_cast<size_t>(s->plan.p_numel));
       b.q.resize(static_cast<size_t>(s->plan.q_numel));
@@ -248,6 +263,14 @@ class Reducer::Impl {
       const engine::CheckpointBucket& b = c.buckets[i];
       s.q_initialized = b.q_initialized;
       s.draws = b.draws;
+      // The level first: the error memory's work layout is the level's plan.
+      for (size_t l = 0; l < s.levels.size(); ++l)
+        if (s.level_ranks[l] == b.rank) s.level = l;
+      s.plan = s.levels[s.level];
+      s.current_rank = b.rank;
+      s.compressed_steps = b.compressed_steps;
+      s.window_sum = b.window_sum;
+      s.previous_window = b.previous_window;
       if (!s.nerr.empty()) engine::write_error(*backend_, s, b.error);
       backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, b.p.data(), b.p.size());
       backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, b.q.data(), b.q.size());

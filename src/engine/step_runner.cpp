@@ -1,7 +1,10 @@
 #include "engine/step_runner.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
+#include <map>
 
 #include "common/check.hpp"
 #include "engine/random.hpp"
@@ -19,6 +22,14 @@ double seconds_since(Clock::time_point start) {
 }
 
 OrthoMethod ortho_method(int64_t cols) { return cols <= 2 ? OrthoMethod::GramSchmidt : OrthoMethod::Qr; }
+
+// Sum of squares of host floats, in double and in index order: computed from a
+// collective's result, it is the same number on every rank.
+double host_squared_sum(const float* x, int64_t count) {
+  double sum = 0;
+  for (int64_t i = 0; i < count; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return sum;
+}
 
 }  // namespace
 
@@ -60,13 +71,34 @@ void StepRunner::wait_all(std::vector<Work>& works, const std::vector<Segment>& 
   stats_.communicate_seconds += seconds_since(start);
 }
 
-
-
 void StepRunner::prepare(Reduction& job) {
   const auto start = Clock::now();
-  job.m2.assign(job.buckets.size(), 0.0);
-  job.drew.assign(job.buckets.size(), 0);
-  for (size_t i = 0; i < job.buckets.size(); ++i) {
+  const size_t n = job.buckets.size();
+  job.m2.assign(n, 0.0);
+  job.drew.assign(n, 0);
+  job.q_half.assign(n, 0);
+  job.out2.assign(n, 0.0);
+  job.unc_at.assign(n, 0);
+  job.q_at.assign(n, 0);
+  if (job.compressed) {
+    // One bucket: its own slots (a lookahead may fill another bucket's meanwhile).
+    // Several (reduce_all, which never overlaps a lookahead): packed from offset 0,
+    // so the collectives carry exactly this step's floats whatever each bucket's level and half.
+    int64_t unc_end = 0, q_end = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const BucketState& s = bucket(job.buckets[i]);
+      job.q_half[i] = config_.alternating && s.compressed_steps % 2 == 1;
+      job.unc_at[i] = n == 1 ? s.unc_offset : unc_end;
+      job.q_at[i] = n == 1 ? s.q_offset : q_end;
+      unc_end = job.unc_at[i] + s.plan.packed_numel + 1 + factor_numel(s, job.q_half[i]);
+      q_end = job.q_at[i] + s.plan.q_numel;
+    }
+    job.unc_begin = job.unc_at[0];
+    job.unc_count = unc_end - job.unc_begin;
+    job.q_begin = job.q_at[0];
+    job.q_count = q_end - job.q_begin;
+  }
+  for (size_t i = 0; i < n; ++i) {
     BucketState& s = bucket(job.buckets[i]);
     if (job.compressed)
       prepare_compressed(job, i, s);
@@ -85,58 +117,85 @@ void StepRunner::prepare_plain(BucketState& s, const float* data) {
   be_.fill(buf + n, be_.all_finite(buf, n) ? 0.0f : 1.0f, 1);
 }
 
-void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
+// M = data + error, gathered into the work layout, and, when q is given,
+// P = M Q: one pass over each matrix (form_and_project), which also returns
+// ||M||^2 over the compressed matrices. Uncompressed tensors: in = data + error.
+double StepRunner::form(BucketState& s, const float* data, const float* q, float* p) {
   const BucketPlan& plan = s.plan;
-  const float* data = job.data[i];
   float* in = s.in.data();
   const bool ef = config_.error_feedback;
   const float* nerr = ef ? s.nerr.data() : nullptr;
-
-  float* q = arenas_.q_work.data() + s.q_offset;
-  const auto qn = static_cast<size_t>(plan.q_numel);
-  if (!config_.warm_start || !s.q_initialized) {
-    std::vector<float> host(qn);
-    engine::standard_normal(config_.seed, static_cast<uint64_t>(job.buckets[i]), s.draws, host);
-    be_.copy_from_host(q, host.data(), qn);
-    job.drew[i] = 1;
-  } else {
-    be_.copy(q, arenas_.q_state.data() + s.q_offset, qn);
-  }
-  float* p = arenas_.unc.data() + s.p_work_offset;
-  const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
-  for (const auto& g : plan.groups)
-    be_.orthogonalize(q + g.q_offset, g.cols, g.rank, g.count, g.cols * g.rank, ortho_method(g.rank), eps);
-
-  // M = data + error, gathered into the work layout, and P = M Q: one pass
-  // over each matrix (form_and_project), which also returns ||M||^2.
-  // Squared norms in double are finite exactly when every element is: they are
-  // the local half of the non-finite guard and the denominator of the stats.
-  double m2 = 0;
   if (plan.whole) {
     if (ef)
       be_.subtract(in, data, nerr, static_cast<size_t>(plan.numel));
     else
       be_.copy(in, data, static_cast<size_t>(plan.numel));
     const Group& g = plan.groups[0];
-    be_.gemm(Transpose::No, Transpose::No, g.rows, g.rank, g.cols, 1.0f, in, g.cols, 0, q, g.rank, 0, 0.0f, p,
-            g.rank, 0, 1);
-    m2 = be_.squared_norm(in, static_cast<size_t>(plan.compressed_numel));
-  } else {
-    for (const auto& t : plan.tensors) {
-      if (t.compressed) {
-        const Group& g = plan.groups[static_cast<size_t>(t.group)];
-        m2 += be_.form_and_project(in + t.work_offset, data + t.offset, ef ? nerr + t.work_offset : nullptr, g.rows,
-                                  g.cols, q + t.q_offset, g.rank, p + t.p_offset);
-      } else if (ef) {
-        be_.subtract(in + t.work_offset, data + t.offset, nerr + t.work_offset, static_cast<size_t>(t.numel));
-      } else {
-        be_.copy(in + t.work_offset, data + t.offset, static_cast<size_t>(t.numel));
-      }
+    if (q != nullptr)
+      be_.gemm(Transpose::No, Transpose::No, g.rows, g.rank, g.cols, 1.0f, in, g.cols, 0, q, g.rank, 0, 0.0f, p,
+               g.rank, 0, 1);
+    return be_.squared_norm(in, static_cast<size_t>(plan.compressed_numel));
+  }
+  double m2 = 0;
+  for (const auto& t : plan.tensors) {
+    if (t.compressed) {
+      const Group& g = plan.groups[static_cast<size_t>(t.group)];
+      m2 += be_.form_and_project(in + t.work_offset, data + t.offset, ef ? nerr + t.work_offset : nullptr, g.rows,
+                                 g.cols, q != nullptr ? q + t.q_offset : nullptr, q != nullptr ? g.rank : 0,
+                                 q != nullptr ? p + t.p_offset : nullptr);
+    } else if (ef) {
+      be_.subtract(in + t.work_offset, data + t.offset, nerr + t.work_offset, static_cast<size_t>(t.numel));
+    } else {
+      be_.copy(in + t.work_offset, data + t.offset, static_cast<size_t>(t.numel));
     }
   }
+  return m2;
+}
+
+// Q = M^T P per matrix, one streaming pass each (the whole-bucket matrix is one group of one).
+void StepRunner::project_all(const BucketState& s, const float* p, float* q) {
+  for (const auto& g : s.plan.groups)
+    for (int64_t k = 0; k < g.count; ++k)
+      be_.project_transposed(s.in.data() + g.work_offset + k * g.rows * g.cols, g.rows, g.cols,
+                             p + g.p_offset + k * g.rows * g.rank, g.rank, q + g.q_offset + k * g.cols * g.rank);
+}
+
+void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
+  const BucketPlan& plan = s.plan;
+  const float* data = job.data[i];
+  float* in = s.in.data();
+  float* factor_out = factor(job, i);
+  const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
+  double m2 = 0;
+  if (job.q_half[i]) {
+    // Alternating Q half: P^ = the warm P orthonormalized, then Q = M^T P^ (sent).
+    float* p = arenas_.p_work.data() + s.p_offset;
+    be_.copy(p, arenas_.p_state.data() + s.p_offset, static_cast<size_t>(plan.p_numel));
+    for (const auto& g : plan.groups)
+      be_.orthogonalize(p + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
+    m2 = form(s, data, nullptr, nullptr);
+    project_all(s, p, factor_out);
+  } else {
+    // Default step, or alternating P half: Q^ = the warm (or a drawn) Q orthonormalized, then P = M Q^ (sent).
+    float* q = arenas_.q_work.data() + job.q_at[i];
+    const auto qn = static_cast<size_t>(plan.q_numel);
+    if (!config_.warm_start || !s.q_initialized) {
+      std::vector<float> host(qn);
+      engine::standard_normal(config_.seed, static_cast<uint64_t>(job.buckets[i]), s.draws, host);
+      be_.copy_from_host(q, host.data(), qn);
+      job.drew[i] = 1;
+    } else {
+      be_.copy(q, arenas_.q_state.data() + s.q_offset, qn);
+    }
+    for (const auto& g : plan.groups)
+      be_.orthogonalize(q + g.q_offset, g.cols, g.rank, g.count, g.cols * g.rank, ortho_method(g.rank), eps);
+    m2 = form(s, data, q, factor_out);
+  }
+  // Squared norms in double are finite exactly when every element is: they are
+  // the local half of the non-finite guard and the denominator of the stats.
   const double u2 = be_.squared_norm(in + plan.compressed_numel, static_cast<size_t>(plan.packed_numel));
   job.m2[i] = m2;
-  float* unc = arenas_.unc.data() + s.unc_offset;
+  float* unc = arenas_.unc.data() + job.unc_at[i];
   be_.copy(unc, in + plan.compressed_numel, static_cast<size_t>(plan.packed_numel));
   be_.fill(unc + plan.packed_numel, std::isfinite(m2) && std::isfinite(u2) ? 0.0f : 1.0f, 1);
 }
@@ -144,10 +203,12 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
 void StepRunner::run(Reduction& job) {
   if (!job.prepared) prepare(job);
   if (job.prepare_error) std::rethrow_exception(job.prepare_error);
-  if (job.compressed)
-    run_compressed(job);
-  else
+  if (!job.compressed)
     run_plain(job);
+  else if (config_.alternating)
+    run_alternating(job);
+  else
+    run_compressed(job);
 }
 
 void StepRunner::throw_nonfinite(const Reduction& job, int bucket, const std::string& what) {
@@ -180,42 +241,43 @@ void StepRunner::run_plain(Reduction& job) {
   stats_.decompress_seconds += seconds_since(start);
 }
 
+// After the first collective: any rank's flag set, or sums that overflowed,
+// fail the reduction on every rank (the sums are identical everywhere).
+void StepRunner::check_flags(const Reduction& job, const Segment& unc) {
+  for (size_t i = 0; i < job.buckets.size(); ++i) {
+    const float flag = unc.host[job.unc_at[i] - job.unc_begin + bucket(job.buckets[i]).plan.packed_numel];
+    if (flag != 0.0f)
+      throw_nonfinite(job, job.buckets[i], detail::concat("NaN or Inf in the gradients of ", flag, " rank(s)"));
+  }
+  if (!be_.all_finite(unc.dev, unc.count))
+    throw_nonfinite(job, job.buckets[0], config_.alternating
+                                             ? "the allreduced P or Q or uncompressed tensors overflowed to Inf/NaN"
+                                             : "the allreduced P or uncompressed tensors overflowed to Inf/NaN");
+}
+
 void StepRunner::run_compressed(Reduction& job) {
-  const int64_t one = job.buckets.size() == 1 ? 1 : 0;
-  const BucketState& first = bucket(job.buckets[0]);
-  // The reduction's range of each arena: one bucket's, or the whole arena for reduce_all.
-  Segment unc = one ? arenas_.unc_segment(first.unc_offset, first.plan.packed_numel + 1 + first.plan.p_numel)
-                    : arenas_.unc_segment(0, static_cast<int64_t>(arenas_.unc.size()));
-  Segment q = one ? arenas_.q_segment(first.q_offset, first.plan.q_numel)
-                  : arenas_.q_segment(0, static_cast<int64_t>(arenas_.q_work.size()));
+  Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
+  Segment q = arenas_.q_segment(job.q_begin, job.q_count);
 
   // Wire order: packed uncompressed tensors, finite flag and P in one
   // collective, then Q (reduce_all: all buckets' in one collective each).
   std::vector<Work> works{send(unc)};
   lookahead(job);
   wait_all(works, {unc});
-  for (int b : job.buckets) {
-    const BucketState& s = bucket(b);
-    const float flag = unc.host[s.unc_offset - (one ? first.unc_offset : 0) + s.plan.packed_numel];
-    if (flag != 0.0f) throw_nonfinite(job, b, detail::concat("NaN or Inf in the gradients of ", flag, " rank(s)"));
-  }
-  // Every rank holds the same sums, so this check decides the same everywhere.
-  if (!be_.all_finite(unc.dev, unc.count))
-    throw_nonfinite(job, job.buckets[0], "the allreduced P or uncompressed tensors overflowed to Inf/NaN");
+  check_flags(job, unc);
+  if (config_.adaptive)
+    for (size_t i = 0; i < job.buckets.size(); ++i)
+      job.out2[i] = host_squared_sum(unc.host + (job.unc_at[i] - job.unc_begin),
+                                     bucket(job.buckets[i]).plan.packed_numel);
 
   auto start = Clock::now();
   const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
-  for (int b : job.buckets) {
-    BucketState& s = bucket(b);
-    float* pb = arenas_.unc.data() + s.p_work_offset;
-    float* qb = arenas_.q_work.data() + s.q_offset;
+  for (size_t i = 0; i < job.buckets.size(); ++i) {
+    BucketState& s = bucket(job.buckets[i]);
+    float* pb = factor(job, i);
     for (const auto& g : s.plan.groups)
       be_.orthogonalize(pb + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
-    // Q = M^T P, one streaming pass per matrix (the whole-bucket matrix is one group of one).
-    for (const auto& g : s.plan.groups)
-      for (int64_t k = 0; k < g.count; ++k)
-        be_.project_transposed(s.in.data() + g.work_offset + k * g.rows * g.cols, g.rows, g.cols,
-                              pb + g.p_offset + k * g.rows * g.rank, g.rank, qb + g.q_offset + k * g.cols * g.rank);
+    project_all(s, pb, arenas_.q_work.data() + job.q_at[i]);
   }
   be_.synchronize();
   stats_.compress_seconds += seconds_since(start);
@@ -226,11 +288,42 @@ void StepRunner::run_compressed(Reduction& job) {
   lookahead(job);
   wait_all(works, {q});
   if (!be_.all_finite(q.dev, q.count)) throw_nonfinite(job, job.buckets[0], "the allreduced Q overflowed to Inf/NaN");
+  // ||output|| = ||P^ Q^T|| = ||Q|| (P^ orthonormal).
+  if (config_.adaptive)
+    for (size_t i = 0; i < job.buckets.size(); ++i)
+      job.out2[i] += host_squared_sum(q.host + (job.q_at[i] - job.q_begin), bucket(job.buckets[i]).plan.q_numel);
 
   // Commit point: from here on nothing can fail for a reason the ranks disagree on.
   start = Clock::now();
   const float inv = 1.0f / static_cast<float>(comm_.size());
   be_.scale(q.dev, inv, q.count);
+  for (size_t i = 0; i < job.buckets.size(); ++i) decompress(job, i);
+  be_.synchronize();
+  stats_.decompress_seconds += seconds_since(start);
+}
+
+// One collective: [packed | flag | P] in a P half, [packed | flag | Q] in a Q half
+// (each bucket by its own parity; docs/engine.md).
+void StepRunner::run_alternating(Reduction& job) {
+  Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
+  std::vector<Work> works{send(unc)};
+  lookahead(job);
+  wait_all(works, {unc});
+  check_flags(job, unc);
+
+  // Commit point. ||output|| = ||P Q^^T|| = ||P|| in a P half, ||P^ Q^T|| = ||Q|| in a Q half.
+  const auto start = Clock::now();
+  const float inv = 1.0f / static_cast<float>(comm_.size());
+  for (size_t i = 0; i < job.buckets.size(); ++i) {
+    const BucketState& s = bucket(job.buckets[i]);
+    const int64_t count = factor_numel(s, job.q_half[i]);
+    if (config_.adaptive) {
+      const float* range = unc.host + (job.unc_at[i] - job.unc_begin);
+      job.out2[i] = host_squared_sum(range, s.plan.packed_numel) +
+                    host_squared_sum(range + s.plan.packed_numel + 1, count);
+    }
+    be_.scale(factor(job, i), inv, static_cast<size_t>(count));
+  }
   for (size_t i = 0; i < job.buckets.size(); ++i) decompress(job, i);
   be_.synchronize();
   stats_.decompress_seconds += seconds_since(start);
@@ -242,13 +335,16 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
   const BucketPlan& plan = s.plan;
   float* data = job.data[i];
   float* in = s.in.data();
-  const float* p = arenas_.unc.data() + s.p_work_offset;
-  const float* q = arenas_.q_work.data() + s.q_offset;
+  // The output is p q^T with one factor orthonormal and the other averaged:
+  // default: P^ (orthonormalized sum) and the mean Q; alternating P half: the
+  // mean P and Q^; Q half: P^ and the mean Q.
+  const float* p = job.q_half[i] ? arenas_.p_work.data() + s.p_offset : factor(job, i);
+  const float* q = job.q_half[i] ? factor(job, i) : arenas_.q_work.data() + job.q_at[i];
   const bool ef = config_.error_feedback;
   const float inv = 1.0f / static_cast<float>(comm_.size());
 
   // Uncompressed tensors: the exact mean; their error is local minus mean.
-  float* unc = arenas_.unc.data() + s.unc_offset;
+  float* unc = arenas_.unc.data() + job.unc_at[i];
   const auto packed = static_cast<size_t>(plan.packed_numel);
   be_.scale(unc, inv, packed);
   for (const auto& t : plan.tensors)
@@ -285,7 +381,74 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
   s.last_m2 = job.m2[i];
   s.last_e2 = e2;
   stats_.numel_before += static_cast<uint64_t>(plan.numel);
-  stats_.numel_after += static_cast<uint64_t>(plan.p_numel + plan.q_numel + plan.packed_numel);
+  stats_.numel_after += static_cast<uint64_t>(
+      plan.packed_numel + (config_.alternating ? factor_numel(s, job.q_half[i]) : plan.p_numel + plan.q_numel));
+  ++s.compressed_steps;
+  if (config_.adaptive) commit_adaptive(job, i);
+}
+
+// Accordion's rule at the end of each window of adaptive_interval compressed
+// steps: the window's summed output norm against the previous window's; a
+// relative change >= adaptive_threshold, or no previous window, selects
+// rank_high, else rank_low. Inputs are sums computed on the host from the
+// collectives' results, so every rank decides the same.
+void StepRunner::commit_adaptive(const Reduction& job, size_t i) {
+  BucketState& s = bucket(job.buckets[i]);
+  s.window_sum += std::sqrt(job.out2[i]) / static_cast<double>(comm_.size());
+  if (s.compressed_steps % static_cast<uint64_t>(config_.adaptive_interval) != 0) return;
+  const double current = s.window_sum, previous = s.previous_window;
+  s.window_sum = 0;
+  s.previous_window = current;
+  const double change = previous > 0 ? std::abs(current - previous) / previous
+                        : current > 0 ? std::numeric_limits<double>::infinity()
+                                      : 0.0;
+  const size_t level = std::isnan(previous) || change >= config_.adaptive_threshold ? 1 : 0;
+  if (level != s.level) switch_level(s, job.buckets[i], level);
+}
+
+// The bucket's plan becomes levels[level]. The error memory is carried through
+// the bucket's own order (the work layout depends on the level); the warm P and
+// Q keep each matrix's first min(old, new rank) columns, the others drawn from
+// the generator (draw `draws`, then draws + 1), so every rank gets the same bits.
+// Local work only: no collective.
+void StepRunner::switch_level(BucketState& s, int b, size_t level) {
+  const BucketPlan& from = s.plan;
+  const BucketPlan& to = s.levels[level];
+  std::vector<float> error;
+  if (!s.nerr.empty()) error = read_error(be_, s);
+  if (s.q_initialized) {
+    std::vector<float> old_p(static_cast<size_t>(from.p_numel)), old_q(static_cast<size_t>(from.q_numel));
+    be_.copy_to_host(old_p.data(), arenas_.p_state.data() + s.p_offset, old_p.size());
+    be_.copy_to_host(old_q.data(), arenas_.q_state.data() + s.q_offset, old_q.size());
+    std::vector<float> fresh(static_cast<size_t>(to.p_numel + to.q_numel));
+    engine::standard_normal(config_.seed, static_cast<uint64_t>(b), s.draws, fresh);
+    ++s.draws;
+    float* new_q = fresh.data();
+    float* new_p = fresh.data() + to.q_numel;
+    struct Old {
+      int64_t rank, p_offset, q_offset;
+    };
+    std::map<size_t, Old> old;
+    for_each_matrix(from, [&](size_t key, int64_t, int64_t, int64_t rank, int64_t p_offset, int64_t q_offset) {
+      old[key] = {rank, p_offset, q_offset};
+    });
+    for_each_matrix(to, [&](size_t key, int64_t rows, int64_t cols, int64_t rank, int64_t p_offset, int64_t q_offset) {
+      const auto found = old.find(key);
+      if (found == old.end()) return;  // newly compressed at this level: all columns drawn
+      const Old& o = found->second;
+      const int64_t keep = std::min(rank, o.rank);
+      for (int64_t r = 0; r < cols; ++r)
+        std::copy_n(old_q.data() + o.q_offset + r * o.rank, keep, new_q + q_offset + r * rank);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(old_p.data() + o.p_offset + r * o.rank, keep, new_p + p_offset + r * rank);
+    });
+    be_.copy_from_host(arenas_.q_state.data() + s.q_offset, new_q, static_cast<size_t>(to.q_numel));
+    be_.copy_from_host(arenas_.p_state.data() + s.p_offset, new_p, static_cast<size_t>(to.p_numel));
+  }
+  s.plan = to;
+  s.level = level;
+  s.current_rank = s.level_ranks[level];
+  if (!error.empty()) write_error(be_, s, error);
 }
 
 }  // namespace powersgd::engine

@@ -29,6 +29,15 @@ struct Reduction {
   std::exception_ptr prepare_error;
   std::vector<double> m2;  // ||M||^2 over compressed matrices, per bucket of the reduction
   std::vector<char> drew;  // whether Q came from the generator, per bucket
+  // Where each bucket's ranges lie in the arenas this step (prepare): its
+  // [packed | flag | factor] range of the first-collective arena and its Q
+  // range of the Q work arena, and the reduction's whole ranges.
+  std::vector<int64_t> unc_at, q_at;
+  int64_t unc_begin = 0, unc_count = 0, q_begin = 0, q_count = 0;
+  // Alternating: whether the bucket's step is a Q half (else a P half).
+  std::vector<char> q_half;
+  // Adaptive: ||sum over ranks of the output's factors and packed tensors||^2, per bucket.
+  std::vector<double> out2;
 };
 
 class StepRunner {
@@ -52,11 +61,23 @@ class StepRunner {
   void prepare(Reduction& job);
   void prepare_plain(BucketState& s, const float* data);
   void prepare_compressed(Reduction& job, size_t i, BucketState& s);
+  double form(BucketState& s, const float* data, const float* q, float* p);
+  void project_all(const BucketState& s, const float* p, float* q);
   void lookahead(const Reduction& current);
 
   void run_plain(Reduction& job);
   void run_compressed(Reduction& job);
+  void run_alternating(Reduction& job);
+  void check_flags(const Reduction& job, const Segment& unc);
   void decompress(const Reduction& job, size_t i);
+  void commit_adaptive(const Reduction& job, size_t i);
+  void switch_level(BucketState& s, int bucket, size_t level);
+
+  // The factor the bucket's first-collective range carries this step: P, or Q in an alternating Q half.
+  int64_t factor_numel(const BucketState& s, bool q_half) const { return q_half ? s.plan.q_numel : s.plan.p_numel; }
+  float* factor(const Reduction& job, size_t i) {
+    return arenas_.unc.data() + job.unc_at[i] + bucket(job.buckets[i]).plan.packed_numel + 1;
+  }
 
   Work send(const Segment& seg);
   void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments);

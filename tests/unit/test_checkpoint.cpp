@@ -59,7 +59,7 @@ CheckpointContents test_contents() {
 
 std::vector<CheckpointBucketShape> shapes_of(const CheckpointContents& c) {
   std::vector<CheckpointBucketShape> shapes;
-  for (const auto& b : c.buckets) shapes.push_back({b.numel, b.error.size(), b.p.size(), b.q.size()});
+  for (const auto& b : c.buckets) shapes.push_back({b.numel, b.error.size(), {{b.rank, b.p.size(), b.q.size()}}});
   return shapes;
 }
 

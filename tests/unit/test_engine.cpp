@@ -8,6 +8,8 @@
 #include "support/doctest_main.hpp"
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -676,3 +678,305 @@ TEST_CASE("C API: the store port beside torch.distributed") {
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
+
+// ==== Adaptive rank and alternating power iterations (issue 11) ====
+
+namespace {
+
+// A real communicator that counts the collectives issued through it (the
+// reducer's "one collective per step" is a property of what reaches the wire).
+class CountingCommunicator final : public Communicator {
+ public:
+  explicit CountingCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const CommOptions& options() const override { return inner_->options(); }
+  Work allreduce_async(void* data, size_t count, DataType type) override {
+    ++allreduces;
+    return inner_->allreduce_async(data, count, type);
+  }
+  Work broadcast_async(void* data, size_t bytes, int root) override { return inner_->broadcast_async(data, bytes, root); }
+  Work allgather_async(const void* in, void* out, size_t bytes) override {
+    return inner_->allgather_async(in, out, bytes);
+  }
+  Work barrier_async() override { return inner_->barrier_async(); }
+  void check_same(uint64_t fingerprint, const std::string& what) override { inner_->check_same(fingerprint, what); }
+
+  std::atomic<int> allreduces{0};
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+};
+
+// Every compressed tensor of `plan` (and, with whole_bucket, the side x side
+// matrix) is `scale` times a fixed matrix of rank `r`; other tensors random.
+std::vector<float> rank_r_bucket(const engine::BucketPlan& plan, int64_t r, float scale, uint64_t salt) {
+  std::vector<float> g = gradients(static_cast<size_t>(plan.numel), 0, 0, salt);
+  const auto fill = [&](int64_t offset, int64_t rows, int64_t cols, int64_t limit) {
+    const std::vector<float> u = gradients(static_cast<size_t>(rows * r), 1, 0, salt + 1);
+    const std::vector<float> v = gradients(static_cast<size_t>(cols * r), 2, 0, salt + 2);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols && i * cols + j < limit; ++j) {
+        float sum = 0;
+        for (int64_t k = 0; k < r; ++k) sum += u[static_cast<size_t>(i * r + k)] * v[static_cast<size_t>(j * r + k)];
+        g[static_cast<size_t>(offset + i * cols + j)] = scale * sum;
+      }
+  };
+  if (plan.whole) {
+    fill(0, plan.side, plan.side, plan.numel);  // the bucket is the first numel elements of the square matrix
+    return g;
+  }
+  for (const auto& t : plan.tensors)
+    if (t.compressed) fill(t.offset, t.shape[0], t.numel / t.shape[0], t.numel);
+  return g;
+}
+
+double max_abs_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+double max_abs(const std::vector<float>& a) {
+  double worst = 0;
+  for (float v : a) worst = std::max(worst, std::abs(double(v)));
+  return worst;
+}
+
+// Shapes whose compression depends on the rank: {10, 12} is compressed at rank 1
+// ((10 + 12) * 1 * 2 < 120) and travels uncompressed at rank 4 (176 >= 120).
+const std::vector<Shape> kAdaptiveShapes = {{24, 30}, {30}, {10, 12}, {24, 30}, {8, 4, 3}};
+
+// Adaptive between rank 1 and rank_high, threshold 0.5.
+Config adaptive_config(int64_t start_iter, int rank_high, int64_t interval, bool alternating) {
+  Config c;
+  c.start_iter = start_iter;
+  c.adaptive = true;
+  c.rank_low = 1;
+  c.rank_high = rank_high;
+  c.adaptive_interval = interval;
+  c.adaptive_threshold = 0.5;
+  c.alternating = alternating;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("alternating: one collective per step; a rank-r gradient is reproduced (error feedback: in every pair of steps)") {
+  for (int variant = 0; variant < 6; ++variant) {  // per matrix, same-shape batching, whole bucket; with and without EF
+    CountingCommunicator comm(solo());
+    Config c;
+    c.rank = 2;
+    c.start_iter = 0;
+    c.alternating = true;
+    c.batch_same_shape = variant % 3 == 1;
+    c.whole_bucket = variant % 3 == 2;
+    c.error_feedback = variant < 3;
+    CAPTURE(variant);
+    const std::vector<Shape> shapes = c.whole_bucket ? std::vector<Shape>{{40 * 40}} : kAdaptiveShapes;
+    Reducer reducer(comm, c);
+    reducer.add_bucket(shapes);
+    const engine::BucketPlan plan = engine::make_plan(shapes, c);
+    const std::vector<float> g = rank_r_bucket(plan, 2, 1.0f, 5);
+    const double tolerance = 1e-4 * (1 + max_abs(g));
+    std::vector<double> sum_in(g.size(), 0.0), sum_out(g.size(), 0.0);
+    const int before = comm.allreduces;
+    for (int step = 0; step < 8; ++step) {
+      CAPTURE(step);
+      std::vector<float> out = g;
+      reducer.reduce(0, out.data());
+      CHECK(comm.allreduces == before + step + 1);  // one collective per step
+      // The step sends the packed tensors, the flag and P (even steps) or Q (odd steps).
+      const int64_t factor = step % 2 == 0 ? plan.p_numel : plan.q_numel;
+      CHECK(reducer.stats().last_step_bytes == uint64_t(plan.packed_numel + 1 + factor) * sizeof(float));
+      std::vector<float> error(g.size());
+      reducer.error_feedback(0, error.data());
+      if (!c.error_feedback) {
+        // Step 0 projects on a random Q; from step 1 on the warm factor spans g's columns or rows.
+        if (step >= 1) CHECK(max_abs_difference(out, g) < tolerance);
+        continue;
+      }
+      // With error feedback the P half's Q comes from the previous Q half's M = g + error, whose rows
+      // need not lie in g's row space: a P half outputs g projected on it. The Q half's P spans g's
+      // columns, so it outputs M exactly and leaves no error: after every Q half the outputs so far
+      // equal the gradients so far.
+      if (step % 2 == 1) CHECK(max_abs(error) < tolerance);
+      double worst = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        sum_in[i] += g[i];
+        sum_out[i] += out[i];
+        worst = std::max(worst, std::abs(sum_in[i] - sum_out[i] - error[i]));
+      }
+      CHECK(worst < tolerance * (step + 1));  // error feedback loses nothing (world 1)
+    }
+    const Stats s = reducer.stats();
+    CHECK(s.numel_after == uint64_t(8 * plan.packed_numel + 4 * plan.p_numel + 4 * plan.q_numel));
+  }
+  // The default sends two collectives per compressed step.
+  CountingCommunicator comm(solo());
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  Reducer reducer(comm, c);
+  reducer.add_bucket(kAdaptiveShapes);
+  std::vector<float> g = gradients(reducer.bucket_size(0), 0, 0);
+  const int before = comm.allreduces;
+  reducer.reduce(0, g.data());
+  CHECK(comm.allreduces == before + 2);
+
+  // Alternating builds on the previous step's factor: without warm start it is refused.
+  c.alternating = true;
+  c.warm_start = false;
+  CHECK(error_of([&] { Reducer r(comm, c); }).find("config.alternating = 1 with config.warm_start = 0") !=
+        std::string::npos);
+}
+
+TEST_CASE("alternating: reduce_all packs each bucket's half into one collective and equals bucket by bucket") {
+  CountingCommunicator comm(solo());
+  Config c;
+  c.rank = 2;
+  c.start_iter = 1;
+  c.alternating = true;
+  Reducer fused(comm, c), single(comm, c);
+  const std::vector<std::vector<Shape>> buckets = {kAdaptiveShapes, {{16, 20}, {7}}, {{3}}};
+  for (const auto& b : buckets) {
+    fused.add_bucket(b);
+    single.add_bucket(b);
+  }
+  for (int step = 0; step < 5; ++step) {
+    std::vector<std::vector<float>> a, b;
+    std::vector<float*> pointers;
+    for (int k = 0; k < 3; ++k) {
+      a.push_back(gradients(fused.bucket_size(k), k, step));
+      b.push_back(a.back());
+    }
+    for (auto& v : a) pointers.push_back(v.data());
+    const int before = comm.allreduces;
+    fused.reduce_all(pointers);
+    CHECK(comm.allreduces == before + (step >= c.start_iter ? 1 : 3));  // plain steps: one per bucket
+    for (int k = 0; k < 3; ++k) single.reduce(k, b[static_cast<size_t>(k)].data());
+    for (int k = 0; k < 3; ++k) CHECK(a[static_cast<size_t>(k)] == b[static_cast<size_t>(k)]);
+  }
+  CHECK(fused.stats().bytes_sent == single.stats().bytes_sent);
+}
+
+TEST_CASE("adaptive: rank_high on a large change of the output norm, rank_low when steady; exact throughout") {
+  for (int variant = 0; variant < 4; ++variant) {  // default, alternating, same-shape batching, whole bucket
+    auto comm = solo();
+    Config c = adaptive_config(0, 4, 4, variant == 1);
+    c.batch_same_shape = variant == 2;
+    c.whole_bucket = variant == 3;
+    CAPTURE(variant);
+    const std::vector<Shape> shapes = c.whole_bucket ? std::vector<Shape>{{30 * 30}} : kAdaptiveShapes;
+    Reducer reducer(*comm, c);
+    reducer.add_bucket(shapes);
+    CHECK(reducer.bucket_rank(0) == 4);  // the first window is at rank_high
+    // Rank-1 gradients are reproduced at either rank, so the output's norm changes only with the scale:
+    // steady in windows 1 and 2, x10 in window 3, steady in 4.
+    const engine::BucketPlan plan_low = engine::make_plan(shapes, c, 1);
+    const std::vector<float> base = rank_r_bucket(plan_low, 1, 1.0f, 9);
+    const int expected_rank[] = {4, 4, 4, 4, 4, 4, 4, 4, 1, 1, 1, 1, 4, 4, 4, 4, 1};
+    for (int step = 0; step < 16; ++step) {
+      CAPTURE(step);
+      const float scale = step < 8 ? 1.0f : 10.0f;
+      std::vector<float> g = base;
+      for (float& v : g) v *= scale;
+      std::vector<float> out = g;
+      CHECK(reducer.bucket_rank(0) == expected_rank[step]);
+      reducer.reduce(0, out.data());
+      // Alternating with error feedback reproduces g over each pair of steps (the alternating test case).
+      if (step >= 2 && !c.alternating) CHECK(max_abs_difference(out, g) < 1e-4 * (1 + max_abs(g)));
+      std::vector<float> error(g.size());
+      reducer.error_feedback(0, error.data());
+      if (step >= 2 && c.alternating && step % 2 == 1) CHECK(max_abs(error) < 1e-4 * (1 + max_abs(g)));
+      const Stats s = reducer.stats();
+      REQUIRE(s.current_rank.size() == 1);
+      CHECK(s.current_rank[0] == expected_rank[step + 1]);
+    }
+  }
+}
+
+TEST_CASE("adaptive: switching keeps the error memory; a checkpoint taken mid-run resumes bit-identically") {
+  for (bool alternating : {false, true}) {
+    CAPTURE(alternating);
+    auto comm = solo();
+    Config c = adaptive_config(1, 3, 3, alternating);
+    Reducer a(*comm, c);
+    a.add_bucket(kAdaptiveShapes);
+    a.add_bucket({{12, 24}, {6}});
+    // Random gradients (the error memory is never 0) whose scale jumps x20 every 9 steps.
+    auto grads = [&](int b, int step) {
+      std::vector<float> g = gradients(a.bucket_size(b), b, step);
+      for (float& v : g) v *= (step / 9) % 2 == 0 ? 1.0f : 20.0f;
+      return g;
+    };
+    std::vector<std::vector<double>> sum_in(2), sum_out(2);
+    for (int b = 0; b < 2; ++b) {
+      sum_in[static_cast<size_t>(b)].assign(a.bucket_size(b), 0.0);
+      sum_out[static_cast<size_t>(b)].assign(a.bucket_size(b), 0.0);
+    }
+    std::vector<int> ranks_seen;
+    const std::string path = temp_path(alternating ? "adaptive-alt" : "adaptive");
+    for (int step = 0; step < 30; ++step) {
+      for (int b = 0; b < 2; ++b) {
+        std::vector<float> g = grads(b, step), out = g;
+        a.reduce(b, out.data());
+        std::vector<float> error(g.size());
+        a.error_feedback(b, error.data());
+        double worst = 0, scale = 1;
+        auto& in = sum_in[static_cast<size_t>(b)];
+        auto& so = sum_out[static_cast<size_t>(b)];
+        for (size_t i = 0; i < g.size(); ++i) {
+          in[i] += g[i];
+          so[i] += out[i];
+          worst = std::max(worst, std::abs(in[i] - so[i] - error[i]));
+          scale = std::max(scale, std::abs(in[i]));
+        }
+        CHECK(worst < 1e-5 * scale * (step + 1));  // nothing lost across switches
+      }
+      ranks_seen.push_back(a.bucket_rank(0));
+      if (step == 13) a.save(path);
+    }
+    // Both levels were used, and the switch back up happened.
+    CHECK(std::find(ranks_seen.begin(), ranks_seen.end(), 1) != ranks_seen.end());
+    const auto first_low = std::find(ranks_seen.begin(), ranks_seen.end(), 1);
+    CHECK(std::find(first_low, ranks_seen.end(), 3) != ranks_seen.end());
+
+    // Resume from step 14 and replay: every output, error and rank equal the uninterrupted run's.
+    Reducer resumed(*comm, c), replay(*comm, c);
+    for (Reducer* r : {&resumed, &replay}) {
+      r->add_bucket(kAdaptiveShapes);
+      r->add_bucket({{12, 24}, {6}});
+    }
+    for (int step = 0; step < 14; ++step)
+      for (int b = 0; b < 2; ++b) {
+        std::vector<float> g = grads(b, step);
+        replay.reduce(b, g.data());
+      }
+    resumed.load(path);
+    CHECK(resumed.iteration() == 14);
+    CHECK(resumed.stats().current_rank == replay.stats().current_rank);
+    for (int step = 14; step < 30; ++step)
+      for (int b = 0; b < 2; ++b) {
+        std::vector<float> x = grads(b, step), y = x;
+        resumed.reduce(b, x.data());
+        replay.reduce(b, y.data());
+        CHECK(x == y);
+        CHECK(resumed.bucket_rank(b) == replay.bucket_rank(b));
+      }
+    std::vector<float> e1(resumed.bucket_size(0)), e2(e1.size());
+    resumed.error_feedback(0, e1.data());
+    replay.error_feedback(0, e2.data());
+    CHECK(e1 == e2);
+    CHECK(resumed.bucket_rank(0) == a.bucket_rank(0));
+
+    // A reducer of another adaptive configuration refuses the file, naming the field.
+    Config other = c;
+    other.rank_high = 4;
+    Reducer foreign(*comm, other);
+    foreign.add_bucket(kAdaptiveShapes);
+    foreign.add_bucket({{12, 24}, {6}});
+    CHECK(error_of([&] { foreign.load(path); }).find("config.rank_high = 3, this reducer has 4") != std::string::npos);
+    std::remove(path.c_str());
+  }
+}
