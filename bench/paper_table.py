@@ -96,6 +96,7 @@ def main(argv):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
     for r in measured:
@@ -109,6 +110,7 @@ def main(argv):
         by_epoch.plot(epochs, accuracy, style, marker="o", markersize=3, label=r["label"])
         by_bytes.plot(sent, accuracy, style, marker="o", markersize=3, label=r["label"])
     by_epoch.set_xlabel("epoch")
+    by_epoch.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     by_bytes.set_xlabel("gradient bytes sent per rank (cumulative)")
     by_bytes.set_xscale("log")
     for ax in (by_epoch, by_bytes):

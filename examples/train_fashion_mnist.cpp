@@ -9,6 +9,15 @@
 // reduced with PowerSGD (or with a plain averaged allreduce, --no-compression,
 // for comparison). The models are small enough for a 2-core machine and real
 // enough to show accuracy and traffic side by side.
+//
+// The paper's ablations are flags: --no-error-feedback, --no-warm-start,
+// --adaptive (--rank-low/--rank-high/--adaptive-interval/--adaptive-threshold)
+// and --alternating set the Config fields of the same names. Learning rate:
+// --lr, multiplied by --lr-decay-factor from each epoch in --lr-decay-epochs on
+// (default: x0.1 in the last epoch when there are more than 2). --train-limit
+// and --test-limit train and test on the first N images. Each epoch prints rank
+// 0's gradient payload of that epoch (Stats::bytes_sent, or the allreduced
+// bytes with --no-compression); bench/paper_table.sh parses these lines.
 #include <zlib.h>
 
 #include <CLI/CLI.hpp>
