@@ -9,11 +9,12 @@
 #
 # Usage: bench/paper_table.sh BUILD_DIR [EPOCHS]     (default EPOCHS 5)
 # Environment (defaults): OUT_DIR (/tmp/powersgd-paper-table), WORKERS (4),
-#   TRAIN_LIMIT (10240 training images: a subset, so that the whole table runs in
-#   about 25 minutes on 2 shared cores), TEST_LIMIT (5000 test images),
+#   TRAIN_LIMIT (10240 training images: a subset, to keep the table short; the 8
+#   rows took 35 minutes on 2 cores at a load average of about 20), TEST_LIMIT
+#   (5000 test images),
 #   ROWS (all rows: "allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start
 #   adaptive alternating"; a subset reruns those rows and keeps the other logs
-#   found in OUT_DIR in the table).
+#   found in OUT_DIR in the table: each log's first line says how it was made).
 set -eu
 BUILD=${1:?usage: bench/paper_table.sh BUILD_DIR [EPOCHS]}
 EPOCHS=${2:-5}
