@@ -1,26 +1,29 @@
-// Example training job: a 3-layer perceptron on Fashion-MNIST, data-parallel
-// over every rank of the job, gradients exchanged with PowerSGD.
+// Example training job: a 3-layer perceptron or a small CNN (--model) on
+// Fashion-MNIST, data-parallel over every rank of the job, gradients exchanged
+// with PowerSGD.
 //
 //   powersgd-run -n 4 -- train-fashion-mnist --epochs 3 --rank 4
 //
 // Each rank trains on its own shard of every global batch; after backward the
 // gradients of the two buckets (output layers first, as DDP orders them) are
 // reduced with PowerSGD (or with a plain averaged allreduce, --no-compression,
-// for comparison). The model is small enough for a 2-core machine and real
+// for comparison). The models are small enough for a 2-core machine and real
 // enough to show accuracy and traffic side by side.
 //
-// --checkpoint-dir DIR --checkpoint-every N: per-rank checkpoints every N steps
-// (trainer_checkpoint.hpp); at start the job resumes from the newest complete
-// one, and the data order is replayed from its fixed seed, so a job killed and
-// restarted ends with the same parameters, bit for bit, as an uninterrupted one.
-#include <cblas.h>
+// The paper's ablations are flags: --no-error-feedback, --no-warm-start,
+// --adaptive (--rank-low/--rank-high/--adaptive-interval/--adaptive-threshold)
+// and --alternating set the Config fields of the same names. Learning rate:
+// --lr, multiplied by --lr-decay-factor from each epoch in --lr-decay-epochs on
+// (default: x0.1 in the last epoch when there are more than 2). --train-limit
+// and --test-limit train and test on the first N images. Each epoch prints rank
+// 0's gradient payload of that epoch (Stats::bytes_sent, or the allreduced
+// bytes with --no-compression); bench/paper_table.sh parses these lines.
 #include <signal.h>
 #include <zlib.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -34,6 +37,7 @@
 #include "powersgd/comm.hpp"
 #include "powersgd/gradient_record.hpp"
 #include "powersgd/reducer.hpp"
+#include "models.hpp"
 #include "trainer_checkpoint.hpp"
 
 namespace {
@@ -80,171 +84,70 @@ Dataset load(const std::string& dir, const std::string& split) {
   return d;
 }
 
-// ---- model: 784 -> h1 -> h2 -> 10, ReLU, softmax cross-entropy ----
-
-// A dense layer's weight (out x in) and bias (out) lie contiguously in one bucket.
-struct Layer {
-  int in = 0, out = 0;
-  int bucket = 0;
-  size_t offset = 0;  // of the weight in the bucket's buffer; the bias follows it
-};
-
-class Mlp {
- public:
-  Mlp(int h1, int h2, uint64_t seed) {
-    dims_ = {784, h1, h2, 10};
-    // Bucket 0 holds the two output layers, bucket 1 the first (DDP's reverse order).
-    params_[0].resize(size_t(h2) * h1 + h2 + size_t(10) * h2 + 10);
-    params_[1].resize(size_t(h1) * 784 + h1);
-    grads_[0].resize(params_[0].size());
-    grads_[1].resize(params_[1].size());
-    layers_.resize(3);
-    layers_[0] = {784, h1, 1, 0};
-    layers_[1] = {h1, h2, 0, 0};
-    layers_[2] = {h2, 10, 0, size_t(h2) * h1 + h2};
-    std::mt19937_64 rng(seed);
-    for (auto& layer : layers_) {
-      // He initialization; identical on every rank because the seed is.
-      std::normal_distribution<float> normal(0.0f, std::sqrt(2.0f / layer.in));
-      float* w = weight(params_, layer);
-      for (int i = 0; i < layer.in * layer.out; ++i) w[i] = normal(rng);
-    }
-  }
-
-  // Shapes of each bucket's tensors, in buffer order.
-  std::vector<std::vector<int64_t>> bucket_shapes(int bucket) const {
-    if (bucket == 0) return {{dims_[2], dims_[1]}, {dims_[2]}, {dims_[3], dims_[2]}, {dims_[3]}};
-    return {{dims_[1], dims_[0]}, {dims_[1]}};
-  }
-  std::vector<float>& grads(int bucket) { return grads_[bucket]; }
-  std::vector<float>& params(int bucket) { return params_[bucket]; }
-  std::vector<float>& velocity(int bucket) { return velocity_[bucket]; }  // empty before the first step
-  size_t parameter_count() const { return params_[0].size() + params_[1].size(); }
-
-  // Forward and backward on `batch` samples; returns the summed loss and the
-  // number of correct predictions. Gradients are of the mean loss.
-  std::pair<double, int> train_step(const float* x, const uint8_t* y, int batch) {
-    forward(x, batch);
-    int correct = 0;
-    double loss = 0;
-    // d(mean loss)/d(logits) = (softmax - onehot) / batch
-    std::vector<float>& delta = acts_[3];
-    for (int b = 0; b < batch; ++b) {
-      float* row = &delta[size_t(b) * 10];
-      float max = *std::max_element(row, row + 10);
-      double sum = 0;
-      for (int k = 0; k < 10; ++k) sum += std::exp(double(row[k] - max));
-      int best = int(std::max_element(row, row + 10) - row);
-      correct += best == y[b];
-      loss += -(double(row[y[b]] - max) - std::log(sum));
-      for (int k = 0; k < 10; ++k)
-        row[k] = float((std::exp(double(row[k] - max)) / sum - (k == y[b] ? 1.0 : 0.0)) / batch);
-    }
-    for (int l = 2; l >= 0; --l) {
-      const Layer& layer = layers_[l];
-      const float* input = l == 0 ? x : acts_[l].data();
-      float* dw = weight(grads_, layer);
-      float* db = bias(grads_, layer);
-      // dW = delta^T input (out x in); db = column sums of delta.
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, layer.out, layer.in, batch, 1.0f, delta.data(),
-                  layer.out, input, layer.in, 0.0f, dw, layer.in);
-      std::fill(db, db + layer.out, 0.0f);
-      for (int b = 0; b < batch; ++b)
-        for (int o = 0; o < layer.out; ++o) db[o] += delta[size_t(b) * layer.out + o];
-      if (l == 0) break;
-      // delta_prev = (delta W) * relu'(act)
-      std::vector<float> prev(size_t(batch) * layer.in);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, layer.in, layer.out, 1.0f, delta.data(),
-                  layer.out, weight(params_, layer), layer.in, 0.0f, prev.data(), layer.in);
-      for (size_t i = 0; i < prev.size(); ++i)
-        if (acts_[l][i] <= 0.0f) prev[i] = 0.0f;
-      delta.swap(prev);
-    }
-    return {loss, correct};
-  }
-
-  int count_correct(const float* x, const uint8_t* y, int batch) {
-    forward(x, batch);
-    int correct = 0;
-    for (int b = 0; b < batch; ++b) {
-      const float* row = &acts_[3][size_t(b) * 10];
-      correct += int(std::max_element(row, row + 10) - row) == y[b];
-    }
-    return correct;
-  }
-
-  // SGD with momentum and weight decay on every parameter.
-  void sgd(float lr, float momentum, float weight_decay) {
-    for (int bucket = 0; bucket < 2; ++bucket) {
-      auto& p = params_[bucket];
-      auto& g = grads_[bucket];
-      auto& v = velocity_[bucket];
-      if (v.empty()) v.assign(p.size(), 0.0f);
-      for (size_t i = 0; i < p.size(); ++i) {
-        v[i] = momentum * v[i] + g[i] + weight_decay * p[i];
-        p[i] -= lr * v[i];
-      }
-    }
-  }
-
- private:
-  static float* weight(std::vector<float>* storage, const Layer& l) { return storage[l.bucket].data() + l.offset; }
-  static float* bias(std::vector<float>* storage, const Layer& l) {
-    return weight(storage, l) + size_t(l.in) * l.out;
-  }
-
-  void forward(const float* x, int batch) {
-    for (int l = 0; l < 3; ++l) {
-      const Layer& layer = layers_[l];
-      const float* input = l == 0 ? x : acts_[l].data();
-      auto& out = acts_[l + 1];
-      out.resize(size_t(batch) * layer.out);
-      const float* b = bias(params_, layer);
-      for (int i = 0; i < batch; ++i) std::copy(b, b + layer.out, &out[size_t(i) * layer.out]);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, batch, layer.out, layer.in, 1.0f, input, layer.in,
-                  weight(params_, layer), layer.in, 1.0f, out.data(), layer.out);
-      if (l < 2)
-        for (auto& v : out) v = std::max(v, 0.0f);
-    }
-  }
-
-  std::vector<int64_t> dims_;
-  std::vector<float> params_[2], grads_[2], velocity_[2];
-  std::vector<Layer> layers_;
-  std::vector<float> acts_[4];
-};
-
 }  // namespace
 
+
 int main(int argc, char** argv) {
-  CLI::App app{"Trains a 3-layer perceptron on Fashion-MNIST, data-parallel with PowerSGD. Run it under "
-               "powersgd-run, e.g. powersgd-run -n 4 -- train-fashion-mnist"};
+  CLI::App app{"Trains a 3-layer perceptron or a small CNN on Fashion-MNIST, data-parallel with PowerSGD. Run it "
+               "under powersgd-run, e.g. powersgd-run -n 4 -- train-fashion-mnist"};
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string model_name = "mlp";
   int epochs = 3, global_batch = 256, rank = 4, hidden1 = 256, hidden2 = 128;
   int64_t start_iter = 10;
-  float lr = 0.05f;
-  bool no_compression = false;
+  size_t train_limit = 0, test_limit = 0;
+  float lr = 0.05f, lr_decay_factor = 0.1f;
+  std::vector<int> lr_decay_epochs;
+  bool no_compression = false, no_error_feedback = false, no_warm_start = false;
+  powersgd::Config defaults;
+  bool adaptive = false, alternating = false;
+  int rank_low = defaults.rank_low, rank_high = defaults.rank_high;
+  int64_t adaptive_interval = defaults.adaptive_interval;
+  double adaptive_threshold = defaults.adaptive_threshold;
   std::string record_path;
   int record_steps = 10;
   int64_t record_from = 0;
-  size_t train_limit = 0, test_limit = 0;
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0, crash_at_step = -1;
   int crash_rank = 0;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
+  app.add_option("--model", model_name,
+                 "mlp: 784-256-128-10 perceptron (--hidden sets the 256); cnn: conv 5x5 16 ch, max-pool 2, conv 5x5 "
+                 "32 ch, max-pool 2, dense 128, dense 10")
+      ->check(CLI::IsMember({"mlp", "cnn"}));
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::Range(1, 100));
   app.add_option("--batch", global_batch, "Global batch size (split over the ranks)")->check(CLI::Range(1, 60000));
+  app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)");
+  app.add_option("--test-limit", test_limit, "Test on the first N test images only (0: all 10000)");
   app.add_option("--rank", rank, "PowerSGD rank r")->check(CLI::Range(1, 64));
   app.add_option("--start-iter", start_iter, "Plain averaged allreduce before this step")->check(CLI::NonNegativeNumber);
   app.add_option("--lr", lr, "Learning rate (SGD with momentum 0.9)");
-  app.add_option("--hidden", hidden1, "Width of the first hidden layer")->check(CLI::Range(8, 4096));
+  app.add_option("--lr-decay-epochs", lr_decay_epochs,
+                 "Comma-separated epochs (1-based) from which on the learning rate is multiplied by "
+                 "--lr-decay-factor, cumulatively; default: the last epoch when --epochs > 2")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 100));
+  app.add_option("--lr-decay-factor", lr_decay_factor, "Factor of each learning-rate decay (1: no decay)")
+      ->check(CLI::Range(0.0f, 1.0f));
+  app.add_option("--hidden", hidden1, "Width of the MLP's first hidden layer")->check(CLI::Range(8, 4096));
   app.add_flag("--no-compression", no_compression, "Average gradients with a plain allreduce instead");
+  app.add_flag("--no-error-feedback", no_error_feedback, "PowerSGD without error feedback (Config::error_feedback)");
+  app.add_flag("--no-warm-start", no_warm_start, "PowerSGD without warm start of Q (Config::warm_start)");
+  app.add_flag("--adaptive", adaptive,
+               "Adaptive rank (Config::adaptive): each bucket switches between --rank-low and --rank-high; "
+               "--rank is not used");
+  app.add_option("--rank-low", rank_low, "Adaptive rank: the low rank")->check(CLI::Range(1, 64));
+  app.add_option("--rank-high", rank_high, "Adaptive rank: the high rank")->check(CLI::Range(1, 64));
+  app.add_option("--adaptive-interval", adaptive_interval, "Adaptive rank: compressed steps per decision window")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--adaptive-threshold", adaptive_threshold,
+                 "Adaptive rank: relative change of the gradient norm that selects --rank-high")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--alternating", alternating,
+               "One collective per step: alternate the power-iteration halves (Config::alternating)");
   app.add_option("--record-gradients", record_path,
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
   app.add_option("--record-from", record_from, "First global step to record")->check(CLI::NonNegativeNumber);
-  app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)");
-  app.add_option("--test-limit", test_limit, "Test on the first N test images only (0: all 10000)");
   app.add_option("--checkpoint-dir", checkpoint_dir,
                  "Checkpoint into this directory every --checkpoint-every steps; resume from its newest complete "
                  "checkpoint at start")->check(CLI::ExistingDirectory);
@@ -260,6 +163,12 @@ int main(int argc, char** argv) {
   }
   // Progress lines reach the launcher as they are printed, also when the job is stopped.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  for (int e : lr_decay_epochs)
+    if (e > epochs) {
+      std::fprintf(stderr, "--lr-decay-epochs %d: expected an epoch in 1..%d (--epochs)\n", e, epochs);
+      return 2;
+    }
+  if (app.count("--lr-decay-epochs") == 0 && epochs > 2) lr_decay_epochs = {epochs};
 
   try {
     auto comm = powersgd::Communicator::from_env();
@@ -288,32 +197,53 @@ int main(int argc, char** argv) {
       test.count = test_limit;
     }
 
-    Mlp model(hidden1, hidden2, /*seed=*/42);
+    auto model = model_name == "cnn" ? fashion_mnist::make_cnn(16, 32, 128, /*seed=*/42)
+                                     : fashion_mnist::make_mlp(hidden1, hidden2, /*seed=*/42);
     powersgd::Config config;
     config.rank = rank;
     config.start_iter = start_iter;
+    config.error_feedback = !no_error_feedback;
+    config.warm_start = !no_warm_start;
+    config.adaptive = adaptive;
+    config.rank_low = rank_low;
+    config.rank_high = rank_high;
+    config.adaptive_interval = adaptive_interval;
+    config.adaptive_threshold = adaptive_threshold;
+    config.alternating = alternating;
     powersgd::Reducer reducer(*comm, config);
-    int buckets[2] = {reducer.add_bucket(model.bucket_shapes(0)), reducer.add_bucket(model.bucket_shapes(1))};
-    if (me == 0)
-      std::printf("training %zu parameters on %d ranks, global batch %d, %s\n", model.parameter_count(), world,
-                  global_batch,
-                  no_compression ? "plain allreduce" : ("PowerSGD rank " + std::to_string(rank)).c_str());
+    int buckets[2] = {reducer.add_bucket(model->bucket_shapes(0)), reducer.add_bucket(model->bucket_shapes(1))};
+    if (me == 0) {
+      std::string method = "plain allreduce";
+      if (!no_compression) {
+        method = adaptive ? "PowerSGD adaptive rank " + std::to_string(rank_low) + ".." + std::to_string(rank_high)
+                          : "PowerSGD rank " + std::to_string(rank);
+        if (alternating) method += ", alternating";
+        if (no_error_feedback) method += ", no error feedback";
+        if (no_warm_start) method += ", no warm start";
+      }
+      std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s\n",
+                  model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str());
+    }
 
     std::unique_ptr<powersgd::GradientRecordWriter> recorder;
     if (me == 0 && !record_path.empty())
       recorder = std::make_unique<powersgd::GradientRecordWriter>(
-          record_path, std::vector<std::vector<powersgd::Shape>>{model.bucket_shapes(0), model.bucket_shapes(1)});
+          record_path, std::vector<std::vector<powersgd::Shape>>{model->bucket_shapes(0), model->bucket_shapes(1)});
     int64_t global_step = 0;
 
     // Checkpoints: what they hold, and the options a resumed job must share.
-    std::vector<float>* tensors[4] = {&model.params(0), &model.params(1), &model.velocity(0), &model.velocity(1)};
-    const size_t tensor_sizes[4] = {model.params(0).size(), model.params(1).size(), model.params(0).size(),
-                                    model.params(1).size()};
-    uint64_t options = 0;
+    std::vector<float>* tensors[4] = {&model->params(0), &model->params(1), &model->velocity(0), &model->velocity(1)};
+    const size_t tensor_sizes[4] = {model->params(0).size(), model->params(1).size(), model->params(0).size(),
+                                    model->params(1).size()};
+    uint64_t options = fashion_mnist::fnv1a(model_name.data(), model_name.size());
     for (const int64_t v : {int64_t(world), int64_t(global_batch), int64_t(rank), int64_t(hidden1), int64_t(hidden2),
-                            start_iter, int64_t(epochs), int64_t(train.count), int64_t(no_compression)})
+                            start_iter, int64_t(epochs), int64_t(train.count), int64_t(no_compression),
+                            int64_t(no_error_feedback), int64_t(no_warm_start), int64_t(adaptive), int64_t(rank_low),
+                            int64_t(rank_high), adaptive_interval, int64_t(alternating)})
       options = fashion_mnist::fnv1a(&v, sizeof v, options);
-    options = fashion_mnist::fnv1a(&lr, sizeof lr, options);
+    for (const float v : {lr, lr_decay_factor}) options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    for (const int e : lr_decay_epochs) options = fashion_mnist::fnv1a(&e, sizeof e, options);
+    options = fashion_mnist::fnv1a(&adaptive_threshold, sizeof adaptive_threshold, options);
     std::optional<fashion_mnist::TrainerCheckpoints> checkpoints;
     fashion_mnist::TrainerState resumed;
     if (!checkpoint_dir.empty()) {
@@ -332,9 +262,11 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> y(local_batch);
     std::mt19937_64 shuffle_rng(7);  // same permutation on every rank; each takes its slice
     const int steps_per_epoch = int(train.count / global_batch);
-    uint64_t plain_bytes = 0;
+    uint64_t plain_bytes = 0, bytes_before_epoch = 0;
     auto t0 = std::chrono::steady_clock::now();
     const int64_t first_epoch = global_step / steps_per_epoch;
+    // Resumed: this epoch's bytes count from the resumed step on.
+    if (global_step > 0 && !no_compression) bytes_before_epoch = reducer.stats().bytes_sent;
     for (int epoch = 0; epoch < epochs; ++epoch) {
       std::shuffle(order.begin(), order.end(), shuffle_rng);  // also of the epochs a resumed job skips: replayed
       if (epoch < first_epoch) continue;
@@ -342,7 +274,9 @@ int main(int argc, char** argv) {
       const bool resumed_here = epoch == first_epoch && resumed.step > first_epoch * steps_per_epoch;
       double loss_sum = resumed_here ? resumed.loss_sum : 0;
       int correct = resumed_here ? int(resumed.correct) : 0;
-      float epoch_lr = lr * (epoch + 1 == epochs && epochs > 2 ? 0.1f : 1.0f);
+      float epoch_lr = lr;
+      for (int e : lr_decay_epochs)
+        if (e <= epoch + 1) epoch_lr *= lr_decay_factor;
       for (int step = int(global_step - int64_t(epoch) * steps_per_epoch); step < steps_per_epoch; ++step) {
         if (global_step == crash_at_step && me == crash_rank && !(checkpoints && checkpoints->due(global_step)))
           ::raise(SIGKILL);  // a real crash, mid-epoch (test of resuming)
@@ -351,16 +285,16 @@ int main(int argc, char** argv) {
           std::copy_n(&train.images[index * 784], 784, &x[size_t(b) * 784]);
           y[b] = train.labels[index];
         }
-        auto [loss, ok] = model.train_step(x.data(), y.data(), local_batch);
+        auto [loss, ok] = model->train_step(x.data(), y.data(), local_batch);
         loss_sum += loss;
         correct += ok;
         if (recorder && global_step >= record_from && global_step < record_from + record_steps) {
-          const float* local[2] = {model.grads(0).data(), model.grads(1).data()};
+          const float* local[2] = {model->grads(0).data(), model->grads(1).data()};
           recorder->append_step(local);
         }
         ++global_step;
         for (int bucket : buckets) {
-          auto& g = model.grads(bucket);
+          auto& g = model->grads(bucket);
           if (no_compression) {
             comm->allreduce(g.data(), g.size(), powersgd::DataType::Float32);
             for (auto& v : g) v /= float(world);
@@ -369,29 +303,40 @@ int main(int argc, char** argv) {
             reducer.reduce(bucket, g.data());
           }
         }
-        model.sgd(epoch_lr, 0.9f, 5e-4f);
+        model->sgd(epoch_lr, 0.9f, 5e-4f);
         if (checkpoints && checkpoints->due(global_step))
           checkpoints->save({global_step, loss_sum, correct}, tensors,
                             global_step == crash_at_step && me == crash_rank);
       }
-      // Accuracy on the whole test set, split over ranks and summed.
-      int test_correct = 0;
-      for (size_t i = size_t(me); i < test.count; i += size_t(world))
-        test_correct += model.count_correct(&test.images[i * 784], &test.labels[i], 1);
+      // Accuracy on the test set, split into one contiguous share per rank and summed.
+      const size_t test_begin = test.count * size_t(me) / size_t(world);
+      const size_t test_end = test.count * size_t(me + 1) / size_t(world);
+      int test_correct = model->evaluate(&test.images[test_begin * 784], &test.labels[test_begin],
+                                         int(test_end - test_begin)).second;
       double totals[3] = {loss_sum, double(correct), double(test_correct)};
       comm->allreduce(totals, 3, powersgd::DataType::Float64);
       double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const powersgd::Stats stats = reducer.stats();
+      const uint64_t bytes_so_far = no_compression ? plain_bytes : stats.bytes_sent;
       if (me == 0) {
         double samples = double(steps_per_epoch) * global_batch;
-        std::printf("epoch %d: train loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, %.1f s\n", epoch + 1,
-                    totals[0] / samples, 100.0 * totals[1] / samples, 100.0 * totals[2] / double(test.count),
-                    seconds);
+        std::string ranks;  // adaptive: each bucket's rank for the next step
+        for (size_t b = 0; adaptive && b < stats.current_rank.size(); ++b)
+          ranks += (b == 0 ? ", bucket ranks " : "/") + std::to_string(stats.current_rank[b]);
+        // "%.1f s" is the time since training began; the bytes are this epoch's gradient payload of rank 0.
+        std::printf("epoch %d: train loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, %.1f s, lr %g, "
+                    "%llu bytes sent per rank%s\n",
+                    epoch + 1, totals[0] / samples, 100.0 * totals[1] / samples,
+                    100.0 * totals[2] / double(test.count), seconds, double(epoch_lr),
+                    static_cast<unsigned long long>(bytes_so_far - bytes_before_epoch), ranks.c_str());
+        std::fflush(stdout);
       }
+      bytes_before_epoch = bytes_so_far;
     }
     if (me == 0) {
       uint64_t hash = fashion_mnist::fnv1a(nullptr, 0);
       for (int b = 0; b < 2; ++b)
-        hash = fashion_mnist::fnv1a(model.params(b).data(), model.params(b).size() * sizeof(float), hash);
+        hash = fashion_mnist::fnv1a(model->params(b).data(), model->params(b).size() * sizeof(float), hash);
       std::printf("parameters fnv1a64 %016llx after %lld steps\n", static_cast<unsigned long long>(hash),
                   static_cast<long long>(global_step));
       if (no_compression) {
