@@ -22,7 +22,9 @@ ROWS = [
     ("rank2-no-ef", "rank 2, no error feedback"),
     ("rank2-no-warm-start", "rank 2, no warm start"),
     ("adaptive", "adaptive rank 1..4"),
+    ("adaptive24", "adaptive rank 2..4"),
     ("alternating", "rank 2, alternating"),
+    ("alternating4", "rank 4, alternating"),
 ]
 EPOCH = re.compile(r"^\[0\] epoch (\d+): train loss ([0-9.]+), train accuracy ([0-9.]+)%, "
                    r"test accuracy ([0-9.]+)%, ([0-9.]+) s, lr ([0-9.e+-]+), (\d+) bytes sent per rank")

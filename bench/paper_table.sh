@@ -12,8 +12,8 @@
 #   TRAIN_LIMIT (10240 training images: a subset, to keep the table short; the 8
 #   rows took 35 minutes on 2 cores at a load average of about 20), TEST_LIMIT
 #   (5000 test images),
-#   ROWS (all rows: "allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start
-#   adaptive alternating"; a subset reruns those rows and keeps the other logs
+#   ROWS (all rows: "allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive adaptive24
+#   alternating alternating4"; a subset reruns those rows and keeps the other logs
 #   found in OUT_DIR in the table: each log's first line says how it was made).
 set -eu
 BUILD=${1:?usage: bench/paper_table.sh BUILD_DIR [EPOCHS]}
@@ -22,7 +22,7 @@ OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
 WORKERS=${WORKERS:-4}
 TRAIN_LIMIT=${TRAIN_LIMIT:-10240}
 TEST_LIMIT=${TEST_LIMIT:-5000}
-ROWS=${ROWS:-allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive alternating}
+ROWS=${ROWS:-allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive adaptive24 alternating alternating4}
 RUN="$BUILD/tools/run/powersgd-run"
 TRAIN="$BUILD/examples/train-fashion-mnist"
 HERE=$(dirname "$0")
@@ -54,7 +54,9 @@ row_args() {
     rank2-no-ef) echo "--rank 2 --no-error-feedback" ;;
     rank2-no-warm-start) echo "--rank 2 --no-warm-start" ;;
     adaptive) echo "--adaptive --rank-low 1 --rank-high 4 --adaptive-interval 20" ;;
+    adaptive24) echo "--adaptive --rank-low 2 --rank-high 4 --adaptive-interval 20" ;;
     alternating) echo "--rank 2 --alternating" ;;
+    alternating4) echo "--rank 4 --alternating" ;;
     *) echo "paper_table.sh: unknown row '$1' in ROWS" >&2; return 2 ;;
   esac
 }
