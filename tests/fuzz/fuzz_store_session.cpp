@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "store/protocol.hpp"
@@ -59,7 +61,32 @@ int connect_to(uint16_t port) {
   address.sin_family = AF_INET;
   address.sin_port = htons(port);
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  expect(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0, "connect to the store server");
+  // The client's own resources can run out (EADDRNOTAVAIL: every ephemeral port to this server's port is in
+  // use or in TIME_WAIT; EAGAIN: the same on older kernels): that is the harness's limit, not a property of
+  // the server, so wait for the kernel to free a port (bounded). Any other failure is the server's.
+  int rc = -1;
+  for (int attempt = 0; attempt < 2000; ++attempt) {
+    rc = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+    if (rc != 0 && errno == EINTR) {
+      // libFuzzer's timer signal interrupted the blocking connect; the connection goes on: wait for it.
+      pollfd p{fd, POLLOUT, 0};
+      int polled;
+      do polled = ::poll(&p, 1, 5000);
+      while (polled < 0 && errno == EINTR);
+      int error = ETIMEDOUT;
+      socklen_t length = sizeof error;
+      if (polled == 1) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+      rc = error == 0 ? 0 : -1;
+      errno = error;
+    }
+    if (rc == 0 || (errno != EADDRNOTAVAIL && errno != EAGAIN)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (rc != 0) {
+    std::fprintf(stderr, "fuzz_store_session: connect to 127.0.0.1:%u failed: %s\n", unsigned(port),
+                 std::strerror(errno));
+    expect(false, "connect to the store server");
+  }
   // Close with RST: no TIME_WAIT per input, so loopback ports are never exhausted.
   linger no_linger{1, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &no_linger, sizeof no_linger);
@@ -72,6 +99,7 @@ int connect_to(uint16_t port) {
 void send_all(int fd, const char* data, size_t size) {
   while (size > 0) {
     ssize_t n = ::send(fd, data, size, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;  // libFuzzer's timer signal
     if (n <= 0) return;
     data += n;
     size -= static_cast<size_t>(n);
@@ -90,9 +118,12 @@ std::string read_replies(int fd) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) break;
     pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(left)) <= 0) break;
+    const int polled = ::poll(&p, 1, static_cast<int>(left));
+    if (polled < 0 && errno == EINTR) continue;  // libFuzzer's timer signal
+    if (polled <= 0) break;
     char buffer[4096];
     ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+    if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     replies.append(buffer, static_cast<size_t>(n));
   }
