@@ -61,10 +61,11 @@ for t in "${targets[@]}"; do
   : >"$stamp"
   start=$(date +%s)
   # The session target opens a loopback connection per input (about 1,000 a
-  # second on a quiet machine); each leaves a TIME_WAIT socket for 60 s, and
-  # 28,000 of them exhaust the ephemeral ports, which failed a CI run after 24 s
-  # ("connect to the store server"). As root it runs in a network namespace of
-  # its own whose TIME_WAIT table is capped (the kernel drops the excess).
+  # second on a quiet machine). As root it runs in a network namespace of its
+  # own whose TIME_WAIT table is capped (the kernel drops the excess), so a long
+  # run cannot exhaust the host's ephemeral ports. (Two CI runs that failed with
+  # "connect to the store server" after about 26,000 inputs were the harness's
+  # connect interrupted by libFuzzer's timer signal, EINTR, handled since.)
   runner=()
   ns=""
   if [ "$t" = fuzz_store_session ] && [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null 2>&1; then
