@@ -92,7 +92,7 @@ void StepRunner::fail_flagged(const Reduction& job, std::exception_ptr own) {
 Work StepRunner::send_first(const Reduction& job, const Segment& unc) {
   if (job.prepare_error)
     for (size_t i = 0; i < job.buckets.size(); ++i)
-      unc.host[job.unc_at[i] - job.unc_begin + bucket(job.buckets[i]).plan.packed_numel] = kFailedFlag;
+      flag(job, i, unc) = kFailedFlag;
   return send(unc, !job.prepare_error);
 }
 
@@ -294,13 +294,12 @@ void StepRunner::run_plain(Reduction& job) {
 // After the first collective: any rank's flag set, or sums that overflowed,
 // fail the reduction on every rank (the sums are identical everywhere).
 void StepRunner::check_flags(const Reduction& job, const Segment& unc) {
-  auto flag_of = [&](size_t i) { return unc.host[job.unc_at[i] - job.unc_begin + bucket(job.buckets[i]).plan.packed_numel]; };
   for (size_t i = 0; i < job.buckets.size(); ++i)
-    if (flag_of(i) >= kFailedFlag) fail_flagged(job, job.prepare_error);
+    if (flag(job, i, unc) >= kFailedFlag) fail_flagged(job, job.prepare_error);
   for (size_t i = 0; i < job.buckets.size(); ++i) {
-    const float flag = unc.host[job.unc_at[i] - job.unc_begin + bucket(job.buckets[i]).plan.packed_numel];
-    if (flag != 0.0f)
-      throw_nonfinite(job, job.buckets[i], detail::concat("NaN or Inf in the gradients of ", flag, " rank(s)"));
+    const float count = flag(job, i, unc);
+    if (count != 0.0f)
+      throw_nonfinite(job, job.buckets[i], detail::concat("NaN or Inf in the gradients of ", count, " rank(s)"));
   }
   if (!be_.all_finite(unc.dev, unc.count))
     throw_nonfinite(job, job.buckets[0], config_.alternating

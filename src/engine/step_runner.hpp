@@ -90,6 +90,10 @@ class StepRunner {
   float* factor(const Reduction& job, size_t i) {
     return arenas_.unc.data() + job.unc_at[i] + bucket(job.buckets[i]).plan.packed_numel + 1;
   }
+  // Bucket i's finite flag in the reduction's first-collective segment `unc`.
+  float& flag(const Reduction& job, size_t i, const Segment& unc) {
+    return unc.host[job.unc_at[i] - job.unc_begin + bucket(job.buckets[i]).plan.packed_numel];
+  }
 
   // stage: copy the device range to its host staging first; a rank whose local
   // work failed sends its host buffer as it is (its device may be what failed).
