@@ -6,11 +6,22 @@
  * Objects are used from one thread at a time. Calls marked "Collective" must be
  * made by every rank in the same order.
  *
- * ABI: structs passed by pointer begin with struct_size, the size the caller was
- * compiled with, so fields can be appended without breaking compiled callers:
- * the library reads (or writes) only the first struct_size bytes and defaults
- * the fields a shorter struct lacks. Get a psgd_config from
- * psgd_config_default(); declare a psgd_stats as PSGD_STATS_INIT. */
+ * ABI (docs/abi.md): a binary built against an older header keeps working with a later libpowersgd.so.0.
+ * The rule for every struct the caller allocates, now and to come:
+ * - It begins with `size_t struct_size`, the sizeof the CALLER was compiled with. Only the caller's own
+ *   compilation may write it: psgd_config_default() is inline here (it calls psgd_config_init with its
+ *   sizeof), psgd_stats is declared as PSGD_STATS_INIT. No function returns such a struct by value from the
+ *   library (a struct returned by value is written at the library's size into the caller's smaller one).
+ * - Fields are only appended, never reordered, resized or removed, and a version's first appended field
+ *   starts at the previous version's sizeof (never in its tail padding).
+ * - The library reads (writes) only the first struct_size bytes. A shorter struct (an older caller) gets the
+ *   defaults for the fields it lacks; a longer one (a newer caller) must hold zeros in every byte past the
+ *   library's sizeof, else PSGD_ERR_INVALID_ARGUMENT ("holds fields this library does not know"). So an
+ *   appended field's 0 must mean what libraries without the field do. Output structs (psgd_stats) get the
+ *   fields the library knows; bytes past them are left as the caller set them.
+ * - A struct_size below the first version's sizeof (or above 4096) is PSGD_ERR_INVALID_ARGUMENT naming it.
+ * The library also keeps each symbol an older header declared, with that header's layout: the exported
+ * psgd_config_default is 0.1's, returning the 72-byte 0.1 struct with struct_size = 72. */
 #ifndef POWERSGD_POWERSGD_H
 #define POWERSGD_POWERSGD_H
 
@@ -45,7 +56,7 @@ PSGD_API psgd_status psgd_comm_barrier(psgd_comm* comm);                        
 PSGD_API void psgd_comm_destroy(psgd_comm* comm);                /* null is a no-op; destroy reducers first */
 
 typedef struct psgd_config {
-  size_t struct_size;                /* sizeof(psgd_config) as the caller was compiled; set by psgd_config_default */
+  size_t struct_size;                /* sizeof(psgd_config) as the caller was compiled; set by psgd_config_init */
   int rank;                          /* default 1 */
   int64_t start_iter;                /* default 1000; 0 = compress from the first step */
   double min_compression_rate;       /* default 2.0 */
@@ -57,7 +68,8 @@ typedef struct psgd_config {
   int whole_bucket;                  /* default 0; 1 = the square-matrix variant */
   int device;                        /* 0 = CPU (default), 1 = CUDA: data pointers are device pointers */
   int device_index;                  /* default 0 */
-  /* Appended in 0.2 (a caller's shorter struct gets the defaults). Adaptive rank (docs/engine.md): */
+  /* Appended in 0.2, from offset 72 (a 0.1 caller's struct_size 72 gets their defaults). Adaptive rank
+     (docs/engine.md): */
   int adaptive;                      /* default 0; 1 = switch each bucket between rank_low and rank_high (rank unused) */
   int rank_low;                      /* default 1; 1 <= rank_low <= rank_high <= 64 */
   int rank_high;                     /* default 4 */
@@ -65,7 +77,17 @@ typedef struct psgd_config {
   double adaptive_threshold;         /* default 0.5; relative norm change at or above it -> rank_high */
   int alternating;                   /* default 0; 1 = one collective per step (alternating power-iteration halves) */
 } psgd_config;
-PSGD_API psgd_config psgd_config_default(void);
+/* Writes the defaults into the first struct_size bytes of *config (zeros past the fields this library knows)
+   and sets config->struct_size = struct_size. Pass sizeof(psgd_config) of the caller's compilation, as
+   psgd_config_default() does. PSGD_ERR_INVALID_ARGUMENT for a null config or a struct_size below 72 (0.1's
+   sizeof) or above 4096, naming it; *config is then untouched. */
+PSGD_API psgd_status psgd_config_init(psgd_config* config, size_t struct_size);
+/* The defaults, at this header's size. Inline: the size is the caller's sizeof, never the library's. */
+static inline psgd_config psgd_config_default(void) {
+  psgd_config config;
+  (void)psgd_config_init(&config, sizeof config); /* cannot fail: sizeof config is a valid size */
+  return config;
+}
 
 typedef struct psgd_reducer psgd_reducer;
 /* The reducer keeps a reference to comm: destroy it before comm. */
@@ -83,10 +105,12 @@ PSGD_API int64_t psgd_reducer_iteration(const psgd_reducer* r);  /* completed st
 PSGD_API psgd_status psgd_reducer_error_feedback(const psgd_reducer* r, int bucket_index, float* out);
 typedef struct psgd_stats { size_t struct_size; uint64_t numel_before; uint64_t numel_after;
   double compression_rate; uint64_t bytes_sent; double relative_error;
-  uint64_t last_step_bytes;  /* appended in 0.2: payload bytes this rank sent in the last completed step */
+  uint64_t last_step_bytes;  /* appended in 0.2 (offset 48): payload bytes this rank sent in the last completed step */
 } psgd_stats;
 #define PSGD_STATS_INIT { sizeof(psgd_stats), 0, 0, 0.0, 0, 0.0, 0 }
-/* Fills the first out->struct_size bytes of *out (struct_size must be set, e.g. by PSGD_STATS_INIT). */
+/* Fills the fields of *out that both this library and out->struct_size know, and no other byte (a newer
+   caller's later fields keep their values). struct_size must be set, by PSGD_STATS_INIT (the caller's
+   sizeof): at least 48 (0.1's sizeof), at most 4096, else PSGD_ERR_INVALID_ARGUMENT naming it. */
 PSGD_API psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
 /* The rank a bucket's compressed matrices use in its next compressed step: config.rank, or with adaptive
    rank_low or rank_high (per matrix min(rows, cols, *rank)). */

@@ -5,7 +5,7 @@
 #define POWERSGD_VERSION_H
 
 #define PSGD_VERSION_MAJOR 0
-#define PSGD_VERSION_MINOR 1
+#define PSGD_VERSION_MINOR 2
 #define PSGD_VERSION_PATCH 0
 /* One number for comparisons: 10000 * major + 100 * minor + patch. */
 #define PSGD_VERSION_NUMBER (10000 * PSGD_VERSION_MAJOR + 100 * PSGD_VERSION_MINOR + PSGD_VERSION_PATCH)

@@ -30,11 +30,11 @@ class PowerSGDError(RuntimeError):
 
 
 class Config(ctypes.Structure):
-    """psgd_config, field for field. Obtain it only from psgd_config_default() (default_config())
-    and set fields by name, so a field added to the C struct is one line here."""
+    """psgd_config, field for field. Obtain it only from default_config() (psgd_config_init with this
+    struct's ctypes.sizeof) and set fields by name, so a field added to the C struct is one line here."""
 
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),  # set by psgd_config_default(); the library checks it
+        ("struct_size", ctypes.c_size_t),  # set by psgd_config_init to ctypes.sizeof(Config); the library checks it
         ("rank", ctypes.c_int),
         ("start_iter", ctypes.c_int64),
         ("min_compression_rate", ctypes.c_double),
@@ -92,7 +92,7 @@ def _load():
         "psgd_comm_barrier": (status, [handle]),
         "psgd_comm_destroy": (None, [handle]),
         "psgd_store_port_beside_torch": (status, [ctypes.POINTER(ctypes.c_int)]),
-        "psgd_config_default": (Config, []),
+        "psgd_config_init": (status, [ctypes.POINTER(Config), ctypes.c_size_t]),
         "psgd_reducer_create": (status, [handle, ctypes.POINTER(Config), ctypes.POINTER(handle)]),
         "psgd_reducer_add_bucket": (
             status,
@@ -128,4 +128,8 @@ def check(status):
 
 
 def default_config():
-    return lib.psgd_config_default()
+    """The library's defaults in a Config: psgd_config_init is told this binding's struct size, never the
+    library's (a library with more fields writes only ctypes.sizeof(Config) bytes; docs/abi.md)."""
+    config = Config()
+    check(lib.psgd_config_init(ctypes.byref(config), ctypes.sizeof(Config)))
+    return config

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "capi/config_defaults.hpp"
 #include "common/check.hpp"
 #include "powersgd/comm.hpp"
 #include "powersgd/powersgd.h"
@@ -56,26 +57,62 @@ bool as_bool(int value, const char* field) {
   return value == 1;
 }
 
-// The smallest struct_size of each struct: its fields as of powersgd 0.1. A
-// caller compiled against a later header passes a larger size.
-constexpr size_t kConfigSizeV1 = offsetof(psgd_config, device_index) + sizeof(int);
-constexpr size_t kStatsSizeV1 = offsetof(psgd_stats, relative_error) + sizeof(double);
+// Struct sizes (powersgd.h, "ABI"): each struct's first version's sizeof, where the next version's fields
+// start; and a bound far above any struct of a header, so that a garbage struct_size (an uninitialized
+// struct) is refused rather than followed into memory.
+constexpr size_t kConfigSize01 = 72;
+constexpr size_t kStatsSize01 = 48;
+constexpr size_t kMaxStructSize = 4096;
+static_assert(offsetof(psgd_config, adaptive) == kConfigSize01, "0.2's psgd_config fields start at 0.1's sizeof");
+static_assert(offsetof(psgd_stats, last_step_bytes) == kStatsSize01, "0.2's psgd_stats fields start at 0.1's sizeof");
 
-// The caller's struct as this library's: the first min(struct_size, sizeof)
-// bytes copied over the defaults. Bytes beyond what this library knows must be
-// 0 (a field of a newer header left at its default); anything else is a setting
-// this version cannot honour.
+void check_struct_size(const char* what, size_t size, size_t smallest, const char* how) {
+  PSGD_REQUIRE(size >= smallest && size <= kMaxStructSize, InvalidArgumentError, what, " = ", size,
+               ": expected at least ", smallest, " (powersgd 0.1's sizeof) and at most ", kMaxStructSize, " (", how,
+               ")");
+}
+
+// This library's defaults, padding bytes zero.
+psgd_config library_defaults() {
+  psgd_config c;
+  std::memset(&c, 0, sizeof(c));
+  const powersgd::Config d;
+  c.struct_size = sizeof(c);
+  c.rank = d.rank;
+  c.start_iter = d.start_iter;
+  c.min_compression_rate = d.min_compression_rate;
+  c.error_feedback = d.error_feedback ? 1 : 0;
+  c.warm_start = d.warm_start ? 1 : 0;
+  c.orthogonalization_epsilon = d.orthogonalization_epsilon;
+  c.seed = d.seed;
+  c.batch_same_shape = d.batch_same_shape ? 1 : 0;
+  c.whole_bucket = d.whole_bucket ? 1 : 0;
+  c.device = d.device == powersgd::Device::Cpu ? 0 : 1;
+  c.device_index = d.device_index;
+  c.adaptive = d.adaptive ? 1 : 0;
+  c.rank_low = d.rank_low;
+  c.rank_high = d.rank_high;
+  c.adaptive_interval = d.adaptive_interval;
+  c.adaptive_threshold = d.adaptive_threshold;
+  c.alternating = d.alternating ? 1 : 0;
+  return c;
+}
+
+// The caller's struct as this library's: the first min(struct_size, sizeof) bytes copied over the defaults.
+// Bytes past what this library knows must be 0 (a newer header's field at its default); anything else is a
+// setting this version cannot honour.
 psgd_config read_config(const psgd_config* in) {
   const size_t size = in->struct_size;
-  PSGD_REQUIRE(size >= kConfigSizeV1, InvalidArgumentError, "config.struct_size = ", size, ": expected at least ",
-               kConfigSizeV1, " (sizeof(psgd_config); get the config from psgd_config_default())");
-  psgd_config c = psgd_config_default();
+  check_struct_size("config.struct_size", size, kConfigSize01,
+                    "sizeof(psgd_config); get the config from psgd_config_default() or psgd_config_init()");
+  psgd_config c = library_defaults();
   std::memcpy(&c, in, std::min(size, sizeof(c)));
-  const auto* tail = reinterpret_cast<const unsigned char*>(in);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(in);
   for (size_t i = sizeof(c); i < size; ++i)
-    PSGD_REQUIRE(tail[i] == 0, UnsupportedError, "config.struct_size = ", size, ": byte ", i,
-                 " is set, but this library (powersgd ", PSGD_VERSION, ") knows only the first ", sizeof(c),
-                 " bytes of psgd_config");
+    PSGD_REQUIRE(bytes[i] == 0, InvalidArgumentError, "config.struct_size = ", size,
+                 ": the struct holds fields this library does not know (powersgd ", PSGD_VERSION, " knows the first ",
+                 sizeof(c), " bytes of psgd_config; byte ", i, " is ", static_cast<int>(bytes[i]),
+                 "): leave fields of a newer header at 0 or use that version's library");
   c.struct_size = sizeof(c);
   return c;
 }
@@ -106,6 +143,14 @@ powersgd::Config to_config(const psgd_config& c) {
 }
 
 }  // namespace
+
+void powersgd::capi::write_config_defaults(void* config, size_t struct_size) noexcept {
+  const psgd_config defaults = library_defaults();
+  auto* bytes = static_cast<unsigned char*>(config);
+  std::memcpy(bytes, &defaults, std::min(struct_size, sizeof(defaults)));
+  if (struct_size > sizeof(defaults)) std::memset(bytes + sizeof(defaults), 0, struct_size - sizeof(defaults));
+  std::memcpy(bytes, &struct_size, sizeof(struct_size));
+}
 
 extern "C" {
 
@@ -143,28 +188,12 @@ psgd_status psgd_comm_barrier(psgd_comm* comm) {
 
 void psgd_comm_destroy(psgd_comm* comm) { delete comm; }
 
-psgd_config psgd_config_default(void) {
-  const powersgd::Config d;
-  psgd_config c;
-  c.struct_size = sizeof(c);
-  c.rank = d.rank;
-  c.start_iter = d.start_iter;
-  c.min_compression_rate = d.min_compression_rate;
-  c.error_feedback = d.error_feedback ? 1 : 0;
-  c.warm_start = d.warm_start ? 1 : 0;
-  c.orthogonalization_epsilon = d.orthogonalization_epsilon;
-  c.seed = d.seed;
-  c.batch_same_shape = d.batch_same_shape ? 1 : 0;
-  c.whole_bucket = d.whole_bucket ? 1 : 0;
-  c.device = d.device == powersgd::Device::Cpu ? 0 : 1;
-  c.device_index = d.device_index;
-  c.adaptive = d.adaptive ? 1 : 0;
-  c.rank_low = d.rank_low;
-  c.rank_high = d.rank_high;
-  c.adaptive_interval = d.adaptive_interval;
-  c.adaptive_threshold = d.adaptive_threshold;
-  c.alternating = d.alternating ? 1 : 0;
-  return c;
+psgd_status psgd_config_init(psgd_config* config, size_t struct_size) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(config);
+    check_struct_size("struct_size", struct_size, kConfigSize01, "pass sizeof(psgd_config)");
+    powersgd::capi::write_config_defaults(config, struct_size);
+  });
 }
 
 psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out) {
@@ -238,8 +267,7 @@ psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out) {
     PSGD_C_NOT_NULL(r);
     PSGD_C_NOT_NULL(out);
     const size_t size = out->struct_size;
-    PSGD_REQUIRE(size >= kStatsSizeV1, InvalidArgumentError, "stats.struct_size = ", size, ": expected at least ",
-                 kStatsSizeV1, " (sizeof(psgd_stats); declare it as PSGD_STATS_INIT)");
+    check_struct_size("stats.struct_size", size, kStatsSize01, "sizeof(psgd_stats); declare it as PSGD_STATS_INIT");
     const powersgd::Stats s = r->reducer->stats();
     psgd_stats result;
     result.struct_size = size;

@@ -1,0 +1,138 @@
+/* tests/abi: include/powersgd/powersgd.h of powersgd 0.1 (commit f100d22, the last before 0.2's fields), unchanged below
+ * this comment. Old callers are compiled against it (tests/abi/meson.build): never edit. */
+/* powersgd C API: PowerSGD gradient compression over Gloo, for C and other
+ * languages. C99. Wraps the C++ API (powersgd/reducer.hpp) at one boundary:
+ * every call returns a psgd_status; on failure psgd_last_error() gives the
+ * message (thread-local, valid until the next failing call on this thread).
+ * Null pointer arguments return PSGD_ERR_INVALID_ARGUMENT naming the parameter.
+ * Objects are used from one thread at a time. Calls marked "Collective" must be
+ * made by every rank in the same order.
+ *
+ * ABI: structs passed by pointer begin with struct_size, the size the caller was
+ * compiled with, so fields can be appended without breaking compiled callers:
+ * the library reads (or writes) only the first struct_size bytes and defaults
+ * the fields a shorter struct lacks. Get a psgd_config from
+ * psgd_config_default(); declare a psgd_stats as PSGD_STATS_INIT. */
+#ifndef POWERSGD_POWERSGD_H
+#define POWERSGD_POWERSGD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "powersgd/export.h"
+#include "powersgd/version.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Every declaration of this header is exported: PSGD_API marks each function, and the pragma keeps a
+ * function added without the marker from silently disappearing from libpowersgd.so. */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+
+typedef enum psgd_status { PSGD_OK = 0, PSGD_ERR_INVALID_ARGUMENT = 1, PSGD_ERR_IO = 2, PSGD_ERR_TIMEOUT = 3,
+  PSGD_ERR_MISMATCH = 4, PSGD_ERR_NONFINITE = 5, PSGD_ERR_UNSUPPORTED = 6, PSGD_ERR_INTERNAL = 7 } psgd_status;
+PSGD_API const char* psgd_last_error(void);     /* thread-local message of the last failed call on this thread */
+/* The library's version, "MAJOR.MINOR.PATCH" (compare with PSGD_VERSION_* of the header compiled against). */
+PSGD_API const char* psgd_version(void);
+
+typedef struct psgd_comm psgd_comm;
+PSGD_API psgd_status psgd_comm_init_from_env(psgd_comm** out);   /* RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSGD_* */
+PSGD_API int psgd_comm_rank(const psgd_comm* comm);              /* -1 for a null comm */
+PSGD_API int psgd_comm_size(const psgd_comm* comm);              /* -1 for a null comm */
+PSGD_API psgd_status psgd_comm_allreduce_sum_f32(psgd_comm* comm, float* data, size_t count);  /* Collective, host memory */
+PSGD_API psgd_status psgd_comm_barrier(psgd_comm* comm);                                      /* Collective */
+PSGD_API void psgd_comm_destroy(psgd_comm* comm);                /* null is a no-op; destroy reducers first */
+
+typedef struct psgd_config {
+  size_t struct_size;                /* sizeof(psgd_config) as the caller was compiled; set by psgd_config_default */
+  int rank;                          /* default 1 */
+  int64_t start_iter;                /* default 1000; 0 = compress from the first step */
+  double min_compression_rate;       /* default 2.0 */
+  int error_feedback;                /* default 1 */
+  int warm_start;                    /* default 1 */
+  double orthogonalization_epsilon;  /* default 0 */
+  uint64_t seed;                     /* default 0 */
+  int batch_same_shape;              /* default 0 */
+  int whole_bucket;                  /* default 0; 1 = the square-matrix variant */
+  int device;                        /* 0 = CPU (default), 1 = CUDA: data pointers are device pointers */
+  int device_index;                  /* default 0 */
+} psgd_config;
+PSGD_API psgd_config psgd_config_default(void);
+
+typedef struct psgd_reducer psgd_reducer;
+/* The reducer keeps a reference to comm: destroy it before comm. */
+PSGD_API psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out);
+/* Declares the next bucket: num_tensors tensors, tensor i has ndims[i] dimensions, all dimensions concatenated
+   in dims; they lie contiguously in that order. *bucket_index receives 0, 1, 2, ... Collective. */
+PSGD_API psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const int* ndims,
+                                             const int64_t* dims, int* bucket_index);
+/* In place: this rank's gradients in, the world's averaged (compressed) gradients out. Collective. */
+PSGD_API psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data);
+/* Elements (floats) of a bucket's flat buffer: the sum of its tensors' sizes. */
+PSGD_API psgd_status psgd_reducer_bucket_size(const psgd_reducer* r, int bucket_index, size_t* size);
+PSGD_API int64_t psgd_reducer_iteration(const psgd_reducer* r);  /* completed steps */
+/* Copies this rank's error-feedback memory of a bucket (bucket length; zeros before compression starts). */
+PSGD_API psgd_status psgd_reducer_error_feedback(const psgd_reducer* r, int bucket_index, float* out);
+typedef struct psgd_stats { size_t struct_size; uint64_t numel_before; uint64_t numel_after;
+  double compression_rate; uint64_t bytes_sent; double relative_error; } psgd_stats;
+#define PSGD_STATS_INIT { sizeof(psgd_stats), 0, 0, 0.0, 0, 0.0 }
+/* Fills the first out->struct_size bytes of *out (struct_size must be set, e.g. by PSGD_STATS_INIT). */
+PSGD_API psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out);
+PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
+/* Not collective, but due on every rank before the next reduce, from checkpoints of one step: the next reduce
+   checks that and returns PSGD_ERR_MISMATCH on every rank, naming the first differing rank, if not. */
+PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
+/* Job checkpoint, resumable on any world size (docs/engine.md). Collective, at a step boundary. save_job: the
+   ranks average their error memories and rank 0 alone writes `path` (step count, configuration and layout,
+   warm-start state, the mean error memory); every rank returns once the file is durable, and rank 0's write
+   error is returned on every rank. load_job, on any number of ranks: rank 0 reads `path` and broadcasts it
+   (no shared filesystem needed); every rank takes the mean error memory, the step count and the warm-start
+   state. PSGD_ERR_IO (missing, truncated, corrupted) or PSGD_ERR_MISMATCH (another configuration or layout,
+   a per-rank file) on every rank, the state unchanged everywhere. */
+PSGD_API psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path);
+PSGD_API psgd_status psgd_reducer_load_job(psgd_reducer* r, const char* path);
+PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
+
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
+
+/* ==== Async reduce and the torch.distributed rendezvous (issue 10: the PyTorch DDP comm hook) ==== */
+
+/* Handle of one in-flight reduction (psgd_reducer_reduce_async). */
+typedef struct psgd_reduce_handle psgd_reduce_handle;
+/* Starts the in-place reduction of a bucket, as psgd_reducer_reduce, and returns at once with *out set.
+   `data` must stay valid and untouched until psgd_reduce_handle_wait returned. Errors found at the start (a
+   bad index, a bucket reduced twice in a step) are returned here and *out stays null; errors of the reduction
+   itself (a peer lost, NaN/Inf, a timeout) are returned by psgd_reduce_handle_wait. Collective: every rank
+   starts the same buckets in the same order. */
+PSGD_API psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* data, psgd_reduce_handle** out);
+/* Blocks until the reduction finished and returns its status; the message is psgd_last_error() of the
+   calling thread. Callable from any thread (one that never touches the reducer, e.g. a waiter thread) and
+   more than once (same status each time). Never blocks past the communicator's timeout (PSGD_TIMEOUT_MS). */
+PSGD_API psgd_status psgd_reduce_handle_wait(psgd_reduce_handle* h);
+PSGD_API int psgd_reduce_handle_done(const psgd_reduce_handle* h);  /* 1 finished, 0 in flight, -1 for a null handle */
+/* Frees the handle, not the reduction: one not waited for still completes (psgd_reducer_destroy waits for
+   it). Null is a no-op. */
+PSGD_API void psgd_reduce_handle_free(psgd_reduce_handle* h);
+
+/* Store port of a communicator that lives beside torch.distributed, whose TCPStore holds MASTER_PORT:
+   PSGD_STORE_PORT when set; else MASTER_PORT when PSGD_STORE_HOSTED=1 (powersgd-run's store speaks this
+   library's protocol); else MASTER_PORT + 1 (an error when MASTER_PORT is 65535 or unset). */
+PSGD_API psgd_status psgd_store_port_beside_torch(int* port);
+/* As psgd_comm_init_from_env, with the rendezvous store on psgd_store_port_beside_torch(). */
+PSGD_API psgd_status psgd_comm_init_beside_torch(psgd_comm** out);
+
+/* Collective: copies `bytes` bytes at data on rank `root` to data on every other rank (host memory). */
+PSGD_API psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root);
+
+/* ==== end of issue 10 additions ==== */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* POWERSGD_POWERSGD_H */

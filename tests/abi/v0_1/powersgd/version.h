@@ -1,0 +1,15 @@
+/* tests/abi: include/powersgd/version.h of powersgd 0.1 (commit f100d22, the last before 0.2's fields), unchanged below
+ * this comment. Old callers are compiled against it (tests/abi/meson.build): never edit. */
+/* The powersgd version this header belongs to. meson.build refuses to configure
+ * when these differ from the project's version; psgd_version() (powersgd.h)
+ * tells which library a program runs against. C99 and C++. */
+#ifndef POWERSGD_VERSION_H
+#define POWERSGD_VERSION_H
+
+#define PSGD_VERSION_MAJOR 0
+#define PSGD_VERSION_MINOR 1
+#define PSGD_VERSION_PATCH 0
+/* One number for comparisons: 10000 * major + 100 * minor + patch. */
+#define PSGD_VERSION_NUMBER (10000 * PSGD_VERSION_MAJOR + 100 * PSGD_VERSION_MINOR + PSGD_VERSION_PATCH)
+
+#endif /* POWERSGD_VERSION_H */
