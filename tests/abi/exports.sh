@@ -16,7 +16,8 @@ nm -D --defined-only "$lib" | awk '{print $3}' | c++filt | sort -u > "$tmp/expor
 grep -oE '\bpsgd_[a-z0-9_]+\(' "$header" | tr -d '(' | sort -u > "$tmp/named"
 grep -E '^PSGD_API' "$header" | grep -oE '\bpsgd_[a-z0-9_]+\(' | tr -d '(' | sort -u > "$tmp/declared"
 
-errors='(Error|InvalidArgumentError|IoError|TimeoutError|MismatchError|NonFiniteError|UnsupportedError|InternalError|PeerError)'
+errors='(Error|InvalidArgumentError|IoError|TimeoutError|MismatchError|NonFiniteError|UnsupportedError'
+errors="$errors|InternalError|PeerError)"
 abi='(\[abi:[a-z0-9]+\])?'  # the tag of functions returning std::string
 public="^powersgd::(size_of|to_string)\\(\
 |^powersgd::(CommOptions|Work|Communicator|Config|Stats|ReduceHandle)::[~a-zA-Z_]+$abi\\(\
