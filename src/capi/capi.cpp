@@ -16,7 +16,7 @@
 #include "powersgd_build_config.h"
 
 struct psgd_comm {
-  // Held by the communicator that hosts the beside-torch store in this process (see host_store_once); declared
+  // Held by the communicator that hosts the beside-torch store in this process (create_beside_torch); declared
   // first so that it is released after comm, whose destruction stops the store server.
   std::shared_ptr<void> store_host;
   std::unique_ptr<powersgd::Communicator> comm;

@@ -17,6 +17,7 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
 Exit 77 (skip) when torch is not importable.
 """
 import copy
+import ctypes
 import sys
 
 try:
@@ -45,14 +46,14 @@ def ddp(model, **options):
     return nn.parallel.DistributedDataParallel(model, **options)
 
 
-def check_close(name, got, expected, tolerance):
+def check_close(name, got, expected, tolerance, reference="DDP allreduce's"):
     """The largest parameter difference; AssertionError past the tolerance."""
     worst = 0.0
     for (pname, a), b in zip(got.named_parameters(), expected.parameters()):
         difference = (a.detach() - b.detach()).abs().max().item()
         if not difference <= tolerance:
-            raise AssertionError("%s: parameter %s differs from DDP allreduce's by %g (tolerance %g)"
-                                 % (name, pname, difference, tolerance))
+            raise AssertionError("%s: parameter %s differs from %s by %g (tolerance %g)"
+                                 % (name, pname, reference, difference, tolerance))
         worst = max(worst, difference)
     return worst
 
@@ -267,7 +268,7 @@ def case_groups():
     everyone = copy.deepcopy(initial)
     train(ddp(everyone), inputs, targets)
 
-    difference = check_close("groups: ours against PyTorch's powerSGD_hook", ours, theirs, 1e-5)
+    difference = check_close("groups", ours, theirs, 1e-5, reference="PyTorch's powerSGD_hook's")
     apart = max((a - b).abs().max().item() for a, b in zip(everyone.parameters(), theirs.parameters()))
     assert apart > 1e-3, "the group's run and the whole job's differ by only %g" % apart
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
@@ -288,6 +289,14 @@ def case_groups():
             assert words in str(e), e
         else:
             raise AssertionError("PowerSGDState(process_group=%r) accepted" % (bad,))
+    # The C function behind it refuses what names no place in a group, before any rendezvous.
+    from powersgd import _capi
+    for args, words in [((2, 2, b"ranks-0,1"), "rank 2 in group 'ranks-0,1': expected 0 to 1"),
+                        ((0, world() + 1, b"ranks-x"), "group size %d: expected 1 to" % (world() + 1)),
+                        ((0, 1, b""), "group_id ''"), ((0, 1, b"a b"), "group_id 'a b'")]:
+        handle = ctypes.c_void_p()
+        status = _capi.lib.psgd_comm_init_group(*args, ctypes.byref(handle))
+        assert status == 1 and words in _capi.last_error() and not handle, (args, status, _capi.last_error())
 
 
 def expect_failure(what, fn, words):
