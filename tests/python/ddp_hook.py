@@ -264,6 +264,14 @@ def case_groups():
     train(model, inputs, targets)
     assert state.compression_stats()[1] > 0, "nothing was compressed"
 
+    # The engine's communicator for the group: its members only, this rank at its place in the group.
+    from powersgd import _capi
+    comm = pst._comms[tuple(members[rank() % 2])]
+    assert (_capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)) == (
+        dist.get_rank(group), dist.get_world_size(group)), "the engine's group communicator"
+    # And the whole job's beside it (under torchrun's variables rank 0 hosts the store once, in the group's).
+    _capi.check(_capi.lib.psgd_comm_barrier(pst._engine_comm()))
+
     # What an average over every rank gives: the check below can tell the two apart.
     everyone = copy.deepcopy(initial)
     train(ddp(everyone), inputs, targets)
@@ -290,7 +298,6 @@ def case_groups():
         else:
             raise AssertionError("PowerSGDState(process_group=%r) accepted" % (bad,))
     # The C function behind it refuses what names no place in a group, before any rendezvous.
-    from powersgd import _capi
     for args, words in [((2, 2, b"ranks-0,1"), "rank 2 in group 'ranks-0,1': expected 0 to 1"),
                         ((0, world() + 1, b"ranks-x"), "group size %d: expected 1 to" % (world() + 1)),
                         ((0, 1, b""), "group_id ''"), ((0, 1, b"a b"), "group_id 'a b'")]:
