@@ -165,6 +165,21 @@ PSGD_API psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t byt
 
 /* ==== end of issue 10 additions ==== */
 
+/* ==== A communicator for a torch.distributed subgroup (issue 18, section 4) ==== */
+
+/* Collective over the group's members: a communicator whose ranks are the members of one subgroup of the job
+   (e.g. a torch.distributed process group), `rank` of `size` (the member's rank in the group, 0 to size - 1;
+   size at most the job's world size). Everything else as psgd_comm_init_beside_torch: the job's store
+   (psgd_store_port_beside_torch()), token, transport and timeout from the environment. The members rendezvous
+   under the key prefix PSGD_RUN_ID (else "default") + "/group/" + group_id, so groups with different ids never
+   meet; every member passes the same group_id (1 to 200 printable ASCII characters, no space), which must name
+   the member set (e.g. its sorted global ranks). Where the job's rank 0 hosts the store (PSGD_STORE_HOSTED unset),
+   the first communicator that rank creates with this function or psgd_comm_init_beside_torch hosts it, and the
+   others of that process use it while it lives: destroy it last. */
+PSGD_API psgd_status psgd_comm_init_group(int rank, int size, const char* group_id, psgd_comm** out);
+
+/* ==== end of issue 18 section 4 additions ==== */
+
 #ifdef __cplusplus
 }
 #endif

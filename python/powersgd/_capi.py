@@ -86,6 +86,7 @@ def _load():
     signatures = {
         "psgd_last_error": (ctypes.c_char_p, []),
         "psgd_comm_init_beside_torch": (status, [ctypes.POINTER(handle)]),
+        "psgd_comm_init_group": (status, [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(handle)]),
         "psgd_comm_rank": (ctypes.c_int, [handle]),
         "psgd_comm_size": (ctypes.c_int, [handle]),
         "psgd_comm_broadcast": (status, [handle, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),

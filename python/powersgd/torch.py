@@ -22,11 +22,16 @@ TCPStore holds MASTER_PORT), else, under powersgd-run, the launcher's store on M
 Under powersgd-run the launcher's store holds MASTER_PORT, so create torch's process group with
 init_process_group() below instead of torch.distributed.init_process_group().
 
-One PowerSGDState per process at a time: its engine reducer and the process's engine communicator are
-used from the thread that runs backward(), and its waiter thread.
+process_group is honoured: with a group other than the whole job, the engine's communicator is one of the
+group's members (psgd_comm_init_group), rendezvousing under a key of the group's ranks; a group this process
+is not in, or anything torch.distributed does not know as a group, is a ValueError at construction.
+
+One PowerSGDState per process group at a time: its engine reducer and the process's engine communicator for
+the group are used from the thread that runs backward(), and its waiter thread.
 """
 import ctypes
 import datetime
+import hashlib
 import os
 import queue
 import socket
@@ -46,18 +51,65 @@ __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "init_proc
 DECLARATION_ITER = 3
 
 _comm_lock = threading.Lock()
-_comm = None  # the process's engine communicator (psgd_comm*), created on first use
+# The process's engine communicators (psgd_comm*), created on first use and kept for the process's life: None
+# keys the whole job's, a _Group's members the one of that subgroup.
+_comms = {}
 
 
-def _engine_comm():
-    """The process's engine communicator. Collective on first use (rendezvous of every rank)."""
-    global _comm
+class _Group:
+    """A torch.distributed subgroup as the engine serves it: this process's rank in it and the members'
+    global ranks in group-rank order."""
+
+    def __init__(self, rank, members):
+        self.rank, self.members = rank, tuple(members)
+        # The rendezvous key of the members (psgd_comm_init_group): two groups share one only if they have
+        # the same members, and then they may share the communicator.
+        text = ",".join(map(str, sorted(self.members)))
+        if len(text) > 150:
+            text = "n%d-sha256-%s" % (len(self.members), hashlib.sha256(text.encode()).hexdigest()[:40])
+        self.id = "ranks-" + text
+
+
+def _group_of(process_group):
+    """None for the whole job (None, the default group, or a group of every rank in rank order); else the
+    _Group. ValueError for a group this process is not in, or anything torch.distributed does not know as a
+    process group: the engine must never average over ranks DDP does not."""
+    if process_group is None or process_group is dist.GroupMember.WORLD:
+        return None
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("PowerSGDState: process_group is torch.distributed.GroupMember.NON_GROUP_MEMBER: this "
+                         "process (global rank %s) is not a member of the group; expected the group the DDP "
+                         "model averages over, created on its members" % (dist.get_rank() if dist.is_initialized()
+                                                                          else "?",))
+    if not dist.is_initialized():
+        raise ValueError("PowerSGDState: process_group = %r, but torch.distributed is not initialized: expected "
+                         "None or a group of the initialized default group" % (process_group,))
+    try:
+        members = dist.distributed_c10d.get_process_group_ranks(process_group)
+        members = sorted(members, key=lambda member: dist.get_group_rank(process_group, member))
+        rank = dist.get_rank(process_group)
+    except (KeyError, TypeError, RuntimeError, ValueError) as e:
+        raise ValueError("PowerSGDState: process_group = %r: expected None, torch.distributed's default group or "
+                         "a group made by torch.distributed.new_group (%s)" % (process_group, e)) from None
+    if members == list(range(dist.get_world_size())):
+        return None
+    return _Group(rank, members)
+
+
+def _engine_comm(group=None):
+    """The process's engine communicator for the whole job (group None) or for `group` (a _Group). Collective
+    on first use: a rendezvous of every rank of the job, or of the group's members."""
+    key = None if group is None else group.members
     with _comm_lock:
-        if _comm is None:
+        if key not in _comms:
             handle = ctypes.c_void_p()
-            _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(handle)))
-            _comm = handle
-        return _comm
+            if group is None:
+                _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(handle)))
+            else:
+                _capi.check(_capi.lib.psgd_comm_init_group(group.rank, len(group.members), group.id.encode(),
+                                                           ctypes.byref(handle)))
+            _comms[key] = handle
+        return _comms[key]
 
 
 def _address_towards(host):
@@ -141,6 +193,7 @@ class PowerSGDState:
         self.random_seed = random_seed
         self.compression_stats_logging_frequency = compression_stats_logging_frequency
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
+        self._group = _group_of(process_group)  # None: the whole job
         if not isinstance(matrix_approximation_rank, int) or matrix_approximation_rank < 1:
             raise ValueError("PowerSGDState: matrix_approximation_rank = %r: expected an integer >= 1"
                              % (matrix_approximation_rank,))
@@ -246,7 +299,7 @@ class PowerSGDState:
                                     % (sorted(layout), self.iter - 1, len(layout) - 1))
             config = self._engine_config(whole_bucket)
             config.start_iter = max(0, int(self.start_powerSGD_iter) - self.iter)
-            comm = _engine_comm()
+            comm = _engine_comm(self._group)
             reducer = ctypes.c_void_p()
             _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
             self._reducer = reducer

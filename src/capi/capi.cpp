@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -16,6 +17,9 @@
 #include "powersgd_build_config.h"
 
 struct psgd_comm {
+  // Held by the communicator that hosts the beside-torch store in this process (create_beside_torch); declared
+  // first so that it is released after comm, whose destruction stops the store server.
+  std::shared_ptr<void> store_host;
   std::unique_ptr<powersgd::Communicator> comm;
 };
 
@@ -368,6 +372,28 @@ int store_port_beside_torch() {
   return master + 1;
 }
 
+// A communicator beside torch, for the whole job or a group of it. Where the job's rank 0 hosts the store
+// (torchrun), only the process's first such communicator may host it: a second server on the same port would
+// fail to bind. The others use it while its host lives; once the host is destroyed the next one hosts again.
+std::unique_ptr<psgd_comm> create_beside_torch(powersgd::CommOptions options) {
+  static std::mutex mutex;
+  static std::weak_ptr<void> host;
+  options.store_port = static_cast<uint16_t>(store_port_beside_torch());
+  auto handle = std::make_unique<psgd_comm>();
+  if (options.host_store) {
+    // Not held during the rendezvous below: a client that starts before the server binds retries until then.
+    std::lock_guard lock(mutex);
+    if (host.expired()) {
+      handle->store_host = std::make_shared<int>(0);
+      host = handle->store_host;
+    } else {
+      options.host_store = false;
+    }
+  }
+  handle->comm = powersgd::Communicator::create(options);
+  return handle;
+}
+
 }  // namespace
 
 extern "C" {
@@ -409,11 +435,7 @@ psgd_status psgd_comm_init_beside_torch(psgd_comm** out) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(out);
     *out = nullptr;
-    powersgd::CommOptions options = powersgd::CommOptions::from_env();
-    options.store_port = static_cast<uint16_t>(store_port_beside_torch());
-    auto handle = std::make_unique<psgd_comm>();
-    handle->comm = powersgd::Communicator::create(options);
-    *out = handle.release();
+    *out = create_beside_torch(powersgd::CommOptions::from_env()).release();
   });
 }
 
@@ -431,3 +453,33 @@ psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int r
 }  // extern "C"
 
 // ==== end of issue 10 additions ====
+
+// ==== A communicator for a torch.distributed subgroup (issue 18, section 4) ====
+
+extern "C" {
+
+psgd_status psgd_comm_init_group(int rank, int size, const char* group_id, psgd_comm** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    PSGD_C_NOT_NULL(group_id);
+    const std::string id = group_id;
+    const bool printable = std::all_of(id.begin(), id.end(), [](char c) { return c > ' ' && c <= '~'; });
+    PSGD_REQUIRE(!id.empty() && id.size() <= 200 && printable, InvalidArgumentError, "group_id '", id,
+                 "': expected 1 to 200 printable ASCII characters without spaces");
+    powersgd::CommOptions options = powersgd::CommOptions::from_env();
+    PSGD_REQUIRE(size >= 1 && size <= options.world_size, InvalidArgumentError, "group size ", size,
+                 ": expected 1 to the job's world size ", options.world_size);
+    PSGD_REQUIRE(rank >= 0 && rank < size, InvalidArgumentError, "rank ", rank, " in group '", id,
+                 "': expected 0 to ", size - 1);
+    // The job's own rank decides who hosts the store (from_env); the group's only its place in the group.
+    options.rank = rank;
+    options.world_size = size;
+    options.run_id = (options.run_id.empty() ? std::string("default") : options.run_id) + "/group/" + id;
+    *out = create_beside_torch(std::move(options)).release();
+  });
+}
+
+}  // extern "C"
+
+// ==== end of issue 18 section 4 additions ====

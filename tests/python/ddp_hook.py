@@ -9,11 +9,15 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     gradient_as_bucket_view, static_graph, find_unused_parameters (an unused layer)
   low-rank          rank 1 with error feedback on a regression task: the loss curve follows allreduce's
   many-buckets      a model in 12+ DDP buckets trains (loss falls), compressed, parameters equal on all ranks
+  groups            two disjoint process groups (ranks of equal parity: {0, 2} and {1, 3}, or {0} and {1}), DDP
+                    on each with our hook and with PyTorch's powerSGD_hook at an exact rank: the same parameters
+                    (and not those of an average over every rank); a group this rank is not in is refused
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
 Exit 77 (skip) when torch is not importable.
 """
 import copy
+import ctypes
 import sys
 
 try:
@@ -42,14 +46,14 @@ def ddp(model, **options):
     return nn.parallel.DistributedDataParallel(model, **options)
 
 
-def check_close(name, got, expected, tolerance):
+def check_close(name, got, expected, tolerance, reference="DDP allreduce's"):
     """The largest parameter difference; AssertionError past the tolerance."""
     worst = 0.0
     for (pname, a), b in zip(got.named_parameters(), expected.parameters()):
         difference = (a.detach() - b.detach()).abs().max().item()
         if not difference <= tolerance:
-            raise AssertionError("%s: parameter %s differs from DDP allreduce's by %g (tolerance %g)"
-                                 % (name, pname, difference, tolerance))
+            raise AssertionError("%s: parameter %s differs from %s by %g (tolerance %g)"
+                                 % (name, pname, reference, difference, tolerance))
         worst = max(worst, difference)
     return worst
 
@@ -228,6 +232,80 @@ def case_many_buckets():
               % (losses[0], losses[-1], steps, state.compression_stats()[0]))
 
 
+def case_groups():
+    # Every rank creates every group, in the same order (torch.distributed.new_group is collective).
+    members = [[r for r in range(world()) if r % 2 == parity] for parity in (0, 1)]
+    groups = [dist.new_group(ranks) for ranks in members]
+    group = groups[rank() % 2]
+    others = groups[1 - rank() % 2]  # NON_GROUP_MEMBER here
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as reference_hooks
+
+    # One sample per rank: each weight gradient's mean over a group of n ranks has rank <= n, so PowerSGD at
+    # rank n reproduces it (see case_parity_exact; at a rank above the gradient's, both hooks orthogonalize
+    # rounding noise); both hooks compress from iteration 3.
+    assert world() in (2, 4)
+    steps = 12
+    settings = dict(matrix_approximation_rank=dist.get_world_size(group), start_powerSGD_iter=pst.DECLARATION_ITER,
+                    use_error_feedback=False, warm_start=True)
+    torch.manual_seed(1)
+    initial = TwoLayers()
+    inputs, targets = data(1, steps, seed=9)
+
+    theirs = copy.deepcopy(initial)
+    model = ddp(theirs, process_group=group)
+    model.register_comm_hook(reference_hooks.PowerSGDState(process_group=group, **settings),
+                             reference_hooks.powerSGD_hook)
+    train(model, inputs, targets)
+
+    ours = copy.deepcopy(initial)
+    model = ddp(ours, process_group=group)
+    state = pst.PowerSGDState(process_group=group, **settings)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    train(model, inputs, targets)
+    assert state.compression_stats()[1] > 0, "nothing was compressed"
+
+    # The engine's communicator for the group: its members only, this rank at its place in the group.
+    from powersgd import _capi
+    comm = pst._comms[tuple(members[rank() % 2])]
+    assert (_capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)) == (
+        dist.get_rank(group), dist.get_world_size(group)), "the engine's group communicator"
+    # And the whole job's beside it (under torchrun's variables rank 0 hosts the store once, in the group's).
+    _capi.check(_capi.lib.psgd_comm_barrier(pst._engine_comm()))
+
+    # What an average over every rank gives: the check below can tell the two apart.
+    everyone = copy.deepcopy(initial)
+    train(ddp(everyone), inputs, targets)
+
+    difference = check_close("groups", ours, theirs, 1e-5, reference="PyTorch's powerSGD_hook's")
+    apart = max((a - b).abs().max().item() for a, b in zip(everyone.parameters(), theirs.parameters()))
+    assert apart > 1e-3, "the group's run and the whole job's differ by only %g" % apart
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    for other in gathered:
+        assert torch.equal(other, flat), "the group's members hold different parameters"
+    if rank() == 0:
+        print("groups: %d ranks in groups %s; largest parameter difference from PyTorch's powerSGD_hook %.2g "
+              "over %d steps; an average over every rank would be %.3g away"
+              % (world(), members, difference, steps, apart))
+
+    # A group this rank is not in, and anything that is not a process group: refused at construction.
+    for bad, words in [(others, "not a member"), ("world", "'world'")]:
+        try:
+            pst.PowerSGDState(process_group=bad)
+        except ValueError as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError("PowerSGDState(process_group=%r) accepted" % (bad,))
+    # The C function behind it refuses what names no place in a group, before any rendezvous.
+    for args, words in [((2, 2, b"ranks-0,1"), "rank 2 in group 'ranks-0,1': expected 0 to 1"),
+                        ((0, world() + 1, b"ranks-x"), "group size %d: expected 1 to" % (world() + 1)),
+                        ((0, 1, b""), "group_id ''"), ((0, 1, b"a b"), "group_id 'a b'")]:
+        handle = ctypes.c_void_p()
+        status = _capi.lib.psgd_comm_init_group(*args, ctypes.byref(handle))
+        assert status == 1 and words in _capi.last_error() and not handle, (args, status, _capi.last_error())
+
+
 def expect_failure(what, fn, words):
     try:
         fn()
@@ -331,6 +409,7 @@ CASES = {
     "low-rank": case_low_rank,
     "many-buckets": case_many_buckets,
     "errors": case_errors,
+    "groups": case_groups,
 }
 
 
