@@ -424,15 +424,18 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
 
   double e2 = 0;
   if (plan.whole) {
+    // P Q^T through the backend's fixed-order kernel, not gemm: every rank
+    // must write the same bits (docs/compute.md). `in` becomes P Q^T - M,
+    // padding included; without error feedback its padding is M's next step (0).
     const Group& g = plan.groups[0];
     float* out = s.tmp.data();
     const auto full = static_cast<size_t>(plan.side * plan.side);
-    be_.gemm(Transpose::No, Transpose::Yes, g.rows, g.cols, g.rank, 1.0f, p, g.rank, 0, q, g.rank, 0, 0.0f, out,
-            g.cols, 0, 1);
+    e2 = be_.reconstruct_and_residual(out, in, g.rows, g.cols, p, q, g.rank);
     be_.copy(data, out, static_cast<size_t>(plan.numel));
-    be_.subtract(out, out, in, full);  // P Q^T - M, padding included
-    e2 = be_.squared_norm(out, full);
-    if (ef) be_.copy(s.nerr.data(), out, full);
+    if (ef)
+      be_.copy(s.nerr.data(), in, full);
+    else
+      be_.fill(in + plan.numel, 0.0f, full - static_cast<size_t>(plan.numel));
   } else {
     // Output P Q^T into the user's buffer and, in the same pass, the work
     // buffer becomes P Q^T - M: the negated error of the compressed part.

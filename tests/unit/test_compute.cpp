@@ -624,6 +624,71 @@ TEST_CASE("orthogonalize: full-rank random matrices, both methods") {
   });
 }
 
+// LAPACK's Householder QR (sgeqr2 + sorg2r) in double, plainly: reflector j
+// maps column j from the diagonal down onto -sign(a_jj) * its norm * e_1, none
+// where that column is already 0 below the diagonal. Q's first min(rows, cols)
+// columns, the rest 0.
+Matrix reference_householder(const Matrix& a) {
+  const int64_t m = a.rows, n = a.cols, k = std::min(m, n);
+  std::vector<double> r(a.data.begin(), a.data.end());  // row-major
+  auto at = [&](int64_t i, int64_t j) -> double& { return r[static_cast<size_t>(i * n + j)]; };
+  std::vector<std::vector<double>> vs;
+  std::vector<double> taus;
+  for (int64_t j = 0; j < k; ++j) {
+    double tail = 0.0;
+    for (int64_t i = j + 1; i < m; ++i) tail += at(i, j) * at(i, j);
+    std::vector<double> v(static_cast<size_t>(m - j), 0.0);
+    v[0] = 1.0;
+    double tau = 0.0;
+    if (tail != 0.0) {
+      const double alpha = at(j, j), beta = -std::copysign(std::sqrt(alpha * alpha + tail), alpha);
+      tau = (beta - alpha) / beta;
+      for (int64_t i = j + 1; i < m; ++i) v[static_cast<size_t>(i - j)] = at(i, j) / (alpha - beta);
+      for (int64_t c = j; c < n; ++c) {
+        double w = 0.0;
+        for (int64_t i = j; i < m; ++i) w += v[static_cast<size_t>(i - j)] * at(i, c);
+        for (int64_t i = j; i < m; ++i) at(i, c) -= tau * w * v[static_cast<size_t>(i - j)];
+      }
+    }
+    vs.push_back(v);
+    taus.push_back(tau);
+  }
+  std::vector<double> q(static_cast<size_t>(m * n), 0.0);  // row-major, first k columns of I
+  for (int64_t c = 0; c < k; ++c) q[static_cast<size_t>(c * n + c)] = 1.0;
+  for (int64_t j = k - 1; j >= 0; --j)
+    for (int64_t c = 0; c < k; ++c) {
+      double w = 0.0;
+      for (int64_t i = j; i < m; ++i) w += vs[static_cast<size_t>(j)][static_cast<size_t>(i - j)] * q[static_cast<size_t>(i * n + c)];
+      for (int64_t i = j; i < m; ++i)
+        q[static_cast<size_t>(i * n + c)] -= taus[static_cast<size_t>(j)] * w * vs[static_cast<size_t>(j)][static_cast<size_t>(i - j)];
+    }
+  Matrix out{m, n, std::vector<float>(q.size())};
+  for (size_t i = 0; i < q.size(); ++i) out.data[i] = static_cast<float>(q[i]);
+  return out;
+}
+
+TEST_CASE("orthogonalize: QR is LAPACK's Householder QR, signs included") {
+  struct Shape {
+    int64_t rows, cols;
+  };
+  for_each_backend([](Backend& be) {
+    uint32_t seed = 700;
+    for (Shape s : {Shape{1, 1}, Shape{2, 2}, Shape{7, 7}, Shape{100, 5}, Shape{1000, 64}, Shape{4608, 4}, Shape{3, 5}})
+      for (float sign : {1.0f, -1.0f}) {  // both signs of the diagonal entries
+        CAPTURE(s.rows);
+        CAPTURE(s.cols);
+        CAPTURE(sign);
+        Matrix a = random_matrix(s.rows, s.cols, seed++);
+        for (float& v : a.data) v *= sign;
+        const Matrix q = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
+        const Matrix ref = reference_householder(a);
+        double worst = 0.0;
+        for (size_t i = 0; i < q.data.size(); ++i) worst = std::max(worst, std::fabs(double(q.data[i]) - ref.data[i]));
+        CHECK(worst < 1e-4);
+      }
+  });
+}
+
 TEST_CASE("orthogonalize: 1 x 1 normalizes the sign-carrying scalar") {
   for_each_backend([](Backend& be) {
     const Matrix a{1, 1, {-3.0f}};

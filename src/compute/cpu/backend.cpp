@@ -1,5 +1,11 @@
-// CPU backend: cblas sgemm, LAPACK sgeqrf/sorgqr, and plain loops the compiler
-// vectorizes for the element-wise operations.
+// CPU backend: cblas sgemm for gemm, our own kernels for everything else.
+// What runs on the same inputs on every rank after a collective (orthogonalize,
+// reconstruct_and_residual, the element-wise operations) must give the same bits
+// on every rank whatever its CPU, BLAS build, kernel choice and thread count
+// (docs/compute.md, "Bitwise-identical updates"). So these kernels never call
+// BLAS or LAPACK, use a fixed number of vector lanes combined in a fixed order
+// (never the host's vector width), no threads, and no FMA contraction (the layer
+// builds with -ffp-contract=off).
 #include <cblas.h>
 
 #include <algorithm>
@@ -14,7 +20,6 @@
 #include "common/env.hpp"
 #include "compute/arguments.hpp"
 #include "compute/backend.hpp"
-#include "compute/cpu/lapack.hpp"
 
 namespace powersgd::compute {
 
@@ -79,6 +84,50 @@ class SquareSum {
   v2d lo_ = {0.0, 0.0}, hi_ = {0.0, 0.0};
   double tail_ = 0.0;
 };
+
+// ---- fixed-order double kernels of the Householder QR ----
+// Column-major, contiguous columns. Dot products keep 8 lane sums (element i
+// in lane i mod 8) in four v2d registers, combined as ((l0 + l1) + (l2 + l3)) +
+// ((l4 + l5) + (l6 + l7)), then the tail in index order: the same order on every
+// host, and four independent chains hide the latency of the adds.
+v2d load(const double* p) {
+  v2d v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+void store(double* p, v2d v) { std::memcpy(p, &v, sizeof v); }
+
+double dot(const double* x, const double* y, size_t n) {
+  v2d a0 = {0.0, 0.0}, a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a0 += load(x + i) * load(y + i);
+    a1 += load(x + i + 2) * load(y + i + 2);
+    a2 += load(x + i + 4) * load(y + i + 4);
+    a3 += load(x + i + 6) * load(y + i + 6);
+  }
+  double sum = ((a0[0] + a0[1]) + (a1[0] + a1[1])) + ((a2[0] + a2[1]) + (a3[0] + a3[1]));
+  for (; i < n; ++i) sum += x[i] * y[i];
+  return sum;
+}
+
+// y -= alpha * x, element by element (the same bits in the vector body and the tail).
+void subtract_scaled(double* y, double alpha, const double* x, size_t n) {
+  const v2d a = {alpha, alpha};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    store(y + i, load(y + i) - a * load(x + i));
+    store(y + i + 2, load(y + i + 2) - a * load(x + i + 2));
+  }
+  for (; i < n; ++i) y[i] -= alpha * x[i];
+}
+
+// y = H y for H = I - tau v v^T, v = (1, v_rest): n elements of y, n - 1 of v_rest.
+void apply_reflector(double* y, const double* v_rest, double tau, size_t n) {
+  const double w = tau * (y[0] + dot(v_rest, y + 1, n - 1));
+  y[0] -= w;
+  subtract_scaled(y + 1, w, v_rest, n - 1);
+}
 
 template <int R>
 constexpr size_t max_rank() {
@@ -270,19 +319,12 @@ class CpuBackend final : public Backend {
                      float epsilon) override {
     detail::check_orthogonalize_arguments(m, rows, cols, batch, stride, epsilon);
     if (rows == 0 || cols == 0 || batch == 0) return;
-    // Both methods work on a column-major copy: contiguous columns for the
-    // Gram-Schmidt sweeps, and the layout LAPACK expects.
-    colmajor_.resize(static_cast<size_t>(rows * cols));
     for (int64_t item = 0; item < batch; ++item) {
       float* matrix = m + item * stride;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) colmajor_[static_cast<size_t>(c * rows + r)] = matrix[r * cols + c];
       if (method == OrthoMethod::GramSchmidt)
-        gram_schmidt(rows, cols, epsilon);
+        gram_schmidt(matrix, rows, cols, epsilon);
       else
-        householder_qr(rows, cols);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) matrix[r * cols + c] = colmajor_[static_cast<size_t>(c * rows + r)];
+        householder_qr(matrix, rows, cols);
     }
   }
 
@@ -367,11 +409,15 @@ class CpuBackend final : public Backend {
   void deallocate_raw(float* ptr) noexcept override { std::free(ptr); }
 
  private:
-  // The reference's _orthogonalize_gram_schmidt on colmajor_: column i is divided
-  // by (its norm + epsilon), then its projection is removed from every later
-  // column. Sums in double; an all-zero column with epsilon 0 stays 0.
-  void gram_schmidt(int64_t rows, int64_t cols, float epsilon) {
+  // The reference's _orthogonalize_gram_schmidt on a column-major copy
+  // (contiguous columns): column i is divided by (its norm + epsilon), then its
+  // projection is removed from every later column. Sums in double, in index
+  // order; an all-zero column with epsilon 0 stays 0.
+  void gram_schmidt(float* matrix, int64_t rows, int64_t cols, float epsilon) {
     const auto n = static_cast<size_t>(rows);
+    colmajor_.resize(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) colmajor_[static_cast<size_t>(c * rows + r)] = matrix[r * cols + c];
     for (int64_t i = 0; i < cols; ++i) {
       float* q = colmajor_.data() + static_cast<size_t>(i) * n;
       double sum = 0.0;
@@ -383,34 +429,51 @@ class CpuBackend final : public Backend {
         for (size_t r = 0; r < n; ++r) q[r] /= denom;
       for (int64_t j = i + 1; j < cols; ++j) {
         float* v = colmajor_.data() + static_cast<size_t>(j) * n;
-        double dot = 0.0;
-        for (size_t r = 0; r < n; ++r) dot += static_cast<double>(q[r]) * v[r];
-        const auto d = static_cast<float>(dot);
+        double projection = 0.0;
+        for (size_t r = 0; r < n; ++r) projection += static_cast<double>(q[r]) * v[r];
+        const auto d = static_cast<float>(projection);
         for (size_t r = 0; r < n; ++r) v[r] -= d * q[r];
       }
     }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) matrix[r * cols + c] = colmajor_[static_cast<size_t>(c * rows + r)];
   }
 
-  // Householder QR through LAPACK; Q's first min(rows, cols) columns replace the
-  // matrix, later columns (rows < cols) become 0.
-  void householder_qr(int64_t rows, int64_t cols) {
-    const int m = static_cast<int>(rows), n = static_cast<int>(cols), k = std::min(m, n);
-    to_blas_int(rows * cols, "rows * cols");
-    tau_.resize(static_cast<size_t>(k));
-    int info = 0;
-    int lwork = -1;  // workspace query
-    float query_geqrf = 0.0f, query_orgqr = 0.0f;
-    sgeqrf_(&m, &n, colmajor_.data(), &m, tau_.data(), &query_geqrf, &lwork, &info);
-    PSGD_ASSERT(info == 0, "sgeqrf_ workspace query failed with info=", info);
-    sorgqr_(&m, &k, &k, colmajor_.data(), &m, tau_.data(), &query_orgqr, &lwork, &info);
-    PSGD_ASSERT(info == 0, "sorgqr_ workspace query failed with info=", info);
-    lwork = std::max({1, static_cast<int>(query_geqrf), static_cast<int>(query_orgqr)});
-    work_.resize(static_cast<size_t>(lwork));
-    sgeqrf_(&m, &n, colmajor_.data(), &m, tau_.data(), work_.data(), &lwork, &info);
-    PSGD_ASSERT(info == 0, "sgeqrf_(m=", m, ", n=", n, ") failed with info=", info);
-    sorgqr_(&m, &k, &k, colmajor_.data(), &m, tau_.data(), work_.data(), &lwork, &info);
-    PSGD_ASSERT(info == 0, "sorgqr_(m=", m, ", n=", k, ") failed with info=", info);
-    std::fill(colmajor_.begin() + static_cast<ptrdiff_t>(k) * m, colmajor_.end(), 0.0f);
+  // Householder QR in double, LAPACK's algorithm (sgeqr2, then sorg2r) and sign
+  // convention: reflector j maps column j from the diagonal down onto
+  // -sign(a_jj) * its norm * e_1; a column already 0 below the diagonal gets
+  // none. Q's first k = min(rows, cols) columns replace the matrix, later
+  // columns (rows < cols) become 0. Unblocked: the matrices are tall and at
+  // most 64 columns wide, and this is small next to the passes over M.
+  void householder_qr(float* matrix, int64_t rows, int64_t cols) {
+    const auto m = static_cast<size_t>(rows), n = static_cast<size_t>(cols), k = std::min(m, n);
+    a_.resize(m * n);
+    for (size_t r = 0; r < m; ++r)
+      for (size_t c = 0; c < n; ++c) a_[c * m + r] = matrix[r * n + c];
+    tau_.assign(k, 0.0);
+    for (size_t j = 0; j < k; ++j) {
+      double* x = a_.data() + j * m + j;  // alpha = x[0], then the tail
+      const size_t len = m - j;
+      const double tail2 = dot(x + 1, x + 1, len - 1);
+      if (tail2 == 0.0) continue;  // H_j = I: tau_j = 0
+      const double alpha = x[0];
+      const double beta = -std::copysign(std::sqrt(alpha * alpha + tail2), alpha);
+      tau_[j] = (beta - alpha) / beta;
+      const double inv = 1.0 / (alpha - beta);
+      for (size_t i = 1; i < len; ++i) x[i] *= inv;  // v = (1, tail / (alpha - beta))
+      x[0] = beta;
+      for (size_t c = j + 1; c < n; ++c) apply_reflector(a_.data() + c * m + j, x + 1, tau_[j], len);
+    }
+    // Q = H_0 ... H_{k-1} applied to the first k columns of I, right to left:
+    // H_j changes only rows and columns >= j.
+    q_.assign(m * k, 0.0);
+    for (size_t c = 0; c < k; ++c) q_[c * m + c] = 1.0;
+    for (size_t j = k; j-- > 0;) {
+      if (tau_[j] == 0.0) continue;
+      for (size_t c = j; c < k; ++c) apply_reflector(q_.data() + c * m + j, a_.data() + j * m + j + 1, tau_[j], m - j);
+    }
+    for (size_t r = 0; r < m; ++r)
+      for (size_t c = 0; c < n; ++c) matrix[r * n + c] = c < k ? static_cast<float>(q_[c * m + r]) : 0.0f;
   }
 
   // qt_ = q^T: rank rows of cols floats.
@@ -423,7 +486,8 @@ class CpuBackend final : public Backend {
   }
 
   // Scratch reused across calls (a backend is used from one thread at a time).
-  std::vector<float> colmajor_, tau_, work_, qt_;
+  std::vector<float> colmajor_, qt_;
+  std::vector<double> a_, q_, tau_;  // the QR's column-major copy, Q, and reflector scales
 };
 
 }  // namespace
