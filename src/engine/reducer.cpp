@@ -376,6 +376,7 @@ class Reducer::Impl {
       b.q_initialized = s->q_initialized;
       b.draws = s->draws;
       b.rank = s->current_rank;
+      b.level = static_cast<uint32_t>(s->level);
       b.compressed_steps = s->compressed_steps;
       b.window_sum = s->window_sum;
       b.previous_window = s->previous_window;
@@ -397,8 +398,7 @@ class Reducer::Impl {
       s.q_initialized = b.q_initialized;
       s.draws = b.draws;
       // The level first: the error memory's work layout is the level's plan.
-      for (size_t l = 0; l < s.levels.size(); ++l)
-        if (s.level_ranks[l] == b.rank) s.level = l;
+      s.level = b.level;
       s.plan = s.levels[s.level];
       s.current_rank = b.rank;
       s.compressed_steps = b.compressed_steps;
