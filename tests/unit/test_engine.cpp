@@ -585,6 +585,90 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   ::unsetenv("WORLD_SIZE");
 }
 
+TEST_CASE("communicator destroyed before its reducer: every later call fails with an error, no crash") {
+  for (bool reduced_before : {false, true}) {
+    CAPTURE(reduced_before);
+    auto comm = solo();
+    Config c;
+    c.start_iter = 0;
+    c.rank = 2;
+    Reducer r(*comm, c);
+    r.add_bucket(kShapes);
+    std::vector<float> g = gradients(r.bucket_size(0), 0, 0);
+    if (reduced_before) r.reduce(0, g.data());
+    comm.reset();
+    const std::string expected = "the communicator of this reducer was destroyed";
+    CHECK_THROWS_AS(r.reduce(0, g.data()), InvalidArgumentError);
+    CHECK(error_of([&] { r.reduce(0, g.data()); }).find(expected) != std::string::npos);
+    CHECK(error_of([&] { r.reduce_async(0, g.data()).wait(); }).find(expected) != std::string::npos);
+    float* all[] = {g.data()};
+    CHECK(error_of([&] { r.reduce_all(all); }).find(expected) != std::string::npos);
+    CHECK(error_of([&] { r.add_bucket(kShapes); }).find(expected) != std::string::npos);
+    CHECK(error_of([&] { r.stats(); }).find(expected) != std::string::npos);
+    const std::string path = temp_path("comm-gone");
+    CHECK(error_of([&] { r.save(path); }).find(expected) != std::string::npos);
+    CHECK(error_of([&] { r.save_job(path); }).find(expected) != std::string::npos);
+    CHECK(error_of([&] { r.load(path); }).find(expected) != std::string::npos);
+    std::remove(path.c_str());
+  }  // the reducer's destructor does not touch the communicator
+}
+
+TEST_CASE("communicator destroyed while reduce_async is in flight: the queued reductions finish first") {
+  Config c;
+  c.start_iter = 2;
+  c.rank = 2;
+  constexpr int kSteps = 12;
+  // Reference: the same steps with the communicator alive throughout.
+  std::vector<std::vector<float>> expected;
+  {
+    auto comm = solo();
+    Reducer r(*comm, c);
+    r.add_bucket(kShapes);
+    for (int t = 0; t < kSteps; ++t) {
+      expected.push_back(gradients(r.bucket_size(0), 0, t));
+      r.reduce(0, expected.back().data());
+    }
+  }
+  auto comm = solo();
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  std::vector<std::vector<float>> data;
+  for (int t = 0; t < kSteps; ++t) data.push_back(gradients(r.bucket_size(0), 0, t));
+  std::vector<ReduceHandle> handles;
+  for (auto& d : data) handles.push_back(r.reduce_async(0, d.data()));
+  comm.reset();  // waits for the queued reductions, then detaches the reducer
+  for (auto& h : handles) {
+    CHECK(h.done());
+    CHECK_NOTHROW(h.wait());
+  }
+  CHECK(data == expected);
+  CHECK(error_of([&] { r.reduce(0, data[0].data()); }).find("the communicator of this reducer was destroyed") !=
+        std::string::npos);
+}
+
+TEST_CASE("C API: psgd_comm_destroy before psgd_reducer_destroy: the reducer's calls fail, no crash") {
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_config config = psgd_config_default();
+  config.start_iter = 0;
+  psgd_reducer* r = nullptr;
+  REQUIRE(psgd_reducer_create(comm, &config, &r) == PSGD_OK);
+  const int ndims[] = {2};
+  const int64_t dims[] = {8, 6};
+  int index = -1;
+  REQUIRE(psgd_reducer_add_bucket(r, 1, ndims, dims, &index) == PSGD_OK);
+  std::vector<float> g = gradients(48, 0, 0);
+  CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  psgd_comm_destroy(comm);
+  CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("the communicator of this reducer was destroyed") != std::string::npos);
+  psgd_reducer_destroy(r);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}
+
 TEST_CASE("C API: job checkpoint save_job/load_job, and each kind refused by the other's load") {
   ::setenv("RANK", "0", 1);
   ::setenv("WORLD_SIZE", "1", 1);
