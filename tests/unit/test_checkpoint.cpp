@@ -85,6 +85,54 @@ std::vector<char> payload_of(const std::vector<char>& file) {
   return {file.begin() + static_cast<std::ptrdiff_t>(kCheckpointHeaderBytes), file.end()};
 }
 
+// The payload of `c` in format version 1 (before adaptive and alternating) or
+// 2 (before the rank level), written field by field as docs/engine.md lists them.
+std::vector<char> payload_before_level(const CheckpointContents& c, uint32_t version) {
+  const Config& k = c.config;
+  Writer w;
+  w.put(int32_t{k.rank});
+  w.put(k.start_iter);
+  w.put(k.min_compression_rate);
+  w.put(uint8_t{k.error_feedback});
+  w.put(uint8_t{k.warm_start});
+  w.put(k.orthogonalization_epsilon);
+  w.put(k.seed);
+  w.put(uint8_t{k.batch_same_shape});
+  w.put(uint8_t{k.whole_bucket});
+  if (version >= 2) {
+    w.put(uint8_t{k.adaptive});
+    w.put(int32_t{k.rank_low});
+    w.put(int32_t{k.rank_high});
+    w.put(k.adaptive_interval);
+    w.put(k.adaptive_threshold);
+    w.put(uint8_t{k.alternating});
+  }
+  w.put(c.layout_fingerprint);
+  w.put(static_cast<uint32_t>(c.buckets.size()));
+  for (const auto& b : c.buckets) w.put(b.numel);
+  w.put(c.world_size);
+  w.put(c.rank);
+  w.put(c.iteration);
+  w.put(c.numel_before);
+  w.put(c.numel_after);
+  w.put(c.bytes_sent);
+  for (const auto& b : c.buckets) {
+    w.put(static_cast<uint8_t>(b.q_initialized));
+    w.put(b.draws);
+    if (version >= 2) {
+      w.put(b.rank);
+      w.put(b.compressed_steps);
+      w.put(b.window_sum);
+      w.put(b.previous_window);
+    }
+    for (const auto* values : {&b.error, &b.p, &b.q}) {
+      w.put(static_cast<uint64_t>(values->size()));
+      w.put_floats(*values);
+    }
+  }
+  return w.take();
+}
+
 }  // namespace
 
 TEST_CASE("checkpoint codec: encode then decode gives back every field") {
@@ -327,37 +375,8 @@ TEST_CASE("checkpoint file: concurrent savers to one path never fail and never l
 }
 
 TEST_CASE("checkpoint codec: a version 1 file (before adaptive and alternating) loads with their defaults") {
-  // Version 1 as docs/engine.md lists it, written field by field.
   const CheckpointContents like = test_contents();
-  const Config& c = like.config;
-  Writer w;
-  w.put(int32_t{c.rank});
-  w.put(c.start_iter);
-  w.put(c.min_compression_rate);
-  w.put(uint8_t{c.error_feedback});
-  w.put(uint8_t{c.warm_start});
-  w.put(c.orthogonalization_epsilon);
-  w.put(c.seed);
-  w.put(uint8_t{c.batch_same_shape});
-  w.put(uint8_t{c.whole_bucket});
-  w.put(like.layout_fingerprint);
-  w.put(static_cast<uint32_t>(like.buckets.size()));
-  for (const auto& b : like.buckets) w.put(b.numel);
-  w.put(like.world_size);
-  w.put(like.rank);
-  w.put(like.iteration);
-  w.put(like.numel_before);
-  w.put(like.numel_after);
-  w.put(like.bytes_sent);
-  for (const auto& b : like.buckets) {
-    w.put(static_cast<uint8_t>(b.q_initialized));
-    w.put(b.draws);
-    for (const auto* values : {&b.error, &b.p, &b.q}) {
-      w.put(static_cast<uint64_t>(values->size()));
-      w.put_floats(*values);
-    }
-  }
-  const std::vector<char> v1 = framed(w.take(), 1);
+  const std::vector<char> v1 = framed(payload_before_level(like, 1), 1);
   const CheckpointContents out = decode(v1, like);
   CHECK(out.iteration == like.iteration);
   REQUIRE(out.buckets.size() == 2);
@@ -403,49 +422,6 @@ TEST_CASE("checkpoint codec: each bucket's rank and window are kept; a rank the 
 }
 
 namespace {
-
-// `c` in format version 2 (before the rank level), as docs/engine.md lists it.
-std::vector<char> encode_version_2(const CheckpointContents& c) {
-  const Config& k = c.config;
-  Writer w;
-  w.put(int32_t{k.rank});
-  w.put(k.start_iter);
-  w.put(k.min_compression_rate);
-  w.put(uint8_t{k.error_feedback});
-  w.put(uint8_t{k.warm_start});
-  w.put(k.orthogonalization_epsilon);
-  w.put(k.seed);
-  w.put(uint8_t{k.batch_same_shape});
-  w.put(uint8_t{k.whole_bucket});
-  w.put(uint8_t{k.adaptive});
-  w.put(int32_t{k.rank_low});
-  w.put(int32_t{k.rank_high});
-  w.put(k.adaptive_interval);
-  w.put(k.adaptive_threshold);
-  w.put(uint8_t{k.alternating});
-  w.put(c.layout_fingerprint);
-  w.put(static_cast<uint32_t>(c.buckets.size()));
-  for (const auto& b : c.buckets) w.put(b.numel);
-  w.put(c.world_size);
-  w.put(c.rank);
-  w.put(c.iteration);
-  w.put(c.numel_before);
-  w.put(c.numel_after);
-  w.put(c.bytes_sent);
-  for (const auto& b : c.buckets) {
-    w.put(static_cast<uint8_t>(b.q_initialized));
-    w.put(b.draws);
-    w.put(b.rank);
-    w.put(b.compressed_steps);
-    w.put(b.window_sum);
-    w.put(b.previous_window);
-    for (const auto* values : {&b.error, &b.p, &b.q}) {
-      w.put(static_cast<uint64_t>(values->size()));
-      w.put_floats(*values);
-    }
-  }
-  return w.take();
-}
 
 CheckpointContents equal_ranks_contents(uint32_t level) {
   CheckpointContents c = test_contents();
@@ -498,7 +474,7 @@ TEST_CASE("checkpoint codec: the rank level is kept, also when rank_low == rank_
   CheckpointContents v2 = equal_ranks_contents(0);
   v2.buckets[0].compressed_steps = 5;
   v2.buckets[0].previous_window = 1.5;
-  const std::vector<char> payload = encode_version_2(v2);
+  const std::vector<char> payload = payload_before_level(v2, 2);
   const CheckpointContents old = decode_checkpoint(framed(payload, 2), "ckpt", v2.config, v2.layout_fingerprint,
                                                    two_levels(v2));
   CHECK(old.buckets[0].level == 1);

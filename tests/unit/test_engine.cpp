@@ -1342,24 +1342,26 @@ TEST_CASE("adaptive with rank_low == rank_high: a checkpoint saved at level 0 re
   auto comm = solo();
   Config c = adaptive_config(1, 1, 3, false);  // rank_low = rank_high = 1; windows of 3 compressed steps
   auto grads = [](size_t n, int step) {
-    // Steady for 12 steps (the first window selects level 1, the steady second one level 0), then a jump.
+    // Steady for 24 steps (the first windows select level 1, steady ones level 0), then a jump.
     std::vector<float> g = gradients(n, 0, step % 2);
-    for (float& v : g) v *= step < 12 ? 1.0f : 30.0f;
+    for (float& v : g) v *= step < 24 ? 1.0f : 30.0f;
     return g;
   };
   Reducer a(*comm, c);
   a.add_bucket(kAdaptiveShapes);
   const std::string path = temp_path("adaptive-equal"), a_end = path + ".a", b_end = path + ".b";
-  for (int step = 0; step < 18; ++step) {
+  for (int step = 0; step < 30; ++step) {
     std::vector<float> g = grads(a.bucket_size(0), step);
     a.reduce(0, g.data());
-    if (step == 7) a.save(path);  // 7 compressed steps: after the second window, at level 0
+    // 19 compressed steps: at level 0, after steady windows (the old format, which found the level from the
+    // rank, resumed at level 1 and its state differed from here on: measured).
+    if (step == 19) a.save(path);
   }
   a.save(a_end);
   Reducer b(*comm, c);
   b.add_bucket(kAdaptiveShapes);
   b.load(path);
-  for (int step = 8; step < 18; ++step) {
+  for (int step = 20; step < 30; ++step) {
     std::vector<float> g = grads(b.bucket_size(0), step);
     b.reduce(0, g.data());
   }
