@@ -53,7 +53,7 @@ PSGD_API int psgd_comm_rank(const psgd_comm* comm);              /* -1 for a nul
 PSGD_API int psgd_comm_size(const psgd_comm* comm);              /* -1 for a null comm */
 PSGD_API psgd_status psgd_comm_allreduce_sum_f32(psgd_comm* comm, float* data, size_t count);  /* Collective, host memory */
 PSGD_API psgd_status psgd_comm_barrier(psgd_comm* comm);                                      /* Collective */
-PSGD_API void psgd_comm_destroy(psgd_comm* comm);                /* null is a no-op; destroy reducers first */
+PSGD_API void psgd_comm_destroy(psgd_comm* comm);                /* null is a no-op; destroy reducers first (a reducer left over fails with PSGD_ERR_INVALID_ARGUMENT) */
 
 typedef struct psgd_config {
   size_t struct_size;                /* sizeof(psgd_config) as the caller was compiled; set by psgd_config_init */

@@ -107,8 +107,10 @@ class PSGD_API ReduceHandle {
 
 class PSGD_API Reducer {
  public:
-  // Validates config and creates the compute backend. `comm` must outlive the
-  // Reducer. Not collective.
+  // Validates config and creates the compute backend. Not collective. Destroy
+  // the Reducer before `comm`: a communicator destroyed first waits for the
+  // reductions in flight, then every later call on the Reducer throws
+  // InvalidArgumentError (docs/engine.md).
   Reducer(Communicator& comm, const Config& config);
   // Waits for in-flight reductions (their errors are dropped), then stops the worker.
   ~Reducer();

@@ -91,6 +91,25 @@ bool names_object(const std::string& loader_error, const std::string& object) {
   return loader_error.rfind(object + ":", 0) == 0;
 }
 
+// Closes a module handle unless released: whatever a failed request loaded
+// (the module and, through it, the CUDA libraries: some 260 MB) leaves the
+// process with it. RTLD_LOCAL keeps the module's dependencies out of the global
+// scope, so nothing else holds them once the module goes.
+class ModuleHandle {
+ public:
+  explicit ModuleHandle(void* handle) : handle_(handle) {}
+  ~ModuleHandle() {
+    if (handle_ != nullptr) dlclose(handle_);
+  }
+  ModuleHandle(const ModuleHandle&) = delete;
+  ModuleHandle& operator=(const ModuleHandle&) = delete;
+  void* get() const { return handle_; }
+  void release() { handle_ = nullptr; }
+
+ private:
+  void* handle_;
+};
+
 const CudaModuleTable& open_module(const std::string& path, void* handle) {
   auto entry = reinterpret_cast<psgd_cuda_module_entry>(dlsym(handle, kCudaModuleEntryPoint));
   if (entry == nullptr)
@@ -102,13 +121,16 @@ const CudaModuleTable& open_module(const std::string& path, void* handle) {
   return *table;
 }
 
-// The module stays loaded for the life of the process once it loaded: its
-// backends' code lives there, and the CUDA libraries do not support unloading.
-const CudaModuleTable& load_module() {
+// Loads the module, checks that it belongs to this library and that it sees a
+// GPU. Once all hold, the module stays loaded for the life of the process: its
+// backends' code lives there, and the CUDA libraries do not support unloading
+// after use. A request that fails unloads what it loaded; the next request
+// loads again and fails with the same message.
+const CudaModuleTable& usable_module() {
   static std::mutex mutex;
-  static const CudaModuleTable* loaded = nullptr;
+  static const CudaModuleTable* usable = nullptr;
   std::lock_guard lock(mutex);
-  if (loaded != nullptr) return *loaded;
+  if (usable != nullptr) return *usable;
   std::vector<std::string> tried;
   for (const auto& candidate : candidates()) {
     if (!candidate.bare_name && access(candidate.path.c_str(), F_OK) != 0) {
@@ -116,8 +138,8 @@ const CudaModuleTable& load_module() {
       continue;
     }
     dlerror();
-    void* handle = dlopen(candidate.path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle == nullptr) {
+    ModuleHandle handle(dlopen(candidate.path.c_str(), RTLD_NOW | RTLD_LOCAL));
+    if (handle.get() == nullptr) {
       const char* text = dlerror();
       const std::string error = text != nullptr ? text : "unknown dlopen error";
       if (candidate.bare_name && names_object(error, candidate.path)) {
@@ -128,8 +150,13 @@ const CudaModuleTable& load_module() {
       if (names_object(error, candidate.path)) mismatch(candidate.path, error);
       libraries_missing(candidate.path, error);
     }
-    loaded = &open_module(candidate.path, handle);
-    return *loaded;
+    const CudaModuleTable& table = open_module(candidate.path, handle.get());
+    char reason[512] = {};
+    PSGD_REQUIRE(table.device_count(reason, sizeof reason) > 0, UnsupportedError, kUnavailable, "missing a GPU: ",
+                 reason);
+    handle.release();
+    usable = &table;
+    return table;
   }
   module_missing(tried);
 }
@@ -138,9 +165,8 @@ const CudaModuleTable& load_module() {
 
 std::string cuda_unavailable_reason() {
   try {
-    char reason[512] = {};
-    if (load_module().device_count(reason, sizeof reason) > 0) return {};
-    return detail::concat(kUnavailable, "missing a GPU: ", reason);
+    usable_module();
+    return {};
   } catch (const Error& e) {
     return e.what();
   }
@@ -148,12 +174,6 @@ std::string cuda_unavailable_reason() {
 
 bool cuda_available() { return cuda_unavailable_reason().empty(); }
 
-std::unique_ptr<Backend> make_cuda_backend(int device_index) {
-  const CudaModuleTable& module = load_module();
-  char reason[512] = {};
-  PSGD_REQUIRE(module.device_count(reason, sizeof reason) > 0, UnsupportedError, kUnavailable, "missing a GPU: ",
-               reason);
-  return module.create(device_index);
-}
+std::unique_ptr<Backend> make_cuda_backend(int device_index) { return usable_module().create(device_index); }
 
 }  // namespace powersgd::compute

@@ -43,25 +43,45 @@ void put_config(Writer& w, const Config& config) {
   });
 }
 
-// A field that `version` predates was at its default when the file was written.
-void expect_config(Reader& r, const Config& config, uint32_t version) {
-  const Config defaults;
-  std::vector<uint64_t> default_bits;  // each field's default, as its wire bits, in the list's order
-  for_each_config_field(defaults, [&](const FieldSpec&, const auto& value) {
+// Each field of `config` as its wire bits, in the list's order.
+std::vector<uint64_t> wire_bits(const Config& config) {
+  std::vector<uint64_t> bits;
+  for_each_config_field(config, [&](const FieldSpec&, const auto& value) {
     using Wire = WireType<std::decay_t<decltype(value)>>;
-    default_bits.push_back(std::bit_cast<wire::Bits<Wire>>(static_cast<Wire>(value)));
+    bits.push_back(std::bit_cast<wire::Bits<Wire>>(static_cast<Wire>(value)));
   });
+  return bits;
+}
+
+// A field that `version` predates was at its default when the file was written.
+// Only the fields that the file's or the loader's configuration uses must agree
+// (field_in_use): rank_high without adaptive, say, changes nothing resumed.
+void expect_config(Reader& r, const Config& config, uint32_t version) {
+  std::vector<uint64_t> file = wire_bits(Config{});  // defaults, replaced by what the file holds
+  const std::vector<uint64_t> mine = wire_bits(config);
+  Config theirs = config;  // the file's Shared fields; the loader's others
   size_t index = 0;
-  for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
-    const uint64_t default_value = default_bits[index++];
+  for_each_config_field(theirs, [&](const FieldSpec& spec, auto& field) {
+    const size_t i = index++;
     if (spec.scope != FieldScope::Shared) return;
+    using Field = std::decay_t<decltype(field)>;
+    using Wire = WireType<Field>;
+    if (spec.since_version <= version) file[i] = std::bit_cast<wire::Bits<Wire>>(r.get<Wire>(spec.name));
+    const auto value = std::bit_cast<Wire>(static_cast<wire::Bits<Wire>>(file[i]));
+    if constexpr (std::is_same_v<Field, bool>)
+      field = value != 0;
+    else
+      field = static_cast<Field>(value);
+  });
+  index = 0;
+  for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
+    const size_t i = index++;
+    if (spec.scope != FieldScope::Shared || file[i] == mine[i]) return;
+    if (!field_in_use(spec, config) && !field_in_use(spec, theirs)) return;
     using Wire = WireType<std::decay_t<decltype(value)>>;
-    const Wire theirs = spec.since_version <= version
-                            ? r.get<Wire>(spec.name)
-                            : std::bit_cast<Wire>(static_cast<wire::Bits<Wire>>(default_value));
-    const Wire mine = static_cast<Wire>(value);
-    PSGD_REQUIRE(theirs == mine, MismatchError, "checkpoint ", r.path(), " was written with config.", spec.name, " = ",
-                 +theirs, ", this reducer has ", +mine);
+    PSGD_THROW(MismatchError, "checkpoint ", r.path(), " was written with config.", spec.name, " = ",
+               +std::bit_cast<Wire>(static_cast<wire::Bits<Wire>>(file[i])), ", this reducer has ",
+               +static_cast<Wire>(value));
   });
 }
 
@@ -90,11 +110,11 @@ struct Framing {
   const char* loader;       // the call that loads this kind
 };
 
-// A job file's version 1 payload is the per-rank payload of version 2 (job
-// checkpoints came with it), so the payload parser reads it as version 2.
+// A job file's version v payload is the per-rank payload of version v + 1 (job
+// checkpoints came with version 2), so the payload parser reads it as that.
 Framing framing_of(CheckpointKind kind) {
   if (kind == CheckpointKind::Job)
-    return {kJobCheckpointMagic, kJobCheckpointVersion, kJobCheckpointVersion, "a job checkpoint (save_job)",
+    return {kJobCheckpointMagic, kJobCheckpointOldestVersion, kJobCheckpointVersion, "a job checkpoint (save_job)",
             "load_job"};
   return {kCheckpointMagic, kCheckpointOldestVersion, kCheckpointVersion, "a per-rank checkpoint (save)", "load"};
 }
@@ -118,7 +138,7 @@ std::span<const char> unframe(std::span<const char> file, const std::string& pat
                version, ": this build reads ", mine.oldest == mine.newest ? detail::concat("version ", mine.newest)
                                                                           : detail::concat("versions ", mine.oldest,
                                                                                            " to ", mine.newest));
-  payload_version = kind == CheckpointKind::Job ? kCheckpointVersion : version;
+  payload_version = kind == CheckpointKind::Job ? version + 1 : version;
   const auto crc = header.get<uint32_t>("crc");
   const auto recorded = header.get<uint64_t>("payload length");
   const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
@@ -193,6 +213,7 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
     w.put(static_cast<uint8_t>(b.q_initialized));
     w.put(b.draws);
     w.put(b.rank);
+    w.put(b.level);
     w.put(b.compressed_steps);
     w.put(b.window_sum);
     w.put(b.previous_window);
@@ -250,11 +271,18 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
     const CheckpointLevel* level = &levels.front();
     if (version >= 2) {
       out.rank = r.get<int32_t>("rank");
-      const auto found = std::find_if(levels.begin(), levels.end(),
+      const auto found = std::find_if(levels.rbegin(), levels.rend(),
                                       [&](const CheckpointLevel& l) { return l.rank == out.rank; });
-      PSGD_REQUIRE(found != levels.end(), MismatchError, "checkpoint ", path, ": bucket ", b, " was at rank ",
+      PSGD_REQUIRE(found != levels.rend(), MismatchError, "checkpoint ", path, ": bucket ", b, " was at rank ",
                    out.rank, ", a rank this reducer's configuration does not use");
-      level = &*found;
+      out.level = static_cast<uint32_t>(levels.rend() - found - 1);
+      if (version >= 3) {
+        out.level = r.get<uint32_t>("level");
+        PSGD_REQUIRE(out.level < levels.size() && levels[out.level].rank == out.rank, IoError, "checkpoint ", path,
+                     " is malformed: bucket ", b, " was at rank ", out.rank, " and rank level ", out.level,
+                     ", which is not that rank's level in its configuration");
+      }
+      level = &levels[out.level];
       out.compressed_steps = r.get<uint64_t>("compressed steps");
       out.window_sum = r.get<double>("window sum");
       out.previous_window = r.get<double>("previous window");

@@ -21,17 +21,21 @@ namespace powersgd::engine {
 
 inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 'T'};
 // Version 2 appended the adaptive and alternating config fields and, per
-// bucket, its rank and step state. load() also reads version 1 files (those
-// fields at their defaults: a reducer without adaptive or alternating).
-inline constexpr uint32_t kCheckpointVersion = 2;
+// bucket, its rank and step state; version 3, per bucket, its rank level (which
+// its rank alone does not tell when rank_low == rank_high). load() also reads
+// versions 1 (those fields at their defaults: a reducer without adaptive or
+// alternating) and 2 (the level found from the rank).
+inline constexpr uint32_t kCheckpointVersion = 3;
 inline constexpr uint32_t kCheckpointOldestVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
 // A job checkpoint (Reducer::save_job) has the same header and payload layout
 // under its own magic and version, so that load() refuses a job file and
 // load_job() a per-rank file, naming the other kind.
 inline constexpr char kJobCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'J', 'O', 'B', 'C'};
-// Job version 1's payload is the per-rank payload of version 2.
-inline constexpr uint32_t kJobCheckpointVersion = 1;
+// Job version 1's payload is the per-rank payload of version 2, job version
+// 2's that of version 3; load_job() reads both.
+inline constexpr uint32_t kJobCheckpointVersion = 2;
+inline constexpr uint32_t kJobCheckpointOldestVersion = 1;
 
 // PerRank: one rank's own state (Reducer::save). Job: the world's state with the
 // mean of the ranks' error memories (Reducer::save_job), loadable on any world size.
@@ -106,6 +110,10 @@ struct CheckpointBucket {
   // Version 2: the rank of the bucket's next compressed step, its successful
   // compressed steps, and the adaptive window (sum so far, previous window's; NaN: none).
   int32_t rank = 1;
+  // Version 3: the index of the bucket's rank level (0: the only rank, or
+  // rank_low; 1: rank_high). Older files: the level of `rank` (the last one
+  // when rank_low == rank_high).
+  uint32_t level = 0;
   uint64_t compressed_steps = 0;
   double window_sum = 0.0;
   double previous_window = std::nan("");

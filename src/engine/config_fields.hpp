@@ -12,6 +12,13 @@ namespace powersgd::engine {
 // ranks (which device a rank computes on) and is neither compared nor saved.
 enum class FieldScope { Shared, PerRank };
 
+// When a configuration uses a Shared field. A field it does not use (the
+// adaptive ones without adaptive, `rank` with it, min_compression_rate and
+// batch_same_shape with whole_bucket) changes nothing it computes, so neither
+// the ranks' fingerprint nor a checkpoint's config check compares it. The
+// fields that decide use (adaptive, whole_bucket) are always used.
+enum class FieldUse { Always, WithoutAdaptive, WithAdaptive, WithoutWholeBucket };
+
 // What validate() accepts: min <= value <= max (and finite, for floating-point
 // fields); `expected` is the phrase its error message ends with.
 struct FieldSpec {
@@ -23,7 +30,18 @@ struct FieldSpec {
   // The first checkpoint format version whose config record holds the field
   // (an older file is read with the field at its default; checkpoint.cpp).
   uint32_t since_version = 1;
+  FieldUse use = FieldUse::Always;
 };
+
+inline bool field_in_use(const FieldSpec& spec, const Config& config) {
+  switch (spec.use) {
+    case FieldUse::Always: return true;
+    case FieldUse::WithoutAdaptive: return !config.adaptive;
+    case FieldUse::WithAdaptive: return config.adaptive;
+    case FieldUse::WithoutWholeBucket: return !config.whole_bucket;
+  }
+  return true;
+}
 
 inline constexpr double kNoLimit = 1.7976931348623157e308;
 
@@ -32,23 +50,26 @@ inline constexpr double kNoLimit = 1.7976931348623157e308;
 template <typename ConfigT, typename F>
 void for_each_config_field(ConfigT& config, F&& f) {
   using enum FieldScope;
-  f(FieldSpec{"rank", Shared, 1, 64, "1 to 64"}, config.rank);
+  using enum FieldUse;
+  f(FieldSpec{"rank", Shared, 1, 64, "1 to 64", 1, WithoutAdaptive}, config.rank);
   f(FieldSpec{"start_iter", Shared, 0, kNoLimit, ">= 0"}, config.start_iter);
-  f(FieldSpec{"min_compression_rate", Shared, 0, kNoLimit, "a finite value >= 0"}, config.min_compression_rate);
+  f(FieldSpec{"min_compression_rate", Shared, 0, kNoLimit, "a finite value >= 0", 1, WithoutWholeBucket},
+    config.min_compression_rate);
   f(FieldSpec{"error_feedback", Shared, 0, 1, "0 or 1"}, config.error_feedback);
   f(FieldSpec{"warm_start", Shared, 0, 1, "0 or 1"}, config.warm_start);
   f(FieldSpec{"orthogonalization_epsilon", Shared, 0, kNoLimit, "a finite value >= 0"},
     config.orthogonalization_epsilon);
   f(FieldSpec{"seed", Shared, 0, kNoLimit, "any value"}, config.seed);
-  f(FieldSpec{"batch_same_shape", Shared, 0, 1, "0 or 1"}, config.batch_same_shape);
+  f(FieldSpec{"batch_same_shape", Shared, 0, 1, "0 or 1", 1, WithoutWholeBucket}, config.batch_same_shape);
   f(FieldSpec{"whole_bucket", Shared, 0, 1, "0 or 1"}, config.whole_bucket);
   f(FieldSpec{"device", PerRank, 0, 1, "Cpu (0) or Cuda (1)"}, config.device);
   f(FieldSpec{"device_index", PerRank, 0, kNoLimit, ">= 0"}, config.device_index);
   f(FieldSpec{"adaptive", Shared, 0, 1, "0 or 1", 2}, config.adaptive);
-  f(FieldSpec{"rank_low", Shared, 1, 64, "1 to 64", 2}, config.rank_low);
-  f(FieldSpec{"rank_high", Shared, 1, 64, "1 to 64", 2}, config.rank_high);
-  f(FieldSpec{"adaptive_interval", Shared, 1, kNoLimit, ">= 1", 2}, config.adaptive_interval);
-  f(FieldSpec{"adaptive_threshold", Shared, 0, kNoLimit, "a finite value >= 0", 2}, config.adaptive_threshold);
+  f(FieldSpec{"rank_low", Shared, 1, 64, "1 to 64", 2, WithAdaptive}, config.rank_low);
+  f(FieldSpec{"rank_high", Shared, 1, 64, "1 to 64", 2, WithAdaptive}, config.rank_high);
+  f(FieldSpec{"adaptive_interval", Shared, 1, kNoLimit, ">= 1", 2, WithAdaptive}, config.adaptive_interval);
+  f(FieldSpec{"adaptive_threshold", Shared, 0, kNoLimit, "a finite value >= 0", 2, WithAdaptive},
+    config.adaptive_threshold);
   f(FieldSpec{"alternating", Shared, 0, 1, "0 or 1", 2}, config.alternating);
 }
 

@@ -26,7 +26,8 @@ class Fnv {
 };
 
 // The fields every rank and a checkpoint must agree on (device and
-// device_index may differ between ranks).
+// device_index may differ between ranks), those the configuration uses only
+// (field_in_use, config_fields.hpp).
 uint64_t config_fingerprint(const Config& config);
 
 // The layout of buckets 0..index: the fingerprint of buckets 0..index-1

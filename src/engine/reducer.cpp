@@ -6,11 +6,13 @@
 #include "powersgd/reducer.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <optional>
 
 #include "common/check.hpp"
+#include "common/comm_users.hpp"
 #include "common/completion.hpp"
 #include "common/serial_worker.hpp"
 #include "compute/backend.hpp"
@@ -39,7 +41,7 @@ bool ReduceHandle::done() const {
   return state_->done();
 }
 
-class Reducer::Impl {
+class Reducer::Impl final : public detail::CommUser {
  public:
   Impl(Communicator& comm, const Config& config) : comm_(comm), config_(config) {
     config_.validate();
@@ -50,12 +52,32 @@ class Reducer::Impl {
       runner_ = std::make_unique<engine::StepRunner>(config_, comm_, *backend_, buckets_, arenas_, stats_,
                                                      [this] { return next_reduction(); }, fault);
     });
+    detail::attach_comm_user(&comm_, this);
   }
 
   // Runs the queued reductions, then joins, before any member goes.
-  ~Impl() { worker_.stop(nullptr); }
+  ~Impl() {
+    detail::detach_comm_user(&comm_, this);
+    worker_.stop(nullptr);
+  }
+
+  // The communicator's destructor: reductions queued so far end first (on the
+  // worker, in order); every task after this one is refused (require_comm).
+  void communicator_destroyed() noexcept override {
+    try {
+      worker_.submit(WorkerTask{nullptr, [this] { comm_destroyed_ = true; }})->wait();
+    } catch (...) {  // a refused task sets nothing; the flag is then already set
+    }
+  }
+  // Every task the worker runs, and every user-thread path that reaches comm_.
+  void require_comm() const {
+    PSGD_REQUIRE(!comm_destroyed_, InvalidArgumentError,
+                 "the communicator of this reducer was destroyed: destroy a Reducer before its Communicator "
+                 "(psgd_reducer_destroy before psgd_comm_destroy)");
+  }
 
   int add_bucket(std::span<const Shape> shapes) {
+    require_comm();
     const int index = num_buckets();
     // A rank that refuses the bucket still takes part in the layout check (a
     // fixed-size gather of reports), so every rank fails at once with its reason.
@@ -188,6 +210,7 @@ class Reducer::Impl {
   }
 
   void load(const std::string& path) {
+    require_comm();
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load before any add_bucket: declare the buckets first");
     steps_.require_boundary("load");
     engine::CheckpointContents contents = engine::decode_checkpoint(engine::read_checkpoint_file(path), path, config_,
@@ -376,6 +399,7 @@ class Reducer::Impl {
       b.q_initialized = s->q_initialized;
       b.draws = s->draws;
       b.rank = s->current_rank;
+      b.level = static_cast<uint32_t>(s->level);
       b.compressed_steps = s->compressed_steps;
       b.window_sum = s->window_sum;
       b.previous_window = s->previous_window;
@@ -397,8 +421,7 @@ class Reducer::Impl {
       s.q_initialized = b.q_initialized;
       s.draws = b.draws;
       // The level first: the error memory's work layout is the level's plan.
-      for (size_t l = 0; l < s.levels.size(); ++l)
-        if (s.level_ranks[l] == b.rank) s.level = l;
+      s.level = b.level;
       s.plan = s.levels[s.level];
       s.current_rank = b.rank;
       s.compressed_steps = b.compressed_steps;
@@ -420,6 +443,7 @@ class Reducer::Impl {
   }
 
   Communicator& comm_;
+  std::atomic<bool> comm_destroyed_{false};  // set on the worker by communicator_destroyed
   Config config_;
   std::unique_ptr<compute::Backend> backend_;  // before every buffer: destroyed after them
 
@@ -452,6 +476,7 @@ class Reducer::Impl {
     return worker_.peek_next([](const WorkerTask& task) { return task.reduction; }).value_or(nullptr);
   }
   SerialWorker<WorkerTask> worker_{"reducer", [this](WorkerTask& task) {
+                                     require_comm();
                                      if (task.call)
                                        task.call();
                                      else

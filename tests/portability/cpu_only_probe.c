@@ -8,7 +8,9 @@
  * 2. A CUDA reducer is asked for: it must fail with PSGD_ERR_UNSUPPORTED and a
  *    message containing every EXPECTED string. The single argument "gpu-or-ok"
  *    instead accepts success (a GPU host) or the "missing a GPU" message.
- * 3. The CPU reducer still works after the refused CUDA request.
+ * 3. A refused request leaves neither the module nor a CUDA library mapped
+ *    (/proc/self/maps), and a second request fails with the same message.
+ * 4. The CPU reducer still works after the refused CUDA request.
  * Exits 0 when all hold, 1 otherwise; needs RANK=0 WORLD_SIZE=1. */
 #include <math.h>
 #include <stdio.h>
@@ -22,6 +24,55 @@
 static int failed(const char* what, psgd_status status) {
   fprintf(stderr, "cpu_only_probe: %s failed (%d): %s\n", what, (int)status, psgd_last_error());
   return 1;
+}
+
+/* The first line of /proc/self/maps naming the CUDA module (or a fake one) or a
+ * CUDA library it links, in `line`; 0 when there is none. (The driver,
+ * libcuda.so.1, which cudart opens itself on a host that has one, is not
+ * ours to unload.) */
+static int cuda_mapped(char* line, size_t size) {
+  static const char* const names[] = {"libpowersgd-cuda", "fake-module", "libcublas", "libcudart", "libcusolver",
+                                      "libnvJitLink"};
+  FILE* maps = fopen("/proc/self/maps", "r");
+  size_t i;
+  if (maps == NULL) {
+    snprintf(line, size, "(cannot read /proc/self/maps)");
+    return 1;
+  }
+  while (fgets(line, (int)size, maps) != NULL)
+    for (i = 0; i < sizeof names / sizeof names[0]; ++i)
+      if (strstr(line, names[i]) != NULL) {
+        fclose(maps);
+        return 1;
+      }
+  fclose(maps);
+  return 0;
+}
+
+/* After a refused CUDA request `first_message`: nothing of CUDA stays mapped, and
+ * a second request is refused alike. */
+static int check_refusal_unloads(psgd_comm* comm, psgd_config config, psgd_status first_status,
+                                 const char* first_message) {
+  char line[4096], first[4096];
+  psgd_reducer* again = NULL;
+  psgd_status status;
+  if (cuda_mapped(line, sizeof line)) {
+    fprintf(stderr, "cpu_only_probe: the refused CUDA request left this mapped: %s", line);
+    return 1;
+  }
+  snprintf(first, sizeof first, "%s", first_message);
+  status = psgd_reducer_create(comm, &config, &again);
+  if (status != first_status || strcmp(psgd_last_error(), first) != 0) {
+    fprintf(stderr, "cpu_only_probe: a second CUDA request gave %d '%s', the first %d '%s'\n", (int)status,
+            status == PSGD_OK ? "(created)" : psgd_last_error(), (int)first_status, first);
+    if (status == PSGD_OK) psgd_reducer_destroy(again);
+    return 1;
+  }
+  if (cuda_mapped(line, sizeof line)) {
+    fprintf(stderr, "cpu_only_probe: the second refused CUDA request left this mapped: %s", line);
+    return 1;
+  }
+  return 0;
 }
 
 /* One compressed step on the CPU: out + new memory == input + previous memory. */
@@ -79,6 +130,13 @@ int main(int argc, char** argv) {
   if ((status = psgd_reducer_add_bucket(cpu, 1, ndims, dims, &bucket)) != PSGD_OK)
     return failed("psgd_reducer_add_bucket", status);
   if (cpu_step(cpu, bucket, 0) != 0) return 1;
+  {
+    char line[4096];
+    if (cuda_mapped(line, sizeof line)) {
+      fprintf(stderr, "cpu_only_probe: mapped before any CUDA request: %s", line);
+      return 1;
+    }
+  }
 
   config.device = 1;
   status = psgd_reducer_create(comm, &config, &cuda);
@@ -93,6 +151,7 @@ int main(int argc, char** argv) {
       return 1;
     } else {
       printf("cpu_only_probe: CUDA refused as expected: %s\n", message);
+      if (check_refusal_unloads(comm, config, status, message) != 0) return 1;
     }
   } else {
     if (status != PSGD_ERR_UNSUPPORTED) {
@@ -107,6 +166,7 @@ int main(int argc, char** argv) {
         return 1;
       }
     printf("cpu_only_probe: CUDA refused as expected: %s\n", message);
+    if (check_refusal_unloads(comm, config, status, message) != 0) return 1;
   }
 
   if (cpu_step(cpu, bucket, 1) != 0) return 1;

@@ -60,7 +60,9 @@ CheckpointContents test_contents() {
 
 std::vector<CheckpointBucketShape> shapes_of(const CheckpointContents& c) {
   std::vector<CheckpointBucketShape> shapes;
-  for (const auto& b : c.buckets) shapes.push_back({b.numel, b.error.size(), {{b.rank, b.p.size(), b.q.size()}}});
+  // Levels up to the bucket's, each at its rank (as with rank_low == rank_high).
+  for (const auto& b : c.buckets)
+    shapes.push_back({b.numel, b.error.size(), std::vector<CheckpointLevel>(b.level + 1, {b.rank, b.p.size(), b.q.size()})});
   return shapes;
 }
 
@@ -81,6 +83,54 @@ std::vector<char> framed(const std::vector<char>& payload, uint32_t version = kC
 
 std::vector<char> payload_of(const std::vector<char>& file) {
   return {file.begin() + static_cast<std::ptrdiff_t>(kCheckpointHeaderBytes), file.end()};
+}
+
+// The payload of `c` in format version 1 (before adaptive and alternating) or
+// 2 (before the rank level), written field by field as docs/engine.md lists them.
+std::vector<char> payload_before_level(const CheckpointContents& c, uint32_t version) {
+  const Config& k = c.config;
+  Writer w;
+  w.put(int32_t{k.rank});
+  w.put(k.start_iter);
+  w.put(k.min_compression_rate);
+  w.put(uint8_t{k.error_feedback});
+  w.put(uint8_t{k.warm_start});
+  w.put(k.orthogonalization_epsilon);
+  w.put(k.seed);
+  w.put(uint8_t{k.batch_same_shape});
+  w.put(uint8_t{k.whole_bucket});
+  if (version >= 2) {
+    w.put(uint8_t{k.adaptive});
+    w.put(int32_t{k.rank_low});
+    w.put(int32_t{k.rank_high});
+    w.put(k.adaptive_interval);
+    w.put(k.adaptive_threshold);
+    w.put(uint8_t{k.alternating});
+  }
+  w.put(c.layout_fingerprint);
+  w.put(static_cast<uint32_t>(c.buckets.size()));
+  for (const auto& b : c.buckets) w.put(b.numel);
+  w.put(c.world_size);
+  w.put(c.rank);
+  w.put(c.iteration);
+  w.put(c.numel_before);
+  w.put(c.numel_after);
+  w.put(c.bytes_sent);
+  for (const auto& b : c.buckets) {
+    w.put(static_cast<uint8_t>(b.q_initialized));
+    w.put(b.draws);
+    if (version >= 2) {
+      w.put(b.rank);
+      w.put(b.compressed_steps);
+      w.put(b.window_sum);
+      w.put(b.previous_window);
+    }
+    for (const auto* values : {&b.error, &b.p, &b.q}) {
+      w.put(static_cast<uint64_t>(values->size()));
+      w.put_floats(*values);
+    }
+  }
+  return w.take();
 }
 
 }  // namespace
@@ -136,10 +186,10 @@ TEST_CASE("checkpoint codec: every field is little-endian whatever the host's or
   CHECK(r.get_floats(2, "e") == floats);
   CHECK(r.at_end());
 
-  // The header: magic, then version 2, CRC and payload length, little-endian.
+  // The header: magic, then version 3, CRC and payload length, little-endian.
   const std::vector<char> file = encode_checkpoint(test_contents());
   CHECK(std::memcmp(file.data(), kCheckpointMagic, 8) == 0);
-  CHECK(file[8] == 2);
+  CHECK(file[8] == 3);
   CHECK(file[9] == 0);
   CHECK(file[10] == 0);
   CHECK(file[11] == 0);
@@ -172,9 +222,9 @@ TEST_CASE("checkpoint codec: truncated, corrupted and foreign input is refused w
   CHECK(contains(error_of([&] { decode(magic, like); }), "file ckpt is not a powersgd checkpoint (bad magic)"));
 
   std::vector<char> version = file;
-  version[8] = 3;
+  version[8] = 4;
   CHECK_THROWS_AS(decode(version, like), IoError);
-  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 3: this build reads versions 1 to 2"));
+  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 4: this build reads versions 1 to 3"));
   version[8] = 0;
   version[11] = 1;  // big-endian 1 read as little-endian
   CHECK(contains(error_of([&] { decode(version, like); }), "has format version 16777216"));
@@ -325,37 +375,8 @@ TEST_CASE("checkpoint file: concurrent savers to one path never fail and never l
 }
 
 TEST_CASE("checkpoint codec: a version 1 file (before adaptive and alternating) loads with their defaults") {
-  // Version 1 as docs/engine.md lists it, written field by field.
   const CheckpointContents like = test_contents();
-  const Config& c = like.config;
-  Writer w;
-  w.put(int32_t{c.rank});
-  w.put(c.start_iter);
-  w.put(c.min_compression_rate);
-  w.put(uint8_t{c.error_feedback});
-  w.put(uint8_t{c.warm_start});
-  w.put(c.orthogonalization_epsilon);
-  w.put(c.seed);
-  w.put(uint8_t{c.batch_same_shape});
-  w.put(uint8_t{c.whole_bucket});
-  w.put(like.layout_fingerprint);
-  w.put(static_cast<uint32_t>(like.buckets.size()));
-  for (const auto& b : like.buckets) w.put(b.numel);
-  w.put(like.world_size);
-  w.put(like.rank);
-  w.put(like.iteration);
-  w.put(like.numel_before);
-  w.put(like.numel_after);
-  w.put(like.bytes_sent);
-  for (const auto& b : like.buckets) {
-    w.put(static_cast<uint8_t>(b.q_initialized));
-    w.put(b.draws);
-    for (const auto* values : {&b.error, &b.p, &b.q}) {
-      w.put(static_cast<uint64_t>(values->size()));
-      w.put_floats(*values);
-    }
-  }
-  const std::vector<char> v1 = framed(w.take(), 1);
+  const std::vector<char> v1 = framed(payload_before_level(like, 1), 1);
   const CheckpointContents out = decode(v1, like);
   CHECK(out.iteration == like.iteration);
   REQUIRE(out.buckets.size() == 2);
@@ -373,12 +394,13 @@ TEST_CASE("checkpoint codec: a version 1 file (before adaptive and alternating) 
   CHECK(contains(error_of([&] { decode(v1, adaptive); }), "config.adaptive = 0, this reducer has 1"));
 }
 
-TEST_CASE("checkpoint codec: version 2 keeps each bucket's rank and window; a rank the loader lacks is refused") {
+TEST_CASE("checkpoint codec: each bucket's rank and window are kept; a rank the loader lacks is refused") {
   CheckpointContents in = test_contents();
   in.config.adaptive = true;
   in.config.rank_low = 1;
   in.config.rank_high = 3;
   in.buckets[0].rank = 3;
+  in.buckets[0].level = 1;
   in.buckets[0].compressed_steps = 17;
   in.buckets[0].window_sum = 2.5;
   in.buckets[0].previous_window = 4.0;
@@ -397,4 +419,131 @@ TEST_CASE("checkpoint codec: version 2 keeps each bucket's rank and window; a ra
                  "bucket 0 was at rank 3, a rank this reducer's configuration does not use"));
   shapes[0].levels = {{1, 2, 3}, {3, 6, 9}};
   CHECK(decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, shapes).buckets[0].p == in.buckets[0].p);
+}
+
+namespace {
+
+CheckpointContents equal_ranks_contents(uint32_t level) {
+  CheckpointContents c = test_contents();
+  c.config.adaptive = true;
+  c.config.rank_low = c.config.rank_high = 3;
+  for (auto& b : c.buckets) {
+    b.rank = 3;
+    b.level = level;
+  }
+  return c;
+}
+
+std::vector<CheckpointBucketShape> two_levels(const CheckpointContents& c) {
+  std::vector<CheckpointBucketShape> shapes;
+  for (const auto& b : c.buckets)
+    shapes.push_back({b.numel, b.error.size(), {{b.rank, b.p.size(), b.q.size()}, {b.rank, b.p.size(), b.q.size()}}});
+  return shapes;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint codec: the rank level is kept, also when rank_low == rank_high; older versions still load") {
+  for (uint32_t level : {0u, 1u}) {
+    CAPTURE(level);
+    const CheckpointContents in = equal_ranks_contents(level);
+    const std::vector<char> file = encode_checkpoint(in);
+    const CheckpointContents out = decode_checkpoint(file, "ckpt", in.config, in.layout_fingerprint, two_levels(in));
+    for (const auto& b : out.buckets) {
+      CHECK(b.level == level);
+      CHECK(b.rank == 3);
+    }
+    // A job file keeps it too.
+    const CheckpointContents job = decode_checkpoint(encode_checkpoint(in, CheckpointKind::Job), "job", in.config,
+                                                     in.layout_fingerprint, two_levels(in), CheckpointKind::Job);
+    CHECK(job.buckets[0].level == level);
+  }
+  // A level that is not the saved rank's level in the loader's configuration: a malformed file.
+  CheckpointContents bad = equal_ranks_contents(1);
+  std::vector<CheckpointBucketShape> one_level = two_levels(bad);
+  one_level[0].levels.pop_back();
+  CHECK_THROWS_AS(decode_checkpoint(encode_checkpoint(bad), "ckpt", bad.config, bad.layout_fingerprint, one_level),
+                  IoError);
+  CHECK(contains(error_of([&] {
+                   decode_checkpoint(encode_checkpoint(bad), "ckpt", bad.config, bad.layout_fingerprint, one_level);
+                 }),
+                 "bucket 0 was at rank 3 and rank level 1"));
+
+  // Version 2 (per-rank) and job version 1 files hold no level: a bucket resumes at its rank's level (with
+  // rank_low == rank_high the higher one, as that version's reader did); every other field as saved.
+  CheckpointContents v2 = equal_ranks_contents(0);
+  v2.buckets[0].compressed_steps = 5;
+  v2.buckets[0].previous_window = 1.5;
+  const std::vector<char> payload = payload_before_level(v2, 2);
+  const CheckpointContents old = decode_checkpoint(framed(payload, 2), "ckpt", v2.config, v2.layout_fingerprint,
+                                                   two_levels(v2));
+  CHECK(old.buckets[0].level == 1);
+  CHECK(old.buckets[0].rank == 3);
+  CHECK(old.buckets[0].compressed_steps == 5);
+  CHECK(old.buckets[0].previous_window == 1.5);
+  CHECK(old.buckets[0].p == v2.buckets[0].p);
+  CHECK(old.buckets[1].error == v2.buckets[1].error);
+  Writer job_v1;
+  job_v1.put_raw(kJobCheckpointMagic, sizeof(kJobCheckpointMagic));
+  job_v1.put(uint32_t{1});
+  job_v1.put(crc32(payload.data(), payload.size()));
+  job_v1.put(static_cast<uint64_t>(payload.size()));
+  job_v1.put_raw(payload.data(), payload.size());
+  const CheckpointContents old_job = decode_checkpoint(job_v1.take(), "job", v2.config, v2.layout_fingerprint,
+                                                       two_levels(v2), CheckpointKind::Job);
+  CHECK(old_job.buckets[0].compressed_steps == 5);
+  CHECK(old_job.buckets[0].q == v2.buckets[0].q);
+  // Version 2's layout framed as version 3 is refused, not misread.
+  CHECK_THROWS_AS(decode_checkpoint(framed(payload, 3), "ckpt", v2.config, v2.layout_fingerprint, two_levels(v2)),
+                  Error);
+}
+
+TEST_CASE("checkpoint codec and fingerprint: only the fields a configuration uses must agree") {
+  struct Case {
+    const char* what;
+    std::function<void(Config&)> saved, loader;
+    const char* refused;  // nullptr: loads
+  };
+  auto none = [](Config&) {};
+  const Case cases[] = {
+      // Unused: the adaptive fields without adaptive, rank with it, the per-matrix fields with whole_bucket.
+      {"rank_high without adaptive", none, [](Config& c) { c.rank_high = 8; }, nullptr},
+      {"rank_low, interval, threshold without adaptive", [](Config& c) { c.rank_low = 2; },
+       [](Config& c) { c.adaptive_interval = 7, c.adaptive_threshold = 0.1; }, nullptr},
+      {"rank with adaptive", [](Config& c) { c.adaptive = true, c.rank = 2; },
+       [](Config& c) { c.adaptive = true, c.rank = 5; }, nullptr},
+      {"min_compression_rate, batch_same_shape with whole_bucket", none,
+       [](Config& c) { c.min_compression_rate = 9, c.batch_same_shape = true; }, nullptr},
+      // Used: refused, naming the field.
+      {"rank without adaptive", none, [](Config& c) { c.rank = 5; }, "config.rank = 3, this reducer has 5"},
+      {"rank_high with adaptive", [](Config& c) { c.adaptive = true; },
+       [](Config& c) { c.adaptive = true, c.rank_high = 8; }, "config.rank_high = 4, this reducer has 8"},
+      {"adaptive itself", none, [](Config& c) { c.adaptive = true; }, "config.adaptive = 0, this reducer has 1"},
+      {"min_compression_rate without whole_bucket", [](Config& c) { c.whole_bucket = false; },
+       [](Config& c) { c.whole_bucket = false, c.min_compression_rate = 9; },
+       "config.min_compression_rate = 2, this reducer has 9"},
+      {"whole_bucket itself, with the per-matrix fields unused by the saver", [](Config& c) { c.min_compression_rate = 9; },
+       [](Config& c) { c.whole_bucket = false, c.min_compression_rate = 9; },
+       "config.whole_bucket = 1, this reducer has 0"},
+      // A field unused by the loader but used by the saver still refuses.
+      {"rank used by the saver only", [](Config& c) { c.rank = 5; }, [](Config& c) { c.adaptive = true; },
+       "config.rank = 5, this reducer has 3"},
+  };
+  for (const auto& k : cases) {
+    CAPTURE(k.what);
+    CheckpointContents saved = test_contents();
+    k.saved(saved.config);
+    CheckpointContents loader = saved;
+    loader.config = test_config();
+    k.loader(loader.config);
+    const std::vector<char> file = encode_checkpoint(saved);
+    if (k.refused == nullptr) {
+      CHECK(decode(file, loader).iteration == saved.iteration);
+      CHECK(config_fingerprint(saved.config) == config_fingerprint(loader.config));
+    } else {
+      CHECK_THROWS_AS(decode(file, loader), MismatchError);
+      CHECK(contains(error_of([&] { decode(file, loader); }), k.refused));
+      CHECK(config_fingerprint(saved.config) != config_fingerprint(loader.config));
+    }
+  }
 }

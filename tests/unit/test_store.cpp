@@ -759,6 +759,68 @@ TEST_CASE("tcp store: unauthenticated connections are capped per address and ove
   check_server_serves(server);
 }
 
+TEST_CASE("tcp store: authenticated connections are capped per address; the excess is refused, others served") {
+  auto o = server_options();
+  o.max_authenticated_per_address = 3;
+  TcpStoreServer server(o);
+  std::vector<std::unique_ptr<Store>> clients;
+  for (int i = 0; i < 3; ++i) clients.push_back(client(server));
+  // A fourth authenticated client from the same address is refused with the
+  // reason; the three already in keep working.
+  try {
+    client(server);
+    FAIL("a fourth authenticated connection from 127.0.0.1 was admitted");
+  } catch (const powersgd::IoError& e) {
+    std::string what = e.what();
+    CHECK(what.find("refused this client") != std::string::npos);
+    CHECK(what.find("3 authenticated connections from 127.0.0.1") != std::string::npos);
+    CHECK(what.find("max_authenticated_per_address") != std::string::npos);
+  }
+  CHECK(server.refused_clients() == 1);
+  // A raw flood from the same address: each HELLO is refused and the
+  // connection closed, so the server holds no more than the cap.
+  std::vector<std::unique_ptr<RawClient>> flood;
+  for (int i = 0; i < 20; ++i) {
+    flood.push_back(std::make_unique<RawClient>(server.port()));
+    flood.back()->send(hello_frame(kToken));
+  }
+  for (auto& f : flood) {
+    auto r = f->reply();
+    REQUIRE(r.has_value());
+    CHECK(r->first == kRefused);
+    CHECK(f->closed_by_server(2s));
+  }
+  CHECK(server.refused_clients() == 21);
+  for (size_t i = 0; i < clients.size(); ++i) {
+    clients[i]->set("k" + std::to_string(i), bytes("v"));
+    CHECK(text(clients[i]->get("k" + std::to_string(i))) == "v");
+  }
+  // Another address has its own allowance.
+  int other = connect_from("127.0.0.2", server.port());
+  std::string hello = hello_frame(kToken);
+  REQUIRE(::send(other, hello.data(), hello.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(hello.size()));
+  pollfd p{other, POLLIN, 0};
+  REQUIRE(::poll(&p, 1, 2000) == 1);
+  char reply[5];
+  REQUIRE(::recv(other, reply, sizeof reply, MSG_WAITALL) == 5);
+  CHECK(static_cast<uint8_t>(reply[4]) == kOk);
+  ::close(other);
+  // A closed connection frees its place (the server notices the close
+  // asynchronously: retry briefly).
+  clients.pop_back();
+  std::unique_ptr<Store> again;
+  for (auto start = Clock::now(); again == nullptr && ms_since(start) < 2000;) {
+    try {
+      again = client(server);
+    } catch (const powersgd::IoError&) {
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+  REQUIRE(again != nullptr);
+  again->set("again", bytes("yes"));
+  CHECK(text(clients[0]->get("again")) == "yes");
+}
+
 TEST_CASE("tcp store: silent connections are closed after auth_timeout, logged once per cause") {
   auto o = server_options();
   o.auth_timeout = 200ms;

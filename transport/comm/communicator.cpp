@@ -11,6 +11,7 @@
 #include "comm/device.hpp"
 #include "comm/fingerprint.hpp"
 #include "common/check.hpp"
+#include "common/comm_users.hpp"
 #include "common/completion.hpp"
 #include "common/log.hpp"
 
@@ -139,6 +140,9 @@ void GlooCommunicator::check_fingerprint() {
 }
 
 GlooCommunicator::~GlooCommunicator() {
+  // Reducers on this communicator finish their reductions in flight and are
+  // detached while everything they use still stands; later calls on them fail.
+  detail::detach_all_comm_users(static_cast<const Communicator*>(this));
   if (worker_ != nullptr)
     worker_->stop(std::make_exception_ptr(IoError("communicator destroyed before the operation ran")));
   // context_ and device_ close their sockets here; with peers gone that is immediate.

@@ -63,6 +63,11 @@ struct TcpStoreServerOptions {
   // address. Over a cap the oldest such connection is closed to admit the new one.
   size_t max_unauthenticated = 256;
   size_t max_unauthenticated_per_address = 64;
+  // Cap on authenticated connections per peer address (a job holds one per rank
+  // and communicator). A HELLO over it is refused with the reason, so a process
+  // that knows the token (any local process when there is none) cannot take
+  // every descriptor; the connections already in are kept.
+  size_t max_authenticated_per_address = 1024;
   // Quotas on the stored data: number of keys, and bytes of keys plus values. A
   // set or add beyond them fails with an Error reply naming the quota; the
   // connection stays usable.
@@ -88,7 +93,8 @@ class TcpStoreServer {
   // Closes every connection (waiting clients get IoError) and joins the server
   // thread. Idempotent; the destructor calls it.
   void stop();
-  // Number of connections refused for a bad token so far (for tests and logs).
+  // Number of connections refused so far (bad token, version or HELLO, or over
+  // max_authenticated_per_address; for tests and logs).
   uint64_t refused_clients() const;
   // Number of unauthenticated connections closed to respect the caps so far.
   uint64_t shed_connections() const;

@@ -5,6 +5,7 @@
 // store: threat model"): unauthenticated connections are capped overall and per
 // peer address (the oldest is closed to admit a new one), must authenticate within
 // auth_timeout, and are never given more than a HELLO's worth of buffer;
+// authenticated ones are capped per peer address (a HELLO over the cap is refused);
 // accept() running out of descriptors sheds an unauthenticated connection or
 // backs off instead of spinning; warnings are rate-limited per cause; the
 // store's keys and bytes are bounded by quotas.
@@ -147,6 +148,7 @@ struct TcpStoreServer::Impl {
   std::unordered_map<std::string, std::unordered_set<Session*>> waiting;  // key -> sessions waiting for it
   std::list<Session*> unauthenticated;                                    // oldest first
   std::unordered_map<std::string, size_t> unauthenticated_per_address;
+  std::unordered_map<std::string, size_t> authenticated_per_address;
   ThrottledLog log;
 
   void accept();        // waits for the listening socket to become readable
@@ -184,6 +186,7 @@ class Session : public std::enable_shared_from_this<Session> {
     closed_ = true;
     drop_pending();
     leave_unauthenticated();
+    leave_authenticated();
     boost::system::error_code ignored;
     deadline_.cancel();
     wait_timer_.cancel();
@@ -225,6 +228,13 @@ class Session : public std::enable_shared_from_this<Session> {
     auto it = server_.unauthenticated_per_address.find(address_);
     if (it != server_.unauthenticated_per_address.end() && --it->second == 0)
       server_.unauthenticated_per_address.erase(it);
+  }
+
+  void leave_authenticated() {
+    if (!authenticated_) return;
+    auto it = server_.authenticated_per_address.find(address_);
+    if (it != server_.authenticated_per_address.end() && --it->second == 0)
+      server_.authenticated_per_address.erase(it);
   }
 
   void arm_deadline(std::chrono::milliseconds after, const char* what, const char* cause) {
@@ -425,6 +435,14 @@ class Session : public std::enable_shared_from_this<Session> {
       return refuse(detail::concat("protocol version ", *version, " not supported, the server speaks version ",
                                    protocol::kVersion));
     if (!token_matches(server_.options.token, *token)) return refuse("wrong job token");
+    // Refusing the newest rather than closing an older one: every
+    // authenticated connection may be a rank of the job, waiting or idle.
+    size_t& from_address = server_.authenticated_per_address[address_];
+    if (from_address >= server_.options.max_authenticated_per_address)
+      return refuse(detail::concat(from_address, " authenticated connections from ", address_,
+                                   " are open, the limit is ", server_.options.max_authenticated_per_address,
+                                   " (max_authenticated_per_address)"));
+    ++from_address;
     authenticated_ = true;
     leave_unauthenticated();
     disarm_deadline();
@@ -713,6 +731,9 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
   PSGD_REQUIRE(options.max_unauthenticated >= 1 && options.max_unauthenticated_per_address >= 1,
                InvalidArgumentError, "store server max_unauthenticated (", options.max_unauthenticated,
                ") and max_unauthenticated_per_address (", options.max_unauthenticated_per_address,
+               ") must be >= 1");
+  PSGD_REQUIRE(options.max_authenticated_per_address >= 1, InvalidArgumentError,
+               "store server max_authenticated_per_address (", options.max_authenticated_per_address,
                ") must be >= 1");
   PSGD_REQUIRE(options.token.size() <= kMaxKeyBytes, InvalidArgumentError, "store job token is ",
                options.token.size(), " bytes, the limit is ", kMaxKeyBytes);
