@@ -268,3 +268,5 @@ TEST_CASE("inherited RANK: warned when it differs from the launcher's rank while
   REQUIRE(ompi.has_value());
   CHECK(has(*ompi, "differs from OMPI_COMM_WORLD_RANK=3"));
 }
+
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

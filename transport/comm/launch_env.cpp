@@ -172,7 +172,7 @@ void derive_from_slurm(const LaunchEnv& env, const Membership& m, Rendezvous& r,
 }
 
 // Open MPI: only one node is known from the environment alone.
-void derive_from_ompi(const LaunchEnv& env, const Membership& m, Rendezvous& r, std::string& addr_origin,
+void derive_from_ompi(const LaunchEnv& env, Rendezvous& r, std::string& addr_origin,
                       std::string& port_origin) {
   const auto& ns = env.ompi_jobid ? env.ompi_jobid : env.pmix_namespace;
   const char* ns_var = env.ompi_jobid ? "OMPI_MCA_ess_base_jobid" : "PMIX_NAMESPACE";
@@ -271,7 +271,7 @@ Rendezvous resolve_rendezvous(const LaunchEnv& env, const Membership& m) {
     if (r.launcher == "Slurm") {
       derive_from_slurm(env, m, r, addr_origin, port_origin);
     } else if (r.launcher == "Open MPI") {
-      derive_from_ompi(env, m, r, addr_origin, port_origin);
+      derive_from_ompi(env, r, addr_origin, port_origin);
     } else {
       const char* missing = !env.master_addr ? "MASTER_ADDR" : "MASTER_PORT";
       const char* expected = !env.master_addr ? "the address of the rendezvous store (rank 0's host)"
