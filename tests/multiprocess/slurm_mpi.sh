@@ -22,8 +22,8 @@ if [ "$mode" = slurm ]; then
   slurm_local=${1:?}
   shift
 fi
-run=${1:?}
-trainer=${2:?}
+run=$(realpath "${1:?}")
+trainer=$(realpath "${2:?}")
 data=/usr/share/datasets/fashion-mnist
 [ -f "$data/train-images-idx3-ubyte.gz" ] || { echo "skipped: needs $data (dataset-fashion-mnist)"; exit 77; }
 dir=$(mktemp -d /tmp/psgd-slurm-mpi-XXXXXX) || exit 1
@@ -104,7 +104,7 @@ for _ in $(seq 300); do
   [ -z "$(squeue -h -j "$job" 2>/dev/null)" ] && break
   sleep 0.5
 done
-[ -z "$(squeue -h -j "$job" 2>/dev/null)" ] && { scancel "$job"; fail "sbatch job $job still running after 150 s" "$dir/batch.out"; }
+[ -n "$(squeue -h -j "$job" 2>/dev/null)" ] && { scancel "$job"; fail "sbatch job $job still running after 150 s" "$dir/batch.out"; }
 for step in a b; do
   check_run "$dir/step-$step" "(Slurm); rendezvous localhost:[0-9]* (host: first host of SLURM_STEP_NODELIST=localhost; port: derived from SLURM_JOB_ID=$job and SLURM_STEP_ID="
 done

@@ -186,6 +186,12 @@ TEST_CASE("rendezvous: Slurm gives the host, the port and a run id") {
     CHECK(has(message, "rank and world size come from Slurm (SLURM_PROCID=0, SLURM_NTASKS=4)"));
     CHECK(has(message, "SLURM_STEP_ID unset"));
     CHECK(has(message, "srun -n 4 prog"));
+    e.master_addr = "node01";  // the others would never come, whatever MASTER_* say
+    e.master_port = "29500";
+    CHECK(has(error_of([&] { resolve_rendezvous(e, slurm_membership(0)); }), "SLURM_STEP_ID unset"));
+    // A batch script's single task (--ntasks=1) is a world of one.
+    e.slurm_ntasks = "1";
+    CHECK(error_of([&] { resolve_rendezvous(e, Membership{"SLURM_PROCID", "SLURM_NTASKS", 0, 1}); }).empty());
   }
   SUBCASE("no node list") {
     LaunchEnv e = slurm_task(1);

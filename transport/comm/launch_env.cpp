@@ -122,10 +122,6 @@ const char* const kExplicitFix = "export MASTER_ADDR=<rank 0's host> and MASTER_
 // Slurm: the step's first host, its reserved port or one from the job and step ids.
 void derive_from_slurm(const LaunchEnv& env, const Membership& m, Rendezvous& r, std::string& addr_origin,
                        std::string& port_origin) {
-  PSGD_REQUIRE(env.slurm_step_id.has_value(), InvalidArgumentError, "rank and world size come from Slurm (",
-               m.rank_var, "=", m.rank, ", ", m.world_var, "=", m.world_size,
-               ") but this process is not a task of a job step (SLURM_STEP_ID unset: e.g. the batch script itself): "
-               "start it with srun (srun -n ", m.world_size, " prog), or ", kExplicitFix);
   PSGD_REQUIRE(env.slurm_job_id.has_value(), InvalidArgumentError,
                "Slurm task without SLURM_JOB_ID: cannot derive the rendezvous; ", kExplicitFix);
   std::string host;
@@ -262,6 +258,13 @@ Rendezvous resolve_rendezvous(const LaunchEnv& env, const Membership& m) {
   std::string addr_origin = "MASTER_ADDR", port_origin = "MASTER_PORT";
   if (env.master_addr) r.addr = *env.master_addr;
   if (env.master_port) r.port = parse_port(*env.master_port, "MASTER_PORT");
+  // The batch script's own environment has SLURM_PROCID=0 and SLURM_NTASKS but
+  // no step: a program started there is alone, whatever MASTER_* say.
+  PSGD_REQUIRE(r.launcher != "Slurm" || m.world_size == 1 || env.slurm_step_id.has_value(), InvalidArgumentError,
+               "rank and world size come from Slurm (", m.rank_var, "=", m.rank, ", ", m.world_var, "=",
+               m.world_size, ") but this process is not a task of a job step (SLURM_STEP_ID unset: e.g. the batch "
+               "script itself, where no other task will join it): start it with srun (srun -n ", m.world_size,
+               " prog)");
   // A single process may omit both and hosts a private store on a free loopback port.
   if (m.world_size == 1 && !env.master_addr && !env.master_port) {
     r.origin = "a private store on a free loopback port (a world of one)";
