@@ -40,6 +40,8 @@ constexpr Variable kVariables[] = {
                          "SLURM_STEP_RESV_PORTS are unset, and the default run id."},
     {"SLURM_STEP_ID", "", "Slurm step id (set in tasks of srun steps only): see SLURM_JOB_ID."},
     {"SLURMD_NODENAME", "", "Slurm node this task runs on: rank 0 checks it is the first host of the node list."},
+    {"TORCHELASTIC_RUN_ID", "", "Set by torchrun: its RANK is its own, never warned about as inherited from a "
+                                "batch script."},
     // Library settings.
     {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
     {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},

@@ -265,6 +265,9 @@ TEST_CASE("inherited RANK: warned when it differs from the launcher's rank while
   LaunchEnv hosted = e;
   hosted.launcher_hosted = true;
   CHECK_FALSE(inherited_rank_warning(hosted, inherited));
+  LaunchEnv torchrun = e;
+  torchrun.torchrun = true;
+  CHECK_FALSE(inherited_rank_warning(torchrun, inherited));
   LaunchEnv batch = e;
   batch.slurm_step_id.reset();
   CHECK_FALSE(inherited_rank_warning(batch, inherited));

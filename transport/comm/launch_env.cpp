@@ -168,8 +168,7 @@ void derive_from_slurm(const LaunchEnv& env, const Membership& m, Rendezvous& r,
 }
 
 // Open MPI: only one node is known from the environment alone.
-void derive_from_ompi(const LaunchEnv& env, Rendezvous& r, std::string& addr_origin,
-                      std::string& port_origin) {
+void derive_from_ompi(const LaunchEnv& env, Rendezvous& r, std::string& addr_origin, std::string& port_origin) {
   const auto& ns = env.ompi_jobid ? env.ompi_jobid : env.pmix_namespace;
   const char* ns_var = env.ompi_jobid ? "OMPI_MCA_ess_base_jobid" : "PMIX_NAMESPACE";
   if (!env.master_addr) {
@@ -229,6 +228,7 @@ LaunchEnv LaunchEnv::from_environment() {
   e.master_port = env::get("MASTER_PORT");
   e.run_id = env::get("PSGD_RUN_ID");
   e.launcher_hosted = env::get("PSGD_STORE_HOSTED") == std::optional<std::string>("1");
+  e.torchrun = env::get("TORCHELASTIC_RUN_ID").has_value();
   e.slurm_procid = env::get("SLURM_PROCID");
   e.slurm_ntasks = env::get("SLURM_NTASKS");
   e.slurm_step_nodelist = env::get("SLURM_STEP_NODELIST");
@@ -310,11 +310,12 @@ Rendezvous resolve_rendezvous(const LaunchEnv& env, const Membership& m) {
 }
 
 std::optional<std::string> inherited_rank_warning(const LaunchEnv& env, const Membership& m) {
-  // powersgd-run (and torchrun) set RANK for processes they start themselves,
-  // possibly inside a Slurm allocation or step: only a task that is itself the
-  // launcher's (a step's task, an mpirun rank) and was not started by
-  // powersgd-run can have inherited a stale RANK.
-  if (m.rank_var != "RANK" || env.launcher_hosted) return std::nullopt;
+  // powersgd-run and torchrun set RANK for processes they start themselves,
+  // possibly inside a Slurm allocation or step (torchrun's ranks follow its own
+  // rendezvous, not SLURM_PROCID): only a task that is itself the launcher's (a
+  // step's task, an mpirun rank) and was started by neither can have
+  // inherited a stale RANK.
+  if (m.rank_var != "RANK" || env.launcher_hosted || env.torchrun) return std::nullopt;
   auto check = [&](const char* launcher, const char* rank_var, const std::optional<std::string>& rank,
                    const char* size_var, const std::optional<std::string>& size) -> std::optional<std::string> {
     if (!rank || !size || *size != std::to_string(m.world_size) || *rank == std::to_string(m.rank))

@@ -41,6 +41,7 @@ struct LaunchEnv {
   std::optional<std::string> master_addr, master_port;
   std::optional<std::string> run_id;                 // PSGD_RUN_ID
   bool launcher_hosted = false;                      // PSGD_STORE_HOSTED=1 (powersgd-run)
+  bool torchrun = false;                             // TORCHELASTIC_RUN_ID set (a torchrun worker)
   // Slurm (a task of an srun step has SLURM_STEP_ID).
   std::optional<std::string> slurm_procid, slurm_ntasks, slurm_step_nodelist, slurm_job_nodelist,
       slurm_step_resv_ports, slurm_job_id, slurm_step_id, slurmd_nodename;
