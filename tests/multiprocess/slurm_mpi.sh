@@ -34,6 +34,8 @@ cleanup() {
   rm -rf "$dir"
 }
 trap cleanup EXIT
+# Meson's timeout (SIGTERM) and ^C still tear down what this test brought up.
+trap 'exit 143' TERM INT HUP
 
 # 256 images, global batch 64 over 4 ranks: 4 steps, compressed from step 1.
 args=(--data "$data" --train-limit 256 --test-limit 64 --batch 64 --epochs 1 --rank 2 --start-iter 1 --hidden 32)
