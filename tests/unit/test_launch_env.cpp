@@ -74,7 +74,8 @@ TEST_CASE("hostlist: the forms Slurm writes") {
   CHECK(expand("node[08-11]") == Hosts{"node08", "node09", "node10", "node11"});
   CHECK(expand("n[098-101]") == Hosts{"n098", "n099", "n100", "n101"});
   CHECK(expand("n[8-10]") == Hosts{"n8", "n9", "n10"});
-  // Commas inside brackets (ranges and single numbers) and outside (items).
+  // Commas inside brackets (ranges and single numbers) and outside (items); a suffix
+  // after a bracket (Slurm 22.05 writes "gpu-a1x,gpu-a2x" instead, but accepting it costs nothing).
   CHECK(expand("node[01-04,07],gpu-a[1-2]x") ==
         Hosts{"node01", "node02", "node03", "node04", "node07", "gpu-a1x", "gpu-a2x"});
   CHECK(expand("c[1,3,5]") == Hosts{"c1", "c3", "c5"});

@@ -13,12 +13,14 @@
 
 namespace powersgd::transport {
 
-// A Slurm host list as Slurm writes it ("node[01-04,07],gpu-a[1-2]x",
-// "r[1-2]n[1-3]"), expanded in Slurm's order: items left to right, several
-// bracket groups in one name as nested loops (the last one fastest), each
-// bracket's ranges in order, a bound written with leading zeros padding every
-// number of its range to its width. Throws InvalidArgumentError naming `what`
-// (the variable), the value and the fault when the list is malformed or would
+// A Slurm host list as Slurm writes it ("node[01-04,07],gpu1", "r[1-2]n[1-3]"),
+// expanded in Slurm's order: items left to right, several bracket groups in
+// one name as nested loops (the last one fastest), each bracket's ranges in
+// order, a bound written with leading zeros padding every number of its range
+// to its width (checked against Slurm 22.05's `scontrol show hostnames`). Text
+// after the last bracket ("gpu-a[1-2]x"), which that Slurm neither writes nor
+// reads, is accepted too. Throws InvalidArgumentError naming `what` (the
+// variable), the value and the fault when the list is malformed or would
 // expand to more than `max_hosts` names.
 std::vector<std::string> expand_hostlist(std::string_view list, std::string_view what,
                                          size_t max_hosts = size_t{1} << 20);
