@@ -97,7 +97,9 @@ TEST_CASE("hostlist: malformed lists name the variable, the value and the fault"
   CHECK(has(error_of([] { expand("n[[1]]"); }), "nested '['"));
   std::string huge = error_of([] { expand_hostlist("n[1-100],m[1-100]", "SLURM_JOB_NODELIST", 150); });
   CHECK(has(huge, "SLURM_JOB_NODELIST='n[1-100],m[1-100]' names more than 150 hosts"));
-  CHECK(has(error_of([] { expand("n[0-99999999999]"); }), "names more than"));
+  CHECK(has(error_of([] { expand_hostlist("n[0-99999999999]", "SLURM_JOB_NODELIST", 1000); }),
+            "names more than 1000 hosts"));
+  CHECK(has(error_of([] { expand_hostlist("n[0-9,20-29]", "SLURM_JOB_NODELIST", 15); }), "names more than 15 hosts"));
 }
 
 TEST_CASE("ports: derived ports stay in the documented range; steps of one job never collide") {

@@ -30,8 +30,10 @@ std::optional<uint64_t> to_u64(std::string_view s) {
   return value;
 }
 
-// One bracket's contents ("01-04,07") as the numbers it names, padded.
-std::vector<std::string> expand_ranges(std::string_view ranges, std::string_view list, std::string_view what) {
+// One bracket's contents ("01-04,07") as the numbers it names, padded; stops
+// past `limit` numbers (the caller reports the overflow).
+std::vector<std::string> expand_ranges(std::string_view ranges, std::string_view list, std::string_view what,
+                                       size_t limit) {
   std::vector<std::string> out;
   size_t pos = 0;
   while (true) {
@@ -52,7 +54,7 @@ std::vector<std::string> expand_ranges(std::string_view ranges, std::string_view
       std::string digits = std::to_string(n);
       if (digits.size() < width) digits.insert(0, width - digits.size(), '0');
       out.push_back(std::move(digits));
-      if (n == *hi || out.size() > (size_t{1} << 20)) break;
+      if (n == *hi || out.size() > limit) break;
     }
     if (comma == std::string_view::npos) break;
     pos = comma + 1;
@@ -79,7 +81,7 @@ void expand_item(std::string_view item, std::string_view list, std::string_view 
     std::string_view inner = item.substr(open + 1, close - open - 1);
     PSGD_REQUIRE(inner.find('[') == std::string_view::npos, InvalidArgumentError, what, "='", list,
                  "' is not a Slurm host list: nested '['");
-    std::vector<std::string> numbers = expand_ranges(inner, list, what);
+    std::vector<std::string> numbers = expand_ranges(inner, list, what, max_hosts);
     PSGD_REQUIRE(names.size() * numbers.size() + out.size() <= max_hosts, InvalidArgumentError, what, "='", list,
                  "' names more than ", max_hosts, " hosts");
     std::vector<std::string> next;
