@@ -8,8 +8,9 @@
 #   scripts/slurm-local.sh down   stop what `up` started (its own daemons only)
 #   scripts/slurm-local.sh status exit 0 when this script's daemons run and the node is up
 #   scripts/slurm-local.sh env    print the `export SLURM_CONF=...` line the clients need
-# Needs root (the daemons run as root; munged as the munge user). Exit 3 when it
-# cannot install or start Slurm (the tests then skip), 1 on other failures.
+# Needs root (the daemons run as root; munged as the munge user). Exit 3 when
+# Slurm cannot be had here (not root, the packages cannot be installed, another
+# Slurm runs here: the tests then skip), 1 when a daemon fails to start.
 # Everything lives in $PSGD_SLURM_DIR (default /run/powersgd-slurm): config, logs,
 # state, pid files. The clients find the config through SLURM_CONF, so a
 # machine's own /etc/slurm is neither read nor changed; the script refuses to
@@ -82,17 +83,17 @@ EOF
 
 start_munge() {
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi
-  [ -f /etc/munge/munge.key ] || cannot "no /etc/munge/munge.key (the munge package creates it)"
+  [ -f /etc/munge/munge.key ] || fail "no /etc/munge/munge.key (the munge package creates it)"
   mkdir -p /run/munge && chown munge:munge /run/munge && chmod 0755 /run/munge
   # munged refuses to run as root with its log owned by munge: run it as munge.
-  runuser -u munge -- /usr/sbin/munged || cannot "munged did not start"
+  runuser -u munge -- /usr/sbin/munged || fail "munged did not start"
   cp /run/munge/munged.pid "$dir/munged.pid" 2>/dev/null
   local i
   for i in $(seq 50); do
     munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
     sleep 0.1
   done
-  cannot "munged does not answer (munge -n | unmunge)"
+  fail "munged does not answer (munge -n | unmunge)"
 }
 
 up() {
@@ -107,16 +108,16 @@ up() {
     down_daemons
     write_conf
     mkdir -p /run/slurm
-    /usr/sbin/slurmctld -i -f "$conf" || cannot "slurmctld did not start: $(tail -3 "$dir/slurmctld.log" 2>/dev/null)"
+    /usr/sbin/slurmctld -i -f "$conf" || fail "slurmctld did not start: $(tail -3 "$dir/slurmctld.log" 2>/dev/null)"
     # -N localhost: the node is named localhost whatever this machine's hostname.
-    /usr/sbin/slurmd -N localhost -f "$conf" || cannot "slurmd did not start: $(tail -3 "$dir/slurmd.log" 2>/dev/null)"
+    /usr/sbin/slurmd -N localhost -f "$conf" || fail "slurmd did not start: $(tail -3 "$dir/slurmd.log" 2>/dev/null)"
   fi
   local i
   for i in $(seq 100); do
     node_up && return 0
     sleep 0.1
   done
-  cannot "node localhost is not up after 10 s (state '$(node_state)'): $(tail -3 "$dir/slurmd.log" 2>/dev/null)"
+  fail "node localhost is not up after 10 s (state '$(node_state)'): $(tail -3 "$dir/slurmd.log" 2>/dev/null)"
 }
 
 node_state() { timeout 5 sinfo -h -n localhost -o %t 2>/dev/null; }
