@@ -51,7 +51,9 @@ struct PSGD_API CommOptions {
   size_t ring_threshold_bytes = size_t{8} << 20;
 
   // From RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (or OMPI_*, PMI_*, SLURM_*) and
-  // PSGD_* (docs/env.md). Throws InvalidArgumentError naming a bad variable.
+  // PSGD_* (docs/env.md); under srun and a one-node mpirun, an unset MASTER_ADDR
+  // or MASTER_PORT is derived (docs/launcher.md, "Slurm and MPI"). Throws
+  // InvalidArgumentError naming a bad variable, or the launcher and the fix.
   static CommOptions from_env();
 
   // A world of one: rank 0 of 1, hosting its own store on a free loopback port.

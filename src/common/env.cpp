@@ -15,16 +15,33 @@ constexpr Variable kVariables[] = {
     {"WORLD_SIZE", "", "Number of processes in the job."},
     {"LOCAL_RANK", "", "Rank among the processes on this host."},
     {"LOCAL_WORLD_SIZE", "", "Number of processes on this host."},
-    {"MASTER_ADDR", "", "Address of the rendezvous store (rank 0 hosts it when the launcher does not)."},
-    {"MASTER_PORT", "", "TCP port of the rendezvous store."},
+    {"MASTER_ADDR", "", "Address of the rendezvous store (rank 0 hosts it when the launcher does not). Unset "
+                        "under srun or a one-node mpirun: derived (docs/launcher.md, Slurm and MPI)."},
+    {"MASTER_PORT", "", "TCP port of the rendezvous store. Unset under srun or mpirun: derived (docs/launcher.md)."},
     {"OMPI_COMM_WORLD_RANK", "", "Open MPI's rank, used when RANK is unset."},
     {"OMPI_COMM_WORLD_SIZE", "", "Open MPI's world size, used when WORLD_SIZE is unset."},
     {"OMPI_COMM_WORLD_LOCAL_RANK", "", "Open MPI's local rank, used when LOCAL_RANK is unset."},
+    {"OMPI_COMM_WORLD_LOCAL_SIZE", "", "Open MPI's ranks on this node; equal to OMPI_COMM_WORLD_SIZE (one node): "
+                                       "the store is on 127.0.0.1 when MASTER_ADDR is unset."},
+    {"OMPI_MCA_ess_base_jobid", "", "Open MPI's job id: the store's port (20480-32767) when MASTER_PORT is unset."},
+    {"PMIX_NAMESPACE", "", "PMIx job namespace: the store's port when MASTER_PORT and OMPI_MCA_ess_base_jobid are "
+                           "unset."},
     {"PMI_RANK", "", "PMI (MPICH, Intel MPI) rank, used when RANK is unset."},
     {"PMI_SIZE", "", "PMI world size, used when WORLD_SIZE is unset."},
     {"SLURM_PROCID", "", "Slurm rank, used when RANK is unset."},
     {"SLURM_NTASKS", "", "Slurm world size, used when WORLD_SIZE is unset."},
     {"SLURM_LOCALID", "", "Slurm local rank, used when LOCAL_RANK is unset."},
+    {"SLURM_STEP_NODELIST", "", "Slurm step's hosts: the first is rank 0's, the store's host when MASTER_ADDR is "
+                                "unset."},
+    {"SLURM_JOB_NODELIST", "", "Slurm job's hosts, used when SLURM_STEP_NODELIST is unset."},
+    {"SLURM_STEP_RESV_PORTS", "", "Ports Slurm reserved for the step (srun --resv-ports): the first is the "
+                                  "store's when MASTER_PORT is unset."},
+    {"SLURM_JOB_ID", "", "Slurm job id: with SLURM_STEP_ID, the store's port (20480-32767) when MASTER_PORT and "
+                         "SLURM_STEP_RESV_PORTS are unset, and the default run id."},
+    {"SLURM_STEP_ID", "", "Slurm step id (set in tasks of srun steps only): see SLURM_JOB_ID."},
+    {"SLURMD_NODENAME", "", "Slurm node this task runs on: rank 0 checks it is the first host of the node list."},
+    {"TORCHELASTIC_RUN_ID", "", "Set by torchrun: its RANK is its own, never warned about as inherited from a "
+                                "batch script."},
     // Library settings.
     {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
     {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},

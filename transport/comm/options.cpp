@@ -8,6 +8,8 @@
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "comm/address.hpp"
+#include "comm/launch_env.hpp"
+#include "common/log.hpp"
 #include "powersgd/comm.hpp"
 
 namespace powersgd {
@@ -53,18 +55,16 @@ CommOptions CommOptions::from_env() {
   if (auto local = env::first_of({"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}))
     o.local_rank = parse_int(*local, 0, std::numeric_limits<int>::max(), ">= 0");
 
-  // Rendezvous store: MASTER_ADDR:MASTER_PORT. A single process may omit both
-  // and hosts a private store on a free loopback port.
-  auto master_addr = env::get("MASTER_ADDR");
-  auto master_port = env::first_of({"MASTER_PORT"});
-  if (o.world_size > 1 || master_addr || master_port) {
-    PSGD_REQUIRE(master_addr.has_value(), InvalidArgumentError,
-                 "MASTER_ADDR is not set: expected the address of the rendezvous store (rank 0's host)");
-    PSGD_REQUIRE(master_port.has_value(), InvalidArgumentError,
-                 "MASTER_PORT is not set: expected the TCP port of the rendezvous store (1 to 65535)");
-    o.store_addr = *master_addr;
-    o.store_port = static_cast<uint16_t>(parse_int(*master_port, 1, 65535, "1 to 65535"));
-  }
+  // Rendezvous store: MASTER_ADDR:MASTER_PORT, or derived from the launcher
+  // that gave the rank (Slurm, Open MPI on one node; comm/launch_env.hpp).
+  transport::Membership membership{rank->name, world->name, o.rank, o.world_size};
+  transport::LaunchEnv launch = transport::LaunchEnv::from_environment();
+  if (auto warning = transport::inherited_rank_warning(launch, membership)) PSGD_LOG(Warn, *warning);
+  transport::Rendezvous rendezvous = transport::resolve_rendezvous(launch, membership);
+  if (!rendezvous.addr.empty()) o.store_addr = rendezvous.addr;
+  o.store_port = rendezvous.port;
+  PSGD_LOG(Info, "rank ", o.rank, " of ", o.world_size, " from ", rank->name, " and ", world->name,
+           rendezvous.launcher.empty() ? "" : " (" + rendezvous.launcher + ")", "; rendezvous ", rendezvous.origin);
   // torchrun convention: rank 0 hosts the store unless the launcher already does.
   auto hosted = env::get("PSGD_STORE_HOSTED");
   PSGD_REQUIRE(!hosted || *hosted == "0" || *hosted == "1", InvalidArgumentError, "environment variable ",
@@ -73,6 +73,8 @@ CommOptions CommOptions::from_env() {
 
   o.token = env::get_or_default("PSGD_TOKEN");
   o.run_id = env::get_or_default("PSGD_RUN_ID");
+  // A job whose derived port another job's store holds must not join that job's group.
+  if (o.run_id.empty()) o.run_id = rendezvous.run_id;
 
   std::string transport = env::get_or_default("PSGD_TRANSPORT");
   if (transport == "tcp")
