@@ -10,7 +10,8 @@ packages=(build-essential meson ninja-build pkg-config python3 cmake
           libcli11-dev nlohmann-json3-dev zlib1g-dev
           iproute2 openssh-server openssh-client iperf3 procps
           clang libclang-rt-14-dev
-          dataset-fashion-mnist python3-torch python3-torchvision)
+          dataset-fashion-mnist python3-torch python3-torchvision
+          python3-venv python3-mesonpy)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
