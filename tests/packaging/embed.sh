@@ -9,7 +9,7 @@
 #               `pkg-config --variable=cxx_std powersgd` says c++20.
 #   cxx17       the same with -std=c++17 must fail, its first error being the headers' "need C++20".
 #   python      the installed Python package (PYTHONPATH = its site directory under the root) loads the
-#               installed library and reports its version; the site directory, without the root, is on
+#               installed library in libdir and reports its version; the site directory, without the root, is on
 #               /usr/bin/python3's sys.path when the prefix is /usr or /usr/local.
 #   subproject  a Meson project with powersgd as a subproject configures with neither the CUDA module nor
 #               the Python package nor tools, examples and tests (nothing asked for).
@@ -85,14 +85,16 @@ case $mode in
     site=$(dirname "$(dirname "$package")")
     installed_site=${site#"$work/root"}
     cd "$work"
-    PYTHONPATH=$site /usr/bin/python3 - "$site" <<'PY'
+    PYTHONPATH=$site /usr/bin/python3 - "$site" "$root/$libdir" <<'PY'
 import os, sys
 import powersgd
+import powersgd.torch  # noqa: F401
 from powersgd import _capi
-site = sys.argv[1]
+site, libdir = sys.argv[1:3]
 loaded = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libpowersgd" in line})
-if not powersgd.__file__.startswith(site + os.sep) or len(loaded) != 1 or not loaded[0].startswith(os.path.dirname(site)):
-    sys.exit("embed python: powersgd from %s loaded %s (expected both under %s)" % (powersgd.__file__, loaded, site))
+if not powersgd.__file__.startswith(site + os.sep) or len(loaded) != 1 or os.path.dirname(loaded[0]) != libdir:
+    sys.exit("embed python: powersgd from %s loaded %s (expected the package under %s, the library in %s)"
+             % (powersgd.__file__, loaded, site, libdir))
 if powersgd.__version__ != _capi.lib.psgd_version().decode():
     sys.exit("embed python: __version__ %s, psgd_version() %s" % (powersgd.__version__, _capi.lib.psgd_version()))
 print("embed python: powersgd %s from %s, library %s" % (powersgd.__version__, powersgd.__file__, loaded[0]))
