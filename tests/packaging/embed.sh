@@ -38,8 +38,9 @@ install_root() {  # installs the build under $work/root; sets prefix, root (= $w
   case $libdir in /*) libdir=${libdir#"$prefix"/} ;; esac
   root=$work/root$prefix
 }
-check_linked() {  # the program's libpowersgd is the one under the root
+check_linked() {  # the program's libpowersgd is the one under the root (a static build: linked in)
   local resolved
+  [ "$(option default_library)" != static ] || return 0
   resolved=$(ldd "$1" | awk '/libpowersgd/ {print $3}')
   case $resolved in "$work/root/"*) ;; *) fail "$1 resolves libpowersgd to '$resolved', not under $work/root" ;; esac
 }
@@ -59,9 +60,12 @@ case $mode in
     need pkg-config
     need g++
     install_root
-    export PKG_CONFIG_PATH=$root/$libdir/pkgconfig PKG_CONFIG_SYSROOT_DIR=$work/root
+    # The installed .pc names the prefix it was configured for; the root's copy of it is elsewhere.
+    export PKG_CONFIG_PATH=$root/$libdir/pkgconfig
     [ "$(pkg-config --variable=cxx_std powersgd)" = c++20 ] || fail "powersgd.pc: cxx_std is not c++20"
-    flags=$(pkg-config --cflags --libs powersgd)
+    pc_args=(--define-variable=prefix="$root")
+    [ "$(option default_library)" != static ] || pc_args+=(--static)  # libpowersgd.a: its dependencies too
+    flags=$(pkg-config "${pc_args[@]}" --cflags --libs powersgd)
     if [ "$mode" = pkg-config ]; then
       # shellcheck disable=SC2086
       g++ -std=c++20 -o "$work/consumer" "$here/cmake-consumer/main.cpp" $flags -Wl,-rpath,"$root/$libdir" ||
