@@ -8,6 +8,7 @@
 # Debian's python3 with python3-venv, python3-pip, python3-mesonpy and python3-torch.
 #   pip_venv.sh SOURCE_DIR BUILD_DIR
 # Exit 77 (skipped) without python3-venv, python3-pip, python3-mesonpy, python3-torch or dataset-fashion-mnist.
+# KEEP_WORK=1 keeps the work directory (BUILD_DIR/packaging-pip.*: the copy, its build, the venv, pip.log).
 set -euo pipefail
 source_dir=$(cd "$1" && pwd)
 build_dir=$(cd "$2" && pwd)
