@@ -11,7 +11,8 @@ packages=(build-essential meson ninja-build pkg-config python3 cmake
           iproute2 openssh-server openssh-client iperf3 procps
           slurmctld slurmd slurm-client munge openmpi-bin
           clang libclang-rt-14-dev
-          dataset-fashion-mnist python3-torch python3-torchvision)
+          dataset-fashion-mnist python3-torch python3-torchvision
+          python3-venv python3-mesonpy)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -5,6 +5,12 @@
 // offending value and what was expected.
 #pragma once
 
+// Every C++ header of the API includes this one: below C++20 it says so
+// before std::span and friends fail (from C or older C++: powersgd.h).
+#if !defined(__cplusplus) || __cplusplus <= 201703L
+#error "powersgd's C++ headers need C++20 (g++ -std=c++20; CMake: powersgd::powersgd sets it); from C or an older C++ use powersgd/powersgd.h"
+#endif
+
 #include <stdexcept>
 #include <string>
 

@@ -74,13 +74,24 @@ class Stats(ctypes.Structure):
 
 
 def _load():
-    path = _library.PATH
+    # Relative to this package (python/powersgd/_library.py.in): the same code serves the build tree, a
+    # `meson install` under any prefix or DESTDIR, and a wheel, with no PYTHONPATH or LD_LIBRARY_PATH.
+    path = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), _library.RELATIVE_PATH))
     if not os.path.exists(path):
         raise ImportError(
-            "powersgd: the C library %s does not exist (this package was configured for it); "
-            "build it (ninja -C BUILD) or install it (meson install -C BUILD)" % path
+            "powersgd: the C library %s does not exist (this package looks for it at %s, relative to its "
+            "directory); build it (ninja -C BUILD), install it (meson install -C BUILD) or reinstall the "
+            "package (pip install .)" % (path, _library.RELATIVE_PATH)
         )
     lib = ctypes.CDLL(path)
+    lib.psgd_version.restype = ctypes.c_char_p
+    lib.psgd_version.argtypes = []
+    version = lib.psgd_version().decode("ascii", "replace")
+    if version != _library.VERSION:
+        raise ImportError(
+            "powersgd: the C library %s is version %s, this package is %s: install both from one build"
+            % (path, version, _library.VERSION)
+        )
     handle = ctypes.c_void_p
     status = ctypes.c_int
     signatures = {
