@@ -10,7 +10,9 @@ namespace powersgd::engine {
 // Shared: every rank and a checkpoint must agree on the value (it is in the
 // fingerprint and in the checkpoint, in this order). PerRank: may differ between
 // ranks (which device a rank computes on) and is neither compared nor saved.
-enum class FieldScope { Shared, PerRank };
+// Agreed: every rank must agree (it is in the fingerprint), but it changes no
+// result and is not saved (a resumed run may change it).
+enum class FieldScope { Shared, PerRank, Agreed };
 
 // What validate() accepts: min <= value <= max (and finite, for floating-point
 // fields); `expected` is the phrase its error message ends with.
@@ -50,6 +52,7 @@ void for_each_config_field(ConfigT& config, F&& f) {
   f(FieldSpec{"adaptive_interval", Shared, 1, kNoLimit, ">= 1", 2}, config.adaptive_interval);
   f(FieldSpec{"adaptive_threshold", Shared, 0, kNoLimit, "a finite value >= 0", 2}, config.adaptive_threshold);
   f(FieldSpec{"alternating", Shared, 0, 1, "0 or 1", 2}, config.alternating);
+  f(FieldSpec{"divergence_check_interval", Agreed, 0, kNoLimit, ">= 0 (0: off)"}, config.divergence_check_interval);
 }
 
 }  // namespace powersgd::engine

@@ -1,6 +1,7 @@
 #include "engine/step_runner.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -249,6 +250,12 @@ void StepRunner::run(Reduction& job) {
     run_alternating(job);
   else
     run_compressed(job);
+  if (fault_at(fault_, FaultPoint::Output, job.iteration)) {
+    float first;
+    be_.copy_to_host(&first, job.data[0], 1);
+    first = std::bit_cast<float>(std::bit_cast<uint32_t>(first) ^ 1u);
+    be_.copy_from_host(job.data[0], &first, 1);
+  }
 }
 
 void StepRunner::throw_nonfinite(const Reduction& job, int bucket, const std::string& what) {

@@ -26,6 +26,9 @@ struct Reduction {
   int64_t iteration = 0;
   bool closes_step = false;  // the last reduction of its step
   bool compressed = false;   // iteration >= start_iter
+  // A call refused on the user thread (a local argument error): the reduction
+  // only announces the failure (order_guard.hpp), so every rank fails with it.
+  std::exception_ptr poisoned;
   // Filled by prepare, possibly ahead of time while the previous reduction communicates.
   bool prepared = false;
   std::exception_ptr prepare_error;
