@@ -521,11 +521,12 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims, &index) == PSGD_OK);
   CHECK(index == 0);
   std::vector<float> g = gradients(53, 0, 0);
+  CHECK(psgd_reducer_reduce(r, 3, g.data()) == PSGD_ERR_INVALID_ARGUMENT);  // a bad index does not count
   CHECK(psgd_reducer_reduce(r, 0, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(psgd_reducer_reduce(r, 3, g.data()) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_iteration(r) == 1);  // a null data counts as the bucket's failed reduction, as on other ranks
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
-  CHECK(psgd_reducer_iteration(r) == 2);
+  CHECK(psgd_reducer_iteration(r) == 3);
   g[4] = std::nanf("");
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_ERR_NONFINITE);
   CHECK(std::string(psgd_last_error()).find("NaN or Inf") != std::string::npos);
@@ -717,7 +718,19 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
   CHECK(std::string(psgd_last_error()).find("'out'") != std::string::npos);
   CHECK(psgd_reducer_reduce_async(nullptr, 0, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(h == nullptr);
-  CHECK(psgd_reducer_reduce_async(async, 0, nullptr, &h) == PSGD_ERR_INVALID_ARGUMENT);
+  {
+    // A null data counts as the bucket's (failed) reduction, as on other ranks (docs/errors.md): on a
+    // reducer of its own, so `async` and `sync` stay in step.
+    psgd_reducer* other = nullptr;
+    REQUIRE(psgd_reducer_create(comm, &c, &other) == PSGD_OK);
+    int index = -1;
+    REQUIRE(psgd_reducer_add_bucket(other, 2, ndims, dims, &index) == PSGD_OK);
+    CHECK(psgd_reducer_reduce_async(other, 0, nullptr, &h) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(psgd_last_error()).find("data is null") != std::string::npos);
+    CHECK(h == nullptr);
+    CHECK(psgd_reducer_iteration(other) == 1);
+    psgd_reducer_destroy(other);
+  }
   CHECK(psgd_reducer_reduce_async(async, 2, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("bucket index 2") != std::string::npos);
   CHECK(h == nullptr);
