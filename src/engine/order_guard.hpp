@@ -40,7 +40,7 @@ namespace powersgd::engine {
 inline constexpr int kMaxWorldSize = 4095;
 
 // 64-bit hash of `count` floats' bits, in index order (independent of the host's
-// vector width); four independent lanes, so it runs at memory speed.
+// vector width), at memory speed. Not cryptographic: it detects drift, not tampering.
 uint64_t hash_floats(const float* x, size_t count, uint64_t seed = 0);
 
 // Whether every rank's 64-bit `value` is the same, from sums of 16-bit chunks x
