@@ -200,9 +200,11 @@ uint64_t OrderGuard::first_collective_count(const Reduction& r) const {
   return count;
 }
 
-void OrderGuard::announce(const Reduction& r, uint64_t layout, bool loaded) {
+void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
   pending_.resize(buckets_.size());
-  std::vector<uint64_t> mine(kValueCount, 0);
+  std::vector<uint64_t>& mine = mine_;
+  mine.assign(kValueCount, 0);
+  loaded_ = loaded;
   if (!r.poisoned) {
     // What decides the sizes and the meaning of the data collectives (the state
     // check_state compared once, now before every reduction).
@@ -237,21 +239,37 @@ void OrderGuard::announce(const Reduction& r, uint64_t layout, bool loaded) {
     mine[CheckStep] = static_cast<uint64_t>(check_step + 1);
     mine[Loaded] = loaded ? 1 : 0;
   }
-  if (comm_.size() == 1) {  // nobody to disagree with
+  if (comm_.size() == 1) return;  // nobody to disagree with
+  Fnv all;
+  for (size_t v = 0; v < Loaded; ++v) all.add(mine[v]);
+  encode_agreement(all.value(), sums_);
+  sums_[2 * kChunks] = r.poisoned ? 1.0 : 0.0;  // ranks whose call failed locally
+  announced_ = comm_.allreduce_async(sums_, 2 * kChunks + 1, DataType::Float64);
+}
+
+void OrderGuard::finish(const Reduction& r) {
+  if (comm_.size() == 1) {
     if (r.poisoned) std::rethrow_exception(r.poisoned);
     return;
   }
   const auto start = Clock::now();
-  Fnv all;
-  for (size_t v = 0; v < Loaded; ++v) all.add(mine[v]);
-  double sums[2 * kChunks + 1];
-  encode_agreement(all.value(), sums);
-  sums[2 * kChunks] = r.poisoned ? 1.0 : 0.0;  // ranks whose call failed locally
-  comm_.allreduce(sums, 2 * kChunks + 1, DataType::Float64);
+  Work announced = std::move(announced_);
+  announced_ = Work();
+  announced.wait();
   stats_.guard_seconds += seconds_since(start);
-  if (sums[2 * kChunks] == 0.0 && all_agree(sums, comm_.size())) return;
-  raise(r, mine, loaded);
+  if (sums_[2 * kChunks] == 0.0 && all_agree(sums_, comm_.size())) return;
+  raise(r, mine_, loaded_);
 }
+
+void OrderGuard::settle() noexcept {
+  if (!announced_.valid()) return;
+  try {
+    announced_.wait();  // sums_ is the collective's buffer until it completed
+  } catch (...) {
+  }
+  announced_ = Work();
+}
+
 
 void OrderGuard::raise(const Reduction& r, const std::vector<uint64_t>& mine, bool loaded) {
   const auto start = Clock::now();

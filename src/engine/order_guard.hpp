@@ -66,16 +66,22 @@ class OrderGuard {
              const std::vector<std::unique_ptr<BucketState>>& buckets, const Arenas& arenas, Stats& stats)
       : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats) {}
 
-  // Collective (one Float64 allreduce of 2 * kChunks + 1 values), before the
-  // reduction's data collectives. Returns when every rank announced the same
-  // reduction and none failed; else throws on every rank, after one report
+  // Collective (one Float64 allreduce of 2 * kChunks + 1 values), in two
+  // halves around the reduction's local prepare, so the announce's latency
+  // hides behind it: begin() issues the announce (nothing of the reduction has
+  // run: prepare changes no lasting state); finish(), before the data
+  // collectives, waits for it and returns when every rank announced the same
+  // reduction and none failed; else it throws on every rank, after one report
   // gather: a local failure (reduction.poisoned) on its rank, the others an
   // error of its code naming the rank and the reason; a disagreement a
   // MismatchError naming the ranks and what differs. `layout` is the layout
   // fingerprint; `loaded` whether this rank loaded a checkpoint since its last
   // agreed reduction (the message then speaks of resumed state). A world of one
-  // announces nothing (a poisoned reduction rethrows its error).
-  void announce(const Reduction& reduction, uint64_t layout, bool loaded);
+  // announces nothing (finish rethrows a poisoned reduction's error).
+  void begin(const Reduction& reduction, uint64_t layout, bool loaded);
+  void finish(const Reduction& reduction);
+  // Waits for an announce begun and not finished (its buffer is this object's). For error paths.
+  void settle() noexcept;
 
   // After a reduction succeeded: hashes each bucket's output, P and Q when its
   // step is due (divergence_check_interval), for its next announce.
@@ -97,6 +103,11 @@ class OrderGuard {
   const Arenas& arenas_;
   Stats& stats_;
   std::vector<Pending> pending_;    // per bucket
+  // The announce in flight between begin and finish.
+  std::vector<uint64_t> mine_;
+  bool loaded_ = false;
+  double sums_[2 * kChunks + 1] = {};
+  Work announced_;
   std::vector<float> host_scratch_;  // device outputs staged for hashing
 };
 

@@ -382,11 +382,14 @@ class Reducer::Impl {
   void run(Reduction& reduction) {
     try {
       // layout_fingerprint_ is final since the first reduce (start()).
-      guard_->announce(reduction, layout_fingerprint_, loaded_on_worker_);
-      loaded_on_worker_ = false;
-      runner_->run(reduction);
+      guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_);
+      runner_->run(reduction, [&] {
+        guard_->finish(reduction);
+        loaded_on_worker_ = false;
+      });
       guard_->after_success(reduction);
     } catch (...) {
+      guard_->settle();
       if (reduction.closes_step) close_step(reduction);
       throw;
     }

@@ -234,7 +234,7 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
   be_.fill(unc + plan.packed_numel, std::isfinite(m2) && std::isfinite(u2) ? 0.0f : 1.0f, 1);
 }
 
-void StepRunner::run(Reduction& job) {
+void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
   if (!job.prepared) {
     try {
       prepare(job);
@@ -243,6 +243,7 @@ void StepRunner::run(Reduction& job) {
       job.prepared = true;
     }
   }
+  if (before_collectives) before_collectives();
   // A failed prepare still issues the step's collectives, poisoned (run_plain, check_flags).
   if (!job.compressed)
     run_plain(job);
