@@ -76,6 +76,9 @@ typedef struct psgd_config {
   int64_t adaptive_interval;         /* default 100 compressed steps per decision; >= 1 */
   double adaptive_threshold;         /* default 0.5; relative norm change at or above it -> rank_high */
   int alternating;                   /* default 0; 1 = one collective per step (alternating power-iteration halves) */
+  /* Appended in 0.2 as well (issue 18). Divergence detector (docs/engine.md): every N steps the ranks compare a hash of
+     each bucket's output; a difference is PSGD_ERR_MISMATCH on every rank. Default 100; 0 = off; >= 0. */
+  int64_t divergence_check_interval;
 } psgd_config;
 /* Writes the defaults into the first struct_size bytes of *config (zeros past the fields this library knows)
    and sets config->struct_size = struct_size. Pass sizeof(psgd_config) of the caller's compilation, as
@@ -96,7 +99,10 @@ PSGD_API psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* con
    in dims; they lie contiguously in that order. *bucket_index receives 0, 1, 2, ... Collective. */
 PSGD_API psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const int* ndims,
                                              const int64_t* dims, int* bucket_index);
-/* In place: this rank's gradients in, the world's averaged (compressed) gradients out. Collective. */
+/* In place: this rank's gradients in, the world's averaged (compressed) gradients out. Collective.
+   Unchecked: data must hold psgd_reducer_bucket_size floats; psgd_reducer_reduce_n checks the count. Every
+   reduction first checks that all ranks reduce the same bucket of the same step (else PSGD_ERR_MISMATCH on every
+   rank); an argument refused on one rank fails that reduction on every rank with its reason (docs/errors.md). */
 PSGD_API psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data);
 /* Elements (floats) of a bucket's flat buffer: the sum of its tensors' sizes. */
 PSGD_API psgd_status psgd_reducer_bucket_size(const psgd_reducer* r, int bucket_index, size_t* size);
@@ -164,6 +170,23 @@ PSGD_API psgd_status psgd_comm_init_beside_torch(psgd_comm** out);
 PSGD_API psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root);
 
 /* ==== end of issue 10 additions ==== */
+
+/* ==== Size-checked entry points (issue 18) ==== */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+/* As psgd_reducer_reduce, psgd_reducer_reduce_async and psgd_reducer_error_feedback, with the buffer's element
+   count: a count other than the bucket's size is PSGD_ERR_INVALID_ARGUMENT naming both (and, for the reduce
+   calls, fails that reduction on every rank). */
+PSGD_API psgd_status psgd_reducer_reduce_n(psgd_reducer* r, int bucket_index, float* data, size_t count);
+PSGD_API psgd_status psgd_reducer_reduce_async_n(psgd_reducer* r, int bucket_index, float* data, size_t count,
+                                                 psgd_reduce_handle** out);
+PSGD_API psgd_status psgd_reducer_error_feedback_n(const psgd_reducer* r, int bucket_index, float* out,
+                                                   size_t count);
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
+/* ==== end of issue 18 additions ==== */
 
 /* ==== A communicator for a torch.distributed subgroup (issue 18, section 4) ==== */
 

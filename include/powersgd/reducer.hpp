@@ -8,7 +8,8 @@
 //   int b = reducer.add_bucket({{64, 3, 7, 7}, {64}});
 //   reducer.reduce(b, gradients);   // in place: local gradients in, averaged out
 //
-// Threading: a Reducer is used from one user thread at a time. It owns one
+// Threading: a Reducer is used from one user thread at a time (a second
+// thread's call is refused with InvalidArgumentError). It owns one
 // worker thread that does all compute (through the compute backend) and issues
 // the collectives, in submission order, on the communicator. While a reduce is
 // in flight, do not issue other collectives on the same communicator.
@@ -57,6 +58,13 @@ struct PSGD_API Config {
   double adaptive_threshold = 0.5;          // finite, >= 0
   // One collective per step: alternate the power-iteration halves (docs/engine.md).
   bool alternating = false;
+  // Divergence detector (docs/engine.md, "Order guard and divergence detector"):
+  // after every step t with (t + 1) % divergence_check_interval == 0 each rank
+  // hashes each bucket's output and warm-start P and Q, and the bucket's next
+  // reduction compares the hashes: a difference is a MismatchError on every
+  // rank naming the ranks, the step and the bucket. >= 0; 0: off. Every rank
+  // must use the same value; not saved in checkpoints.
+  int64_t divergence_check_interval = 100;
 
   // Throws InvalidArgumentError naming the first invalid field and its value.
   void validate() const;
@@ -88,6 +96,11 @@ struct PSGD_API Stats {
   std::vector<int> current_rank;
   // Payload bytes this rank passed to collectives in the last completed step.
   uint64_t last_step_bytes = 0;
+  // Cumulative worker-thread seconds in the order guard's announce collective
+  // (one small allreduce before every reduction, waiting for the slowest rank
+  // included), and hashing outputs for the divergence detector.
+  double guard_seconds = 0.0;
+  double check_seconds = 0.0;
 };
 
 // Completion handle of reduce_async. wait() blocks until the reduction finished
@@ -110,7 +123,8 @@ class PSGD_API Reducer {
   // Validates config and creates the compute backend. Not collective. Destroy
   // the Reducer before `comm`: a communicator destroyed first waits for the
   // reductions in flight, then every later call on the Reducer throws
-  // InvalidArgumentError (docs/engine.md).
+  // InvalidArgumentError (docs/engine.md). A world of more than 4095 ranks is
+  // refused (InvalidArgumentError): the failure flags are exact below 4096.
   Reducer(Communicator& comm, const Config& config);
   // Waits for in-flight reductions (their errors are dropped), then stops the worker.
   ~Reducer();
@@ -140,14 +154,31 @@ class PSGD_API Reducer {
   // reduced in this step). A local failure on one rank (its compute before or
   // between the collectives) fails the reduction on every rank at once the same
   // way, with that rank's error code; the others' message names the rank and
-  // its reason (docs/errors.md). The first reduction after construction and
-  // after every load first checks that every rank resumed from the same state
-  // (step, warm start, configuration, layout): MismatchError on every rank
+  // its reason (docs/errors.md). Ranks resumed from different states (step,
+  // warm start) get a MismatchError on every rank at their next reduce,
   // naming the first differing rank, state unchanged, until a consistent load.
+  //
+  // Before its data collectives every reduction checks, in one small
+  // collective, that every rank reduces the same bucket of the same step from
+  // the same state (docs/engine.md, "Order guard and divergence detector"):
+  // otherwise MismatchError on every rank naming the ranks and what differs
+  // ("step 3: rank 1 reduces bucket 1 (32 floats) where rank 0 reduces bucket
+  // 0 (128 floats)"), nothing changed. A call refused on this rank (bad index,
+  // null data, wrong size, a bucket twice, reduce_all not at a step boundary)
+  // throws here and fails the matching reduction of every other rank with its
+  // reason (docs/errors.md). A call while another thread is inside a call of
+  // this Reducer is an InvalidArgumentError and submits nothing; reduce()
+  // counts as inside until it returns.
+  // Size-checked: the span's size must be bucket_size(bucket)
+  // (InvalidArgumentError naming both). The pointer forms are unchecked: `data`
+  // must hold bucket_size(bucket) floats.
+  void reduce(int bucket, std::span<float> data);
+  ReduceHandle reduce_async(int bucket, std::span<float> data);
   void reduce(int bucket, float* data);
   ReduceHandle reduce_async(int bucket, float* data);
   // One whole step: data[i] is bucket i. The collectives of all buckets are fused
   // (one for the uncompressed tensors, one for P, one for Q). Must start a step.
+  void reduce_all(std::span<const std::span<float>> data);  // size-checked
   void reduce_all(std::span<float* const> data);
 
   // Completed steps (waits for in-flight reductions).
@@ -156,6 +187,7 @@ class PSGD_API Reducer {
   // (bucket_size floats; zeros before compression starts or without error feedback).
   // whole_bucket: the bucket's elements; the zero padding's error is carried
   // internally (and checkpointed) but not returned.
+  void error_feedback(int bucket, std::span<float> out) const;  // size-checked, as reduce
   void error_feedback(int bucket, float* out) const;
   Stats stats() const;
   const Config& config() const;

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,7 @@ psgd_config library_defaults() {
   c.adaptive_interval = d.adaptive_interval;
   c.adaptive_threshold = d.adaptive_threshold;
   c.alternating = d.alternating ? 1 : 0;
+  c.divergence_check_interval = d.divergence_check_interval;
   return c;
 }
 
@@ -142,6 +144,7 @@ powersgd::Config to_config(const psgd_config& c) {
   config.adaptive_interval = c.adaptive_interval;
   config.adaptive_threshold = c.adaptive_threshold;
   config.alternating = as_bool(c.alternating, "alternating");
+  config.divergence_check_interval = c.divergence_check_interval;
   config.validate();
   return config;
 }
@@ -238,8 +241,7 @@ psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const i
 psgd_status psgd_reducer_reduce(psgd_reducer* r, int bucket_index, float* data) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(r);
-    PSGD_C_NOT_NULL(data);
-    r->reducer->reduce(bucket_index, data);
+    r->reducer->reduce(bucket_index, data);  // refuses a null data on every rank
   });
 }
 
@@ -403,8 +405,7 @@ psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* 
     PSGD_C_NOT_NULL(out);
     *out = nullptr;
     PSGD_C_NOT_NULL(r);
-    PSGD_C_NOT_NULL(data);
-    auto handle = std::make_unique<psgd_reduce_handle>();
+    auto handle = std::make_unique<psgd_reduce_handle>();  // the reducer refuses a null data on every rank
     handle->handle = r->reducer->reduce_async(bucket_index, data);
     *out = handle.release();
   });
@@ -483,3 +484,43 @@ psgd_status psgd_comm_init_group(int rank, int size, const char* group_id, psgd_
 }  // extern "C"
 
 // ==== end of issue 18 section 4 additions ====
+
+// ==== Size-checked entry points (issue 18) ====
+
+extern "C" {
+
+psgd_status psgd_reducer_reduce_n(psgd_reducer* r, int bucket_index, float* data, size_t count) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    // A null data goes to the reducer too: the refusal fails the reduction on every rank (a span may not be null).
+    if (data == nullptr)
+      r->reducer->reduce(bucket_index, data);
+    else
+      r->reducer->reduce(bucket_index, std::span<float>(data, count));
+  });
+}
+
+psgd_status psgd_reducer_reduce_async_n(psgd_reducer* r, int bucket_index, float* data, size_t count,
+                                        psgd_reduce_handle** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    PSGD_C_NOT_NULL(r);
+    auto handle = std::make_unique<psgd_reduce_handle>();
+    handle->handle = data == nullptr ? r->reducer->reduce_async(bucket_index, data)
+                                     : r->reducer->reduce_async(bucket_index, std::span<float>(data, count));
+    *out = handle.release();
+  });
+}
+
+psgd_status psgd_reducer_error_feedback_n(const psgd_reducer* r, int bucket_index, float* out, size_t count) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(out);
+    r->reducer->error_feedback(bucket_index, std::span<float>(out, count));
+  });
+}
+
+}  // extern "C"
+
+// ==== end of issue 18 additions ====

@@ -10,7 +10,9 @@ namespace powersgd::engine {
 // Shared: every rank and a checkpoint must agree on the value (it is in the
 // fingerprint and in the checkpoint, in this order). PerRank: may differ between
 // ranks (which device a rank computes on) and is neither compared nor saved.
-enum class FieldScope { Shared, PerRank };
+// Agreed: every rank must agree (it is in the fingerprint), but it changes no
+// result and is not saved (a resumed run may change it).
+enum class FieldScope { Shared, PerRank, Agreed };
 
 // When a configuration uses a Shared field. A field it does not use (the
 // adaptive ones without adaptive, `rank` with it, min_compression_rate and
@@ -71,6 +73,7 @@ void for_each_config_field(ConfigT& config, F&& f) {
   f(FieldSpec{"adaptive_threshold", Shared, 0, kNoLimit, "a finite value >= 0", 2, WithAdaptive},
     config.adaptive_threshold);
   f(FieldSpec{"alternating", Shared, 0, 1, "0 or 1", 2}, config.alternating);
+  f(FieldSpec{"divergence_check_interval", Agreed, 0, kNoLimit, ">= 0 (0: off)"}, config.divergence_check_interval);
 }
 
 }  // namespace powersgd::engine

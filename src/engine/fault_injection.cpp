@@ -24,8 +24,12 @@ std::optional<Fault> take_armed_fault() {
   return fault;
 }
 
+bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
+  return fault && fault->point == point && fault->step == step;
+}
+
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
-  if (fault && fault->point == point && fault->step == step)
+  if (fault_at(fault, point, step))
     PSGD_THROW(IoError, "injected fault (engine::arm_fault, test only) in ",
                point == FaultPoint::Prepare ? "prepare" : "the compute between the P and Q collectives", " of step ",
                step);

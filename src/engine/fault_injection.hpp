@@ -14,17 +14,22 @@ namespace powersgd::engine {
 enum class FaultPoint {
   Prepare,  // local compute before the step's first collective
   Between,  // local compute between the P and the Q collectives (compressed steps)
+  Output,   // not a failure: flips the lowest bit of the first output element of the
+            // step's first bucket on this rank (a replica that drifted; the divergence detector's test)
 };
 
 struct Fault {
   FaultPoint point = FaultPoint::Prepare;
-  int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError
+  int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError (Output: is perturbed)
 };
 
 // Arms `fault` for the next Reducer this process constructs. Thread-safe.
 void arm_fault(const Fault& fault);
 // The armed fault, if any, disarming it (the Reducer's constructor calls this).
 std::optional<Fault> take_armed_fault();
+
+// Whether `fault` is at `point` of `step`.
+bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step);
 
 // Throws IoError("injected fault ...") when `fault` is at `point` of `step`.
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step);

@@ -7,7 +7,7 @@ namespace powersgd::engine {
 uint64_t config_fingerprint(const Config& config) {
   Fnv h;
   for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
-    if (spec.scope == FieldScope::Shared && field_in_use(spec, config)) h.add(value);
+    if (spec.scope != FieldScope::PerRank && field_in_use(spec, config)) h.add(value);
   });
   return h.value();
 }

@@ -1,5 +1,5 @@
 // Fingerprints ranks compare (Communicator::check_same) and a checkpoint records:
-// FNV-1a over the Shared config fields (config_fields.hpp) and over the
+// FNV-1a over the Shared and Agreed config fields (config_fields.hpp) and over the
 // declared bucket layout. Not cryptographic.
 #pragma once
 

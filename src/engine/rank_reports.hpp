@@ -21,7 +21,7 @@
 namespace powersgd::engine {
 
 struct RankReport {
-  static constexpr size_t kValues = 8;
+  static constexpr size_t kValues = 12;
   static constexpr size_t kReasonBytes = 240;
   int32_t code = 0;  // 0: this rank's part succeeded; else the ErrorCode of its local failure
   int32_t padding = 0;

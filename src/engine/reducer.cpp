@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <mutex>
 #include <optional>
 
 #include "common/check.hpp"
@@ -21,6 +22,7 @@
 #include "engine/fault_injection.hpp"
 #include "engine/fingerprint.hpp"
 #include "engine/job_checkpoint.hpp"
+#include "engine/order_guard.hpp"
 #include "engine/plan.hpp"
 #include "engine/rank_reports.hpp"
 #include "engine/step_runner.hpp"
@@ -45,12 +47,16 @@ class Reducer::Impl final : public detail::CommUser {
  public:
   Impl(Communicator& comm, const Config& config) : comm_(comm), config_(config) {
     config_.validate();
+    // The finite flags (kFailedFlag) and the order guard's sums are exact below 4096 ranks.
+    PSGD_REQUIRE(comm_.size() <= engine::kMaxWorldSize, InvalidArgumentError, "a world of ", comm_.size(),
+                 " ranks: the reducer supports at most ", engine::kMaxWorldSize, " ranks");
     std::optional<engine::Fault> fault = engine::take_armed_fault();
     call([this, fault] {
       backend_ = compute::make_backend(
           config_.device == Device::Cpu ? compute::DeviceKind::Cpu : compute::DeviceKind::Cuda, config_.device_index);
       runner_ = std::make_unique<engine::StepRunner>(config_, comm_, *backend_, buckets_, arenas_, stats_,
                                                      [this] { return next_reduction(); }, fault);
+      guard_ = std::make_unique<engine::OrderGuard>(config_, comm_, *backend_, buckets_, arenas_, stats_);
     });
     detail::attach_comm_user(&comm_, this);
   }
@@ -77,6 +83,7 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   int add_bucket(std::span<const Shape> shapes) {
+    const OneCaller one(user_mutex_, "add_bucket");
     require_comm();
     const int index = num_buckets();
     // A rank that refuses the bucket still takes part in the layout check (a
@@ -100,9 +107,8 @@ class Reducer::Impl final : public detail::CommUser {
                                   : engine::report_values({engine::reducer_fingerprint(layout, config_)}));
     engine::throw_if_any_failed(reports, refused, detail::concat("add_bucket of bucket ", index));
     for (size_t r = 1; r < reports.size(); ++r)
-      PSGD_REQUIRE(reports[r].values[0] == reports[0].values[0], MismatchError, "layout of buckets 0..", index,
-                   " and reducer configuration differs between ranks: rank ", r, " has fingerprint ", std::hex,
-                   reports[r].values[0], ", rank 0 has ", reports[0].values[0]);
+      if (reports[r].values[0] != reports[0].values[0])
+        engine::raise_layout_mismatch(comm_, config_, index, shapes, reports);  // every rank takes this branch
     layout_fingerprint_ = layout;
     auto bucket = std::make_unique<BucketState>();
     bucket->level = levels.size() - 1;
@@ -126,28 +132,47 @@ class Reducer::Impl final : public detail::CommUser {
     return rank;
   }
 
-  std::shared_ptr<Completion> reduce_async(int b, float* data) {
-    checked(b);
-    PSGD_REQUIRE(data != nullptr, InvalidArgumentError, "reduce of bucket ", b, ": data is null");
-    start();
-    auto reduction = std::make_shared<Reduction>();
-    reduction->buckets = {b};
-    reduction->data = {data};
-    steps_.record(*reduction, config_.start_iter, false);
-    return worker_.submit(WorkerTask{std::move(reduction), nullptr});
+  // count: the buffer's elements, or kUnchecked (the pointer-only overloads).
+  static constexpr size_t kUnchecked = static_cast<size_t>(-1);
+
+  void reduce(int b, float* data, size_t count) {
+    const OneCaller one(user_mutex_, "reduce");  // held until the reduction is done
+    submit(b, data, count)->wait();
   }
 
-  void reduce_all(std::span<float* const> data) {
+  std::shared_ptr<Completion> reduce_async(int b, float* data, size_t count) {
+    const OneCaller one(user_mutex_, "reduce_async");
+    return submit(b, data, count);
+  }
+
+  // counts: each buffer's elements, or empty (unchecked).
+  void reduce_all(std::span<float* const> data, std::span<const size_t> counts) {
+    const OneCaller one(user_mutex_, "reduce_all");
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "reduce_all before any add_bucket");
-    PSGD_REQUIRE(data.size() == buckets_.size(), InvalidArgumentError, "reduce_all got ", data.size(),
-                 " buffers: expected one per bucket, ", buckets_.size());
-    for (size_t i = 0; i < data.size(); ++i)
-      PSGD_REQUIRE(data[i] != nullptr, InvalidArgumentError, "reduce_all: data[", i, "] is null");
-    start();
     auto reduction = std::make_shared<Reduction>();
     for (int b = 0; b < num_buckets(); ++b) reduction->buckets.push_back(b);
+    try {
+      PSGD_REQUIRE(data.size() == buckets_.size(), InvalidArgumentError, "reduce_all got ", data.size(),
+                   " buffers: expected one per bucket, ", buckets_.size());
+      for (size_t i = 0; i < data.size(); ++i) {
+        PSGD_REQUIRE(data[i] != nullptr, InvalidArgumentError, "reduce_all: data[", i, "] is null");
+        if (!counts.empty())
+          PSGD_REQUIRE(counts[i] == bucket_size(static_cast<int>(i)), InvalidArgumentError, "reduce_all: data[", i,
+                       "] has ", counts[i], " elements, bucket ", i, " has ", bucket_size(static_cast<int>(i)));
+      }
+    } catch (...) {
+      // At a step boundary the refused step counts as done, as on the other ranks.
+      poison(std::move(reduction), std::current_exception(), steps_.at_boundary(), true);
+      throw;
+    }
+    start();
     reduction->data.assign(data.begin(), data.end());
-    steps_.record(*reduction, config_.start_iter, true);
+    try {
+      steps_.record(*reduction, config_.start_iter, true);
+    } catch (...) {
+      poison(std::move(reduction), std::current_exception(), false, true);
+      throw;
+    }
     worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
   }
 
@@ -157,9 +182,12 @@ class Reducer::Impl final : public detail::CommUser {
     return result;
   }
 
-  void error_feedback(int b, float* out) {
+  void error_feedback(int b, float* out, size_t count) {
     const BucketState& s = checked(b);
     PSGD_REQUIRE(out != nullptr, InvalidArgumentError, "error_feedback of bucket ", b, ": out is null");
+    PSGD_REQUIRE(count == kUnchecked || count == static_cast<size_t>(s.plan.numel), InvalidArgumentError,
+                 "error_feedback of bucket ", b, ": the buffer has ", count, " elements, the bucket has ",
+                 s.plan.numel);
     call([&] {
       if (s.nerr.empty()) {
         std::fill(out, out + s.plan.numel, 0.0f);
@@ -203,6 +231,7 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   void save(const std::string& path) {
+    const OneCaller one(user_mutex_, "save");
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save before any add_bucket: nothing to checkpoint");
     steps_.require_boundary("save");
     start();
@@ -210,6 +239,7 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   void load(const std::string& path) {
+    const OneCaller one(user_mutex_, "load");
     require_comm();
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load before any add_bucket: declare the buckets first");
     steps_.require_boundary("load");
@@ -229,6 +259,7 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   void save_job(const std::string& path) {
+    const OneCaller one(user_mutex_, "save_job");
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save_job before any add_bucket: nothing to checkpoint");
     steps_.require_boundary("save_job");
     start();
@@ -260,6 +291,7 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   void load_job(const std::string& path) {
+    const OneCaller one(user_mutex_, "load_job");
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load_job before any add_bucket: declare the buckets first");
     steps_.require_boundary("load_job");
     engine::CheckpointContents contents;
@@ -297,6 +329,64 @@ class Reducer::Impl final : public detail::CommUser {
     return expected;
   }
 
+  // One user-facing call at a time: a second thread's call is refused before
+  // it submits anything (its reduction would race the first one's order).
+  class OneCaller {
+   public:
+    OneCaller(std::mutex& mutex, const char* what) : lock_(mutex, std::try_to_lock) {
+      PSGD_REQUIRE(lock_.owns_lock(), InvalidArgumentError, what,
+                   " while another thread is inside a call of this Reducer: use a Reducer from one thread at a time "
+                   "(ReduceHandle::wait may run on any thread); nothing was submitted");
+    }
+
+   private:
+    std::unique_lock<std::mutex> lock_;
+  };
+
+  // One bucket's reduction. A refused call (a bad index, null data, a wrong
+  // size, a bucket reduced twice) throws here and submits a poisoned reduction,
+  // so every other rank fails with this rank's reason instead of waiting or
+  // pairing its reduction with this rank's next one.
+  std::shared_ptr<Completion> submit(int b, float* data, size_t count) {
+    auto reduction = std::make_shared<Reduction>();
+    reduction->buckets = {b};
+    const bool valid = b >= 0 && b < num_buckets();
+    try {
+      checked(b);
+      PSGD_REQUIRE(data != nullptr, InvalidArgumentError, "reduce of bucket ", b, ": data is null");
+      PSGD_REQUIRE(count == kUnchecked || count == bucket_size(b), InvalidArgumentError, "reduce of bucket ", b,
+                   ": the buffer has ", count, " elements, the bucket has ", bucket_size(b));
+    } catch (...) {
+      // A valid bucket not yet reduced in this step counts as reduced, as on the other ranks.
+      poison(std::move(reduction), std::current_exception(), valid && !steps_.reduced(b), false);
+      throw;
+    }
+    start();
+    reduction->data = {data};
+    try {
+      steps_.record(*reduction, config_.start_iter, false);
+    } catch (...) {
+      poison(std::move(reduction), std::current_exception(), false, false);
+      throw;
+    }
+    return worker_.submit(WorkerTask{std::move(reduction), nullptr});
+  }
+
+  // Submits `reduction` carrying `error` (order_guard.hpp); `record`: it counts
+  // in the step bookkeeping. Nothing to poison before any bucket (no rank can reduce then).
+  void poison(std::shared_ptr<Reduction> reduction, std::exception_ptr error, bool record, bool whole_step) {
+    if (buckets_.empty()) return;
+    start();
+    reduction->poisoned = error;
+    reduction->prepared = true;  // the runner's lookahead leaves it alone
+    reduction->data.clear();
+    if (record)
+      steps_.record(*reduction, config_.start_iter, whole_step);
+    else
+      reduction->iteration = steps_.submitted_steps();
+    worker_.submit(WorkerTask{std::move(reduction), nullptr});  // its error is this call's, thrown by the caller
+  }
+
   const BucketState& checked(int b) const {
     PSGD_REQUIRE(b >= 0 && b < num_buckets(), InvalidArgumentError, "bucket index ", b, ": expected 0 to ",
                  num_buckets() - 1);
@@ -314,12 +404,15 @@ class Reducer::Impl final : public detail::CommUser {
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
   void run(Reduction& reduction) {
     try {
-      if (state_check_pending_) {
-        check_state(reduction);
-        state_check_pending_ = false;
-      }
-      runner_->run(reduction);
+      // layout_fingerprint_ is final since the first reduce (start()).
+      guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_);
+      runner_->run(reduction, [&] {
+        guard_->finish(reduction);
+        loaded_on_worker_ = false;
+      });
+      guard_->after_success(reduction);
     } catch (...) {
+      guard_->settle();
       if (reduction.closes_step) close_step(reduction);
       throw;
     }
@@ -331,55 +424,6 @@ class Reducer::Impl final : public detail::CommUser {
     completed_steps_ = reduction.iteration + 1;
     stats_.last_step_bytes = stats_.bytes_sent - bytes_before_step_;
     bytes_before_step_ = stats_.bytes_sent;
-  }
-
-  // Worker thread, collective (one fixed-size gather): the state that decides
-  // the sizes and the meaning of the collectives (the step, hence compressed or
-  // not; configuration and layout; the warm-start state; the reduction's
-  // buckets) is the same on every rank. Runs before the first reduction after
-  // construction and after every load, before that reduction's data
-  // collectives: ranks resumed from checkpoints of different steps would
-  // otherwise pass Gloo collectives of different sizes. Throws MismatchError on
-  // every rank, naming the first rank that differs from rank 0 and what
-  // differs; the check then stays pending (every later reduction fails the
-  // same way) until a load.
-  void check_state(const Reduction& reduction) {
-    engine::Fnv warm, reduced;
-    uint64_t warm_buckets = 0;
-    for (const auto& s : buckets_) {
-      warm_buckets += s->q_initialized ? 1 : 0;
-      warm.add(s->q_initialized);
-      warm.add(s->draws);
-      // Adaptive level and alternating half decide the sizes of the collectives too.
-      warm.add(s->current_rank);
-      warm.add(s->compressed_steps);
-    }
-    for (int b : reduction.buckets) reduced.add(b);
-    enum Field : size_t { Step, Config, Layout, WarmBuckets, Warm, Reduced, Fields };
-    const auto reports = engine::gather_reports(
-        comm_, engine::report_values({static_cast<uint64_t>(reduction.iteration), engine::config_fingerprint(config_),
-                                      layout_fingerprint_, warm_buckets, warm.value(), reduced.value()}));
-    for (size_t r = 1; r < reports.size(); ++r) {
-      const auto& mine = reports[r].values;
-      const auto& root = reports[0].values;
-      if (std::equal(mine.begin(), mine.begin() + Fields, root.begin())) continue;
-      auto step = [&](uint64_t v) {
-        const auto iteration = static_cast<int64_t>(v);
-        return detail::concat(iteration, iteration >= config_.start_iter ? " (compressed)" : " (uncompressed)");
-      };
-      std::string what;
-      auto add = [&](const std::string& text) { what += (what.empty() ? "" : "; ") + text; };
-      if (mine[Step] != root[Step]) add(detail::concat("step ", step(mine[Step]), " against ", step(root[Step])));
-      if (mine[Config] != root[Config]) add("configuration");
-      if (mine[Layout] != root[Layout]) add("bucket layout");
-      if (mine[WarmBuckets] != root[WarmBuckets] || mine[Warm] != root[Warm])
-        add(detail::concat("warm-start state (a warm-start Q in ", mine[WarmBuckets], " of ", buckets_.size(),
-                           " buckets against ", root[WarmBuckets], ", or other generator draws)"));
-      if (mine[Reduced] != root[Reduced]) add("the buckets of the first reduction (reduce them in the same order)");
-      PSGD_THROW(MismatchError, "ranks resumed from inconsistent state: rank ", r, " differs from rank 0 in ", what,
-                 ". Nothing was reduced or changed; load checkpoints of one step on every rank (load is due on "
-                 "every rank before the next reduce), then reduce again");
-    }
   }
 
   // Worker thread: this rank's state, for the checkpoint.
@@ -433,7 +477,7 @@ class Reducer::Impl final : public detail::CommUser {
       s.last_m2 = s.last_e2 = std::nan("");
     }
     completed_steps_ = c.iteration;
-    state_check_pending_ = true;
+    loaded_on_worker_ = true;
     stats_.numel_before = c.numel_before;
     stats_.numel_after = c.numel_after;
     stats_.bytes_sent = c.bytes_sent;
@@ -451,13 +495,15 @@ class Reducer::Impl final : public detail::CommUser {
   uint64_t layout_fingerprint_ = 0;
   bool started_ = false;
   engine::StepTracker steps_;
+  std::mutex user_mutex_;  // OneCaller
 
   // Buckets: declared on the user thread before the first reduce; their device
   // state is the worker's from then on (read by the user thread through worker_.call).
   std::vector<std::unique_ptr<BucketState>> buckets_;
   engine::Arenas arenas_;
   int64_t completed_steps_ = 0;
-  bool state_check_pending_ = true;  // check_state before the next reduction
+  bool loaded_on_worker_ = false;  // a load since the last agreed announce (its message speaks of resumed state)
+  std::unique_ptr<engine::OrderGuard> guard_;
   Stats stats_;
   uint64_t bytes_before_step_ = 0;  // stats_.bytes_sent when the step being run began
   std::unique_ptr<engine::StepRunner> runner_;
@@ -491,11 +537,29 @@ int Reducer::num_buckets() const { return impl_->num_buckets(); }
 size_t Reducer::bucket_size(int bucket) const { return impl_->bucket_size(bucket); }
 std::span<const Shape> Reducer::bucket_shapes(int bucket) const { return impl_->bucket_shapes(bucket); }
 int Reducer::bucket_rank(int bucket) const { return impl_->bucket_rank(bucket); }
-void Reducer::reduce(int bucket, float* data) { impl_->reduce_async(bucket, data)->wait(); }
-ReduceHandle Reducer::reduce_async(int bucket, float* data) { return ReduceHandle(impl_->reduce_async(bucket, data)); }
-void Reducer::reduce_all(std::span<float* const> data) { impl_->reduce_all(data); }
+void Reducer::reduce(int bucket, float* data) { impl_->reduce(bucket, data, Impl::kUnchecked); }
+void Reducer::reduce(int bucket, std::span<float> data) { impl_->reduce(bucket, data.data(), data.size()); }
+ReduceHandle Reducer::reduce_async(int bucket, float* data) {
+  return ReduceHandle(impl_->reduce_async(bucket, data, Impl::kUnchecked));
+}
+ReduceHandle Reducer::reduce_async(int bucket, std::span<float> data) {
+  return ReduceHandle(impl_->reduce_async(bucket, data.data(), data.size()));
+}
+void Reducer::reduce_all(std::span<float* const> data) { impl_->reduce_all(data, {}); }
+void Reducer::reduce_all(std::span<const std::span<float>> data) {
+  std::vector<float*> pointers;
+  std::vector<size_t> counts;
+  for (const auto& d : data) {
+    pointers.push_back(d.data());
+    counts.push_back(d.size());
+  }
+  impl_->reduce_all(pointers, counts);
+}
 int64_t Reducer::iteration() const { return impl_->iteration(); }
-void Reducer::error_feedback(int bucket, float* out) const { impl_->error_feedback(bucket, out); }
+void Reducer::error_feedback(int bucket, float* out) const { impl_->error_feedback(bucket, out, Impl::kUnchecked); }
+void Reducer::error_feedback(int bucket, std::span<float> out) const {
+  impl_->error_feedback(bucket, out.data(), out.size());
+}
 Stats Reducer::stats() const { return impl_->stats(); }
 const Config& Reducer::config() const { return impl_->config(); }
 uint64_t Reducer::fingerprint() const { return impl_->fingerprint(); }

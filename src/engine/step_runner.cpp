@@ -1,6 +1,7 @@
 #include "engine/step_runner.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -233,7 +234,7 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
   be_.fill(unc + plan.packed_numel, std::isfinite(m2) && std::isfinite(u2) ? 0.0f : 1.0f, 1);
 }
 
-void StepRunner::run(Reduction& job) {
+void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
   if (!job.prepared) {
     try {
       prepare(job);
@@ -242,6 +243,7 @@ void StepRunner::run(Reduction& job) {
       job.prepared = true;
     }
   }
+  if (before_collectives) before_collectives();
   // A failed prepare still issues the step's collectives, poisoned (run_plain, check_flags).
   if (!job.compressed)
     run_plain(job);
@@ -249,6 +251,12 @@ void StepRunner::run(Reduction& job) {
     run_alternating(job);
   else
     run_compressed(job);
+  if (fault_at(fault_, FaultPoint::Output, job.iteration)) {
+    float first;
+    be_.copy_to_host(&first, job.data[0], 1);
+    first = std::bit_cast<float>(std::bit_cast<uint32_t>(first) ^ 1u);
+    be_.copy_from_host(job.data[0], &first, 1);
+  }
 }
 
 void StepRunner::throw_nonfinite(const Reduction& job, int bucket, const std::string& what) {

@@ -26,6 +26,9 @@ struct Reduction {
   int64_t iteration = 0;
   bool closes_step = false;  // the last reduction of its step
   bool compressed = false;   // iteration >= start_iter
+  // A call refused on the user thread (a local argument error): the reduction
+  // only announces the failure (order_guard.hpp), so every rank fails with it.
+  std::exception_ptr poisoned;
   // Filled by prepare, possibly ahead of time while the previous reduction communicates.
   bool prepared = false;
   std::exception_ptr prepare_error;
@@ -60,7 +63,10 @@ class StepRunner {
   // rank, before any state changes: the failing rank still issues the step's
   // collectives, poisoned (kFailedFlag in the finite flag, NaN in Q), and then
   // every rank takes part in one fixed-size gather of reports (rank_reports.hpp).
-  void run(Reduction& job);
+  // before_collectives: called after prepare, before the first collective
+  // (the order guard's check, order_guard.hpp); an exception from it ends the
+  // reduction there, nothing changed.
+  void run(Reduction& job, const std::function<void()>& before_collectives = {});
 
   // A rank whose local work failed puts this into its finite flags: the sum is
   // kFailedFlag * (failed ranks) + (ranks with NaN/Inf), exact while the world

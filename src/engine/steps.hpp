@@ -25,6 +25,9 @@ class StepTracker {
   void require_boundary(const char* what) const;
 
   int64_t submitted_steps() const { return submitted_; }
+  bool at_boundary() const { return count_ == 0; }
+  // Whether bucket b (a valid index) was reduced in the step being submitted.
+  bool reduced(int b) const { return reduced_[static_cast<size_t>(b)]; }
   // After a load: the next step is `iteration`.
   void restart_at(int64_t iteration) { submitted_ = iteration; }
 

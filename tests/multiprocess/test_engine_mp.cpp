@@ -8,6 +8,7 @@
 #include "support/doctest_main.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,7 +16,9 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
+#include <thread>
 #include <unistd.h>
 
 #include "engine/checkpoint.hpp"
@@ -690,12 +693,16 @@ TEST_CASE("mismatch: a rank with another layout or configuration is named") {
     const std::string message = error_of([&] { r.add_bucket(shapes); });
     CHECK(message.find("rank " + std::to_string(last)) != std::string::npos);
     CHECK(message.find("layout of buckets 0..1") != std::string::npos);
+    // What differs, in words (issue 18), not only fingerprints.
+    CHECK(message.find("bucket 1 tensor 0: [24,32] on rank " + std::to_string(last) + ", [32,24] on rank 0") != std::string::npos);
   }
   {
     Config c;
     if (comm->rank() == last) c.seed = 3;
     Reducer r(*comm, c);
-    CHECK(error_of([&] { r.add_bucket(kShapes); }).find("rank " + std::to_string(last)) != std::string::npos);
+    const std::string message = error_of([&] { r.add_bucket(kShapes); });
+    CHECK(message.find("rank " + std::to_string(last)) != std::string::npos);
+    CHECK(message.find("config.seed 3 on rank " + std::to_string(last) + ", 0 on rank 0") != std::string::npos);
   }
 }
 
@@ -1024,4 +1031,314 @@ TEST_CASE("adaptive: the same rank decisions and outputs on every rank; nothing 
       CHECK(worst < 1e-4 * scale);
     }
   }
+}
+
+// ==== Order guard and divergence detector (issue 18) ====
+// Before: ranks that reduced different buckets passed Gloo collectives of
+// different sizes (Gloo aborted the process: SIGABRT, pair.cc enforce
+// `op.preamble.length <= op.nbytes`) or, with equal sizes, averaged the buckets
+// into each other silently; a load on rank 0 only ended in a collective timeout.
+
+namespace {
+
+// Whether every rank holds the same bits in `data`.
+bool same_on_every_rank(Communicator& comm, const std::vector<float>& data) {
+  const uint32_t mine = engine::crc32(data.data(), data.size() * sizeof(float));
+  std::vector<uint32_t> all(static_cast<size_t>(comm.size()));
+  comm.allgather(&mine, all.data(), sizeof(mine));
+  return std::all_of(all.begin(), all.end(), [&](uint32_t c) { return c == all[0]; });
+}
+
+// The mean over ranks of gradients(n, rank, step, salt), in float as the plain path computes it (sum, then / W).
+std::vector<float> plain_mean(size_t n, int world, int64_t step, uint64_t salt) {
+  std::vector<float> sum(n, 0.0f);
+  for (int w = 0; w < world; ++w) {
+    const auto g = gradients(n, w, step, salt);
+    for (size_t i = 0; i < n; ++i) sum[i] += g[i];
+  }
+  for (auto& v : sum) v /= static_cast<float>(world);
+  return sum;
+}
+
+bool near(const std::vector<float>& a, const std::vector<float>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::abs(a[i] - b[i]) > 1e-5f * (1 + std::abs(b[i]))) return false;
+  return true;
+}
+
+// A file both ranks see: a side channel for the threads test (never collective traffic).
+std::string side_file(const char* name) {
+  const char* port = std::getenv("MASTER_PORT");
+  REQUIRE(port != nullptr);
+  return std::string("/tmp/psgd-test-") + name + "-" + port;
+}
+
+}  // namespace
+
+TEST_CASE("order: buckets swapped by one rank in step 0 or later, sizes equal or not, plain or compressed") {
+  auto comm = connect("engine-order-swap");
+  const int me = comm->rank(), last = comm->size() - 1, world = comm->size();
+  for (bool equal : {false, true})
+    for (int64_t start_iter : {int64_t{0}, int64_t{1000}})
+      for (int swap_step : {0, 2}) {
+        CAPTURE(equal);
+        CAPTURE(start_iter);
+        CAPTURE(swap_step);
+        Config c;
+        c.rank = 2;
+        c.start_iter = start_iter;
+        Reducer r(*comm, c);
+        r.add_bucket({{16, 8}});
+        r.add_bucket(equal ? std::vector<Shape>{{8, 16}} : std::vector<Shape>{{8, 4}});
+        const size_t n0 = r.bucket_size(0), n1 = r.bucket_size(1);
+        for (int step = 0; step < 4; ++step) {
+          std::vector<std::vector<float>> g{gradients(n0, me, step, 5), gradients(n1, me, step, 6)};
+          if (step == swap_step) {
+            const auto data = g;
+            const std::vector<int> order = me == last ? std::vector<int>{1, 0} : std::vector<int>{0, 1};
+            for (int k = 0; k < 2; ++k) {
+              const int b = order[static_cast<size_t>(k)];
+              const Outcome o = outcome_of([&] { r.reduce(b, g[static_cast<size_t>(b)].data()); });
+              INFO(o.message);
+              CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+              CHECK(o.seconds < kFailTogetherSeconds);
+              const std::string expected =
+                  "step " + std::to_string(step) + ": rank " + std::to_string(last) + " reduces bucket " +
+                  std::to_string(1 - k) + " (" + std::to_string(k == 0 ? n1 : n0) + " floats) where rank 0 reduces bucket " +
+                  std::to_string(k) + " (" + std::to_string(k == 0 ? n0 : n1) + " floats)";
+              CHECK(contains(o.message, expected));
+            }
+            CHECK(g == data);  // nothing written
+            continue;
+          }
+          for (int b = 0; b < 2; ++b) r.reduce(b, g[static_cast<size_t>(b)].data());
+          for (int b = 0; b < 2; ++b) {
+            CHECK(same_on_every_rank(*comm, g[static_cast<size_t>(b)]));
+            if (step < start_iter)  // plain: the exact mean of this bucket, not of the other one
+              CHECK(near(g[static_cast<size_t>(b)], plain_mean(b == 0 ? n0 : n1, world, step, b == 0 ? 5 : 6)));
+          }
+        }
+        CHECK(r.iteration() == 4);
+        CHECK(r.stats().guard_seconds > 0);
+      }
+}
+
+TEST_CASE("order: a call refused on one rank fails that reduction everywhere; its next bucket goes on") {
+  auto comm = connect("engine-order-local-error");
+  const int me = comm->rank(), last = comm->size() - 1, world = comm->size();
+  for (int64_t start_iter : {int64_t{0}, int64_t{1000}}) {
+    CAPTURE(start_iter);
+    Config c;
+    c.rank = 2;
+    c.start_iter = start_iter;
+    // Refused for bucket 0 on the last rank: a null pointer, a short span. The bucket counts as reduced there,
+    // as on the others, so its next bucket (1) pairs with theirs and succeeds.
+    for (int kind = 0; kind < 2; ++kind) {
+      CAPTURE(kind);
+      Reducer r(*comm, c);
+      r.add_bucket(kShapes);
+      r.add_bucket({{12, 10}});
+      std::vector<std::vector<float>> g{gradients(r.bucket_size(0), me, 0, 1), gradients(r.bucket_size(1), me, 0, 2)};
+      const auto data = g;
+      const Outcome o = outcome_of([&] {
+        if (me != last)
+          r.reduce(0, std::span<float>(g[0]));
+        else if (kind == 0)
+          r.reduce(0, static_cast<float*>(nullptr));
+        else
+          r.reduce(0, std::span<float>(g[0]).first(g[0].size() - 1));
+      });
+      INFO(o.message);
+      CHECK(o.code == static_cast<int>(ErrorCode::InvalidArgument));
+      CHECK(o.seconds < kFailTogetherSeconds);
+      const std::string reason = kind == 0 ? "reduce of bucket 0: data is null"
+                                           : "reduce of bucket 0: the buffer has " + std::to_string(g[0].size() - 1) +
+                                                 " elements, the bucket has " + std::to_string(g[0].size());
+      CHECK(contains(o.message, reason));
+      if (me != last) CHECK(contains(o.message, "step 0, bucket 0 (" + std::to_string(g[0].size()) +
+                                                    " floats) failed on rank " + std::to_string(last) + ": "));
+      CHECK(g == data);
+      r.reduce(1, std::span<float>(g[1]));
+      CHECK(same_on_every_rank(*comm, g[1]));
+      if (start_iter > 0) CHECK(near(g[1], plain_mean(g[1].size(), world, 0, 2)));
+      CHECK(r.iteration() == 1);
+    }
+    // A bad index, or a bucket reduced twice, on the last rank, then its next bucket: every rank fails, naming it.
+    for (int kind = 0; kind < 2; ++kind) {
+      CAPTURE(kind);
+      Reducer r(*comm, c);
+      r.add_bucket(kShapes);
+      r.add_bucket({{12, 10}});
+      std::vector<std::vector<float>> g{gradients(r.bucket_size(0), me, 0, 1), gradients(r.bucket_size(1), me, 0, 2)};
+      if (kind == 1) r.reduce(0, g[0].data());
+      const Outcome first = outcome_of([&] {
+        if (me != last)
+          r.reduce(kind == 0 ? 0 : 1, g[kind == 0 ? 0 : 1].data());
+        else
+          r.reduce(kind == 0 ? 7 : 0, g[0].data());
+      });
+      INFO(first.message);
+      CHECK(first.code == static_cast<int>(ErrorCode::InvalidArgument));
+      CHECK(first.seconds < kFailTogetherSeconds);
+      CHECK(contains(first.message, kind == 0 ? "bucket index 7: expected 0 to 1" : "bucket 0 was already reduced in step 0"));
+      if (me != last) CHECK(contains(first.message, "failed on rank " + std::to_string(last)));
+      // Every rank carries on with its next bucket: the last rank's refused call did not count, the others'
+      // failed reduction did.
+      const int next_bucket = me == last || kind == 0 ? 1 : 0;
+      const Outcome next = outcome_of([&] { r.reduce(next_bucket, g[static_cast<size_t>(next_bucket)].data()); });
+      INFO(next.message);
+      if (kind == 0) {
+        // A bad index: every rank's next is bucket 1 of step 0, so it pairs and succeeds.
+        CHECK(next.code == 0);
+        CHECK(same_on_every_rank(*comm, g[1]));
+        if (start_iter > 0) CHECK(near(g[1], plain_mean(g[1].size(), world, 0, 2)));
+      } else {
+        // A bucket twice: the last rank reduces bucket 1 of step 0, the others bucket 0 of step 1.
+        CHECK(next.code == static_cast<int>(ErrorCode::Mismatch));
+        CHECK(contains(next.message, "ranks are at different steps: rank " + std::to_string(last)));
+      }
+      CHECK(next.seconds < kFailTogetherSeconds);
+    }
+  }
+}
+
+TEST_CASE("order: a bucket skipped by one rank is named on every rank; the run recovers") {
+  auto comm = connect("engine-order-skip");
+  const int me = comm->rank(), last = comm->size() - 1, world = comm->size();
+  Config c;
+  c.start_iter = 1000;
+  Reducer r(*comm, c);
+  r.add_bucket({{64}});
+  r.add_bucket({{16}});
+  std::vector<std::vector<float>> g{gradients(64, me, 0, 1), gradients(16, me, 0, 2)};
+  for (int b = 0; b < 2; ++b) r.reduce(b, g[static_cast<size_t>(b)].data());
+  // Step 1: the last rank skips bucket 0 and reduces bucket 1.
+  const Outcome o = outcome_of([&] { r.reduce(me == last ? 1 : 0, g[me == last ? 1 : 0].data()); });
+  INFO(o.message);
+  CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+  CHECK(contains(o.message, "step 1: rank " + std::to_string(last) +
+                                " reduces bucket 1 (16 floats) where rank 0 reduces bucket 0 (64 floats)"));
+  CHECK(o.seconds < kFailTogetherSeconds);
+  // It then reduces the skipped bucket; the others their second: that fails too, and step 1 is over everywhere.
+  CHECK_THROWS_AS(r.reduce(me == last ? 0 : 1, g[me == last ? 0 : 1].data()), MismatchError);
+  CHECK(r.iteration() == 2);
+  for (int b = 0; b < 2; ++b) {
+    auto h = gradients(g[static_cast<size_t>(b)].size(), me, 2, 3);
+    r.reduce(b, h.data());
+    CHECK(near(h, plain_mean(h.size(), world, 2, 3)));
+  }
+}
+
+TEST_CASE("order: a second thread's call while reduce() runs is refused, nothing submitted") {
+  auto comm = connect("engine-order-threads");
+  const int me = comm->rank(), last = comm->size() - 1, world = comm->size();
+  const std::string file = side_file("threads");
+  if (me == 0) std::remove(file.c_str());
+  comm->barrier();
+  Config c;
+  c.start_iter = 1000;
+  Reducer r(*comm, c);
+  r.add_bucket({{32}});
+  r.add_bucket({{32}});  // equal sizes: mixing them would go unnoticed by Gloo
+  std::vector<std::vector<float>> g{gradients(32, me, 0, 1), gradients(32, me, 0, 2)};
+  if (me == last) {
+    // Thread A is inside reduce(0), waiting for the others (they wait for the side file);
+    // this thread's reduce(1) meanwhile is refused.
+    std::atomic<bool> started{false};
+    std::thread a([&] {
+      started = true;
+      r.reduce(0, g[0].data());
+    });
+    while (!started) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const Outcome o = outcome_of([&] { r.reduce(1, g[1].data()); });
+    INFO(o.message);
+    CHECK(o.code == static_cast<int>(ErrorCode::InvalidArgument));
+    CHECK(contains(o.message, "reduce while another thread is inside a call of this Reducer"));
+    { std::FILE* f = std::fopen(file.c_str(), "w"); REQUIRE(f != nullptr); std::fclose(f); }
+    a.join();
+    r.reduce(1, g[1].data());  // bucket 1 was not submitted: reduced now, in order
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!std::filesystem::exists(file) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    REQUIRE(std::filesystem::exists(file));
+    for (int b = 0; b < 2; ++b) r.reduce(b, g[static_cast<size_t>(b)].data());
+  }
+  for (int b = 0; b < 2; ++b) CHECK(near(g[static_cast<size_t>(b)], plain_mean(32, world, 0, static_cast<uint64_t>(b + 1))));
+  comm->barrier();
+  if (me == 0) std::remove(file.c_str());
+}
+
+TEST_CASE("order: a load on rank 0 only fails the next reduce on every rank with MismatchError") {
+  auto comm = connect("engine-order-load-one");
+  const int me = comm->rank();
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  const std::string file = side_file("load-one") + ".rank" + std::to_string(me);
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  const size_t n = r.bucket_size(0);
+  for (int t = 0; t < 4; ++t) {
+    if (t == 1) r.save(file);
+    auto g = gradients(n, me, t, 9);
+    r.reduce(0, g.data());
+  }
+  if (me == 0) r.load(file);  // step 1 on rank 0; the others are at step 4
+  auto g = gradients(n, me, 4, 9);
+  const auto data = g;
+  const Outcome o = outcome_of([&] { r.reduce(0, g.data()); });
+  INFO(o.message);
+  CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+  CHECK(contains(o.message, "ranks resumed from inconsistent state: rank 1 differs from rank 0 in step 4 "
+                            "(compressed) against 1 (uncompressed)"));
+  CHECK(o.seconds < kFailTogetherSeconds);
+  CHECK(g == data);
+  // Every rank loads: consistent again.
+  r.load(file);
+  g = gradients(n, me, 1, 9);
+  r.reduce(0, g.data());
+  CHECK(same_on_every_rank(*comm, g));
+  comm->barrier();
+  std::remove(file.c_str());
+}
+
+// A replica that drifts (one output bit flipped on rank 1 by the test-only
+// fault point, as a different CPU kernel would) is named on every rank.
+TEST_CASE("divergence: one rank's drifted output is named on every rank, with the step and the bucket") {
+  auto comm = connect("engine-divergence");
+  const int me = comm->rank();
+  for (int64_t start_iter : {int64_t{0}, int64_t{1000}})
+    for (int64_t interval : {int64_t{1}, int64_t{2}, int64_t{0}}) {
+      CAPTURE(start_iter);
+      CAPTURE(interval);
+      Config c;
+      c.rank = 2;
+      c.start_iter = start_iter;
+      c.divergence_check_interval = interval;
+      constexpr int64_t kDrift = 3;  // (3 + 1) % interval == 0 for intervals 1 and 2
+      if (me == 1) engine::arm_fault({engine::FaultPoint::Output, kDrift});
+      Reducer r(*comm, c);
+      r.add_bucket(kShapes);
+      r.add_bucket({{12, 10}});
+      for (int step = 0; step < 6; ++step) {
+        CAPTURE(step);
+        for (int b = 0; b < 2; ++b) {
+          auto g = gradients(r.bucket_size(b), me, step, static_cast<uint64_t>(b));
+          const Outcome o = outcome_of([&] { r.reduce(b, g.data()); });
+          INFO(o.message);
+          if (step == kDrift + 1 && interval != 0) {
+            CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+            CHECK(contains(o.message, "replicas diverged in step 3, bucket " + std::to_string(b) + " (" +
+                                          std::to_string(r.bucket_size(b)) + " floats): "));
+            CHECK(contains(o.message, comm->size() >= 3 ? "rank 1 computed another output" : "rank 0 / rank 1"));
+          } else {
+            CHECK(o.code == 0);
+          }
+        }
+      }
+      const Stats s = r.stats();
+      CHECK((s.check_seconds > 0) == (interval != 0));
+    }
 }

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,11 +19,13 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <span>
 #include <string>
 #include <thread>
 
 #include "engine/checkpoint.hpp"
 #include "engine/fault_injection.hpp"
+#include "engine/order_guard.hpp"
 #include "engine/rank_reports.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
@@ -553,11 +556,12 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims, &index) == PSGD_OK);
   CHECK(index == 0);
   std::vector<float> g = gradients(53, 0, 0);
+  CHECK(psgd_reducer_reduce(r, 3, g.data()) == PSGD_ERR_INVALID_ARGUMENT);  // a bad index does not count
   CHECK(psgd_reducer_reduce(r, 0, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(psgd_reducer_reduce(r, 3, g.data()) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_iteration(r) == 1);  // a null data counts as the bucket's failed reduction, as on other ranks
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
-  CHECK(psgd_reducer_iteration(r) == 2);
+  CHECK(psgd_reducer_iteration(r) == 3);
   g[4] = std::nanf("");
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_ERR_NONFINITE);
   CHECK(std::string(psgd_last_error()).find("NaN or Inf") != std::string::npos);
@@ -834,7 +838,19 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
   CHECK(std::string(psgd_last_error()).find("'out'") != std::string::npos);
   CHECK(psgd_reducer_reduce_async(nullptr, 0, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(h == nullptr);
-  CHECK(psgd_reducer_reduce_async(async, 0, nullptr, &h) == PSGD_ERR_INVALID_ARGUMENT);
+  {
+    // A null data counts as the bucket's (failed) reduction, as on other ranks (docs/errors.md): on a
+    // reducer of its own, so `async` and `sync` stay in step.
+    psgd_reducer* other = nullptr;
+    REQUIRE(psgd_reducer_create(comm, &c, &other) == PSGD_OK);
+    int index = -1;
+    REQUIRE(psgd_reducer_add_bucket(other, 2, ndims, dims, &index) == PSGD_OK);
+    CHECK(psgd_reducer_reduce_async(other, 0, nullptr, &h) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(psgd_last_error()).find("data is null") != std::string::npos);
+    CHECK(h == nullptr);
+    CHECK(psgd_reducer_iteration(other) == 1);
+    psgd_reducer_destroy(other);
+  }
   CHECK(psgd_reducer_reduce_async(async, 2, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("bucket index 2") != std::string::npos);
   CHECK(h == nullptr);
@@ -1405,4 +1421,140 @@ TEST_CASE("random: the fixed-order generator draws the same floats as Box-Muller
     CHECK(std::abs(sum / kCount) < 0.01);
     CHECK(std::abs(sum2 / kCount - 1.0) < 0.01);
   }
+
+// ==== Order guard and divergence detector (issue 18) ====
+
+namespace {
+
+// A real communicator that reports a larger world than it has: the reducer's
+// constructor reads only size() (it issues no collective).
+class WideCommunicator final : public Communicator {
+ public:
+  WideCommunicator(std::unique_ptr<Communicator> inner, int size) : inner_(std::move(inner)), size_(size) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return size_; }
+  const CommOptions& options() const override { return inner_->options(); }
+  Work allreduce_async(void* data, size_t count, DataType type) override {
+    return inner_->allreduce_async(data, count, type);
+  }
+  Work broadcast_async(void* data, size_t bytes, int root) override { return inner_->broadcast_async(data, bytes, root); }
+  Work allgather_async(const void* in, void* out, size_t bytes) override {
+    return inner_->allgather_async(in, out, bytes);
+  }
+  Work barrier_async() override { return inner_->barrier_async(); }
+  void check_same(uint64_t fingerprint, const std::string& what) override { inner_->check_same(fingerprint, what); }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  int size_;
+};
+
+}  // namespace
+
+// Before: a world of 4096 or more ranks was accepted, and its failure flags
+// (4096 per failed rank, summed in float) could not tell a failure from NaNs.
+TEST_CASE("guard: a world of 4096 or more ranks is refused, naming its size") {
+  WideCommunicator wide(solo(), 4096);
+  CHECK_THROWS_WITH_AS(Reducer(wide, Config{}), doctest::Contains("a world of 4096 ranks: the reducer supports at most 4095"),
+                       InvalidArgumentError);
+  WideCommunicator widest(solo(), 4095);
+  CHECK_NOTHROW(Reducer(widest, Config{}));
+}
+
+TEST_CASE("guard: the announce's agreement test is exact up to 4095 ranks") {
+  const auto sums_of = [](const std::vector<uint64_t>& values) {
+    std::vector<double> sums(2 * engine::kChunks, 0.0);
+    for (uint64_t v : values) {
+      double one[2 * engine::kChunks];
+      engine::encode_agreement(v, one);
+      for (size_t i = 0; i < sums.size(); ++i) sums[i] += one[i];
+    }
+    return sums;
+  };
+  const uint64_t big = 0xFFFFFFFFFFFFFFFFULL, other = 0xFFFFFFFFFFFFFFFEULL;
+  std::vector<uint64_t> same(4095, big);
+  CHECK(engine::all_agree(sums_of(same).data(), 4095));
+  same[17] = other;  // one rank differs by one bit
+  CHECK_FALSE(engine::all_agree(sums_of(same).data(), 4095));
+  // Equal sums of chunks from different values (1 + 3 == 2 + 2): the squares tell them apart.
+  CHECK_FALSE(engine::all_agree(sums_of({1, 3}).data(), 2));
+  CHECK(engine::all_agree(sums_of({2, 2}).data(), 2));
+}
+
+TEST_CASE("guard: the divergence hash sees every bit, in every position and length") {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{1000}}) {
+    CAPTURE(n);
+    std::vector<float> x = gradients(n, 0, 0, 3);
+    const uint64_t h = engine::hash_floats(x.data(), x.size());
+    CHECK(engine::hash_floats(x.data(), x.size()) == h);
+    CHECK(engine::hash_floats(x.data(), x.size(), 1) != h);
+    for (size_t i = 0; i < n; i += std::max<size_t>(1, n / 7)) {
+      std::vector<float> y = x;
+      y[i] = std::bit_cast<float>(std::bit_cast<uint32_t>(y[i]) ^ 1u);
+      CHECK(engine::hash_floats(y.data(), y.size()) != h);
+    }
+  }
+  CHECK(engine::hash_floats(nullptr, 0) != engine::hash_floats(std::vector<float>(1, 0.0f).data(), 1));
+}
+
+TEST_CASE("guard: divergence_check_interval is validated and reaches the C API") {
+  Config c;
+  CHECK(c.divergence_check_interval == 100);
+  c.divergence_check_interval = -1;
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("config.divergence_check_interval = -1: expected >= 0"),
+                       InvalidArgumentError);
+  CHECK(psgd_config_default().divergence_check_interval == 100);
+}
+
+// Before: reduce(int, float*) read past a short buffer (SIGSEGV); there was no size to check.
+TEST_CASE("guard: the size-checked entry points refuse a wrong count, naming both") {
+  auto comm = solo();
+  Reducer r(*comm, Config{});
+  r.add_bucket({{8, 6}, {5}});
+  std::vector<float> g(53, 1.0f), out(53);
+  CHECK_THROWS_WITH_AS(r.reduce(0, std::span<float>(g).first(52)),
+                       doctest::Contains("reduce of bucket 0: the buffer has 52 elements, the bucket has 53"),
+                       InvalidArgumentError);
+  CHECK_THROWS_WITH_AS(r.reduce_async(0, std::span<float>(g).first(10)),
+                       doctest::Contains("the buffer has 10 elements, the bucket has 53"), InvalidArgumentError);
+  CHECK_THROWS_WITH_AS(r.error_feedback(0, std::span<float>(out).first(3)),
+                       doctest::Contains("error_feedback of bucket 0: the buffer has 3 elements, the bucket has 53"),
+                       InvalidArgumentError);
+  std::vector<std::span<float>> spans{std::span<float>(g).first(50)};
+  CHECK_THROWS_WITH_AS(r.reduce_all(spans), doctest::Contains("reduce_all: data[0] has 50 elements, bucket 0 has 53"),
+                       InvalidArgumentError);
+  // The refused calls counted as steps (as on other ranks); the right size works.
+  const int64_t before = r.iteration();
+  r.reduce(0, std::span<float>(g));
+  CHECK(r.iteration() == before + 1);
+  r.error_feedback(0, std::span<float>(out));
+
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* c = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&c) == PSGD_OK);
+  psgd_reducer* cr = nullptr;
+  const psgd_config d = psgd_config_default();
+  REQUIRE(psgd_reducer_create(c, &d, &cr) == PSGD_OK);
+  const int ndims[] = {2, 1};
+  const int64_t dims[] = {8, 6, 5};
+  int index = -1;
+  REQUIRE(psgd_reducer_add_bucket(cr, 2, ndims, dims, &index) == PSGD_OK);
+  CHECK(psgd_reducer_reduce_n(cr, 0, g.data(), 52) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("the buffer has 52 elements, the bucket has 53") != std::string::npos);
+  psgd_reduce_handle* h = nullptr;
+  CHECK(psgd_reducer_reduce_async_n(cr, 0, g.data(), 54, &h) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(h == nullptr);
+  CHECK(psgd_reducer_error_feedback_n(cr, 0, out.data(), 1) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_reduce_n(cr, 0, nullptr, 53) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("data is null") != std::string::npos);
+  CHECK(psgd_reducer_reduce_n(cr, 0, g.data(), 53) == PSGD_OK);
+  CHECK(psgd_reducer_reduce_async_n(cr, 0, g.data(), 53, &h) == PSGD_OK);
+  CHECK(psgd_reduce_handle_wait(h) == PSGD_OK);
+  psgd_reduce_handle_free(h);
+  CHECK(psgd_reducer_error_feedback_n(cr, 0, out.data(), 53) == PSGD_OK);
+  psgd_reducer_destroy(cr);
+  psgd_comm_destroy(c);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
 }

@@ -37,6 +37,7 @@ struct Settings {
   bool adaptive = false;
   int rank_low = 1;
   int64_t adaptive_interval = 100;
+  int64_t divergence_check_interval = Config{}.divergence_check_interval;
   std::string device = "cpu";
   std::string json_path;
 };
@@ -145,6 +146,7 @@ void run(const Settings& settings) {
   config.rank_low = settings.rank_low;
   config.rank_high = settings.rank;
   config.adaptive_interval = settings.adaptive_interval;
+  config.divergence_check_interval = settings.divergence_check_interval;
   config.device = settings.device == "cpu" ? Device::Cpu : Device::Cuda;
   Reducer reducer(*comm, config);
   const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
@@ -172,8 +174,14 @@ void run(const Settings& settings) {
 
   std::vector<double> times;
   uint64_t bytes_before = 0;  // bytes_sent when the timed steps begin
+  double guard_before = 0, check_before = 0;  // guard_seconds and check_seconds then
   for (int step = 0; step < settings.warmup + settings.steps; ++step) {
-    if (step == settings.warmup) bytes_before = reducer.stats().bytes_sent;
+    if (step == settings.warmup) {
+      const Stats s = reducer.stats();
+      bytes_before = s.bytes_sent;
+      guard_before = s.guard_seconds;
+      check_before = s.check_seconds;
+    }
     for (size_t b = 0; b < host.size(); ++b) {
       if (device)
         device->copy_from_host(data[b], source[b].data(), source[b].size());
@@ -199,6 +207,14 @@ void run(const Settings& settings) {
   comm->allgather(&step_s, per_rank.data(), sizeof(double));
   const Stats stats = reducer.stats();
   const double bytes_per_step = static_cast<double>(stats.bytes_sent - bytes_before) / settings.steps;
+  // Order guard (announce, waiting included) and divergence detector (hashing), per timed step.
+  const double guard_ms = (stats.guard_seconds - guard_before) / settings.steps * 1e3;
+  const double check_ms = (stats.check_seconds - check_before) / settings.steps * 1e3;
+  // The announce includes waiting for the slowest rank (which the first data collective would wait for
+  // otherwise); the least over the ranks is the rank that arrived last: about the collective's own latency.
+  std::vector<double> guard_per_rank(static_cast<size_t>(world));
+  comm->allgather(&guard_ms, guard_per_rank.data(), sizeof(double));
+  const double guard_min_ms = *std::min_element(guard_per_rank.begin(), guard_per_rank.end());
 
   // Minimal memory traffic of one step (bytes), per element. A compressed
   // matrix needs three passes over M = g + e, each depending on a reduction
@@ -247,6 +263,10 @@ void run(const Settings& settings) {
                         {"step_ms_max", 0.0},
                         {"compression_rate", stats.compression_rate()},
                         {"relative_error", stats.total_relative_error},
+                        {"divergence_check_interval", settings.divergence_check_interval},
+                        {"guard_ms_per_step", guard_ms},
+                        {"guard_ms_per_step_least_rank", guard_min_ms},
+                        {"check_ms_per_step", check_ms},
                         {"seconds", {{"compress", stats.compress_seconds},
                                      {"communicate", stats.communicate_seconds},
                                      {"decompress", stats.decompress_seconds}}}};
@@ -264,6 +284,9 @@ void run(const Settings& settings) {
                 "decompress %.3f s\n",
                 stats.compression_rate(), stats.total_relative_error, stats.compress_seconds,
                 stats.communicate_seconds, stats.decompress_seconds);
+    std::printf("order guard %.3f ms per step on rank 0, %.3f ms on the rank that waited least (announce, waiting "
+                "included); divergence detector (interval %lld) %.3f ms per step on rank 0 (hashing)\n",
+                guard_ms, guard_min_ms, static_cast<long long>(settings.divergence_check_interval), check_ms);
   }
   if (world == 1 && config.device == Device::Cpu) {
     const auto [copy, triad] = stream_bandwidth();
@@ -305,6 +328,9 @@ void add_engine_command(CLI::App& app) {
   cmd->add_flag("--adaptive", settings->adaptive, "Adaptive rank between --rank-low and --rank");
   cmd->add_option("--rank-low", settings->rank_low, "Adaptive: the low rank")->capture_default_str();
   cmd->add_option("--adaptive-interval", settings->adaptive_interval, "Adaptive: compressed steps per decision")
+      ->capture_default_str();
+  cmd->add_option("--divergence-check-interval", settings->divergence_check_interval,
+                  "Divergence detector: hash and compare outputs every N steps (0: off)")
       ->capture_default_str();
   cmd->add_option("--device", settings->device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--json", settings->json_path, "Write results as JSON to this file (rank 0)");

@@ -1,0 +1,410 @@
+#include "engine/order_guard.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <map>
+#include <type_traits>
+
+#include "common/check.hpp"
+#include "engine/config_fields.hpp"
+#include "engine/fingerprint.hpp"
+#include "engine/rank_reports.hpp"
+
+namespace powersgd::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+constexpr uint64_t kP1 = 0x9E3779B185EBCA87ULL, kP2 = 0xC2B2AE3D27D4EB4FULL, kP3 = 0x165667B19E3779F9ULL;
+constexpr uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+uint64_t load_word(const unsigned char* p) {
+  uint64_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// A reduce_all's identity: this bit and the number of buckets (a single
+// bucket's identity is its index).
+constexpr uint64_t kAllBuckets = uint64_t{1} << 63;
+
+// The values a rank reports on the error path, in this order; all but Loaded
+// go into the announce's hash.
+enum Value : size_t { Step, Identity, Numel, FirstCount, ConfigFp, Layout, WarmBuckets, Warm, Check, CheckStep,
+                      Loaded, kValueCount };
+static_assert(kValueCount <= RankReport::kValues);
+
+std::string what_of(const std::vector<uint64_t>& v) {
+  const uint64_t id = v[Identity];
+  if ((id & kAllBuckets) != 0)
+    return detail::concat("buckets 0..", (id & ~kAllBuckets) - 1, " (reduce_all, ", v[Numel], " floats)");
+  return detail::concat("bucket ", id, " (", v[Numel], " floats)");
+}
+
+std::string ranks_text(const std::vector<size_t>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+  return text;
+}
+
+// "%.17g": doubles that differ print differently.
+template <typename T>
+std::string value_text(const T& value) {
+  if constexpr (std::is_floating_point_v<T>) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.17g", static_cast<double>(value));
+    return text;
+  } else if constexpr (std::is_enum_v<T>) {
+    return std::to_string(static_cast<int>(value));
+  } else {
+    return detail::concat(+value);
+  }
+}
+
+// Key and value lines: the compared config fields, bucket `index`'s tensors.
+std::vector<std::pair<std::string, std::string>> describe(const Config& config, int index,
+                                                          std::span<const Shape> shapes) {
+  std::vector<std::pair<std::string, std::string>> lines;
+  for_each_config_field(config, [&](const FieldSpec& spec, const auto& value) {
+    if (spec.scope != FieldScope::PerRank) lines.emplace_back(detail::concat("config.", spec.name), value_text(value));
+  });
+  lines.emplace_back(detail::concat("bucket ", index, " tensors:"), std::to_string(shapes.size()));
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    std::string dims = "[";
+    for (size_t d = 0; d < shapes[t].size(); ++d) dims += (d == 0 ? "" : ",") + std::to_string(shapes[t][d]);
+    lines.emplace_back(detail::concat("bucket ", index, " tensor ", t, ":"), dims + "]");
+  }
+  return lines;
+}
+
+}  // namespace
+
+void raise_layout_mismatch(Communicator& comm, const Config& config, int index, std::span<const Shape> shapes,
+                           const std::vector<RankReport>& fingerprints) {
+  const auto mine = describe(config, index, shapes);
+  std::string text;
+  if (comm.rank() == 0)
+    for (const auto& [key, value] : mine) text += key + '\t' + value + '\n';
+  uint64_t size = text.size();
+  comm.broadcast(&size, sizeof(size), 0);
+  text.resize(static_cast<size_t>(size));
+  comm.broadcast(text.data(), text.size(), 0);
+  std::map<std::string, std::string> root;
+  for (size_t at = 0; at < text.size();) {
+    const size_t tab = text.find('\t', at), end = text.find('\n', at);
+    root[text.substr(at, tab - at)] = text.substr(tab + 1, end - tab - 1);
+    at = end + 1;
+  }
+  std::string difference;
+  for (const auto& [key, value] : mine) {
+    const auto theirs = root.find(key);
+    const std::string root_value = theirs == root.end() ? "none" : theirs->second;
+    if (root_value == value) continue;
+    difference = detail::concat(key, " ", value, " on rank ", comm.rank(), ", ", root_value, " on rank 0");
+    break;
+  }
+  if (difference.empty() && root.size() != mine.size())
+    difference = detail::concat("bucket ", index, " has ", shapes.size(), " tensors on rank ", comm.rank(),
+                                ", more on rank 0");
+  const auto reports = gather_reports(
+      comm, difference.empty() ? RankReport{} : report_failure(std::make_exception_ptr(MismatchError(difference))));
+  std::vector<size_t> ranks;
+  for (size_t k = 0; k < reports.size(); ++k)
+    if (reports[k].failed()) ranks.push_back(k);
+  std::string what = detail::concat("layout of buckets 0..", index, " or reducer configuration differs between ranks");
+  if (ranks.empty()) {  // a difference the description does not show: the fingerprints
+    for (size_t k = 1; k < fingerprints.size(); ++k)
+      if (fingerprints[k].values[0] != fingerprints[0].values[0])
+        PSGD_THROW(MismatchError, what, ": rank ", k, " has fingerprint ", std::hex, fingerprints[k].values[0],
+                   ", rank 0 has ", fingerprints[0].values[0]);
+    PSGD_THROW(InternalError, what, ", yet no rank's fingerprint differs");
+  }
+  PSGD_THROW(MismatchError, what, ": ", reports[ranks[0]].reason_text(),
+             ranks.size() > 1 ? detail::concat(" (and ", ranks.size() - 1, " other rank(s) differ)") : std::string());
+}
+
+uint64_t hash_floats(const float* x, size_t count, uint64_t seed) {
+  // XXH3's accumulate loop over 8-byte words, eight lanes of 64-byte stripes:
+  // 32 x 32 -> 64 bit products the compiler vectorizes, so it runs at memory
+  // speed; integer arithmetic, so every vector width gives the same value.
+  // Each word also enters its neighbour lane by addition, so no bit goes unseen.
+  constexpr size_t kLanes = 8, kStripesPerScramble = 16;
+  static constexpr uint64_t kKey[kLanes] = {0xBE4BA423396CFEB8ULL, 0x1CAD21F72C81017CULL, 0xDB979083E96DD4DEULL,
+                                            0x1F67B3B7A4A44072ULL, 0x78E5C0CC4EE679CBULL, 0x2172FFCC7DD05A82ULL,
+                                            0x8E2443F7744608B8ULL, 0x4C263A81E69035E0ULL};
+  const auto* bytes = reinterpret_cast<const unsigned char*>(x);
+  const size_t words = count / 2;
+  uint64_t acc[kLanes];
+  for (size_t lane = 0; lane < kLanes; ++lane) acc[lane] = kKey[lane] + seed;
+  size_t i = 0, stripes = 0;
+  for (; i + kLanes <= words; i += kLanes) {
+    for (size_t lane = 0; lane < kLanes; ++lane) {
+      const uint64_t w = load_word(bytes + 8 * (i + lane));
+      const uint64_t keyed = w ^ kKey[lane];
+      acc[lane ^ 1] += w;
+      acc[lane] += (keyed & 0xFFFFFFFFULL) * (keyed >> 32);
+    }
+    if (++stripes == kStripesPerScramble) {
+      stripes = 0;
+      for (size_t lane = 0; lane < kLanes; ++lane)
+        acc[lane] = (acc[lane] ^ (acc[lane] >> 47) ^ kKey[lane]) * 0x9E3779B1ULL;
+    }
+  }
+  uint64_t h = seed + count * kP1;
+  for (size_t lane = 0; lane < kLanes; ++lane) h = rotl(h ^ (rotl(acc[lane] * kP2, 31) * kP1), 27) * kP1 + kP3;
+  for (; i < words; ++i) h = rotl(h ^ (rotl(load_word(bytes + 8 * i) * kP2, 31) * kP1), 27) * kP1 + kP3;
+  if (count % 2 != 0) {
+    uint32_t last;
+    std::memcpy(&last, bytes + 8 * words, sizeof(last));
+    h = rotl(h ^ (uint64_t{last} * kP1), 23) * kP2 + kP3;
+  }
+  h ^= h >> 33;
+  h *= kP2;
+  h ^= h >> 29;
+  h *= kP3;
+  return h ^ (h >> 32);
+}
+
+void encode_agreement(uint64_t value, double* out) {
+  for (size_t k = 0; k < kChunks; ++k) {
+    const auto x = static_cast<double>((value >> (16 * k)) & 0xFFFF);
+    out[2 * k] = x;
+    out[2 * k + 1] = x * x;
+  }
+}
+
+bool all_agree(const double* sums, int world) {
+  // Sums of n < 2^12 chunks below 2^16 (squares below 2^32) are exact in double;
+  // both products stay below 2^56.
+  for (size_t k = 0; k < kChunks; ++k) {
+    const auto sum = static_cast<uint64_t>(sums[2 * k]);
+    const auto squares = static_cast<uint64_t>(sums[2 * k + 1]);
+    if (static_cast<uint64_t>(world) * squares != sum * sum) return false;
+  }
+  return true;
+}
+
+uint64_t OrderGuard::first_collective_count(const Reduction& r) const {
+  const BucketState& first = *buckets_[static_cast<size_t>(r.buckets[0])];
+  if (!r.compressed) return static_cast<uint64_t>(first.plan.numel + 1);  // one collective per bucket
+  uint64_t count = 0;  // one collective for all of the reduction's buckets: [packed | flag | factor] each
+  for (int b : r.buckets) {
+    const BucketState& s = *buckets_[static_cast<size_t>(b)];
+    const bool q_half = config_.alternating && s.compressed_steps % 2 == 1;
+    count += static_cast<uint64_t>(s.plan.packed_numel + 1 + (q_half ? s.plan.q_numel : s.plan.p_numel));
+  }
+  return count;
+}
+
+void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
+  pending_.resize(buckets_.size());
+  std::vector<uint64_t>& mine = mine_;
+  mine.assign(kValueCount, 0);
+  loaded_ = loaded;
+  if (!r.poisoned) {
+    // What decides the sizes and the meaning of the data collectives (the state
+    // check_state compared once, now before every reduction).
+    Fnv warm, check;
+    uint64_t warm_buckets = 0, numel = 0;
+    int64_t check_step = -1;
+    for (const auto& s : buckets_) {
+      warm_buckets += s->q_initialized ? 1 : 0;
+      warm.add(s->q_initialized);
+      warm.add(s->draws);
+      warm.add(s->current_rank);  // the adaptive level and the alternating half decide the sizes too
+      warm.add(s->compressed_steps);
+    }
+    for (int b : r.buckets) {
+      numel += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.numel);
+      Pending& p = pending_[static_cast<size_t>(b)];
+      if (p.step < 0) continue;
+      check.add(b);
+      check.add(p.hash);
+      check_step = std::max(check_step, p.step);
+      p = Pending{};
+    }
+    mine[Step] = static_cast<uint64_t>(r.iteration);
+    mine[Identity] = r.buckets.size() == 1 ? static_cast<uint64_t>(r.buckets[0]) : kAllBuckets | r.buckets.size();
+    mine[Numel] = numel;
+    mine[FirstCount] = first_collective_count(r);
+    mine[ConfigFp] = config_fingerprint(config_);
+    mine[Layout] = layout;
+    mine[WarmBuckets] = warm_buckets;
+    mine[Warm] = warm.value();
+    mine[Check] = check_step >= 0 ? check.value() : 0;
+    mine[CheckStep] = static_cast<uint64_t>(check_step + 1);
+    mine[Loaded] = loaded ? 1 : 0;
+  }
+  if (comm_.size() == 1) return;  // nobody to disagree with
+  Fnv all;
+  for (size_t v = 0; v < Loaded; ++v) all.add(mine[v]);
+  encode_agreement(all.value(), sums_);
+  sums_[2 * kChunks] = r.poisoned ? 1.0 : 0.0;  // ranks whose call failed locally
+  announced_ = comm_.allreduce_async(sums_, 2 * kChunks + 1, DataType::Float64);
+}
+
+void OrderGuard::finish(const Reduction& r) {
+  if (comm_.size() == 1) {
+    if (r.poisoned) std::rethrow_exception(r.poisoned);
+    return;
+  }
+  const auto start = Clock::now();
+  Work announced = std::move(announced_);
+  announced_ = Work();
+  announced.wait();
+  stats_.guard_seconds += seconds_since(start);
+  if (sums_[2 * kChunks] == 0.0 && all_agree(sums_, comm_.size())) return;
+  raise(r, mine_, loaded_);
+}
+
+void OrderGuard::settle() noexcept {
+  if (!announced_.valid()) return;
+  try {
+    announced_.wait();  // sums_ is the collective's buffer until it completed
+  } catch (...) {
+  }
+  announced_ = Work();
+}
+
+
+void OrderGuard::raise(const Reduction& r, const std::vector<uint64_t>& mine, bool loaded) {
+  const auto start = Clock::now();
+  RankReport report;
+  if (r.poisoned) {
+    report = report_failure(r.poisoned);
+  } else {
+    std::copy(mine.begin(), mine.end(), report.values.begin());
+  }
+  const std::vector<RankReport> reports = gather_reports(comm_, report);
+  stats_.guard_seconds += seconds_since(start);
+  throw_if_any_failed(reports, r.poisoned, detail::concat("step ", r.iteration, ", ", what_of(mine)),
+                      "nothing reduced or changed on any rank");
+  const auto values = [&](size_t rank) {
+    return std::vector<uint64_t>(reports[rank].values.begin(), reports[rank].values.begin() + kValueCount);
+  };
+  const std::vector<uint64_t> root = values(0);
+  const auto differs = [&](size_t rank, std::initializer_list<Value> fields) {
+    const std::vector<uint64_t> v = values(rank);
+    return std::any_of(fields.begin(), fields.end(), [&](Value f) { return v[f] != root[f]; });
+  };
+  // The ranks that differ from rank 0 in `fields`.
+  const auto differing = [&](std::initializer_list<Value> fields) {
+    std::vector<size_t> ranks;
+    for (size_t k = 1; k < reports.size(); ++k)
+      if (differs(k, fields)) ranks.push_back(k);
+    return ranks;
+  };
+  bool any_loaded = loaded;
+  for (size_t k = 0; k < reports.size(); ++k) any_loaded = any_loaded || values(k)[Loaded] != 0;
+  const auto step = [&](uint64_t v) {
+    const auto iteration = static_cast<int64_t>(v);
+    return detail::concat(iteration, iteration >= config_.start_iter ? " (compressed)" : " (uncompressed)");
+  };
+  const auto others = [](const std::vector<size_t>& ranks) {
+    return ranks.size() > 1 ? detail::concat(" (and ", ranks.size() - 1, " other rank(s))") : std::string();
+  };
+
+  if (const auto ranks = differing({ConfigFp, Layout}); !ranks.empty())
+    PSGD_THROW(MismatchError, "step ", r.iteration, ": rank ", ranks[0], others(ranks),
+               " reduces with another configuration or bucket layout than rank 0 (fingerprints ", std::hex,
+               values(ranks[0])[ConfigFp], "/", values(ranks[0])[Layout], " against ", root[ConfigFp], "/",
+               root[Layout], std::dec, "); nothing reduced or changed on any rank");
+
+  const auto state_ranks = differing({Step, WarmBuckets, Warm});
+  if (!state_ranks.empty() && any_loaded) {
+    // Ranks resumed from checkpoints of different steps (check_state's wording).
+    const size_t k = state_ranks[0];
+    const std::vector<uint64_t> v = values(k);
+    std::string what;
+    auto add = [&](const std::string& text) { what += (what.empty() ? "" : "; ") + text; };
+    if (v[Step] != root[Step]) add(detail::concat("step ", step(v[Step]), " against ", step(root[Step])));
+    if (v[WarmBuckets] != root[WarmBuckets] || v[Warm] != root[Warm])
+      add(detail::concat("warm-start state (a warm-start Q in ", v[WarmBuckets], " of ", buckets_.size(),
+                         " buckets against ", root[WarmBuckets], ", or other generator draws)"));
+    if (v[Identity] != root[Identity])
+      add("the buckets of the first reduction (reduce them in the same order)");
+    PSGD_THROW(MismatchError, "ranks resumed from inconsistent state: rank ", k, " differs from rank 0 in ", what,
+               ". Nothing was reduced or changed; load checkpoints of one step on every rank (load is due on "
+               "every rank before the next reduce), then reduce again");
+  }
+  if (const auto ranks = differing({Step}); !ranks.empty()) {
+    const std::vector<uint64_t> v = values(ranks[0]);
+    PSGD_THROW(MismatchError, "ranks are at different steps: rank ", ranks[0], others(ranks), " reduces ",
+               what_of(v), " of step ", step(v[Step]), " where rank 0 reduces ", what_of(root), " of step ",
+               step(root[Step]), "; nothing reduced or changed on any rank. A rank skipped or repeated a bucket: "
+               "every rank reduces every bucket once per step, in the same order");
+  }
+  if (const auto ranks = differing({Identity, Numel, FirstCount}); !ranks.empty()) {
+    const std::vector<uint64_t> v = values(ranks[0]);
+    PSGD_THROW(MismatchError, "step ", r.iteration, ": rank ", ranks[0], others(ranks), " reduces ", what_of(v),
+               " where rank 0 reduces ", what_of(root),
+               "; nothing reduced or changed on any rank. Reduce the buckets in the same order on every rank (from "
+               "one thread)");
+  }
+  if (!state_ranks.empty()) {
+    const std::vector<uint64_t> v = values(state_ranks[0]);
+    PSGD_THROW(MismatchError, "step ", r.iteration, ": rank ", state_ranks[0], others(state_ranks),
+               " has another warm-start state than rank 0 (a warm-start Q in ", v[WarmBuckets], " of ",
+               buckets_.size(), " buckets against ", root[WarmBuckets],
+               ", or other generator draws); nothing reduced or changed on any rank");
+  }
+  if (!differing({Check, CheckStep}).empty()) {
+    // Group the ranks by hash: with three or more, the odd one out is the replica that drifted.
+    std::map<uint64_t, std::vector<size_t>> groups;
+    for (size_t k = 0; k < reports.size(); ++k) groups[values(k)[Check]].push_back(k);
+    std::vector<std::vector<size_t>> ordered;
+    for (auto& [hash, ranks] : groups) ordered.push_back(ranks);
+    std::sort(ordered.begin(), ordered.end(),
+              [](const auto& a, const auto& b) { return a.size() != b.size() ? a.size() < b.size() : a < b; });
+    const auto checked_step = static_cast<int64_t>(root[CheckStep]) - 1;
+    const std::string where = detail::concat("replicas diverged in step ", checked_step, ", ", what_of(root), ": ");
+    const std::string advice =
+        "; the ranks no longer apply the same update. Restore every rank from one checkpoint (docs/engine.md, "
+        "\"Order guard and divergence detector\")";
+    // With three or more ranks, a group smaller than every other is the replica that drifted.
+    if (ordered.size() >= 2 && ordered[0].size() < ordered[1].size()) {
+      std::vector<size_t> rest;
+      for (size_t g = 1; g < ordered.size(); ++g) rest.insert(rest.end(), ordered[g].begin(), ordered[g].end());
+      std::sort(rest.begin(), rest.end());
+      PSGD_THROW(MismatchError, where, ranks_text(ordered[0]), " computed another output or warm-start P, Q than ",
+                 ranks_text(rest), advice);
+    }
+    std::string split;
+    for (const auto& ranks : ordered) split += (split.empty() ? "" : " / ") + ranks_text(ranks);
+    PSGD_THROW(MismatchError, where, "the ranks' outputs or warm-start P, Q differ (ranks with equal hashes: ", split,
+               ")", advice);
+  }
+  PSGD_THROW(InternalError, "step ", r.iteration, ": the order guard's sums disagreed, but every rank reported the "
+             "same values");
+}
+
+void OrderGuard::after_success(const Reduction& r) {
+  const int64_t interval = config_.divergence_check_interval;
+  if (interval == 0 || comm_.size() == 1 || (r.iteration + 1) % interval != 0) return;
+  const auto start = Clock::now();
+  pending_.resize(buckets_.size());
+  const auto hash_device = [&](const float* x, size_t count, uint64_t seed) {
+    if (arenas_.host_accessible) return hash_floats(x, count, seed);
+    host_scratch_.resize(count);
+    be_.copy_to_host(host_scratch_.data(), x, count);
+    return hash_floats(host_scratch_.data(), count, seed);
+  };
+  for (size_t i = 0; i < r.buckets.size(); ++i) {
+    const int b = r.buckets[i];
+    const BucketState& s = *buckets_[static_cast<size_t>(b)];
+    uint64_t h = hash_device(r.data[i], static_cast<size_t>(s.plan.numel), 0);
+    // P and Q exist (and are identical on every rank) once the bucket was compressed.
+    if (s.q_initialized) {
+      h = hash_device(arenas_.p_state.data() + s.p_offset, static_cast<size_t>(s.plan.p_numel), h);
+      h = hash_device(arenas_.q_state.data() + s.q_offset, static_cast<size_t>(s.plan.q_numel), h);
+    }
+    pending_[static_cast<size_t>(b)] = Pending{h, r.iteration};
+  }
+  stats_.check_seconds += seconds_since(start);
+}
+
+}  // namespace powersgd::engine

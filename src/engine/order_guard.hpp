@@ -1,0 +1,114 @@
+// The order guard and the divergence detector (docs/engine.md, "Order guard and
+// divergence detector"), on the worker thread.
+//
+// Order guard: ranks that reduce different buckets (another order, a skipped
+// bucket, a local error followed by the next bucket, two user threads) would
+// pass Gloo collectives of different sizes (Gloo aborts the process) or, with
+// equal sizes, average different buckets into each other. So before a
+// reduction's data collectives every rank announces, in one fixed-size Float64
+// allreduce, what it is about to reduce: the step, the buckets, the size of the
+// first data collective, configuration, layout, warm-start state, a pending
+// divergence hash, and whether its own call already failed locally (a poisoned
+// reduction). Sums are identical on every rank, so every rank takes the same
+// branch: when all announced the same, the data collectives follow; otherwise
+// every rank takes part in one fixed-size gather of reports (rank_reports.hpp)
+// and throws, naming the ranks and what differs. Nothing changed before.
+//
+// Divergence detector: every config.divergence_check_interval steps of a
+// bucket (after step t with (t + 1) % interval == 0) each rank hashes the
+// bucket's output and its warm-start P and Q; the bucket's next reduction
+// carries the hash in its announce, so replicas that drifted apart get a
+// MismatchError on every rank naming the ranks, the step and the bucket.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "compute/backend.hpp"
+#include "engine/arenas.hpp"
+#include "engine/rank_reports.hpp"
+#include "engine/step_runner.hpp"
+#include "powersgd/reducer.hpp"
+
+namespace powersgd::engine {
+
+// The largest world the guard's and the finite flags' encodings are exact for:
+// the Reducer refuses a larger one.
+inline constexpr int kMaxWorldSize = 4095;
+
+// 64-bit hash of `count` floats' bits, in index order (independent of the host's
+// vector width), at memory speed. Not cryptographic: it detects drift, not tampering.
+uint64_t hash_floats(const float* x, size_t count, uint64_t seed = 0);
+
+// Whether every rank's 64-bit `value` is the same, from sums of 16-bit chunks x
+// and x^2 (Cauchy-Schwarz: n * sum(x^2) == (sum x)^2 iff all x are equal; exact
+// in double for n <= kMaxWorldSize). `sums` is the allreduced output of encode.
+inline constexpr size_t kChunks = 4;
+void encode_agreement(uint64_t value, double* out);  // 2 * kChunks doubles
+bool all_agree(const double* sums, int world);
+
+// Collective, on add_bucket's error path (the ranks' fingerprints of
+// configuration and layout differ, `fingerprints` says so on every rank): rank
+// 0 broadcasts a description of its configuration and of bucket `index`, each
+// rank finds its first difference, and one report gather tells every rank.
+// Throws MismatchError on every rank, e.g. "bucket 0 tensor 0: [8,9] on rank 1,
+// [8,8] on rank 0" or "config.rank 2 on rank 1, 1 on rank 0".
+[[noreturn]] void raise_layout_mismatch(Communicator& comm, const Config& config, int index,
+                                        std::span<const Shape> shapes, const std::vector<RankReport>& fingerprints);
+
+class OrderGuard {
+ public:
+  // Everything by reference is owned by the Reducer and outlives the guard.
+  OrderGuard(const Config& config, Communicator& comm, compute::Backend& backend,
+             const std::vector<std::unique_ptr<BucketState>>& buckets, const Arenas& arenas, Stats& stats)
+      : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats) {}
+
+  // Collective (one Float64 allreduce of 2 * kChunks + 1 values), in two
+  // halves around the reduction's local prepare, so the announce's latency
+  // hides behind it: begin() issues the announce (nothing of the reduction has
+  // run: prepare changes no lasting state); finish(), before the data
+  // collectives, waits for it and returns when every rank announced the same
+  // reduction and none failed; else it throws on every rank, after one report
+  // gather: a local failure (reduction.poisoned) on its rank, the others an
+  // error of its code naming the rank and the reason; a disagreement a
+  // MismatchError naming the ranks and what differs. `layout` is the layout
+  // fingerprint; `loaded` whether this rank loaded a checkpoint since its last
+  // agreed reduction (the message then speaks of resumed state). A world of one
+  // announces nothing (finish rethrows a poisoned reduction's error).
+  void begin(const Reduction& reduction, uint64_t layout, bool loaded);
+  void finish(const Reduction& reduction);
+  // Waits for an announce begun and not finished (its buffer is this object's). For error paths.
+  void settle() noexcept;
+
+  // After a reduction succeeded: hashes each bucket's output, P and Q when its
+  // step is due (divergence_check_interval), for its next announce.
+  void after_success(const Reduction& reduction);
+
+ private:
+  struct Pending {
+    uint64_t hash = 0;
+    int64_t step = -1;  // the step the hash is of; -1: none pending
+  };
+
+  uint64_t first_collective_count(const Reduction& reduction) const;
+  [[noreturn]] void raise(const Reduction& reduction, const std::vector<uint64_t>& mine, bool loaded);
+
+  const Config& config_;
+  Communicator& comm_;
+  compute::Backend& be_;
+  const std::vector<std::unique_ptr<BucketState>>& buckets_;
+  const Arenas& arenas_;
+  Stats& stats_;
+  std::vector<Pending> pending_;    // per bucket
+  // The announce in flight between begin and finish.
+  std::vector<uint64_t> mine_;
+  bool loaded_ = false;
+  double sums_[2 * kChunks + 1] = {};
+  Work announced_;
+  std::vector<float> host_scratch_;  // device outputs staged for hashing
+};
+
+}  // namespace powersgd::engine
