@@ -52,7 +52,7 @@ class Config(ctypes.Structure):
         ("adaptive_interval", ctypes.c_int64),
         ("adaptive_threshold", ctypes.c_double),
         ("alternating", ctypes.c_int),
-        ("divergence_check_interval", ctypes.c_int64),  # appended in 0.3
+        ("divergence_check_interval", ctypes.c_int64),  # appended in 0.2 as well
     ]
 
 

@@ -1421,6 +1421,7 @@ TEST_CASE("random: the fixed-order generator draws the same floats as Box-Muller
     CHECK(std::abs(sum / kCount) < 0.01);
     CHECK(std::abs(sum2 / kCount - 1.0) < 0.01);
   }
+}
 
 // ==== Order guard and divergence detector (issue 18) ====
 
