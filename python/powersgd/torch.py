@@ -32,6 +32,9 @@ the group are used from the thread that runs backward(), and its waiter thread.
 import ctypes
 import datetime
 import hashlib
+import logging
+import math
+import numbers
 import os
 import queue
 import socket
@@ -44,8 +47,15 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from powersgd import _capi
 from powersgd._capi import PowerSGDError
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "init_process_group", "PowerSGDError",
            "DECLARATION_ITER"]
+
+# The engine's largest matrix_approximation_rank (and rank_high): Config's validation (engine/config_fields.hpp).
+MAX_RANK = 64
+# The engine's PSGD_TIMEOUT_MS accepts 1 ms to 24 h (transport/comm/options.cpp).
+_MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
 # The DDP iteration in which the hook declares the buckets: the one after the last that DDP may rebuild them in.
 DECLARATION_ITER = 3
@@ -96,18 +106,38 @@ def _group_of(process_group):
     return _Group(rank, members)
 
 
-def _engine_comm(group=None):
+def _group_timeout(process_group):
+    """The timeout torch.distributed's group (None: the default group) was created with, or None where torch
+    does not say (a backend without options._timeout)."""
+    try:
+        pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        timeout = pg.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def _engine_comm(group=None, timeout=None):
     """The process's engine communicator for the whole job (group None) or for `group` (a _Group). Collective
-    on first use: a rendezvous of every rank of the job, or of the group's members."""
+    on first use: a rendezvous of every rank of the job, or of the group's members. The first use creates it
+    with `timeout` (a timedelta; PSGD_TIMEOUT_MS for the creation only, unless the environment sets it)."""
     key = None if group is None else group.members
     with _comm_lock:
         if key not in _comms:
             handle = ctypes.c_void_p()
-            if group is None:
-                _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(handle)))
-            else:
-                _capi.check(_capi.lib.psgd_comm_init_group(group.rank, len(group.members), group.id.encode(),
-                                                           ctypes.byref(handle)))
+            previous = os.environ.get("PSGD_TIMEOUT_MS")
+            if previous is None and timeout is not None:
+                milliseconds = int(timeout.total_seconds() * 1000)
+                os.environ["PSGD_TIMEOUT_MS"] = str(min(max(1, milliseconds), _MAX_TIMEOUT_MS))
+            try:
+                if group is None:
+                    _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(handle)))
+                else:
+                    _capi.check(_capi.lib.psgd_comm_init_group(group.rank, len(group.members),
+                                                               group.id.encode(), ctypes.byref(handle)))
+            finally:
+                if previous is None:
+                    os.environ.pop("PSGD_TIMEOUT_MS", None)
             _comms[key] = handle
         return _comms[key]
 
@@ -148,7 +178,7 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
     if os.environ.get("PSGD_STORE_HOSTED") != "1":
         dist.init_process_group(backend, timeout=timeout)
         return
-    comm = _engine_comm()
+    comm = _engine_comm(timeout=timeout)
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
     # powersgd-run's emulated cluster gives each worker PSGD_ADDR (its host's address); torch's Gloo would
     # otherwise bind to the address its hostname resolves to (loopback there).
@@ -175,14 +205,44 @@ def _bool(name, value):
     return int(bool(value))
 
 
+def _integer(name, value, low, high, expected):
+    """`value` as an int in [low, high] (high None: no limit); TypeError or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError("PowerSGDState: %s = %r: expected an integer, %s" % (name, value, expected))
+    if value < low or (high is not None and value > high):
+        raise ValueError("PowerSGDState: %s = %r: expected %s" % (name, value, expected))
+    return int(value)
+
+
+def _nonnegative(name, value):
+    """`value` as a finite float >= 0; TypeError or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError("PowerSGDState: %s = %r: expected a finite number >= 0" % (name, value))
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError("PowerSGDState: %s = %r: expected a finite number >= 0" % (name, value))
+    return float(value)
+
+
 class PowerSGDState:
     """PyTorch's PowerSGDState, by name, signature and defaults; the arguments mean what they mean there
-    (docs/torch.md lists the one difference: compression starts no earlier than DECLARATION_ITER)."""
+    (docs/torch.md lists the differences: compression starts no earlier than DECLARATION_ITER, the rank is at
+    most MAX_RANK). Keyword-only extras configure the engine's adaptive rank and alternating (docs/engine.md).
+    Every argument is validated here, with the engine's ranges: TypeError or ValueError naming it."""
 
     def __init__(self, process_group, matrix_approximation_rank=1, start_powerSGD_iter=1_000,
                  min_compression_rate=2, use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0,
                  random_seed=0, compression_stats_logging_frequency=10_000,
-                 batch_tensors_with_same_shape: bool = False):
+                 batch_tensors_with_same_shape: bool = False, *, adaptive=False, rank_low=1, rank_high=4,
+                 adaptive_interval=100, adaptive_threshold=0.5, alternating=False):
+        logger.info("PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "
+                    "min_compression_rate = %s; orthogonalization_epsilon = %s; use_error_feedback = %s; "
+                    "warm_start = %s; random_seed = %s; compression_stats_logging_frequency = %s; "
+                    "batch_tensors_with_same_shape = %s; adaptive = %s; rank_low = %s; rank_high = %s; "
+                    "adaptive_interval = %s; adaptive_threshold = %s; alternating = %s",
+                    matrix_approximation_rank, start_powerSGD_iter, min_compression_rate,
+                    orthogonalization_epsilon, use_error_feedback, warm_start, random_seed,
+                    compression_stats_logging_frequency, batch_tensors_with_same_shape, adaptive, rank_low,
+                    rank_high, adaptive_interval, adaptive_threshold, alternating)
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
@@ -191,16 +251,20 @@ class PowerSGDState:
         self.warm_start = warm_start
         self.orthogonalization_epsilon = orthogonalization_epsilon
         self.random_seed = random_seed
-        self.compression_stats_logging_frequency = compression_stats_logging_frequency
+        # As PyTorch's: at least 1 (it reports at least once).
+        self.compression_stats_logging_frequency = max(1, _integer(
+            "compression_stats_logging_frequency", compression_stats_logging_frequency, -2**63, None,
+            "an integer (below 1: every iteration)"))
+        self.next_stats_report = 0
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
+        self.adaptive = adaptive
+        self.rank_low = rank_low
+        self.rank_high = rank_high
+        self.adaptive_interval = adaptive_interval
+        self.adaptive_threshold = adaptive_threshold
+        self.alternating = alternating
         self._group = _group_of(process_group)  # None: the whole job
-        if not isinstance(matrix_approximation_rank, int) or matrix_approximation_rank < 1:
-            raise ValueError("PowerSGDState: matrix_approximation_rank = %r: expected an integer >= 1"
-                             % (matrix_approximation_rank,))
-        if not isinstance(start_powerSGD_iter, int) or start_powerSGD_iter < 0:
-            raise ValueError("PowerSGDState: start_powerSGD_iter = %r: expected an integer >= 0"
-                             % (start_powerSGD_iter,))
-        # The flags are checked now, not at the declaration inside backward(), so a bad value fails at once.
+        # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
         self.iter = 0               # DDP iterations completed (bucket.is_last() closes one), as the reference
         self._plain_bytes = 0       # bytes this rank passed to torch's allreduce before the declaration
@@ -216,19 +280,34 @@ class PowerSGDState:
     # ---- configuration ----
 
     def _engine_config(self, whole_bucket):
+        """The engine's psgd_config of the attributes, each checked against the range the engine's validation
+        (engine/config.cpp) accepts; tests/python/ddp_hook.py's `validation` case gives every bad value to
+        the engine too and checks that it refuses it."""
+        ranks = "an integer 1 to %d (the engine's maximum rank is %d)" % (MAX_RANK, MAX_RANK)
         c = _capi.default_config()
-        c.rank = int(self.matrix_approximation_rank)
+        c.rank = _integer("matrix_approximation_rank", self.matrix_approximation_rank, 1, MAX_RANK, ranks)
+        _integer("start_powerSGD_iter", self.start_powerSGD_iter, 0, None, "an integer >= 0")
         c.start_iter = 0
-        c.min_compression_rate = float(self.min_compression_rate)
+        c.min_compression_rate = _nonnegative("min_compression_rate", self.min_compression_rate)
         c.error_feedback = _bool("use_error_feedback", self.use_error_feedback)
         c.warm_start = _bool("warm_start", self.warm_start)
-        c.orthogonalization_epsilon = float(self.orthogonalization_epsilon)
-        if not 0 <= int(self.random_seed) < 2**64:
-            raise ValueError("PowerSGDState: random_seed = %r: expected 0 to 2**64 - 1" % (self.random_seed,))
-        c.seed = int(self.random_seed)
+        c.orthogonalization_epsilon = _nonnegative("orthogonalization_epsilon", self.orthogonalization_epsilon)
+        c.seed = _integer("random_seed", self.random_seed, 0, 2**64 - 1, "an integer 0 to 2**64 - 1")
         c.batch_same_shape = _bool("batch_tensors_with_same_shape", self.batch_tensors_with_same_shape)
         c.whole_bucket = int(whole_bucket)
-        # The engine validates every field (rank 1 to 64, finite rates, ...) when the reducer is created.
+        c.adaptive = _bool("adaptive", self.adaptive)
+        c.rank_low = _integer("rank_low", self.rank_low, 1, MAX_RANK, ranks)
+        c.rank_high = _integer("rank_high", self.rank_high, 1, MAX_RANK, ranks)
+        if c.rank_low > c.rank_high:
+            raise ValueError("PowerSGDState: rank_low = %d > rank_high = %d: expected rank_low <= rank_high"
+                             % (c.rank_low, c.rank_high))
+        c.adaptive_interval = _integer("adaptive_interval", self.adaptive_interval, 1, 2**63 - 1,
+                                       "an integer >= 1")
+        c.adaptive_threshold = _nonnegative("adaptive_threshold", self.adaptive_threshold)
+        c.alternating = _bool("alternating", self.alternating)
+        if c.alternating and not c.warm_start:
+            raise ValueError("PowerSGDState: alternating = True with warm_start = False: alternating needs "
+                             "warm_start = True (each step starts from the previous step's averaged factor)")
         return c
 
     # ---- statistics ----
@@ -271,9 +350,9 @@ class PowerSGDState:
     def _hook(self, bucket, whole_bucket):
         buffer = bucket.buffer()
         index = bucket.index()
-        if buffer.dtype != torch.float32 or buffer.device.type != "cpu":
-            raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32 on the CPU"
-                            % (index, buffer.dtype, buffer.device))
+        if buffer.dtype not in _DTYPES or buffer.device.type != "cpu":
+            raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32, float64, "
+                            "float16 or bfloat16 on the CPU" % (index, buffer.dtype, buffer.device))
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
         if self._reducer is None and self._failure is None and self.iter >= DECLARATION_ITER:
             self._declare(whole_bucket)
@@ -282,6 +361,8 @@ class PowerSGDState:
             self._plain_bytes += buffer.numel() * buffer.element_size()
         else:
             future = self._reduce(bucket, index, buffer, whole_bucket)
+        if bucket.is_last() and self._reducer is not None and self._failure is None:
+            self._maybe_report()
         if bucket.is_last():
             self._close_iteration()
         return future
@@ -289,6 +370,16 @@ class PowerSGDState:
     def _close_iteration(self):
         self.iter += 1
         self._previous_layout, self._layout = self._layout, {}
+        if self.iter == max(self.start_powerSGD_iter, DECLARATION_ITER):
+            logger.info("Start to apply PowerSGD after %d iterations.", self.iter)
+
+    def _maybe_report(self):
+        """PyTorch's _report_compression_stats: in a compressed iteration, at its last bucket, every
+        compression_stats_logging_frequency iterations from the first. Logged by the waiter once the
+        iteration's reductions completed, so the figures include them."""
+        if self.iter >= max(self.start_powerSGD_iter, DECLARATION_ITER) and self.iter >= self.next_stats_report:
+            self._pending.put(("report", self.iter))
+            self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
     def _declare(self, whole_bucket):
         """Collective: creates the engine reducer and declares the last iteration's buckets."""
@@ -299,7 +390,7 @@ class PowerSGDState:
                                     % (sorted(layout), self.iter - 1, len(layout) - 1))
             config = self._engine_config(whole_bucket)
             config.start_iter = max(0, int(self.start_powerSGD_iter) - self.iter)
-            comm = _engine_comm(self._group)
+            comm = _engine_comm(self._group, _group_timeout(self.process_group))
             reducer = ctypes.c_void_p()
             _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
             self._reducer = reducer
@@ -342,14 +433,17 @@ class PowerSGDState:
             return self._failed_future(self._failure)
         if not buffer.is_contiguous():
             raise TypeError("powersgd.torch: bucket %d's buffer is not contiguous" % index)
+        # The engine reduces float32: another dtype is converted at the boundary (exact for float16 and
+        # bfloat16; float64 rounds) and the result copied back into the bucket when it completes.
+        work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         handle = ctypes.c_void_p()
-        status = _capi.lib.psgd_reducer_reduce_async(self._reducer, index, ctypes.c_void_p(buffer.data_ptr()),
+        status = _capi.lib.psgd_reducer_reduce_async(self._reducer, index, ctypes.c_void_p(work.data_ptr()),
                                                      ctypes.byref(handle))
         if status != 0:
             self._failure = PowerSGDError(status, _capi.last_error())
             return self._failed_future(self._failure)
         future = torch.futures.Future()
-        self._pending.put((handle, future, buffer))
+        self._pending.put((handle, future, buffer, work))
         return _as_error_future(future)
 
     @staticmethod
@@ -363,14 +457,25 @@ class PowerSGDState:
             item = self._pending.get()
             if item is None:
                 return
-            handle, future, buffer = item
+            if item[0] == "report":
+                rate, before, after = self.compression_stats()
+                logger.info("Compression stats: iter %d, total before compression %d, total after compression "
+                            "%d, rate %s", item[1], before, after, rate)
+                continue
+            handle, future, buffer, work = item
             status = _capi.lib.psgd_reduce_handle_wait(handle)
             message = _capi.last_error() if status != 0 else ""
             _capi.lib.psgd_reduce_handle_free(handle)
             if status == 0:
+                if work is not buffer:
+                    buffer.copy_(work)
                 future.set_result(buffer)
             else:
                 future.set_exception(PowerSGDError(status, message))
+
+
+# The bucket dtypes the hook accepts; all but float32 are converted at the boundary (PowerSGDState._reduce).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _as_error_future(future):

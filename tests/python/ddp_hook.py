@@ -12,13 +12,27 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
   groups            two disjoint process groups (ranks of equal parity: {0, 2} and {1, 3}, or {0} and {1}), DDP
                     on each with our hook and with PyTorch's powerSGD_hook at an exact rank: the same parameters
                     (and not those of an average over every rank); a group this rank is not in is refused
+  validation        every bad PowerSGDState argument fails at construction (TypeError/ValueError naming it and
+                    the accepted range), and the engine refuses the same value in its psgd_config; the extremes
+                    are accepted by both
+  knobs             compression stats logged at compression_stats_logging_frequency with PyTorch's wording;
+                    adaptive (rank_low, rank_high, adaptive_interval, adaptive_threshold) and alternating reach
+                    the engine (bytes per step); the process group's timeout is the engine's (3 ranks)
+  dtype-float64, dtype-float16
+                    DDP on a model of that dtype: parameters equal DDP allreduce's in that dtype within a
+                    tolerance of the dtype (exact low-rank setting of parity-exact)
+  dtype-bfloat16    bfloat16 buckets (by hand: torch 1.13's Gloo has none) give the float32 results rounded
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
 Exit 77 (skip) when torch is not importable.
 """
 import copy
 import ctypes
+import datetime
+import logging
+import math
 import sys
+import time
 
 try:
     import torch
@@ -321,9 +335,9 @@ def expect_failure(what, fn, words):
 class FakeBucket:
     """The four methods of dist.GradBucket that the hook calls, over a tensor this test controls."""
 
-    def __init__(self, index, shapes, last):
+    def __init__(self, index, shapes, last, dtype=torch.float32):
         self._index, self._last = index, last
-        self._buffer = torch.ones(sum(torch.Size(s).numel() for s in shapes))
+        self._buffer = torch.ones(sum(torch.Size(s).numel() for s in shapes), dtype=dtype)
         self._shapes = shapes
 
     def index(self):
@@ -385,7 +399,7 @@ def case_errors():
     expect_failure("two hooks", pst.batched_powerSGD_hook(state, FakeBucket(0, [(8, 8)], True)).wait,
                    ["use one state per hook"])
 
-    # Bad configuration fails in the constructor, naming the value.
+    # Bad configuration fails in the constructor, naming the value (every argument: case_validation).
     for options, words in [(dict(matrix_approximation_rank=0), "matrix_approximation_rank = 0"),
                            (dict(use_error_feedback=2), "use_error_feedback = 2"),
                            (dict(start_powerSGD_iter=-1), "start_powerSGD_iter = -1")]:
@@ -395,12 +409,245 @@ def case_errors():
             assert words in str(e), e
         else:
             raise AssertionError("%s accepted" % options)
-    # The engine's own validation (rank above its limit) fails at the declaration, from the future.
-    state = pst.PowerSGDState(process_group=None, matrix_approximation_rank=1000, start_powerSGD_iter=0)
-    for iteration in range(pst.DECLARATION_ITER):
-        pst.powerSGD_hook(state, FakeBucket(0, [(8, 8)], True)).wait()
-    expect_failure("rank 1000", pst.powerSGD_hook(state, FakeBucket(0, [(8, 8)], True)).wait,
-                   ["PSGD_ERR_INVALID_ARGUMENT", "1000"])
+
+
+# PowerSGDState argument -> the psgd_config field the engine validates it as.
+ENGINE_FIELD = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
+                "min_compression_rate": "min_compression_rate", "use_error_feedback": "error_feedback",
+                "warm_start": "warm_start", "orthogonalization_epsilon": "orthogonalization_epsilon",
+                "random_seed": "seed", "batch_tensors_with_same_shape": "batch_same_shape", "adaptive": "adaptive",
+                "rank_low": "rank_low", "rank_high": "rank_high", "adaptive_interval": "adaptive_interval",
+                "adaptive_threshold": "adaptive_threshold", "alternating": "alternating"}
+
+
+def engine_accepts(options):
+    """Whether the engine's psgd_reducer_create accepts the configuration (no collective: it validates and
+    starts the reducer's thread), and its message."""
+    from powersgd import _capi
+    config = _capi.default_config()
+    for name, value in options.items():
+        setattr(config, ENGINE_FIELD[name], value)
+    reducer = ctypes.c_void_p()
+    status = _capi.lib.psgd_reducer_create(pst._engine_comm(), ctypes.byref(config), ctypes.byref(reducer))
+    if status == 0:
+        _capi.lib.psgd_reducer_destroy(reducer)
+        return True, ""
+    assert status == 1 and not reducer, (options, status)
+    return False, _capi.last_error()
+
+
+def case_validation():
+    # Each bad value: refused at construction, naming the argument, the value and the range; and refused by
+    # the engine in its config, so the hook's ranges are the engine's (none narrower, none wider).
+    nan, inf = float("nan"), float("inf")
+    bad = [
+        (dict(matrix_approximation_rank=65), ValueError, ["matrix_approximation_rank = 65", "1 to 64",
+                                                          "maximum rank is 64"]),
+        (dict(matrix_approximation_rank=0), ValueError, ["matrix_approximation_rank = 0", "1 to 64"]),
+        (dict(start_powerSGD_iter=-1), ValueError, ["start_powerSGD_iter = -1", ">= 0"]),
+        (dict(min_compression_rate=-1), ValueError, ["min_compression_rate = -1", "finite number >= 0"]),
+        (dict(min_compression_rate=nan), ValueError, ["min_compression_rate = nan", "finite"]),
+        (dict(min_compression_rate=inf), ValueError, ["min_compression_rate = inf", "finite"]),
+        (dict(orthogonalization_epsilon=-1e-8), ValueError, ["orthogonalization_epsilon = -1e-08", ">= 0"]),
+        (dict(orthogonalization_epsilon=inf), ValueError, ["orthogonalization_epsilon = inf", "finite"]),
+        (dict(use_error_feedback=2), ValueError, ["use_error_feedback = 2", "True or False"]),
+        (dict(warm_start=-1), ValueError, ["warm_start = -1", "True or False"]),
+        (dict(batch_tensors_with_same_shape=2), ValueError, ["batch_tensors_with_same_shape = 2"]),
+        (dict(adaptive=2), ValueError, ["adaptive = 2", "True or False"]),
+        (dict(alternating=2), ValueError, ["alternating = 2", "True or False"]),
+        (dict(rank_low=0), ValueError, ["rank_low = 0", "1 to 64"]),
+        (dict(rank_high=65), ValueError, ["rank_high = 65", "1 to 64"]),
+        (dict(rank_low=5, rank_high=4), ValueError, ["rank_low = 5 > rank_high = 4"]),
+        (dict(adaptive_interval=0), ValueError, ["adaptive_interval = 0", ">= 1"]),
+        (dict(adaptive_threshold=-0.5), ValueError, ["adaptive_threshold = -0.5", ">= 0"]),
+        (dict(adaptive_threshold=nan), ValueError, ["adaptive_threshold = nan", "finite"]),
+        (dict(alternating=True, warm_start=False), ValueError, ["alternating = True with warm_start = False"]),
+    ]
+    for options, kind, words in bad:
+        try:
+            pst.PowerSGDState(None, **options)
+        except kind as e:
+            for word in words:
+                assert word in str(e), (options, word, str(e))
+        else:
+            raise AssertionError("PowerSGDState(%s) accepted" % options)
+        accepted, message = engine_accepts(options)
+        assert not accepted, "the engine accepts %s, which PowerSGDState refuses" % options
+    # Values C cannot hold: refused by type or range before they reach the config.
+    for options, kind, words in [(dict(matrix_approximation_rank=2.0), TypeError, ["matrix_approximation_rank = 2.0",
+                                                                                   "an integer"]),
+                                 (dict(matrix_approximation_rank=True), TypeError, ["matrix_approximation_rank"]),
+                                 (dict(random_seed=-1), ValueError, ["random_seed = -1", "0 to 2**64 - 1"]),
+                                 (dict(random_seed=2**64), ValueError, ["random_seed = 18446744073709551616"]),
+                                 (dict(min_compression_rate="2"), TypeError, ["min_compression_rate = '2'"]),
+                                 (dict(compression_stats_logging_frequency=1.5), TypeError,
+                                  ["compression_stats_logging_frequency = 1.5"])]:
+        try:
+            pst.PowerSGDState(None, **options)
+        except kind as e:
+            for word in words:
+                assert word in str(e), (options, word, str(e))
+        else:
+            raise AssertionError("PowerSGDState(%s) accepted" % options)
+    # The extremes: accepted by both.
+    good = [dict(matrix_approximation_rank=64), dict(matrix_approximation_rank=1), dict(start_powerSGD_iter=0),
+            dict(min_compression_rate=0), dict(orthogonalization_epsilon=0), dict(random_seed=2**64 - 1),
+            dict(adaptive=True, rank_low=64, rank_high=64, adaptive_interval=1, adaptive_threshold=0),
+            dict(alternating=True), dict(use_error_feedback=False, warm_start=False)]
+    for options in good:
+        state = pst.PowerSGDState(None, **options)
+        assert engine_accepts(options)[0], options
+        state.close()
+    # PyTorch's: at least 1.
+    assert pst.PowerSGDState(None, compression_stats_logging_frequency=0).compression_stats_logging_frequency == 1
+    if rank() == 0:
+        print("validation: %d bad values refused at construction and by the engine; %d extremes accepted by both"
+              % (len(bad), len(good)))
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def step_bytes(options, steps, shapes=((64, 64),)):
+    """Drives the hook by hand over one bucket for `steps` compressed steps; the engine's bytes of the last."""
+    state = pst.PowerSGDState(None, start_powerSGD_iter=0, **options)
+    for _ in range(pst.DECLARATION_ITER + steps):
+        bucket = FakeBucket(0, list(shapes), True)
+        torch.manual_seed(rank())
+        bucket.buffer().copy_(torch.randn(bucket.buffer().shape))
+        pst.powerSGD_hook(state, bucket).wait()
+    assert state.compression_stats()[1] > 0
+    result = state._stats().last_step_bytes
+    state.close()
+    return result
+
+
+def case_knobs():
+    assert world() == 3
+    # Statistics logged as PyTorch's hook does: from the first compressed iteration, every N iterations, at the
+    # iteration's last bucket, after its reductions.
+    records = Records()
+    logging.getLogger("powersgd.torch").addHandler(records)
+    logging.getLogger("powersgd.torch").setLevel(logging.INFO)
+    torch.manual_seed(1)
+    model = ddp(TwoLayers())
+    state = pst.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=4,
+                              compression_stats_logging_frequency=3)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    inputs, targets = data(2, 11, seed=3)
+    train(model, inputs, targets)
+    rate, before, after = state.compression_stats()
+    state.close()  # the waiter has logged everything queued
+    logging.getLogger("powersgd.torch").removeHandler(records)
+    reports = [m for m in records.messages if m.startswith("Compression stats")]
+    assert [m.split(",")[0] for m in reports] == ["Compression stats: iter 4", "Compression stats: iter 7",
+                                                  "Compression stats: iter 10"], records.messages
+    assert reports[-1] == ("Compression stats: iter 10, total before compression %d, total after compression %d, "
+                           "rate %s" % (before, after, rate)), (reports[-1], state.compression_stats())
+    assert records.messages[0].startswith("PowerSGD config: matrix_approximation_rank = 1; start_powerSGD_iter = 4")
+    assert "Start to apply PowerSGD after 4 iterations." in records.messages, records.messages
+
+    # Adaptive rank and alternating reach the engine: bytes of a step of one 64 x 64 matrix.
+    rank1 = step_bytes(dict(matrix_approximation_rank=1), 3)
+    rank4 = step_bytes(dict(matrix_approximation_rank=4), 3)
+    assert rank4 > 3 * rank1, (rank1, rank4)
+    # A window changing by less than the threshold -> rank_low for the next; threshold 0 -> rank_high always.
+    assert step_bytes(dict(adaptive=True, rank_low=1, rank_high=4, adaptive_threshold=0, adaptive_interval=1),
+                      4) == rank4
+    assert step_bytes(dict(adaptive=True, rank_low=1, rank_high=4, adaptive_threshold=1e9, adaptive_interval=1),
+                      4) == rank1
+    assert step_bytes(dict(adaptive=True, rank_low=1, rank_high=4, adaptive_threshold=1e9, adaptive_interval=100),
+                      4) == rank4  # the first window (100 steps) is at rank_high
+    assert step_bytes(dict(adaptive=True, rank_low=2, rank_high=2), 3) == step_bytes(
+        dict(matrix_approximation_rank=2), 3)
+    alternating = step_bytes(dict(matrix_approximation_rank=4, alternating=True), 3)
+    assert alternating < rank4 and abs(alternating - rank4 / 2) <= rank4 / 8, (alternating, rank4)
+
+    # The process group's timeout is the engine's: group {0, 1} with 3 s; rank 1 stalls, rank 0's collective
+    # of the group's engine communicator fails with a timeout after about 3 s, not PSGD_TIMEOUT_MS's 300 s.
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank() < 2:
+        from powersgd import _capi
+        comm = pst._engine_comm(pst._group_of(group), pst._group_timeout(group))
+        _capi.check(_capi.lib.psgd_comm_barrier(comm))
+        if rank() == 1:
+            time.sleep(10)
+        start = time.monotonic()
+        status = _capi.lib.psgd_comm_barrier(comm)
+        waited = time.monotonic() - start
+        if rank() == 0:
+            assert status == 3 and "PSGD_TIMEOUT_MS" in _capi.last_error(), (status, _capi.last_error())
+            assert 2.5 < waited < 9, waited
+            print("knobs: the group's 3 s timeout: the engine's barrier failed after %.1f s" % waited)
+        else:
+            assert status != 0
+    if rank() == 0:
+        print("knobs: stats logged at iterations 4, 7, 10; bytes per step: rank 1 %d, rank 4 %d, alternating "
+              "rank 4 %d" % (rank1, rank4, alternating))
+
+
+class HalfLinear(nn.Module):
+    """A linear layer whose parameters have `dtype` (float16: torch 1.13 has no float16 matmul on the CPU, so
+    it computes in float32; the gradients are float16, as the parameters)."""
+
+    def __init__(self, rows, cols, dtype, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter((torch.randn(rows, cols) / math.sqrt(cols)).to(dtype))
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype)) if bias else None
+
+    def forward(self, x):
+        y = x @ self.weight.float().t()
+        return y + self.bias.float() if self.bias is not None else y
+
+
+def case_dtype(dtype, tolerance):
+    def factory():
+        return nn.Sequential(HalfLinear(32, 16, dtype, bias=False), nn.ReLU(), HalfLinear(8, 32, dtype))
+
+    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=False)
+    name = "dtype-%s" % str(dtype).split(".")[1]
+    state, difference = parity(name, options, factory, {}, batch=1, tolerance=tolerance)
+    assert all(p.dtype == dtype for p in state_model_parameters(factory))
+    assert state.compression_stats()[1] > 0, "nothing was compressed"
+    if rank() == 0:
+        print("%s: largest parameter difference from DDP allreduce in %s %.2g over %d steps (tolerance %g)"
+              % (name, dtype, difference, STEPS, tolerance))
+
+
+def case_bfloat16():
+    # torch 1.13's Gloo has no bfloat16 ("Invalid scalar type": DDP's constructor cannot broadcast a bfloat16
+    # model), so the hook gets bfloat16 buckets by hand: two states, one fed float32 buckets, one the same
+    # values in bfloat16 (exact: they are bfloat16 values) from the compressed steps on; the engine computes
+    # the same float32 result for both, which the second returns rounded to bfloat16.
+    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=0)
+    shapes = [(32, 16), (16,)]
+    plain, converted = pst.PowerSGDState(None, **options), pst.PowerSGDState(None, **options)
+    generator = torch.Generator().manual_seed(70 + rank())
+    for iteration in range(pst.DECLARATION_ITER + 4):
+        values = torch.randn(32 * 16 + 16, generator=generator).to(torch.bfloat16).float()
+        a = FakeBucket(0, shapes, True)
+        a.buffer().copy_(values)
+        b = FakeBucket(0, shapes, True, torch.bfloat16 if iteration >= pst.DECLARATION_ITER else torch.float32)
+        b.buffer().copy_(values)
+        pst.powerSGD_hook(plain, a).wait()
+        result = pst.powerSGD_hook(converted, b).wait()
+        assert result.dtype == b.buffer().dtype and result.data_ptr() == b.buffer().data_ptr()
+        assert torch.equal(b.buffer(), a.buffer().to(b.buffer().dtype)), iteration
+        assert not torch.equal(a.buffer(), values)
+    assert converted.compression_stats() == plain.compression_stats() and plain.compression_stats()[1] > 0
+    if rank() == 0:
+        print("dtype-bfloat16: 4 compressed steps of bfloat16 buckets equal the float32 results rounded")
+
+
+def state_model_parameters(factory):
+    torch.manual_seed(1)
+    return list(factory().parameters())
 
 
 CASES = {
@@ -410,6 +657,11 @@ CASES = {
     "many-buckets": case_many_buckets,
     "errors": case_errors,
     "groups": case_groups,
+    "validation": case_validation,
+    "knobs": case_knobs,
+    "dtype-float64": lambda: case_dtype(torch.float64, 1e-6),
+    "dtype-float16": lambda: case_dtype(torch.float16, 4e-3),
+    "dtype-bfloat16": case_bfloat16,
 }
 
 
