@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "powersgd/error.hpp"
 #include "run/inputs.hpp"
@@ -111,3 +112,24 @@ TEST_CASE("log files: created 0600 and truncated; links, FIFOs and hard links ar
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
+
+// Found by fuzz_launcher_options: "--hosts node1:333333333" without -n asked for
+// 333 million workers and place_ranks ran out of memory placing them.
+TEST_CASE("worker count: -n and the slots of --hosts are bounded, the sum of slots does not overflow") {
+  auto parse = [](std::vector<std::string> words) {
+    words.insert(words.begin(), "powersgd-run");
+    std::vector<char*> argv;
+    for (auto& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    return run::parse_command_line(static_cast<int>(words.size()), argv.data());
+  };
+  CHECK_FALSE(parse({"--hosts", "node1:333333333", "--", "true"}).options);
+  CHECK_FALSE(parse({"--hosts", "a:2000000000,b:2000000000", "--", "true"}).options);  // sum above INT_MAX
+  CHECK_FALSE(parse({"-n", "2000000000", "--", "true"}).options);
+  const auto bounded = parse({"--hosts", "node1:333333333", "-n", "4", "--", "true"});
+  REQUIRE(bounded.options);
+  CHECK(run::place_ranks(*bounded.options).size() == 4);
+  const auto local = parse({"-n", "3", "--", "true"});
+  REQUIRE(local.options);
+  CHECK(run::place_ranks(*local.options).size() == 3);
+}

@@ -240,6 +240,10 @@ std::string resolve_program(const std::string& program) {
   PSGD_THROW(InvalidArgumentError, "program '", program, "' was not found in PATH, or is not executable there");
 }
 
+// More workers than any job this launcher starts: a larger -n or slot total is a
+// typo (e.g. host:333333333) that would otherwise exhaust memory placing ranks.
+constexpr int kMaxWorkers = 65536;
+
 std::vector<Placement> place_ranks(const Options& options) {
   std::vector<Placement> placements;
   auto add_block = [&](int host, int count) {
@@ -348,8 +352,8 @@ ParseResult parse_command_line(int argc, char** argv) {
   try {
     if (o.command.empty())
       PSGD_THROW(InvalidArgumentError, "no program given: expected powersgd-run [options] -- PROGRAM ARGS...");
-    if (app.count("-n") > 0 && o.nproc < 1)
-      PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is out of range: expected at least 1 worker");
+    if (app.count("-n") > 0 && (o.nproc < 1 || o.nproc > kMaxWorkers))
+      PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is out of range: expected 1 to ", kMaxWorkers, " workers");
     o.grace = seconds_option(grace, "--grace", true);
     o.timeout = seconds_option(timeout, "--timeout", true);
     for (const auto& item : env_items) {
@@ -372,9 +376,14 @@ ParseResult parse_command_line(int argc, char** argv) {
     if (multi_node) {
       o.mode = Mode::Ssh;
       o.hosts = !hostfile.empty() || app.count("--hostfile") > 0 ? parse_hostfile(hostfile) : parse_host_list(hosts);
-      int slots = 0;
+      int64_t slots = 0;  // int64: each host's count is an int, their sum may not be
       for (const auto& h : o.hosts) slots += h.slots;
-      if (o.nproc == 0) o.nproc = slots;
+      if (o.nproc == 0) {
+        if (slots > kMaxWorkers)
+          PSGD_THROW(InvalidArgumentError, "the hosts given have ", slots, " slots: without -n that many workers, ",
+                     "more than ", kMaxWorkers, "; give -n or smaller slot counts");
+        o.nproc = static_cast<int>(slots);
+      }
       if (o.nproc > slots)
         PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is more than the ", slots, " slots of the hosts given");
       if (!ssh_command.empty()) o.ssh.command = split_blanks(ssh_command);
