@@ -42,6 +42,19 @@ namespace {
 
 std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
 
+// A C API communicator of one rank, through psgd_comm_init_from_env as a C caller would make it;
+// the environment it needs is set for the call only.
+psgd_comm* c_comm_of_one() {
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  const psgd_status status = psgd_comm_init_from_env(&comm);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  REQUIRE(status == PSGD_OK);
+  return comm;
+}
+
 // A per-test temporary file name.
 std::string temp_path(const char* tag) {
   return "/tmp/psgd-test-engine-" + std::to_string(::getpid()) + "-" + tag;
@@ -517,10 +530,7 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(psgd_comm_rank(nullptr) == -1);
   CHECK(psgd_reducer_iteration(nullptr) == -1);
 
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_comm* comm = c_comm_of_one();
   CHECK(psgd_comm_rank(comm) == 0);
   CHECK(psgd_comm_size(comm) == 1);
   float x[3] = {1, 2, 3};
@@ -585,8 +595,6 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   std::remove(path.c_str());
   psgd_reducer_destroy(r);
   psgd_comm_destroy(comm);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
 
 TEST_CASE("communicator destroyed before its reducer: every later call fails with an error, no crash") {
@@ -651,10 +659,7 @@ TEST_CASE("communicator destroyed while reduce_async is in flight: the queued re
 }
 
 TEST_CASE("C API: psgd_comm_destroy before psgd_reducer_destroy: the reducer's calls fail, no crash") {
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_comm* comm = c_comm_of_one();
   psgd_config config = psgd_config_default();
   config.start_iter = 0;
   psgd_reducer* r = nullptr;
@@ -669,15 +674,10 @@ TEST_CASE("C API: psgd_comm_destroy before psgd_reducer_destroy: the reducer's c
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("the communicator of this reducer was destroyed") != std::string::npos);
   psgd_reducer_destroy(r);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
 
 TEST_CASE("C API: job checkpoint save_job/load_job, and each kind refused by the other's load") {
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_comm* comm = c_comm_of_one();
   psgd_config d = psgd_config_default();
   d.start_iter = 1;
   psgd_reducer* r = nullptr;
@@ -719,8 +719,6 @@ TEST_CASE("C API: job checkpoint save_job/load_job, and each kind refused by the
   std::remove(per_rank.c_str());
   psgd_reducer_destroy(r);
   psgd_comm_destroy(comm);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
 
 TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
@@ -730,10 +728,7 @@ TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
   const psgd_config d = psgd_config_default();
   CHECK(d.struct_size == sizeof(psgd_config));
 
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_comm* comm = c_comm_of_one();
   psgd_reducer* r = nullptr;
 
   // A config that does not say its size (not from psgd_config_default) is refused, naming the value.
@@ -805,17 +800,12 @@ TEST_CASE("C API: version, struct_size of config and stats, bucket_size") {
 
   psgd_reducer_destroy(r);
   psgd_comm_destroy(comm);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
 
 // ---- issue 10: the async C API and the store port beside torch.distributed ----
 
 TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out of wait, on the waiting thread") {
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  psgd_comm* comm = c_comm_of_one();
   psgd_config c = psgd_config_default();
   c.start_iter = 2;
   c.rank = 2;
@@ -923,8 +913,6 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
   psgd_reducer_destroy(async);
   psgd_reducer_destroy(sync);
   psgd_comm_destroy(comm);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
 
 TEST_CASE("C API: the store port beside torch.distributed") {
@@ -1530,10 +1518,7 @@ TEST_CASE("guard: the size-checked entry points refuse a wrong count, naming bot
   CHECK(r.iteration() == before + 1);
   r.error_feedback(0, std::span<float>(out));
 
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* c = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&c) == PSGD_OK);
+  psgd_comm* c = c_comm_of_one();
   psgd_reducer* cr = nullptr;
   const psgd_config d = psgd_config_default();
   REQUIRE(psgd_reducer_create(c, &d, &cr) == PSGD_OK);
@@ -1556,6 +1541,4 @@ TEST_CASE("guard: the size-checked entry points refuse a wrong count, naming bot
   CHECK(psgd_reducer_error_feedback_n(cr, 0, out.data(), 53) == PSGD_OK);
   psgd_reducer_destroy(cr);
   psgd_comm_destroy(c);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
