@@ -63,7 +63,10 @@ constexpr Variable kVariables[] = {
     {"PSGD_CUDA_MODULE", "",
      "Path of the CUDA backend module (libpowersgd-cuda.so) to load for Device::Cuda; only this path is tried. "
      "Default: beside libpowersgd.so, then the dynamic loader's search path."},
-    {"PSGD_BLAS_THREADS", "", "OpenBLAS thread count for the CPU backend (default: OpenBLAS's own)."},
+    {"PSGD_BLAS_THREADS", "", "OpenBLAS thread count for the CPU backend (default: OpenBLAS's own); its fused "
+                              "kernels use as many threads on large matrices."},
+    {"PSGD_CPU_KERNELS", "", "CPU backend's fused-kernel variant: avx512, avx2 or sse2 (default: the widest this "
+                             "CPU runs); one the CPU lacks is an error. Results are the same bits with each."},
     {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug."},
 };
 

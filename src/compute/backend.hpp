@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace powersgd::compute {
 
@@ -136,8 +138,15 @@ class Backend {
 
 // ---- factories: one per backend, with a runtime availability probe ----
 
-// Always available.
-std::unique_ptr<Backend> make_cpu_backend();
+// Always available. `kernels` names the fused-kernel variant (one of
+// cpu_kernel_variants()); empty: PSGD_CPU_KERNELS when set, else the widest.
+// A variant this CPU does not run is an UnsupportedError naming the ones it does.
+std::unique_ptr<Backend> make_cpu_backend(std::string_view kernels = {});
+// The CPU backend's fused-kernel variants this CPU runs, widest first: "avx512",
+// "avx2" (x86-64 builds, where the CPU has them), then "sse2" ("portable"
+// elsewhere). reconstruct_and_residual writes the same bits with every variant
+// and thread count (docs/compute.md).
+std::vector<std::string> cpu_kernel_variants();
 // OpenBLAS threads used by the CPU backend (runtime probe), and a way to set it.
 int cpu_blas_threads();
 void set_cpu_blas_threads(int threads);

@@ -1,6 +1,7 @@
 // Every rank applies the same update, bit for bit, whatever its BLAS kernels and
 // thread count (docs/compute.md, "Bitwise-identical updates"): ranks run with
-// different OPENBLAS_CORETYPE and PSGD_BLAS_THREADS, every option of the engine,
+// different OPENBLAS_CORETYPE, PSGD_BLAS_THREADS and PSGD_CPU_KERNELS (the fused
+// kernels' vector width), every option of the engine,
 // and compare a 64-bit hash of their outputs at every step.
 //
 //   powersgd-run -n 4 --timeout 120 -- test_determinism_mp
@@ -44,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "compute/backend.hpp"
 #include "engine/fingerprint.hpp"
 #include "powersgd/reducer.hpp"
 
@@ -206,15 +208,19 @@ int drive(int argc, char** argv) {
                                  ? native
                                  : others[(round * others_per_round + static_cast<size_t>(rank - 1)) % others.size()];
     const std::string threads = std::to_string(1 + (round + static_cast<size_t>(rank)) % 2);
+    // The fused kernels' vector width too: every variant this CPU runs, in turn.
+    const std::vector<std::string> variants = compute::cpu_kernel_variants();
+    const std::string kernels = variants[(round + static_cast<size_t>(rank)) % variants.size()];
     const int status = run_self(args, environment_with({{"OPENBLAS_CORETYPE", core},
                                                         {"PSGD_BLAS_THREADS", threads},
+                                                        {"PSGD_CPU_KERNELS", kernels},
                                                         {"PSGD_DETERMINISM_ROUND", std::to_string(round)},
                                                         {"PSGD_DETERMINISM_ROUNDS", std::to_string(rounds)},
                                                         {"PSGD_DETERMINISM_CORE", core}}),
                                 nullptr);
     if (status != 0) {
-      std::fprintf(stderr, "test_determinism_mp: rank %d, round %zu (OPENBLAS_CORETYPE=%s, PSGD_BLAS_THREADS=%s) failed with status %d\n",
-                   rank, round, core.c_str(), threads.c_str(), status);
+      std::fprintf(stderr, "test_determinism_mp: rank %d, round %zu (OPENBLAS_CORETYPE=%s, PSGD_BLAS_THREADS=%s, PSGD_CPU_KERNELS=%s) failed with status %d\n",
+                   rank, round, core.c_str(), threads.c_str(), kernels.c_str(), status);
       return status > 0 && status < 126 ? status : 1;
     }
   }
@@ -257,7 +263,8 @@ std::vector<Option> options() {
 // elements that the whole-bucket square's P Q^T is a multi-threaded sgemm in
 // OpenBLAS (m n k above its threshold of 262,144). One bucket: its two
 // collectives per step are most of the test's time.
-const std::vector<Shape> kShapes = {{96, 80}, {80}, {24, 16, 3, 3}, {24, 16, 3, 3}, {}, {40, 10}, {256, 288}, {256}};
+// {520, 509}: 2^18 floats and more, which the CPU kernels split over threads and write with non-temporal stores.
+const std::vector<Shape> kShapes = {{96, 80}, {80}, {24, 16, 3, 3}, {24, 16, 3, 3}, {}, {40, 10}, {256, 288}, {256}, {520, 509}};
 // Compressed steps 1 to 5. Adaptive, a decision after every step: step 1 (no
 // previous window) selects rank_high, step 2 (same scale) rank_low, step 3
 // (scaled up) rank_high again, step 4 rank_low.
@@ -339,8 +346,9 @@ TEST_CASE("determinism: every option, every step, the same output bits on every 
   for (const Option& opt : options()) {
     Reducer reducer(*comm, opt.config);  // its backend applies PSGD_BLAS_THREADS
     if (labels.empty()) {
-      char label[64] = {};
-      std::snprintf(label, sizeof label, "%s, %d BLAS thread(s)", openblas_get_corename(), openblas_get_num_threads());
+      char label[96] = {};
+      std::snprintf(label, sizeof label, "%s, %d BLAS thread(s), %s kernels", openblas_get_corename(),
+                    openblas_get_num_threads(), std::getenv("PSGD_CPU_KERNELS"));
       std::vector<char> all(sizeof label * static_cast<size_t>(world));
       comm->allgather(label, all.data(), sizeof label);
       for (int w = 0; w < world; ++w)

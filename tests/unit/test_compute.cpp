@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -23,6 +24,7 @@
 
 #include "compute/backend.hpp"
 #include "powersgd/error.hpp"
+#include "error_of.hpp"
 
 namespace powersgd::compute {
 namespace {
@@ -42,6 +44,25 @@ void for_each_backend(const std::function<void(Backend&)>& body) {
   auto backend = make_backend_under_test();
   INFO("backend: " << backend->name());
   body(*backend);
+}
+
+// The fused passes: on the CPU once per kernel variant this CPU runs (AVX-512,
+// AVX2, SSE2) and per thread count (1 and 2; threads split matrices of 2^18
+// floats and more), else as for_each_backend.
+void for_each_fused_backend(const std::function<void(Backend&)>& body) {
+#ifdef PSGD_TEST_COMPUTE_CUDA
+  for_each_backend(body);
+#else
+  const int original = cpu_blas_threads();
+  for (const std::string& variant : cpu_kernel_variants())
+    for (int threads : {1, 2}) {
+      set_cpu_blas_threads(threads);
+      auto backend = make_cpu_backend(variant);
+      INFO("backend: " << backend->name());
+      body(*backend);
+    }
+  set_cpu_blas_threads(original);
+#endif
 }
 
 // ---- host <-> backend helpers ----
@@ -244,15 +265,19 @@ struct FusedShape {
   int64_t rows, cols, rank;
 };
 
-// Covers compile-time ranks 1 to 4 and the run-time path, row lengths with and
-// without a vector tail, the 4-row blocking of project_transposed (odd row
-// counts), PowerSGD-sized matrices and empty sizes.
+// Covers compile-time ranks 1 to 8 and the run-time path (9, 16), row lengths
+// with and without a vector tail (of 4, 8 and 16 floats), the 4- and 8-row
+// blocking of project_transposed (odd row counts), 1 x n and n x 1, PowerSGD-
+// sized matrices, empty sizes, and matrices of 2^18 floats and more (threads,
+// non-temporal stores: rows not starting on a vector boundary).
 const std::vector<FusedShape> kFusedShapes = {
-    {1, 1, 1}, {3, 5, 2}, {7, 13, 3}, {9, 16, 4}, {5, 9, 5}, {4, 17, 7}, {64, 147, 2},
-    {33, 1000, 4}, {513, 37, 1}, {31, 600, 16}, {0, 5, 2}, {5, 0, 2}, {6, 4, 0}};
+    {1, 1, 1},      {3, 5, 2},     {7, 13, 3},      {9, 16, 4},      {5, 9, 5},   {4, 17, 7},    {64, 147, 2},
+    {33, 1000, 4},  {513, 37, 1},  {31, 600, 16},   {0, 5, 2},       {5, 0, 2},   {6, 4, 0},     {11, 23, 6},
+    {17, 31, 8},    {1, 77, 2},    {77, 1, 3},      {13, 45, 9},     {520, 509, 2}, {1, 262147, 3}, {262147, 1, 1},
+    {600, 441, 9}};
 
 TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||m||^2") {
-  for_each_backend([](Backend& be) {
+  for_each_fused_backend([](Backend& be) {
     uint32_t seed = 500;
     for (const auto& s : kFusedShapes) {
       for (int variant = 0; variant < 3; ++variant) {  // 0: m = a - b; 1: m = a (copy); 2: m = a - b in place
@@ -298,7 +323,7 @@ TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||
 }
 
 TEST_CASE("project_transposed: q = m^T p") {
-  for_each_backend([](Backend& be) {
+  for_each_fused_backend([](Backend& be) {
     uint32_t seed = 600;
     for (const auto& s : kFusedShapes) {
       CAPTURE(s.rows);
@@ -328,7 +353,7 @@ TEST_CASE("project_transposed: q = m^T p") {
 }
 
 TEST_CASE("reconstruct_and_residual: out = p q^T, m = out - m, returns ||m||^2") {
-  for_each_backend([](Backend& be) {
+  for_each_fused_backend([](Backend& be) {
     uint32_t seed = 700;
     for (const auto& s : kFusedShapes) {
       CAPTURE(s.rows);
@@ -364,6 +389,66 @@ TEST_CASE("reconstruct_and_residual: out = p q^T, m = out - m, returns ||m||^2")
     }
   });
 }
+
+#ifndef PSGD_TEST_COMPUTE_CUDA
+TEST_CASE("cpu: reconstruct_and_residual writes the same bits with every kernel variant and thread count") {
+  // The output and the new error after the last collective must not depend on
+  // the CPU's vector width or the thread count (docs/compute.md): each variant
+  // and 1 or 2 threads against the baseline variant on one thread, byte for byte.
+  const int original = cpu_blas_threads();
+  std::vector<std::string> variants = cpu_kernel_variants();
+  std::reverse(variants.begin(), variants.end());  // the baseline first: the reference
+  uint32_t seed = 900;
+  for (const auto& s : kFusedShapes) {
+    CAPTURE(s.rows);
+    CAPTURE(s.cols);
+    CAPTURE(s.rank);
+    const auto mn = static_cast<size_t>(s.rows * s.cols);
+    const std::vector<float> m = random_vector(mn, ++seed, -4.0f, 4.0f);
+    const std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
+    const std::vector<float> q = random_vector(static_cast<size_t>(s.cols * s.rank), ++seed);
+    std::vector<float> ref_out, ref_m;
+    for (const std::string& v : variants)
+      for (int threads : {1, 2}) {
+        CAPTURE(v);
+        CAPTURE(threads);
+        set_cpu_blas_threads(threads);
+        auto be = make_cpu_backend(v);
+        // Offset by one float: rows start off the vector boundary (non-temporal stores' head loop).
+        DeviceBuffer dm = be->allocate(mn + 1), dout = be->allocate(mn + 1), dp = upload(*be, p), dq = upload(*be, q);
+        be->copy_from_host(dm.data() + 1, m.data(), mn);
+        be->reconstruct_and_residual(dout.data() + 1, dm.data() + 1, s.rows, s.cols, dp.data(), dq.data(), s.rank);
+        std::vector<float> out(mn), res(mn);
+        be->copy_to_host(out.data(), dout.data() + 1, mn);
+        be->copy_to_host(res.data(), dm.data() + 1, mn);
+        if (ref_out.empty()) {
+          ref_out = out;
+          ref_m = res;
+        }
+        REQUIRE(std::memcmp(out.data(), ref_out.data(), mn * sizeof(float)) == 0);
+        REQUIRE(std::memcmp(res.data(), ref_m.data(), mn * sizeof(float)) == 0);
+      }
+  }
+  set_cpu_blas_threads(original);
+}
+
+TEST_CASE("cpu: kernel variants: the widest by default, PSGD_CPU_KERNELS and the argument choose, others refused") {
+  const std::vector<std::string> variants = cpu_kernel_variants();
+  REQUIRE(!variants.empty());
+  CHECK(make_cpu_backend()->name().find(variants.front() + " kernels") != std::string::npos);
+  for (const std::string& v : variants) {
+    CHECK(make_cpu_backend(v)->name().find(v + " kernels") != std::string::npos);
+    REQUIRE(setenv("PSGD_CPU_KERNELS", v.c_str(), 1) == 0);
+    CHECK(make_cpu_backend()->name().find(v + " kernels") != std::string::npos);
+  }
+  REQUIRE(setenv("PSGD_CPU_KERNELS", "avx1024", 1) == 0);
+  const std::string message = test::error_of([] { make_cpu_backend(); });
+  CHECK(message.find("PSGD_CPU_KERNELS='avx1024'") != std::string::npos);
+  CHECK(message.find(variants.back()) != std::string::npos);
+  REQUIRE(unsetenv("PSGD_CPU_KERNELS") == 0);
+  CHECK_THROWS_AS(make_cpu_backend("avx1024"), UnsupportedError);
+}
+#endif
 
 TEST_CASE("fused passes reject bad sizes, ranks and null operands") {
   for_each_backend([](Backend& be) {

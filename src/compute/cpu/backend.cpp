@@ -20,6 +20,8 @@
 #include "common/env.hpp"
 #include "compute/arguments.hpp"
 #include "compute/backend.hpp"
+#include "compute/cpu/kernels.hpp"
+#include "compute/cpu/thread_pool.hpp"
 
 namespace powersgd::compute {
 
@@ -50,40 +52,7 @@ double sum_squares(const float* x, size_t count) {
   return sum;
 }
 
-// Row kernels of the fused passes. Each touches every element of its row of M
-// once, in one loop, with every rank's term computed from the loaded value: the
-// pass runs at the speed of the memory streams. They are written with GCC/Clang
-// vector extensions because the auto-vectorizer leaves the multi-accumulator
-// loops scalar. qt is Q transposed (rank rows of n floats). R > 0 fixes the rank
-// at compile time (accumulators in registers); R == 0 takes it from `rank`.
-using v4f = float __attribute__((vector_size(16)));
 using v2d = double __attribute__((vector_size(16)));
-constexpr size_t kWidth = 4;  // floats per v4f
-
-v4f load(const float* p) {
-  v4f v;
-  std::memcpy(&v, p, sizeof v);  // unaligned load
-  return v;
-}
-void store(float* p, v4f v) { std::memcpy(p, &v, sizeof v); }
-float horizontal_sum(v4f v) { return (v[0] + v[1]) + (v[2] + v[3]); }
-
-// Sum of squares of vectors, accumulated in double.
-class SquareSum {
- public:
-  void add(v4f x) {
-    const v2d lo = __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1), v2d);
-    const v2d hi = __builtin_convertvector(__builtin_shufflevector(x, x, 2, 3), v2d);
-    lo_ += lo * lo;
-    hi_ += hi * hi;
-  }
-  void add(float x) { tail_ += static_cast<double>(x) * static_cast<double>(x); }
-  double total() const { return (lo_[0] + lo_[1]) + (hi_[0] + hi_[1]) + tail_; }
-
- private:
-  v2d lo_ = {0.0, 0.0}, hi_ = {0.0, 0.0};
-  double tail_ = 0.0;
-};
 
 // ---- fixed-order double kernels of the Householder QR ----
 // Column-major, contiguous columns. Dot products keep 8 lane sums (element i
@@ -129,124 +98,16 @@ void apply_reflector(double* y, const double* v_rest, double tau, size_t n) {
   subtract_scaled(y + 1, w, v_rest, n - 1);
 }
 
-template <int R>
-constexpr size_t max_rank() {
-  return R > 0 ? static_cast<size_t>(R) : static_cast<size_t>(kMaxOrthoCols);
-}
-
-// m = a - b (b null: m = a), p[k] = <m, qt_k>; returns the sum of m^2.
-template <int R>
-double form_project_row(float* m, const float* a, const float* b, const float* qt, size_t n, size_t rank,
-                        float* p) {
-  const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
-  SquareSum s0, s1;  // two chains hide the latency of the double adds
-  v4f acc0[max_rank<R>()], acc1[max_rank<R>()];
-  for (size_t k = 0; k < r; ++k) acc0[k] = acc1[k] = v4f{0, 0, 0, 0};
-  size_t j = 0;
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    v4f x0 = load(a + j), x1 = load(a + j + kWidth);
-    if (b != nullptr) {
-      x0 -= load(b + j);
-      x1 -= load(b + j + kWidth);
-    }
-    store(m + j, x0);
-    store(m + j + kWidth, x1);
-    s0.add(x0);
-    s1.add(x1);
-    for (size_t k = 0; k < r; ++k) {
-      acc0[k] += x0 * load(qt + k * n + j);
-      acc1[k] += x1 * load(qt + k * n + j + kWidth);
-    }
-  }
-  float tail[max_rank<R>()];
-  for (size_t k = 0; k < r; ++k) tail[k] = 0.0f;
-  for (; j < n; ++j) {
-    const float x = b != nullptr ? a[j] - b[j] : a[j];
-    m[j] = x;
-    s0.add(x);
-    for (size_t k = 0; k < r; ++k) tail[k] += x * qt[k * n + j];
-  }
-  for (size_t k = 0; k < r; ++k) p[k] = horizontal_sum(acc0[k] + acc1[k]) + tail[k];
-  return s0.total() + s1.total();
-}
-
-// qt_k[j] += sum_i p_i[k] * m_i[j] over `Rows` consecutive rows i of M (n
-// apart, `len` columns; p_i rank apart): several rows per sweep of the
-// accumulators cut their loads and stores, which bound this pass otherwise.
-template <int R, int Rows>
-void accumulate_rows(float* qt, const float* m, const float* p, size_t n, size_t len, size_t rank) {
-  const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
-  // Local copies: stores through qt may alias p as far as the compiler knows,
-  // which would reload the coefficients in every iteration.
-  float coef[Rows][max_rank<R>()];
-  for (int i = 0; i < Rows; ++i)
-    for (size_t k = 0; k < r; ++k) coef[i][k] = p[static_cast<size_t>(i) * r + k];
-  size_t j = 0;
-  for (; j + kWidth <= len; j += kWidth) {
-    v4f x[Rows];
-    for (int i = 0; i < Rows; ++i) x[i] = load(m + static_cast<size_t>(i) * n + j);
-    for (size_t k = 0; k < r; ++k) {
-      v4f t = load(qt + k * n + j);
-      for (int i = 0; i < Rows; ++i) t += coef[i][k] * x[i];
-      store(qt + k * n + j, t);
-    }
-  }
-  for (; j < len; ++j)
-    for (size_t k = 0; k < r; ++k)
-      for (int i = 0; i < Rows; ++i) qt[k * n + j] += p[static_cast<size_t>(i) * r + k] * m[static_cast<size_t>(i) * n + j];
-}
-
-// out = sum_k p[k] qt_k, m = out - m; returns the sum of the new m^2.
-template <int R>
-double reconstruct_row(float* out, float* m, const float* p, const float* qt, size_t n, size_t rank) {
-  const size_t r = R > 0 ? static_cast<size_t>(R) : rank;
-  float coef[max_rank<R>()];  // local: stores through out and m may alias p
-  for (size_t k = 0; k < r; ++k) coef[k] = p[k];
-  SquareSum s0, s1;
-  size_t j = 0;
-  auto vector_at = [&](size_t at, SquareSum& s) {
-    v4f o = {0, 0, 0, 0};
-    for (size_t k = 0; k < r; ++k) o += coef[k] * load(qt + k * n + at);
-    store(out + at, o);
-    const v4f d = o - load(m + at);
-    store(m + at, d);
-    s.add(d);
-  };
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    vector_at(j, s0);
-    vector_at(j + kWidth, s1);
-  }
-  for (; j < n; ++j) {
-    float o = 0.0f;
-    for (size_t k = 0; k < r; ++k) o += p[k] * qt[k * n + j];
-    out[j] = o;
-    const float d = o - m[j];
-    m[j] = d;
-    s0.add(d);
-  }
-  return s0.total() + s1.total();
-}
-
-// Calls body.template operator()<R>() with R the rank for ranks 1 to 4 (the
-// common PowerSGD ranks, unrolled), 0 (taken at run time) otherwise.
-template <typename Body>
-void with_rank(int64_t rank, Body&& body) {
-  switch (rank) {
-    case 1: body.template operator()<1>(); break;
-    case 2: body.template operator()<2>(); break;
-    case 3: body.template operator()<3>(); break;
-    case 4: body.template operator()<4>(); break;
-    default: body.template operator()<0>(); break;
-  }
-}
-
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(const cpu::Kernels& kernels) : kernels_(kernels) {}
+
   DeviceKind kind() const override { return DeviceKind::Cpu; }
 
   std::string name() const override {
     const char* config = openblas_get_config();
-    return powersgd::detail::concat("cpu (", config != nullptr ? config : "OpenBLAS", ", ", cpu_blas_threads(), " threads)");
+    return powersgd::detail::concat("cpu (", config != nullptr ? config : "OpenBLAS", ", ", cpu_blas_threads(),
+                                    " threads, ", kernels_.name, " kernels)");
   }
 
   bool host_accessible() const override { return true; }
@@ -328,10 +189,13 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // The fused passes stream M row by row while Q, transposed
-  // into qt_ (rank x cols) so that every use is a contiguous vector, stays in
-  // cache: M crosses the memory bus once per pass, where OpenBLAS sgemm with
-  // n = rank packs (copies) M first.
+  // The fused passes stream M row by row while Q, transposed into qt_ (rank x
+  // cols) so that every use is a contiguous vector, stays in cache: M crosses
+  // the memory bus once per pass, where OpenBLAS sgemm with n = rank packs
+  // (copies) M first. The row kernels are the table chosen at construction
+  // (kernels.hpp); large matrices run in row blocks (column blocks for
+  // project_transposed) on the pool's threads, and write M and the output with
+  // non-temporal stores (they leave the caches before the next pass anyway).
   double form_and_project(float* m, const float* a, const float* b, int64_t rows, int64_t cols, const float* q,
                           int64_t rank, float* p) override {
     detail::check_fused_arguments("form_and_project", rows, cols, rank,
@@ -342,13 +206,11 @@ class CpuBackend final : public Backend {
     transpose_q(q, cols, rank);
     const auto n = static_cast<size_t>(cols);
     const auto r = static_cast<size_t>(rank);
-    double sum = 0.0;
-    with_rank(rank, [&]<int R>() {
-      for (size_t i = 0; i < static_cast<size_t>(rows); ++i)
-        sum += form_project_row<R>(m + i * n, a + i * n, b != nullptr ? b + i * n : nullptr, qt_.data(), n, r,
-                                   p + i * r);
+    const bool stream = large(rows, cols);
+    return over_rows(rows, cols, [&](size_t i0, size_t i1) {
+      return kernels_.form_project(m + i0 * n, a + i0 * n, b != nullptr ? b + i0 * n : nullptr, i1 - i0, n,
+                                   qt_.data(), r, p + i0 * r, stream);
     });
-    return sum;
   }
 
   void project_transposed(const float* m, int64_t rows, int64_t cols, const float* p, int64_t rank,
@@ -359,18 +221,14 @@ class CpuBackend final : public Backend {
     const auto n = static_cast<size_t>(cols);
     const auto r = static_cast<size_t>(rank);
     qt_.assign(r * n, 0.0f);
-    // Column blocks keep the rank x block accumulators within L2 (256 KiB)
-    // for very wide matrices; ResNet-sized ones are a single block.
-    const size_t block = std::max<size_t>(kLanes, (size_t{64} << 10) / r);
-    with_rank(rank, [&]<int R>() {
-      for (size_t c0 = 0; c0 < n; c0 += block) {
-        const size_t len = std::min(block, n - c0);
-        size_t i = 0;
-        for (; i + 4 <= static_cast<size_t>(rows); i += 4)
-          accumulate_rows<R, 4>(qt_.data() + c0, m + i * n + c0, p + i * r, n, len, r);
-        for (; i < static_cast<size_t>(rows); ++i)
-          accumulate_rows<R, 1>(qt_.data() + c0, m + i * n + c0, p + i * r, n, len, r);
-      }
+    // Column blocks: each thread owns its columns of qt, whole vectors wide.
+    const int threads = threads_for(rows, cols, static_cast<int64_t>(n / kernels_.width));
+    const size_t per = (n / kernels_.width + static_cast<size_t>(threads) - 1) / static_cast<size_t>(threads) *
+                       kernels_.width;
+    pool_.run(threads, [&](int t) {
+      const size_t c0 = std::min(n, static_cast<size_t>(t) * per), c1 = std::min(n, c0 + per);
+      const size_t end = t == threads - 1 ? n : c1;
+      if (c0 < end) kernels_.project_cols(qt_.data(), m, static_cast<size_t>(rows), n, c0, end, p, r);
     });
     for (size_t j = 0; j < n; ++j)
       for (size_t k = 0; k < r; ++k) q[j * r + k] = qt_[k * n + j];
@@ -385,12 +243,10 @@ class CpuBackend final : public Backend {
     transpose_q(q, cols, rank);
     const auto n = static_cast<size_t>(cols);
     const auto r = static_cast<size_t>(rank);
-    double sum = 0.0;
-    with_rank(rank, [&]<int R>() {
-      for (size_t i = 0; i < static_cast<size_t>(rows); ++i)
-        sum += reconstruct_row<R>(out + i * n, m + i * n, p + i * r, qt_.data(), n, r);
+    const bool stream = large(rows, cols);
+    return over_rows(rows, cols, [&](size_t i0, size_t i1) {
+      return kernels_.reconstruct(out + i0 * n, m + i0 * n, i1 - i0, n, p + i0 * r, qt_.data(), r, stream);
     });
-    return sum;
   }
 
   void synchronize() override {}
@@ -476,6 +332,39 @@ class CpuBackend final : public Backend {
       for (size_t c = 0; c < n; ++c) matrix[r * n + c] = c < k ? static_cast<float>(q_[c * m + r]) : 0.0f;
   }
 
+  // Matrices of at least this many floats (1 MiB) are written with
+  // non-temporal stores and split over threads: smaller ones may stay in cache
+  // between passes, and a thread hand-off (some microseconds) would cost more
+  // than it saves.
+  static constexpr int64_t kLarge = int64_t{1} << 18;
+  static bool large(int64_t rows, int64_t cols) { return rows * cols >= kLarge; }
+
+  // Threads for a matrix that splits into `blocks` units: the backend's thread
+  // count (cpu_blas_threads()) for large matrices, at most one per unit.
+  int threads_for(int64_t rows, int64_t cols, int64_t blocks) const {
+    if (!large(rows, cols)) return 1;
+    return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(cpu_blas_threads(), kMaxThreads), 1,
+                                                std::max<int64_t>(blocks, 1)));
+  }
+
+  // Runs rows(i0, i1) over contiguous row blocks, one per thread, and returns the
+  // sum of their results in block order (the squared norms: local statistics).
+  template <typename Rows>
+  double over_rows(int64_t rows, int64_t cols, Rows&& body) {
+    const int threads = threads_for(rows, cols, rows);
+    double sums[kMaxThreads] = {};
+    const auto total = static_cast<size_t>(rows);
+    pool_.run(threads, [&](int t) {
+      const size_t i0 = total * static_cast<size_t>(t) / static_cast<size_t>(threads);
+      const size_t i1 = total * static_cast<size_t>(t + 1) / static_cast<size_t>(threads);
+      sums[t] = body(i0, i1);
+      kernels_.store_fence();  // non-temporal stores visible before the caller (or another pass) reads them
+    });
+    double sum = 0.0;
+    for (int t = 0; t < threads; ++t) sum += sums[t];
+    return sum;
+  }
+
   // qt_ = q^T: rank rows of cols floats.
   void transpose_q(const float* q, int64_t cols, int64_t rank) {
     const auto n = static_cast<size_t>(cols);
@@ -485,6 +374,9 @@ class CpuBackend final : public Backend {
       for (size_t k = 0; k < r; ++k) qt_[k * n + j] = q[j * r + k];
   }
 
+  static constexpr int kMaxThreads = 16;
+  const cpu::Kernels& kernels_;
+  cpu::ThreadPool pool_;
   // Scratch reused across calls (a backend is used from one thread at a time).
   std::vector<float> colmajor_, qt_;
   std::vector<double> a_, q_, tau_;  // the QR's column-major copy, Q, and reflector scales
@@ -499,9 +391,43 @@ void set_cpu_blas_threads(int threads) {
   openblas_set_num_threads(threads);
 }
 
-std::unique_ptr<Backend> make_cpu_backend() {
+namespace {
+
+// The kernel tables this CPU runs, widest first.
+std::vector<const cpu::Kernels*> runnable_kernels() {
+  std::vector<const cpu::Kernels*> tables;
+#ifdef PSGD_CPU_KERNELS_X86
+  if (const cpu::Kernels* k = cpu::kernels_avx512()) tables.push_back(k);
+  if (const cpu::Kernels* k = cpu::kernels_avx2()) tables.push_back(k);
+#endif
+  tables.push_back(&cpu::kernels_baseline());
+  return tables;
+}
+
+const cpu::Kernels& find_kernels(std::string_view variant, const char* source) {
+  std::string names;
+  for (const cpu::Kernels* k : runnable_kernels()) {
+    if (variant == k->name) return *k;
+    names += powersgd::detail::concat(names.empty() ? "" : ", ", k->name);
+  }
+  PSGD_THROW(UnsupportedError, source, "'", std::string(variant), "': not a kernel variant this CPU runs; expected one of ",
+             names);
+}
+
+}  // namespace
+
+std::vector<std::string> cpu_kernel_variants() {
+  std::vector<std::string> names;
+  for (const cpu::Kernels* k : runnable_kernels()) names.emplace_back(k->name);
+  return names;
+}
+
+std::unique_ptr<Backend> make_cpu_backend(std::string_view kernels) {
   if (env::get("PSGD_BLAS_THREADS")) set_cpu_blas_threads(static_cast<int>(env::get_int("PSGD_BLAS_THREADS", 1, 1024)));
-  return std::make_unique<CpuBackend>();
+  if (!kernels.empty()) return std::make_unique<CpuBackend>(find_kernels(kernels, "cpu backend: kernels "));
+  if (const auto chosen = env::get("PSGD_CPU_KERNELS"); chosen && !chosen->empty())
+    return std::make_unique<CpuBackend>(find_kernels(*chosen, "PSGD_CPU_KERNELS="));
+  return std::make_unique<CpuBackend>(*runnable_kernels().front());
 }
 
 }  // namespace powersgd::compute
