@@ -26,6 +26,7 @@ tsv=${RESULTS_TSV:-}
 if [ -n "$tsv" ] && [ ! -s "$tsv" ]; then
   printf 'hook\tbucket_cap\tbatch\timage\toutcome\tbuckets\tstep_s\tforward_s\tbackward_s\toptimizer_s\tcompute_s\treduction_wait_s\tloadavg\n' > "$tsv"
 fi
+breakdowns=''
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<< "$2"; }
 echo "| hook | bucket cap (MB) | batch | outcome | buckets | mean step (s) | forward / backward / optimizer (s) | compute only (s) | reduction wait (s) | load avg |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -67,9 +68,14 @@ for batch in ${BATCH_SIZES:-16}; do
       printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$hook" "$bucket" "$batch" "${IMAGE_SIZE:-32}" \
         "$(tr '\t' ' ' <<< "$outcome")" "$buckets" "$step" "$forward" "$backward" "$optimizer" "$compute" "$wait" "$load" >> "$tsv"
     fi
+    breakdowns+=$(grep -a -m1 "^BREAKDOWN" "$log" | sed "s/^BREAKDOWN /\n- cap $bucket: /")
     cp "$log" "/tmp/torch_ddp_hooks-$hook-$bucket-$batch.log"
     rm -f "$log"
   done
 done
+if [ -n "$breakdowns" ]; then
+  echo
+  echo "Where our hook's reduction time goes (rank 0, PowerSGDState.timing_breakdown()):$breakdowns"
+fi
 echo
 echo "(full logs: /tmp/torch_ddp_hooks-HOOK-CAP-BATCH.log)"

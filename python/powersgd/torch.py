@@ -39,12 +39,13 @@ import os
 import queue
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from powersgd import _capi
+from powersgd import _capi, _timing
 from powersgd._capi import PowerSGDError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ _MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
 # The DDP iteration in which the hook declares the buckets: the one after the last that DDP may rebuild them in.
 DECLARATION_ITER = 3
+
+# PSGD_TORCH_TIMING (_timing.py): read at import, so a bad value is an error here, not a rank-local failure
+# inside a collective declaration.
+_TIMING_LOG_EVERY = _timing.interval_from_env()
 
 _comm_lock = threading.Lock()
 # The process's engine communicators (psgd_comm*), created on first use and kept for the process's life: None
@@ -277,6 +282,8 @@ class PowerSGDState:
         self._pending = queue.Queue()
         self._waiter = None
 
+    _timer = None  # a _timing.StepTimer while the reduction's timing is recorded (enable_timing, PSGD_TORCH_TIMING)
+
     # ---- configuration ----
 
     def _engine_config(self, whole_bucket):
@@ -329,6 +336,18 @@ class PowerSGDState:
             _capi.check(_capi.lib.psgd_reducer_stats(self._reducer, ctypes.byref(s)))
         return s
 
+    def enable_timing(self, log_every=0):
+        """Records where each compressed step's reduction time goes (timing_breakdown()); log_every N >= 1
+        also logs the mean every N steps (logger powersgd.torch, INFO). The environment variable
+        PSGD_TORCH_TIMING=N does the same for every state. Discards what was recorded before."""
+        self._timer = _timing.StepTimer(_integer("log_every", log_every, 0, None, "an integer >= 0"))
+
+    def timing_breakdown(self):
+        """The mean per compressed step, in seconds, of where the reduction's time went, over the steps
+        recorded since enable_timing() (or PSGD_TORCH_TIMING); "steps" says how many (0: none, or timing
+        is off). Fields: powersgd/_timing.py and docs/torch.md."""
+        return self._timer.breakdown() if self._timer is not None else {"steps": 0}
+
     def close(self):
         """Waits for reductions in flight and frees the engine reducer (also done at garbage collection)."""
         if self._waiter is not None:
@@ -348,6 +367,7 @@ class PowerSGDState:
     # ---- the hook ----
 
     def _hook(self, bucket, whole_bucket):
+        entered = time.monotonic()
         buffer = bucket.buffer()
         index = bucket.index()
         if buffer.dtype not in _DTYPES or buffer.device.type != "cpu":
@@ -360,7 +380,12 @@ class PowerSGDState:
             future = allreduce_hook(self.process_group, bucket)
             self._plain_bytes += buffer.numel() * buffer.element_size()
         else:
-            future = self._reduce(bucket, index, buffer, whole_bucket)
+            timer = self._timer if self._failure is None else None
+            if timer is not None:
+                timer.bucket_entered(_capi.lib, self._reducer)
+                if bucket.is_last():
+                    timer.last_entered(entered)
+            future = self._reduce(bucket, index, buffer, whole_bucket, timer, entered, bucket.is_last())
         if bucket.is_last() and self._reducer is not None and self._failure is None:
             self._maybe_report()
         if bucket.is_last():
@@ -407,6 +432,8 @@ class PowerSGDState:
             return
         self._declared = layout
         self._whole_bucket = whole_bucket
+        if _TIMING_LOG_EVERY and self._timer is None:
+            self._timer = _timing.StepTimer(_TIMING_LOG_EVERY)
         self._waiter = threading.Thread(target=self._wait_loop, name="powersgd-waiter", daemon=True)
         self._waiter.start()
 
@@ -415,7 +442,7 @@ class PowerSGDState:
         future.set_exception(error)
         return _as_error_future(future)
 
-    def _reduce(self, bucket, index, buffer, whole_bucket):
+    def _reduce(self, bucket, index, buffer, whole_bucket, timer, entered, last):
         if self._failure is not None:
             return self._failed_future(self._failure)
         if whole_bucket != self._whole_bucket:
@@ -435,15 +462,27 @@ class PowerSGDState:
             raise TypeError("powersgd.torch: bucket %d's buffer is not contiguous" % index)
         # The engine reduces float32: another dtype is converted at the boundary (exact for float16 and
         # bfloat16; float64 rounds) and the result copied back into the bucket when it completes.
-        work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+        work = buffer
+        if buffer.dtype != torch.float32:
+            start = time.monotonic()
+            work = buffer.to(torch.float32)
+            if timer is not None:
+                timer.copy_took(time.monotonic() - start)
+        submit = time.monotonic()
         handle = ctypes.c_void_p()
         status = _capi.lib.psgd_reducer_reduce_async(self._reducer, index, ctypes.c_void_p(work.data_ptr()),
                                                      ctypes.byref(handle))
+        if timer is not None:
+            timer.submit_took(time.monotonic() - submit)
         if status != 0:
             self._failure = PowerSGDError(status, _capi.last_error())
+            if timer is not None:
+                timer.abandon()
             return self._failed_future(self._failure)
         future = torch.futures.Future()
-        self._pending.put((handle, future, buffer, work))
+        if timer is not None:
+            timer.bucket_left(time.monotonic() - entered)  # before the waiter may close the step
+        self._pending.put((handle, future, buffer, work, timer, last))
         return _as_error_future(future)
 
     @staticmethod
@@ -462,15 +501,21 @@ class PowerSGDState:
                 logger.info("Compression stats: iter %d, total before compression %d, total after compression "
                             "%d, rate %s", item[1], before, after, rate)
                 continue
-            handle, future, buffer, work = item
+            handle, future, buffer, work, timer, last = item
             status = _capi.lib.psgd_reduce_handle_wait(handle)
             message = _capi.last_error() if status != 0 else ""
+            if timer is not None and status == 0:
+                timer.reduction_finished(_timing.handle_times(_capi.lib, handle))
             _capi.lib.psgd_reduce_handle_free(handle)
             if status == 0:
                 if work is not buffer:
                     buffer.copy_(work)
+                if timer is not None and last:
+                    timer.step_completed(time.monotonic(), _capi.lib, self._reducer)
                 future.set_result(buffer)
             else:
+                if timer is not None:
+                    timer.abandon()
                 future.set_exception(PowerSGDError(status, message))
 
 
