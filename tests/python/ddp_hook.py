@@ -547,7 +547,7 @@ def case_knobs():
     inputs, targets = data(2, 11, seed=3)
     train(model, inputs, targets)
     rate, before, after = state.compression_stats()
-    state.close()  # the waiter has logged everything queued
+    state.close()
     logging.getLogger("powersgd.torch").removeHandler(records)
     reports = [m for m in records.messages if m.startswith("Compression stats")]
     assert [m.split(",")[0] for m in reports] == ["Compression stats: iter 4", "Compression stats: iter 7",
