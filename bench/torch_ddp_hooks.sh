@@ -10,6 +10,9 @@
 #   IMAGE_SIZE   image height and width (default 32, CIFAR)
 #   STEPS        training steps per job, the first 5 not timed (default bench/torch_ddp_resnet18.py's, 12)
 #   RESULTS_TSV  also append one tab-separated line per job there (input of bench/plot_torch_ddp.py)
+#   ROUNDS       run every config and batch size this many times, interleaved (round 1 of each, then round 2,
+#                ...), and end with the medians per config and their step-time ratio to DDP's allreduce
+#                (default 1)
 # The end-to-end comparison of issue 10 (README, "Use it from PyTorch"):
 #   LAUNCH_ARGS="--emulate-hosts 4 --link-rate 1gbit" CONFIGS="allreduce@25 torch@one ours@25 torch@25" \
 #     BATCH_SIZES="16 2" STEPS=25 RESULTS_TSV=/tmp/ddp.tsv bench/torch_ddp_hooks.sh build 4 25 240
@@ -26,9 +29,13 @@ tsv=${RESULTS_TSV:-}
 if [ -n "$tsv" ] && [ ! -s "$tsv" ]; then
   printf 'hook\tbucket_cap\tbatch\timage\toutcome\tbuckets\tstep_s\tforward_s\tbackward_s\toptimizer_s\tcompute_s\treduction_wait_s\tloadavg\n' > "$tsv"
 fi
+breakdowns=''
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<< "$2"; }
 echo "| hook | bucket cap (MB) | batch | outcome | buckets | mean step (s) | forward / backward / optimizer (s) | compute only (s) | reduction wait (s) | load avg |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+rounds=${ROUNDS:-1}
+jobs_tsv=$(mktemp)
+for round in $(seq "$rounds"); do
 for batch in ${BATCH_SIZES:-16}; do
   for config in $configs; do
     hook=${config%@*}
@@ -67,9 +74,45 @@ for batch in ${BATCH_SIZES:-16}; do
       printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$hook" "$bucket" "$batch" "${IMAGE_SIZE:-32}" \
         "$(tr '\t' ' ' <<< "$outcome")" "$buckets" "$step" "$forward" "$backward" "$optimizer" "$compute" "$wait" "$load" >> "$tsv"
     fi
+    breakdowns+=$(grep -a -m1 "^BREAKDOWN" "$log" | sed "s/^BREAKDOWN /\n- cap $bucket: /")
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$batch" "$config" "$outcome" "$step" "$compute" "$wait" >> "$jobs_tsv"
     cp "$log" "/tmp/torch_ddp_hooks-$hook-$bucket-$batch.log"
     rm -f "$log"
   done
 done
+done
+if [ "$rounds" -gt 1 ]; then
+  echo
+  echo "Medians over $rounds rounds (jobs that trained):"
+  python3 - "$jobs_tsv" <<'PY'
+import statistics, sys
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1])]
+keys = list(dict.fromkeys((r[0], r[1]) for r in rows))
+print("| batch | config | jobs trained | median step (s) | median compute only (s) | median reduction wait (s) | "
+      "allreduce's median step / this |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+medians = {}
+for batch, config in keys:
+    ok = [r for r in rows if (r[0], r[1]) == (batch, config) and r[2] == "trains"]
+    if ok:
+        medians[batch, config] = [statistics.median(float(r[i]) for r in ok) for i in (3, 4, 5)]
+for batch, config in keys:
+    jobs = sum(1 for r in rows if (r[0], r[1]) == (batch, config))
+    trained = sum(1 for r in rows if (r[0], r[1]) == (batch, config) and r[2] == "trains")
+    if (batch, config) not in medians:
+        print("| %s | %s | 0 of %d | | | | |" % (batch, config, jobs))
+        continue
+    step, compute, wait = medians[batch, config]
+    reference = [m for (b, c), m in medians.items() if b == batch and c.startswith("allreduce@")]
+    ratio = "%.2fx" % (reference[0][0] / step) if reference else ""
+    print("| %s | %s | %d of %d | %.3f | %.3f | %.3f | %s |" % (batch, config, trained, jobs, step, compute, wait,
+                                                                 ratio))
+PY
+fi
+rm -f "$jobs_tsv"
+if [ -n "$breakdowns" ]; then
+  echo
+  echo "Where our hook's reduction time goes (rank 0, PowerSGDState.timing_breakdown()):$breakdowns"
+fi
 echo
 echo "(full logs: /tmp/torch_ddp_hooks-HOOK-CAP-BATCH.log)"

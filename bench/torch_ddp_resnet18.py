@@ -13,7 +13,9 @@ Rank 0's RESULT line splits the timed steps into forward, backward (which includ
 last bucket's reduction at its end) and optimizer, and adds compute_s: the mean forward + backward +
 optimizer of a step under DDP's no_sync() (no reduction at all) that every rank runs right after each timed
 step, so under the same contention for the cores (the host may be shared). reduction_wait_s = step -
-compute_s is what the reduction adds to a step.
+compute_s is what the reduction adds to a step. With --hook ours or ours-batched, rank 0 also prints a
+BREAKDOWN line: the hook's own timing breakdown of the timed steps (PowerSGDState.timing_breakdown(),
+docs/torch.md), in milliseconds per step.
 """
 import argparse
 import sys
@@ -27,6 +29,7 @@ import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import powersgd.torch as ours
+from powersgd import _timing
 
 
 def main():
@@ -90,6 +93,8 @@ def main():
 
     compute = []
     for i in range(args.steps):
+        if i == args.warmup and args.hook in ("ours", "ours-batched"):
+            state.enable_timing()
         loss, parts = step()
         if i >= args.warmup:
             for name, seconds in zip(times, parts):
@@ -114,6 +119,9 @@ def main():
                  buckets, args.batch_size, args.image_size, step_s,
                  mean["forward"], mean["backward"], mean["optimizer"], compute_s, step_s - compute_s,
                  len(times["forward"])), flush=True)
+        if args.hook in ("ours", "ours-batched"):
+            print("BREAKDOWN hook=%s batch=%d %s" % (args.hook, args.batch_size,
+                                                     _timing.format_breakdown(state.timing_breakdown())), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

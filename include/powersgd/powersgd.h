@@ -203,6 +203,26 @@ PSGD_API psgd_status psgd_comm_init_group(int rank, int size, const char* group_
 
 /* ==== end of issue 18 section 4 additions ==== */
 
+/* ==== Timing of the DDP hook's reductions (issue 20, item 3) ==== */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+/* When a finished reduction was submitted (psgd_reducer_reduce_async), started on the reducer's worker (after
+   the reductions queued before it) and finished, in seconds of the monotonic clock (CLOCK_MONOTONIC on Linux:
+   Python's time.monotonic()). PSGD_ERR_INVALID_ARGUMENT for a null argument or a reduction still in flight. */
+PSGD_API psgd_status psgd_reduce_handle_times(const psgd_reduce_handle* h, double* submitted, double* started,
+                                              double* finished);
+/* Cumulative seconds the reducer's worker thread spent, by kind, in this order: compress (local compute before
+   and between the collectives), communicate (waiting for the data collectives, host staging included),
+   decompress (output and error memory), guard (the order guard's announce collective), check (divergence
+   hashes). Writes the first min(count, known) of them to out and the number this library knows to *known
+   (5); out may be null when count is 0. Runs after the reductions queued before it. */
+PSGD_API psgd_status psgd_reducer_worker_seconds(const psgd_reducer* r, double* out, size_t count, size_t* known);
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
+/* ==== end of issue 20 item 3 additions ==== */
+
 #ifdef __cplusplus
 }
 #endif

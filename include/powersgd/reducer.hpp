@@ -105,12 +105,21 @@ struct PSGD_API Stats {
 
 // Completion handle of reduce_async. wait() blocks until the reduction finished
 // and rethrows its error. Copyable; copies refer to the same reduction.
+// When a reduction was submitted (reduce_async), started on the reducer's
+// worker (after the reductions queued before it) and finished, in seconds of
+// std::chrono::steady_clock (CLOCK_MONOTONIC on Linux, Python's time.monotonic()).
+struct ReduceTimes {
+  double submitted = 0.0, started = 0.0, finished = 0.0;
+};
+
 class PSGD_API ReduceHandle {
  public:
   ReduceHandle() = default;
   void wait() const;
   bool done() const;
   bool valid() const { return state_ != nullptr; }
+  // The reduction's times; InvalidArgumentError while it is in flight (or for an empty handle).
+  ReduceTimes times() const;
 
  private:
   friend class Reducer;  // the only maker of non-empty handles

@@ -12,8 +12,8 @@ What happens per DDP bucket and iteration (details: docs/torch.md):
   layout seen in iteration 2 is final in every mode.
 - In iteration DECLARATION_ITER (3) the hook declares iteration 2's layout to the engine (one engine bucket per DDP
   bucket, keyed by bucket.index()) and from then on starts each bucket's reduction asynchronously on the
-  engine's worker thread; the returned torch.futures.Future is completed by a waiter thread that holds no
-  GIL while it waits. The engine compresses from DDP iteration max(start_powerSGD_iter, DECLARATION_ITER).
+  engine's worker thread, in place on DDP's bucket; the step's last hook call (bucket.is_last()) waits for
+  them (no GIL held) and completes their futures. The engine compresses from DDP iteration max(start_powerSGD_iter, DECLARATION_ITER).
 - A layout that changes after the declaration, a lost peer, NaN/Inf gradients, a mismatch between ranks:
   the future fails with PowerSGDError (a RuntimeError) naming the failure, which DDP raises from backward().
 
@@ -27,7 +27,7 @@ group's members (psgd_comm_init_group), rendezvousing under a key of the group's
 is not in, or anything torch.distributed does not know as a group, is a ValueError at construction.
 
 One PowerSGDState per process group at a time: its engine reducer and the process's engine communicator for
-the group are used from the thread that runs backward(), and its waiter thread.
+the group are used from the thread that runs backward().
 """
 import ctypes
 import datetime
@@ -36,15 +36,15 @@ import logging
 import math
 import numbers
 import os
-import queue
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from powersgd import _capi
+from powersgd import _capi, _timing
 from powersgd._capi import PowerSGDError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,10 @@ _MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
 # The DDP iteration in which the hook declares the buckets: the one after the last that DDP may rebuild them in.
 DECLARATION_ITER = 3
+
+# PSGD_TORCH_TIMING (_timing.py): read at import, so a bad value is an error here, not a rank-local failure
+# inside a collective declaration.
+_TIMING_LOG_EVERY = _timing.interval_from_env()
 
 _comm_lock = threading.Lock()
 # The process's engine communicators (psgd_comm*), created on first use and kept for the process's life: None
@@ -274,8 +278,9 @@ class PowerSGDState:
         self._whole_bucket = None   # which hook declared it
         self._reducer = None
         self._failure = None        # the first error: every later bucket fails with it, no collective issued
-        self._pending = queue.Queue()
-        self._waiter = None
+        self._pending = []          # (handle, future, buffer, work) of the step's reductions in flight
+
+    _timer = None  # a _timing.StepTimer while the reduction's timing is recorded (enable_timing, PSGD_TORCH_TIMING)
 
     # ---- configuration ----
 
@@ -329,12 +334,23 @@ class PowerSGDState:
             _capi.check(_capi.lib.psgd_reducer_stats(self._reducer, ctypes.byref(s)))
         return s
 
+    def enable_timing(self, log_every=0):
+        """Records where each compressed step's reduction time goes (timing_breakdown()); log_every N >= 1
+        also logs the mean every N steps (logger powersgd.torch, INFO). The environment variable
+        PSGD_TORCH_TIMING=N does the same for every state. Discards what was recorded before."""
+        self._timer = _timing.StepTimer(_integer("log_every", log_every, 0, None, "an integer >= 0"))
+
+    def timing_breakdown(self):
+        """The mean per compressed step, in seconds, of where the reduction's time went, over the steps
+        recorded since enable_timing() (or PSGD_TORCH_TIMING); "steps" says how many (0: none, or timing
+        is off). Fields: powersgd/_timing.py and docs/torch.md."""
+        return self._timer.breakdown() if self._timer is not None else {"steps": 0}
+
     def close(self):
         """Waits for reductions in flight and frees the engine reducer (also done at garbage collection)."""
-        if self._waiter is not None:
-            self._pending.put(None)
-            self._waiter.join()
-            self._waiter = None
+        pending, self._pending = self._pending, []
+        for handle, *_ in pending:  # left by a step that raised before its last bucket
+            _capi.lib.psgd_reduce_handle_free(handle)  # the reduction still completes; destroy waits for it
         if self._reducer is not None:
             _capi.lib.psgd_reducer_destroy(self._reducer)
             self._reducer = None
@@ -348,6 +364,8 @@ class PowerSGDState:
     # ---- the hook ----
 
     def _hook(self, bucket, whole_bucket):
+        entered = time.monotonic()
+        timer = None
         buffer = bucket.buffer()
         index = bucket.index()
         if buffer.dtype not in _DTYPES or buffer.device.type != "cpu":
@@ -356,16 +374,56 @@ class PowerSGDState:
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
         if self._reducer is None and self._failure is None and self.iter >= DECLARATION_ITER:
             self._declare(whole_bucket)
+        last = bucket.is_last()
         if self._reducer is None and self._failure is None:
             future = allreduce_hook(self.process_group, bucket)
             self._plain_bytes += buffer.numel() * buffer.element_size()
         else:
-            future = self._reduce(bucket, index, buffer, whole_bucket)
-        if bucket.is_last() and self._reducer is not None and self._failure is None:
+            timer = self._timer if self._failure is None else None
+            if timer is not None:
+                timer.bucket_entered(_capi.lib, self._reducer)
+            future = self._reduce(bucket, index, buffer, whole_bucket, timer)
+            if timer is not None:
+                timer.bucket_left(time.monotonic() - entered)
+                if last:
+                    timer.last_entered(entered)
+        if last and self._pending:
+            self._complete_step(timer)
+        if last and self._reducer is not None and self._failure is None:
             self._maybe_report()
-        if bucket.is_last():
+        if last:
             self._close_iteration()
         return future
+
+    def _complete_step(self, timer):
+        """At the step's last bucket: waits for the step's reductions in the order they started (the engine's)
+        and completes their futures, on this thread. No waiter thread and no hand-off between threads: DDP
+        hands over its last bucket once backward's compute is over and then waits for every future anyway;
+        ctypes releases the GIL while psgd_reduce_handle_wait blocks."""
+        pending, self._pending = self._pending, []
+        failed = False
+        for handle, future, buffer, work in pending:
+            status = _capi.lib.psgd_reduce_handle_wait(handle)
+            if status != 0:
+                error = PowerSGDError(status, _capi.last_error())
+            elif timer is not None:
+                timer.reduction_finished(_timing.handle_times(_capi.lib, handle))
+            _capi.lib.psgd_reduce_handle_free(handle)
+            if status != 0:
+                failed = True
+                future.set_exception(error)
+                continue
+            if work is not buffer:
+                start = time.monotonic()
+                buffer.copy_(work)
+                if timer is not None:
+                    timer.copy_took(time.monotonic() - start)
+            future.set_result(buffer)
+        if timer is not None:
+            if failed:
+                timer.abandon()
+            else:
+                timer.step_completed(time.monotonic(), _capi.lib, self._reducer)
 
     def _close_iteration(self):
         self.iter += 1
@@ -375,10 +433,12 @@ class PowerSGDState:
 
     def _maybe_report(self):
         """PyTorch's _report_compression_stats: in a compressed iteration, at its last bucket, every
-        compression_stats_logging_frequency iterations from the first. Logged by the waiter once the
-        iteration's reductions completed, so the figures include them."""
+        compression_stats_logging_frequency iterations from the first. Logged once the iteration's reductions
+        completed (_complete_step), so the figures include them."""
         if self.iter >= max(self.start_powerSGD_iter, DECLARATION_ITER) and self.iter >= self.next_stats_report:
-            self._pending.put(("report", self.iter))
+            rate, before, after = self.compression_stats()
+            logger.info("Compression stats: iter %d, total before compression %d, total after compression "
+                        "%d, rate %s", self.iter, before, after, rate)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
     def _declare(self, whole_bucket):
@@ -407,15 +467,15 @@ class PowerSGDState:
             return
         self._declared = layout
         self._whole_bucket = whole_bucket
-        self._waiter = threading.Thread(target=self._wait_loop, name="powersgd-waiter", daemon=True)
-        self._waiter.start()
+        if _TIMING_LOG_EVERY and self._timer is None:
+            self._timer = _timing.StepTimer(_TIMING_LOG_EVERY)
 
     def _failed_future(self, error):
         future = torch.futures.Future()
         future.set_exception(error)
         return _as_error_future(future)
 
-    def _reduce(self, bucket, index, buffer, whole_bucket):
+    def _reduce(self, bucket, index, buffer, whole_bucket, timer):
         if self._failure is not None:
             return self._failed_future(self._failure)
         if whole_bucket != self._whole_bucket:
@@ -434,44 +494,32 @@ class PowerSGDState:
         if not buffer.is_contiguous():
             raise TypeError("powersgd.torch: bucket %d's buffer is not contiguous" % index)
         # The engine reduces float32: another dtype is converted at the boundary (exact for float16 and
-        # bfloat16; float64 rounds) and the result copied back into the bucket when it completes.
-        work = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+        # bfloat16; float64 rounds) and the result copied back into the bucket when it completes. A float32
+        # bucket is the engine's input and output itself: no copy.
+        work = buffer
+        if buffer.dtype != torch.float32:
+            start = time.monotonic()
+            work = buffer.to(torch.float32)
+            if timer is not None:
+                timer.copy_took(time.monotonic() - start)
+        submit = time.monotonic()
         handle = ctypes.c_void_p()
-        status = _capi.lib.psgd_reducer_reduce_async(self._reducer, index, ctypes.c_void_p(work.data_ptr()),
-                                                     ctypes.byref(handle))
+        status = _capi.lib.psgd_reducer_reduce_async_n(self._reducer, index, work.data_ptr(), work.numel(),
+                                                       ctypes.byref(handle))
+        if timer is not None:
+            timer.submit_took(time.monotonic() - submit)
         if status != 0:
             self._failure = PowerSGDError(status, _capi.last_error())
+            if timer is not None:
+                timer.abandon()
             return self._failed_future(self._failure)
         future = torch.futures.Future()
-        self._pending.put((handle, future, buffer, work))
+        self._pending.append((handle, future, buffer, work))
         return _as_error_future(future)
 
     @staticmethod
     def _hook_name(whole_bucket):
         return "batched_powerSGD_hook" if whole_bucket else "powerSGD_hook"
-
-    def _wait_loop(self):
-        """Completes the futures in the order the reductions started (the engine's order). ctypes releases
-        the GIL for the duration of psgd_reduce_handle_wait."""
-        while True:
-            item = self._pending.get()
-            if item is None:
-                return
-            if item[0] == "report":
-                rate, before, after = self.compression_stats()
-                logger.info("Compression stats: iter %d, total before compression %d, total after compression "
-                            "%d, rate %s", item[1], before, after, rate)
-                continue
-            handle, future, buffer, work = item
-            status = _capi.lib.psgd_reduce_handle_wait(handle)
-            message = _capi.last_error() if status != 0 else ""
-            _capi.lib.psgd_reduce_handle_free(handle)
-            if status == 0:
-                if work is not buffer:
-                    buffer.copy_(work)
-                future.set_result(buffer)
-            else:
-                future.set_exception(PowerSGDError(status, message))
 
 
 # The bucket dtypes the hook accepts; all but float32 are converted at the boundary (PowerSGDState._reduce).

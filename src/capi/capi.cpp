@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -524,3 +525,38 @@ psgd_status psgd_reducer_error_feedback_n(const psgd_reducer* r, int bucket_inde
 }  // extern "C"
 
 // ==== end of issue 18 additions ====
+
+// ==== Timing of the DDP hook's reductions (issue 20, item 3) ====
+
+extern "C" {
+
+psgd_status psgd_reduce_handle_times(const psgd_reduce_handle* h, double* submitted, double* started,
+                                     double* finished) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(h);
+    PSGD_C_NOT_NULL(submitted);
+    PSGD_C_NOT_NULL(started);
+    PSGD_C_NOT_NULL(finished);
+    const powersgd::ReduceTimes t = h->handle.times();
+    *submitted = t.submitted;
+    *started = t.started;
+    *finished = t.finished;
+  });
+}
+
+psgd_status psgd_reducer_worker_seconds(const psgd_reducer* r, double* out, size_t count, size_t* known) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(known);
+    PSGD_REQUIRE(out != nullptr || count == 0, InvalidArgumentError, "argument 'out' is null with count ", count);
+    const powersgd::Stats s = r->reducer->stats();
+    const double seconds[] = {s.compress_seconds, s.communicate_seconds, s.decompress_seconds, s.guard_seconds,
+                              s.check_seconds};
+    *known = std::size(seconds);
+    std::copy_n(seconds, std::min(count, std::size(seconds)), out);
+  });
+}
+
+}  // extern "C"
+
+// ==== end of issue 20 item 3 additions ====

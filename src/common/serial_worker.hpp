@@ -7,7 +7,8 @@
 // Contract:
 // - submit() queues an item and returns its Done (a Completion, or a type
 //   derived from it). The worker calls run(item); Done finishes with nothing,
-//   or with the exception run threw. Thread-safe.
+//   or with the exception run threw; its times() say when it was submitted,
+//   started and finished. Thread-safe.
 // - stop(nullptr) drains: every queued item still runs, then the thread ends.
 //   stop(error) cancels: the items not yet started finish with `error`; the
 //   running one completes. Either way stop() returns once the thread has ended,
@@ -120,6 +121,7 @@ class SerialWorker {
         queue_.pop_front();
       }
       std::exception_ptr error;
+      entry->done->start();
       try {
         run_(entry->item);
       } catch (...) {

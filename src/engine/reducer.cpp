@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <mutex>
@@ -41,6 +42,17 @@ void ReduceHandle::wait() const {
 bool ReduceHandle::done() const {
   PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "done() on an empty ReduceHandle");
   return state_->done();
+}
+
+ReduceTimes ReduceHandle::times() const {
+  PSGD_REQUIRE(state_ != nullptr, InvalidArgumentError, "times() on an empty ReduceHandle");
+  const Completion::Times t = state_->times();
+  PSGD_REQUIRE(t.finished != Completion::Clock::time_point{}, InvalidArgumentError,
+               "times() of a reduction still in flight: wait() for it first");
+  const auto seconds = [](Completion::Clock::time_point p) {
+    return std::chrono::duration<double>(p.time_since_epoch()).count();
+  };
+  return ReduceTimes{seconds(t.submitted), seconds(t.started), seconds(t.finished)};
 }
 
 class Reducer::Impl final : public detail::CommUser {

@@ -22,6 +22,10 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     DDP on a model of that dtype: parameters equal DDP allreduce's in that dtype within a
                     tolerance of the dtype (exact low-rank setting of parity-exact)
   dtype-bfloat16    bfloat16 buckets (by hand: torch 1.13's Gloo has none) give the float32 results rounded
+  timing            the reduction's timing breakdown (PowerSGDState.timing_breakdown()) of a model in several
+                    buckets: one record per compressed step, every part >= 0, the tail exactly the sum of its
+                    four parts, the engine's kinds within its busy time, no copies for float32 buckets; and
+                    the PSGD_TORCH_TIMING log line; a bad PSGD_TORCH_TIMING fails the import, naming it
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
 Exit 77 (skip) when torch is not importable.
@@ -543,7 +547,7 @@ def case_knobs():
     inputs, targets = data(2, 11, seed=3)
     train(model, inputs, targets)
     rate, before, after = state.compression_stats()
-    state.close()  # the waiter has logged everything queued
+    state.close()
     logging.getLogger("powersgd.torch").removeHandler(records)
     reports = [m for m in records.messages if m.startswith("Compression stats")]
     assert [m.split(",")[0] for m in reports] == ["Compression stats: iter 4", "Compression stats: iter 7",
@@ -645,6 +649,83 @@ def case_bfloat16():
         print("dtype-bfloat16: 4 compressed steps of bfloat16 buckets equal the float32 results rounded")
 
 
+def case_timing():
+    import os
+    import subprocess
+    from powersgd import _timing
+
+    def make():
+        torch.manual_seed(5)
+        return nn.Sequential(*[Residual(256) for _ in range(6)], nn.Linear(256, 8))
+
+    generator = torch.Generator().manual_seed(70 + rank())
+    x = torch.randn(16, 256, generator=generator)
+    y = torch.randn(16, 8, generator=generator)
+    net = ddp(make(), bucket_cap_mb=0.25)
+    state = pst.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3)
+    assert state.timing_breakdown() == {"steps": 0}, state.timing_breakdown()
+    state.enable_timing(log_every=2)
+    net.register_comm_hook(state, pst.powerSGD_hook)
+    buckets = set()
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Capture(level=logging.INFO)
+    logger = logging.getLogger("powersgd.torch")
+    logger.addHandler(handler)
+    previous_level = logger.level
+    logger.setLevel(logging.INFO)
+    steps = 9
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    backward_seconds = []
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(net(x), y)
+            start = time.monotonic()
+            loss.backward()
+            backward_seconds.append(time.monotonic() - start)
+            optimizer.step()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+    buckets = len(net._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(","))
+    assert buckets >= 3, "only %d DDP buckets" % buckets
+    compressed = steps - pst.DECLARATION_ITER
+    b = state.timing_breakdown()
+    assert b["steps"] == compressed, (b["steps"], compressed)
+    assert set(b) == set(_timing.FIELDS) | {"steps"}, sorted(b)
+    for name in _timing.FIELDS:
+        if name != "engine_other":
+            assert b[name] >= 0.0, (name, b)
+    parts = sum(b[name] for name in _timing.TAIL_PARTS)
+    assert abs(b["tail"] - parts) < 1e-6, ("tail is not the sum of its parts", b)
+    kinds = sum(b[name] for name in _timing.ENGINE_KINDS)
+    # The kinds are timed inside the reductions' runs on the worker (clock reads of 1 us or better).
+    assert kinds <= b["engine_busy"] + 1e-4 and abs(b["engine_other"] - (b["engine_busy"] - kinds)) < 1e-9, b
+    assert b["communicate"] > 0.0 and b["compress"] > 0.0 and b["engine_busy"] > 0.0, b
+    assert 0.0 < b["ctypes_submit"] <= b["hook"], b
+    assert b["copies"] == 0.0, ("float32 buckets are read in place", b)
+    # The tail lies inside backward(): on average no longer than a compressed step's backward.
+    mean_backward = sum(backward_seconds[pst.DECLARATION_ITER:]) / compressed
+    assert 0.0 < b["tail"] <= mean_backward, (b["tail"], mean_backward)
+    logged = [m for m in records if m.startswith("PowerSGD reduction timing")]
+    assert len(logged) == compressed // 2, records
+    assert "mean of the last 2 steps: tail" in logged[0] and "communicate" in logged[0], logged[0]
+
+    if rank() == 0:
+        # A bad PSGD_TORCH_TIMING: the import fails, naming the variable and what it expects.
+        environment = dict(os.environ, PSGD_TORCH_TIMING="often")
+        run = subprocess.run([sys.executable, "-c", "import powersgd.torch"], env=environment,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "PSGD_TORCH_TIMING='often'" in run.stderr \
+            and "integer >= 0" in run.stderr, run.stderr
+        print("timing: %d DDP buckets, %s" % (buckets, _timing.format_breakdown(b)))
+
+
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
@@ -656,6 +737,7 @@ CASES = {
     "low-rank": case_low_rank,
     "many-buckets": case_many_buckets,
     "errors": case_errors,
+    "timing": case_timing,
     "groups": case_groups,
     "validation": case_validation,
     "knobs": case_knobs,
