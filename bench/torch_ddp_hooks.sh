@@ -74,7 +74,8 @@ for batch in ${BATCH_SIZES:-16}; do
       printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$hook" "$bucket" "$batch" "${IMAGE_SIZE:-32}" \
         "$(tr '\t' ' ' <<< "$outcome")" "$buckets" "$step" "$forward" "$backward" "$optimizer" "$compute" "$wait" "$load" >> "$tsv"
     fi
-    breakdowns+=$(grep -a -m1 "^BREAKDOWN" "$log" | sed "s/^BREAKDOWN /\n- cap $bucket: /")
+    breakdown=$(grep -a -m1 "BREAKDOWN" "$log" | sed 's/^.*BREAKDOWN //')
+    [ -n "$breakdown" ] && breakdowns+=$'\n'"- cap $bucket: $breakdown"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$batch" "$config" "$outcome" "$step" "$compute" "$wait" >> "$jobs_tsv"
     cp "$log" "/tmp/torch_ddp_hooks-$hook-$bucket-$batch.log"
     rm -f "$log"

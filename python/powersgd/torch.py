@@ -383,6 +383,9 @@ class PowerSGDState:
             if timer is not None:
                 timer.bucket_entered(_capi.lib, self._reducer)
             future = self._reduce(bucket, index, buffer, whole_bucket, timer)
+            if timer is not None and self._failure is not None:
+                timer.abandon()  # the step failed here: nothing of it is recorded
+                timer = None
             if timer is not None:
                 timer.bucket_left(time.monotonic() - entered)
                 if last:
@@ -510,8 +513,6 @@ class PowerSGDState:
             timer.submit_took(time.monotonic() - submit)
         if status != 0:
             self._failure = PowerSGDError(status, _capi.last_error())
-            if timer is not None:
-                timer.abandon()
             return self._failed_future(self._failure)
         future = torch.futures.Future()
         self._pending.append((handle, future, buffer, work))

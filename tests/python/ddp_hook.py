@@ -24,8 +24,9 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
   dtype-bfloat16    bfloat16 buckets (by hand: torch 1.13's Gloo has none) give the float32 results rounded
   timing            the reduction's timing breakdown (PowerSGDState.timing_breakdown()) of a model in several
                     buckets: one record per compressed step, every part >= 0, the tail exactly the sum of its
-                    four parts, the engine's kinds within its busy time, no copies for float32 buckets; and
-                    the PSGD_TORCH_TIMING log line; a bad PSGD_TORCH_TIMING fails the import, naming it
+                    four parts, the engine's kinds within its busy time, no copies for float32 buckets; a
+                    failed step is not recorded; the PSGD_TORCH_TIMING log line; a bad PSGD_TORCH_TIMING
+                    fails the import, naming it
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
 Exit 77 (skip) when torch is not importable.
@@ -715,6 +716,24 @@ def case_timing():
     logged = [m for m in records if m.startswith("PowerSGD reduction timing")]
     assert len(logged) == compressed // 2, records
     assert "mean of the last 2 steps: tail" in logged[0] and "communicate" in logged[0], logged[0]
+
+    # A step that fails at its last bucket (a changed layout) after its first was submitted: its futures fail,
+    # it is not recorded, and the earlier steps' record stays.
+    state = pst.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=0)
+    state.enable_timing()
+    shapes = [[(16, 8)], [(8, 4), (4,)]]
+    for step in range(pst.DECLARATION_ITER + 3):
+        changed = step == pst.DECLARATION_ITER + 2
+        futures = [pst.powerSGD_hook(state, FakeBucket(i, [(4, 8)] if changed and i == 1 else shapes[i], i == 1))
+                   for i in range(2)]
+        if changed:
+            futures[0].wait()
+            expect_failure("a changed layout at the last bucket", futures[1].wait, ["changed", "bucket 1"])
+        else:
+            for future in futures:
+                future.wait()
+    assert state.timing_breakdown()["steps"] == 2, state.timing_breakdown()
+    state.close()
 
     if rank() == 0:
         # A bad PSGD_TORCH_TIMING: the import fails, naming the variable and what it expects.

@@ -869,6 +869,14 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
     CHECK(waited[0] == PSGD_OK);
     CHECK(waited[1] == PSGD_OK);
     CHECK(psgd_reduce_handle_done(h0) == 1);
+    // Timing (issue 20): each in order submitted <= started <= finished; the worker runs bucket 1 first.
+    double t1[3] = {0, 0, 0}, t0[3] = {0, 0, 0};
+    REQUIRE(psgd_reduce_handle_times(h1, &t1[0], &t1[1], &t1[2]) == PSGD_OK);
+    REQUIRE(psgd_reduce_handle_times(h0, &t0[0], &t0[1], &t0[2]) == PSGD_OK);
+    CHECK((0 < t1[0] && t1[0] <= t1[1] && t1[1] <= t1[2]));
+    CHECK((t0[0] <= t0[1] && t0[1] <= t0[2] && t1[2] <= t0[1] && t1[0] <= t0[0]));
+    CHECK(psgd_reduce_handle_times(h0, nullptr, &t0[1], &t0[2]) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(psgd_reduce_handle_times(nullptr, &t0[0], &t0[1], &t0[2]) == PSGD_ERR_INVALID_ARGUMENT);
     psgd_reduce_handle_free(h0);
     psgd_reduce_handle_free(h1);
     REQUIRE(psgd_reducer_reduce(sync, 1, s1.data()) == PSGD_OK);
@@ -877,6 +885,19 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
     CHECK(a1 == s1);
   }
   CHECK(psgd_reducer_iteration(async) == 6);
+  {
+    double seconds[6] = {-1, -1, -1, -1, -1, -1};
+    size_t known = 0;
+    REQUIRE(psgd_reducer_worker_seconds(async, seconds, 6, &known) == PSGD_OK);
+    CHECK(known == 5);
+    for (size_t i = 0; i < 5; ++i) CHECK(seconds[i] >= 0.0);
+    CHECK(seconds[0] > 0.0);    // compress: 4 compressed steps ran
+    CHECK(seconds[5] == -1.0);  // past the known kinds: untouched
+    CHECK(psgd_reducer_worker_seconds(async, nullptr, 0, &known) == PSGD_OK);
+    CHECK(psgd_reducer_worker_seconds(async, nullptr, 1, &known) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(psgd_reducer_worker_seconds(async, seconds, 5, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(psgd_reducer_worker_seconds(nullptr, seconds, 5, &known) == PSGD_ERR_INVALID_ARGUMENT);
+  }
 
   char word[6] = "hello";
   CHECK(psgd_comm_broadcast(comm, word, sizeof word, 0) == PSGD_OK);
