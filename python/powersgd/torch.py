@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from powersgd import _capi
+from powersgd import _capi, _checkpoint
 from powersgd._capi import PowerSGDError
 
 logger = logging.getLogger(__name__)
@@ -267,15 +267,36 @@ class PowerSGDState:
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
         self.iter = 0               # DDP iterations completed (bucket.is_last() closes one), as the reference
+        self._init_runtime()
+
+    def _init_runtime(self):
+        """What lives in this process only (__init__ and __setstate__): engine handles, threads, layouts."""
         self._plain_bytes = 0       # bytes this rank passed to torch's allreduce before the declaration
         self._layout = {}           # bucket index -> gradient shapes, of the iteration in progress
         self._previous_layout = {}  # ... of the last completed iteration
         self._declared = None       # the layout given to the engine
         self._whole_bucket = None   # which hook declared it
         self._reducer = None
+        self._comm = None           # the engine communicator of the reducer (shared: _comms)
         self._failure = None        # the first error: every later bucket fails with it, no collective issued
         self._pending = queue.Queue()
         self._waiter = None
+        # Iterations this object saw in this process: DDP's own count, which decides when its layout is final
+        # (iter may have been restored from a checkpoint, or set by hand as torch's __setstate__ does).
+        self._local_iter = 0
+        # Checkpoint support (_checkpoint.py): parameters are named by their place in this process's first
+        # iteration (DDP's initial buckets, the same for one model in every run), so that a resumed run can
+        # map the declared buckets onto the buckets of a fresh DDP before it rebuilds them.
+        self._param_keys = {}       # parameter data_ptr -> key
+        self._layout_keys = {}      # bucket index -> parameter keys, of the iteration in progress (until declared)
+        self._previous_layout_keys = {}
+        self._order = []            # bucket indices in call order, of the iteration in progress (until declared)
+        self._previous_order = []
+        self._declared_keys = None
+        self._declared_order = None
+        self._declared_at = None    # iter at the declaration: the engine's start_iter is relative to it
+        self._restored = None       # a loaded engine checkpoint, applied at the next iteration's first bucket
+        self._deferred = []         # resumed, DDP's layout not final yet: this iteration's buckets
 
     # ---- configuration ----
 
@@ -354,9 +375,15 @@ class PowerSGDState:
             raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32, float64, "
                             "float16 or bfloat16 on the CPU" % (index, buffer.dtype, buffer.device))
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
-        if self._reducer is None and self._failure is None and self.iter >= DECLARATION_ITER:
+        if self._local_iter < DECLARATION_ITER:
+            _checkpoint.record_keys(self, bucket, index)
+            if self._restored is not None and len(self._layout) == 1 and self._failure is None:
+                _checkpoint.declare_restored(self, whole_bucket)
+        if self._reducer is None and self._failure is None and self._local_iter >= DECLARATION_ITER:
             self._declare(whole_bucket)
-        if self._reducer is None and self._failure is None:
+        if self._local_iter < DECLARATION_ITER and self._reducer is not None:
+            future = _checkpoint.defer(self, bucket, buffer, final=self._local_iter == DECLARATION_ITER - 1)
+        elif self._reducer is None and self._failure is None:
             future = allreduce_hook(self.process_group, bucket)
             self._plain_bytes += buffer.numel() * buffer.element_size()
         else:
@@ -369,7 +396,11 @@ class PowerSGDState:
 
     def _close_iteration(self):
         self.iter += 1
+        self._local_iter += 1
         self._previous_layout, self._layout = self._layout, {}
+        if self._local_iter <= DECLARATION_ITER:
+            self._previous_layout_keys, self._layout_keys = self._layout_keys, {}
+            self._previous_order, self._order = self._order, []
         if self.iter == max(self.start_powerSGD_iter, DECLARATION_ITER):
             logger.info("Start to apply PowerSGD after %d iterations.", self.iter)
 
@@ -389,26 +420,72 @@ class PowerSGDState:
                 raise PowerSGDError(1, "DDP's bucket indices %s in iteration %d are not 0 to %d"
                                     % (sorted(layout), self.iter - 1, len(layout) - 1))
             config = self._engine_config(whole_bucket)
-            config.start_iter = max(0, int(self.start_powerSGD_iter) - self.iter)
-            comm = _engine_comm(self._group, _group_timeout(self.process_group))
-            reducer = ctypes.c_void_p()
-            _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
-            self._reducer = reducer
-            for index in range(len(layout)):
-                shapes = layout[index]
-                ndims = (ctypes.c_int * len(shapes))(*[len(s) for s in shapes])
-                flat = [d for s in shapes for d in s]
-                dims = (ctypes.c_int64 * max(1, len(flat)))(*flat)
-                declared = ctypes.c_int(-1)
-                _capi.check(_capi.lib.psgd_reducer_add_bucket(reducer, len(shapes), ndims, dims,
-                                                              ctypes.byref(declared)))
+            self._create_reducer(layout, whole_bucket, self.iter)
         except PowerSGDError as e:
             self._failure = e
             return
         self._declared = layout
         self._whole_bucket = whole_bucket
+        self._declared_keys, self._declared_order = self._previous_layout_keys, self._previous_order
+        self._declared_at = self.iter
+        self._start_waiter()
+
+    def _start_waiter(self):
         self._waiter = threading.Thread(target=self._wait_loop, name="powersgd-waiter", daemon=True)
         self._waiter.start()
+
+    def _create_reducer(self, layout, whole_bucket, declared_at):
+        """Collective: the engine reducer with `layout` (bucket index -> shapes), compressing from
+        start_powerSGD_iter counted from `declared_at`."""
+        config = self._engine_config(whole_bucket)
+        config.start_iter = max(0, int(self.start_powerSGD_iter) - declared_at)
+        comm = _engine_comm(self._group, _group_timeout(self.process_group))
+        reducer = ctypes.c_void_p()
+        _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
+        self._reducer = reducer
+        self._comm = comm
+        for index in range(len(layout)):
+            shapes = layout[index]
+            ndims = (ctypes.c_int * len(shapes))(*[len(s) for s in shapes])
+            flat = [d for s in shapes for d in s]
+            dims = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+            declared = ctypes.c_int(-1)
+            _capi.check(_capi.lib.psgd_reducer_add_bucket(reducer, len(shapes), ndims, dims, ctypes.byref(declared)))
+        return comm
+
+    # ---- checkpoints (python/powersgd/_checkpoint.py) ----
+
+    def state_dict(self):
+        """The state as a dict of plain values (torch.save, pickle): iter, the configuration and, once the
+        hook declared DDP's buckets, the engine's checkpoint: error memory and warm start, as a job checkpoint
+        (any world size) and this rank's own (bitwise resume on the same rank and world size). Collective
+        after the declaration: every rank of the group calls it, between iterations."""
+        return _checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        """Restores a state_dict(): iter and the configuration now; the engine's state now when the engine
+        reducer exists (collective), else at the first bucket of the next iteration, which declares the
+        checkpoint's buckets. A fresh DDP's first iterations (before DDP rebuilt its buckets) are reduced
+        through the declared buckets, so the resumed run continues the saved one."""
+        _checkpoint.load_state_dict(self, state_dict)
+
+    def __getstate__(self):
+        """Pickling (torch.save(state)): state_dict(), without the process group (as PyTorch's, which logs
+        that it is not serializable); collective after the declaration, like state_dict()."""
+        logger.warning("NOTE: Process group is not serializable and excluded from a saved state.")
+        return self.state_dict()
+
+    def __setstate__(self, state):
+        """Unpickling: the default process group (as PyTorch's), then load_state_dict(state)."""
+        logger.warning("NOTE: Process group will be set to a default group (i.e. the world size). If a "
+                       "different group is desired, please set `self.process_group` after PowerSGD state is "
+                       "loaded.")
+        self.process_group = None
+        self._group = None
+        self.iter = 0
+        self.next_stats_report = 0
+        self._init_runtime()
+        self.load_state_dict(state)
 
     def _failed_future(self, error):
         future = torch.futures.Future()
