@@ -333,12 +333,17 @@ def expect_failure(what, fn, words):
 
 
 class FakeBucket:
-    """The four methods of dist.GradBucket that the hook calls, over a tensor this test controls."""
+    """The five methods of dist.GradBucket that the hook calls, over a tensor this test controls (and
+    parameters of the gradients' shapes, which the hook names for checkpoints)."""
 
     def __init__(self, index, shapes, last, dtype=torch.float32):
         self._index, self._last = index, last
         self._buffer = torch.ones(sum(torch.Size(s).numel() for s in shapes), dtype=dtype)
         self._shapes = shapes
+        self._parameters = [torch.zeros(s) for s in shapes]
+
+    def parameters(self):
+        return self._parameters
 
     def index(self):
         return self._index
