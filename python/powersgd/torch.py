@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from powersgd import _capi, _checkpoint
+from powersgd import _capi, _checkpoint, _store
 from powersgd._capi import PowerSGDError
 
 logger = logging.getLogger(__name__)
@@ -117,36 +117,35 @@ def _group_timeout(process_group):
     return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
+def _with_timeout(timeout, create):
+    """create() with PSGD_TIMEOUT_MS set to `timeout` (a timedelta) for the call, unless the environment sets
+    it."""
+    previous = os.environ.get("PSGD_TIMEOUT_MS")
+    if previous is None and timeout is not None:
+        milliseconds = int(timeout.total_seconds() * 1000)
+        os.environ["PSGD_TIMEOUT_MS"] = str(min(max(1, milliseconds), _MAX_TIMEOUT_MS))
+    try:
+        return create()
+    finally:
+        if previous is None:
+            os.environ.pop("PSGD_TIMEOUT_MS", None)
+
+
 def _engine_comm(group=None, timeout=None):
     """The process's engine communicator for the whole job (group None) or for `group` (a _Group). Collective
-    on first use: a rendezvous of every rank of the job, or of the group's members. The first use creates it
-    with `timeout` (a timedelta; PSGD_TIMEOUT_MS for the creation only, unless the environment sets it)."""
+    on first use: a rendezvous of every rank of the job, or of the group's members, through torch's default
+    store (_store.py: no second store or port). The first use creates it with `timeout` (a timedelta;
+    PSGD_TIMEOUT_MS for the creation only, unless the environment sets it)."""
     key = None if group is None else group.members
     with _comm_lock:
         if key not in _comms:
-            handle = ctypes.c_void_p()
-            previous = os.environ.get("PSGD_TIMEOUT_MS")
-            if previous is None and timeout is not None:
-                milliseconds = int(timeout.total_seconds() * 1000)
-                os.environ["PSGD_TIMEOUT_MS"] = str(min(max(1, milliseconds), _MAX_TIMEOUT_MS))
-            try:
-                if group is None:
-                    _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(handle)))
-                else:
-                    _capi.check(_capi.lib.psgd_comm_init_group(group.rank, len(group.members),
-                                                               group.id.encode(), ctypes.byref(handle)))
-            finally:
-                if previous is None:
-                    os.environ.pop("PSGD_TIMEOUT_MS", None)
-            _comms[key] = handle
+            if group is None:
+                _comms[key] = _with_timeout(timeout, lambda: _store.init_comm(dist.get_rank(),
+                                                                              dist.get_world_size(), None))
+            else:
+                _comms[key] = _with_timeout(timeout, lambda: _store.init_comm(group.rank, len(group.members),
+                                                                              group.id))
         return _comms[key]
-
-
-def _address_towards(host):
-    """This host's address on the route to `host` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
 
 
 def _interface_of(address):
@@ -178,7 +177,16 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
     if os.environ.get("PSGD_STORE_HOSTED") != "1":
         dist.init_process_group(backend, timeout=timeout)
         return
-    comm = _engine_comm(timeout=timeout)
+    # The launcher's store bootstraps torch's; the engine's communicators then use torch's (_engine_comm).
+    comm = ctypes.c_void_p()
+    _with_timeout(timeout, lambda: _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(comm))))
+    try:
+        _bootstrap_torch_store(comm, backend, timeout)
+    finally:
+        _capi.lib.psgd_comm_destroy(comm)
+
+
+def _bootstrap_torch_store(comm, backend, timeout):
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
     # powersgd-run's emulated cluster gives each worker PSGD_ADDR (its host's address); torch's Gloo would
     # otherwise bind to the address its hostname resolves to (loopback there).
@@ -189,7 +197,7 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
     endpoint = ctypes.create_string_buffer(64)
     store = None
     if rank == 0:
-        host = os.environ.get("PSGD_ADDR") or _address_towards(os.environ["MASTER_ADDR"])
+        host = os.environ.get("PSGD_ADDR") or _store.address_towards(os.environ["MASTER_ADDR"])
         store = dist.TCPStore(host, 0, world, True, timeout, wait_for_workers=False)
         endpoint.value = ("%s:%d" % (host, store.port)).encode()
     _capi.check(_capi.lib.psgd_comm_broadcast(comm, endpoint, len(endpoint), 0))

@@ -31,6 +31,7 @@ import ctypes
 import datetime
 import logging
 import math
+import os
 import sys
 import time
 
@@ -830,7 +831,11 @@ def main():
         print("usage: ddp_hook.py {%s} [DIRECTORY]" % ",".join(CASES), file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    pst.init_process_group("gloo")
+    if os.environ.get("POWERSGD_TEST_INIT_METHOD"):  # torchrun_env.py --file-store
+        dist.init_process_group("gloo", init_method=os.environ["POWERSGD_TEST_INIT_METHOD"],
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        pst.init_process_group("gloo")
     CASES[sys.argv[1]](*sys.argv[2:])
     dist.barrier()
     if rank() == 0:
