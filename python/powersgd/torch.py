@@ -17,14 +17,16 @@ What happens per DDP bucket and iteration (details: docs/torch.md):
 - A layout that changes after the declaration, a lost peer, NaN/Inf gradients, a mismatch between ranks:
   the future fails with PowerSGDError (a RuntimeError) naming the failure, which DDP raises from backward().
 
-The engine's communicator has its own rendezvous store, on PSGD_STORE_PORT, else MASTER_PORT + 1 (torch's
-TCPStore holds MASTER_PORT), else, under powersgd-run, the launcher's store on MASTER_PORT (docs/env.md).
-Under powersgd-run the launcher's store holds MASTER_PORT, so create torch's process group with
-init_process_group() below instead of torch.distributed.init_process_group().
+The engine's communicators rendezvous through torch's own store (the default group's: _store.py), so no
+second store or port. Under powersgd-run the launcher's store holds MASTER_PORT, so create torch's process
+group with init_process_group() below instead of torch.distributed.init_process_group().
+
+Checkpoints: state_dict() / load_state_dict() and pickling (_checkpoint.py; collective once declared).
 
 process_group is honoured: with a group other than the whole job, the engine's communicator is one of the
-group's members (psgd_comm_init_group), rendezvousing under a key of the group's ranks; a group this process
-is not in, or anything torch.distributed does not know as a group, is a ValueError at construction.
+group's members (psgd_comm_init_on_store with the group's id), rendezvousing under a key of the group's
+ranks; a group this process is not in, or anything torch.distributed does not know as a group, is a
+ValueError at construction.
 
 One PowerSGDState per process group at a time: its engine reducer and the process's engine communicator for
 the group are used from the thread that runs backward(), and its waiter thread.
@@ -170,7 +172,8 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
 
     Under torchrun (PSGD_STORE_HOSTED unset) this is torch's env:// rendezvous on MASTER_ADDR:MASTER_PORT.
     Under powersgd-run (PSGD_STORE_HOSTED=1) the launcher's store holds MASTER_PORT; rank 0 then hosts torch's
-    TCPStore on a free port and broadcasts its address and port over the engine's communicator; with
+    TCPStore on a free port and broadcasts its address and port over a communicator on the launcher's store,
+    destroyed after; with
     PSGD_ADDR set (the emulated cluster) torch's Gloo uses the interface holding that address
     (GLOO_SOCKET_IFNAME, unless already set). Collective.
     """
