@@ -223,6 +223,45 @@ PSGD_API psgd_status psgd_reducer_worker_seconds(const psgd_reducer* r, double* 
 #endif
 /* ==== end of issue 20 item 3 additions ==== */
 
+/* ==== A communicator on the caller's rendezvous store (issue 22, item 2) ==== */
+
+/* Where a get callback puts the value it read: psgd_store_value_set copies `size` bytes at `data` (NUL bytes
+   included). Valid during that callback only. */
+typedef struct psgd_store_value psgd_store_value;
+PSGD_API psgd_status psgd_store_value_set(psgd_store_value* value, const void* data, size_t size);
+/* A key-value store of the caller's (e.g. torch.distributed's TCPStore or FileStore, under a key prefix), as
+   callbacks. Each returns PSGD_OK, PSGD_ERR_TIMEOUT (the key did not appear within timeout_ms) or another
+   psgd_status, and on failure may write a NUL-terminated reason into error[0..error_size). Keys are
+   NUL-terminated printable strings; values are bytes. The callbacks are called on the thread that calls
+   psgd_comm_init_on_store, during that call only. */
+typedef struct psgd_store_callbacks {
+  size_t struct_size;  /* sizeof(psgd_store_callbacks) of the caller's compilation */
+  void* user;          /* passed to every callback */
+  int (*set)(void* user, const char* key, const void* data, size_t size, char* error, size_t error_size);
+  /* Waits up to timeout_ms for the key, then calls psgd_store_value_set(value, ...) once. */
+  int (*get)(void* user, const char* key, int64_t timeout_ms, psgd_store_value* value, char* error,
+             size_t error_size);
+  /* Adds delta to the integer at key (absent: 0; stored as decimal text) and writes the sum to *result. */
+  int (*add)(void* user, const char* key, int64_t delta, int64_t* result, char* error, size_t error_size);
+  /* Waits up to timeout_ms until every key exists; timeout_ms 0: checks once without waiting. */
+  int (*wait)(void* user, const char* const* keys, size_t count, int64_t timeout_ms, char* error, size_t error_size);
+  /* Deletes key; *existed = 1 when it existed, else 0. */
+  int (*remove)(void* user, const char* key, int* existed, char* error, size_t error_size);
+} psgd_store_callbacks;
+/* Collective over `size` processes: a communicator whose ranks rendezvous through the caller's store, so no
+   other store, port or launcher variable is needed (MASTER_ADDR, MASTER_PORT, PSGD_STORE_PORT are not read).
+   `rank` of `size`; `group_id` NULL for a job of those ranks, else as psgd_comm_init_group's (the members of
+   one group pass the same id: keys under PSGD_RUN_ID (else "default") + "/group/" + group_id). `address`: the
+   local address the TCP transport binds to when neither PSGD_IFACE nor PSGD_ADDR is set (NULL then: an
+   error naming them). Transport, timeout (PSGD_TIMEOUT_MS) and the rest from the environment (docs/env.md).
+   The store must be shared by exactly these ranks under these keys: a store key prefix per job keeps jobs
+   apart. Errors of a callback become the status it returned, with its reason and the key. */
+PSGD_API psgd_status psgd_comm_init_on_store(int rank, int size, const char* group_id,
+                                             const psgd_store_callbacks* store, const char* address,
+                                             psgd_comm** out);
+
+/* ==== end of issue 22 item 2 additions ==== */
+
 #ifdef __cplusplus
 }
 #endif

@@ -123,6 +123,16 @@ def _load():
         "psgd_reducer_iteration": (ctypes.c_int64, [handle]),
         "psgd_reducer_stats": (status, [handle, ctypes.POINTER(Stats)]),
         "psgd_reducer_destroy": (None, [handle]),
+        "psgd_reducer_save": (status, [handle, ctypes.c_char_p]),
+        "psgd_reducer_load": (status, [handle, ctypes.c_char_p]),
+        "psgd_reducer_save_job": (status, [handle, ctypes.c_char_p]),
+        "psgd_reducer_load_job": (status, [handle, ctypes.c_char_p]),
+        "psgd_reducer_bucket_size": (status, [handle, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
+        "psgd_reducer_error_feedback_n": (status, [handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]),
+        "psgd_store_value_set": (status, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]),
+        "psgd_comm_init_on_store": (status, [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                                             ctypes.c_char_p, ctypes.POINTER(handle)]),
+        "psgd_comm_allreduce_sum_f32": (status, [handle, ctypes.c_void_p, ctypes.c_size_t]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

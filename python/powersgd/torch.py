@@ -17,14 +17,16 @@ What happens per DDP bucket and iteration (details: docs/torch.md):
 - A layout that changes after the declaration, a lost peer, NaN/Inf gradients, a mismatch between ranks:
   the future fails with PowerSGDError (a RuntimeError) naming the failure, which DDP raises from backward().
 
-The engine's communicator has its own rendezvous store, on PSGD_STORE_PORT, else MASTER_PORT + 1 (torch's
-TCPStore holds MASTER_PORT), else, under powersgd-run, the launcher's store on MASTER_PORT (docs/env.md).
-Under powersgd-run the launcher's store holds MASTER_PORT, so create torch's process group with
-init_process_group() below instead of torch.distributed.init_process_group().
+The engine's communicators rendezvous through torch's own store (the default group's: _store.py), so no
+second store or port. Under powersgd-run the launcher's store holds MASTER_PORT, so create torch's process
+group with init_process_group() below instead of torch.distributed.init_process_group().
+
+Checkpoints: state_dict() / load_state_dict() and pickling (_checkpoint.py; collective once declared).
 
 process_group is honoured: with a group other than the whole job, the engine's communicator is one of the
-group's members (psgd_comm_init_group), rendezvousing under a key of the group's ranks; a group this process
-is not in, or anything torch.distributed does not know as a group, is a ValueError at construction.
+group's members (psgd_comm_init_on_store with the group's id), rendezvousing under a key of the group's
+ranks; a group this process is not in, or anything torch.distributed does not know as a group, is a
+ValueError at construction.
 
 One PowerSGDState per process group at a time: its engine reducer and the process's engine communicator for
 the group are used from the thread that runs backward().
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from powersgd import _capi, _timing
+from powersgd import _capi, _checkpoint, _store, _timing
 from powersgd._capi import PowerSGDError
 
 logger = logging.getLogger(__name__)
@@ -121,36 +123,35 @@ def _group_timeout(process_group):
     return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
+def _with_timeout(timeout, create):
+    """create() with PSGD_TIMEOUT_MS set to `timeout` (a timedelta) for the call, unless the environment sets
+    it."""
+    previous = os.environ.get("PSGD_TIMEOUT_MS")
+    if previous is None and timeout is not None:
+        milliseconds = int(timeout.total_seconds() * 1000)
+        os.environ["PSGD_TIMEOUT_MS"] = str(min(max(1, milliseconds), _MAX_TIMEOUT_MS))
+    try:
+        return create()
+    finally:
+        if previous is None:
+            os.environ.pop("PSGD_TIMEOUT_MS", None)
+
+
 def _engine_comm(group=None, timeout=None):
     """The process's engine communicator for the whole job (group None) or for `group` (a _Group). Collective
-    on first use: a rendezvous of every rank of the job, or of the group's members. The first use creates it
-    with `timeout` (a timedelta; PSGD_TIMEOUT_MS for the creation only, unless the environment sets it)."""
+    on first use: a rendezvous of every rank of the job, or of the group's members, through torch's default
+    store (_store.py: no second store or port). The first use creates it with `timeout` (a timedelta;
+    PSGD_TIMEOUT_MS for the creation only, unless the environment sets it)."""
     key = None if group is None else group.members
     with _comm_lock:
         if key not in _comms:
-            handle = ctypes.c_void_p()
-            previous = os.environ.get("PSGD_TIMEOUT_MS")
-            if previous is None and timeout is not None:
-                milliseconds = int(timeout.total_seconds() * 1000)
-                os.environ["PSGD_TIMEOUT_MS"] = str(min(max(1, milliseconds), _MAX_TIMEOUT_MS))
-            try:
-                if group is None:
-                    _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(handle)))
-                else:
-                    _capi.check(_capi.lib.psgd_comm_init_group(group.rank, len(group.members),
-                                                               group.id.encode(), ctypes.byref(handle)))
-            finally:
-                if previous is None:
-                    os.environ.pop("PSGD_TIMEOUT_MS", None)
-            _comms[key] = handle
+            if group is None:
+                _comms[key] = _with_timeout(timeout, lambda: _store.init_comm(dist.get_rank(),
+                                                                              dist.get_world_size(), None))
+            else:
+                _comms[key] = _with_timeout(timeout, lambda: _store.init_comm(group.rank, len(group.members),
+                                                                              group.id))
         return _comms[key]
-
-
-def _address_towards(host):
-    """This host's address on the route to `host` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
 
 
 def _interface_of(address):
@@ -175,14 +176,24 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
 
     Under torchrun (PSGD_STORE_HOSTED unset) this is torch's env:// rendezvous on MASTER_ADDR:MASTER_PORT.
     Under powersgd-run (PSGD_STORE_HOSTED=1) the launcher's store holds MASTER_PORT; rank 0 then hosts torch's
-    TCPStore on a free port and broadcasts its address and port over the engine's communicator; with
+    TCPStore on a free port and broadcasts its address and port over a communicator on the launcher's store,
+    destroyed after; with
     PSGD_ADDR set (the emulated cluster) torch's Gloo uses the interface holding that address
     (GLOO_SOCKET_IFNAME, unless already set). Collective.
     """
     if os.environ.get("PSGD_STORE_HOSTED") != "1":
         dist.init_process_group(backend, timeout=timeout)
         return
-    comm = _engine_comm(timeout=timeout)
+    # The launcher's store bootstraps torch's; the engine's communicators then use torch's (_engine_comm).
+    comm = ctypes.c_void_p()
+    _with_timeout(timeout, lambda: _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(comm))))
+    try:
+        _bootstrap_torch_store(comm, backend, timeout)
+    finally:
+        _capi.lib.psgd_comm_destroy(comm)
+
+
+def _bootstrap_torch_store(comm, backend, timeout):
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
     # powersgd-run's emulated cluster gives each worker PSGD_ADDR (its host's address); torch's Gloo would
     # otherwise bind to the address its hostname resolves to (loopback there).
@@ -193,7 +204,7 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
     endpoint = ctypes.create_string_buffer(64)
     store = None
     if rank == 0:
-        host = os.environ.get("PSGD_ADDR") or _address_towards(os.environ["MASTER_ADDR"])
+        host = os.environ.get("PSGD_ADDR") or _store.address_towards(os.environ["MASTER_ADDR"])
         store = dist.TCPStore(host, 0, world, True, timeout, wait_for_workers=False)
         endpoint.value = ("%s:%d" % (host, store.port)).encode()
     _capi.check(_capi.lib.psgd_comm_broadcast(comm, endpoint, len(endpoint), 0))
@@ -271,14 +282,35 @@ class PowerSGDState:
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
         self.iter = 0               # DDP iterations completed (bucket.is_last() closes one), as the reference
+        self._init_runtime()
+
+    def _init_runtime(self):
+        """What lives in this process only (__init__ and __setstate__): engine handles, threads, layouts."""
         self._plain_bytes = 0       # bytes this rank passed to torch's allreduce before the declaration
         self._layout = {}           # bucket index -> gradient shapes, of the iteration in progress
         self._previous_layout = {}  # ... of the last completed iteration
         self._declared = None       # the layout given to the engine
         self._whole_bucket = None   # which hook declared it
         self._reducer = None
+        self._comm = None           # the engine communicator of the reducer (shared: _comms)
         self._failure = None        # the first error: every later bucket fails with it, no collective issued
         self._pending = []          # (handle, future, buffer, work) of the step's reductions in flight
+        # Iterations this object saw in this process: DDP's own count, which decides when its layout is final
+        # (iter may have been restored from a checkpoint, or set by hand as torch's __setstate__ does).
+        self._local_iter = 0
+        # Checkpoint support (_checkpoint.py): parameters are named by their place in this process's first
+        # iteration (DDP's initial buckets, the same for one model in every run), so that a resumed run can
+        # map the declared buckets onto the buckets of a fresh DDP before it rebuilds them.
+        self._param_keys = {}       # parameter data_ptr -> key
+        self._layout_keys = {}      # bucket index -> parameter keys, of the iteration in progress (until declared)
+        self._previous_layout_keys = {}
+        self._order = []            # bucket indices in call order, of the iteration in progress (until declared)
+        self._previous_order = []
+        self._declared_keys = None
+        self._declared_order = None
+        self._declared_at = None    # iter at the declaration: the engine's start_iter is relative to it
+        self._restored = None       # a loaded engine checkpoint, applied at the next iteration's first bucket
+        self._deferred = []         # resumed, DDP's layout not final yet: this iteration's buckets
 
     _timer = None  # a _timing.StepTimer while the reduction's timing is recorded (enable_timing, PSGD_TORCH_TIMING)
 
@@ -372,10 +404,16 @@ class PowerSGDState:
             raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32, float64, "
                             "float16 or bfloat16 on the CPU" % (index, buffer.dtype, buffer.device))
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
-        if self._reducer is None and self._failure is None and self.iter >= DECLARATION_ITER:
+        if self._local_iter < DECLARATION_ITER:
+            _checkpoint.record_keys(self, bucket, index)
+            if self._restored is not None and len(self._layout) == 1 and self._failure is None:
+                _checkpoint.declare_restored(self, whole_bucket)
+        if self._reducer is None and self._failure is None and self._local_iter >= DECLARATION_ITER:
             self._declare(whole_bucket)
         last = bucket.is_last()
-        if self._reducer is None and self._failure is None:
+        if self._local_iter < DECLARATION_ITER and self._reducer is not None:
+            future = _checkpoint.defer(self, bucket, buffer, final=self._local_iter == DECLARATION_ITER - 1)
+        elif self._reducer is None and self._failure is None:
             future = allreduce_hook(self.process_group, bucket)
             self._plain_bytes += buffer.numel() * buffer.element_size()
         else:
@@ -430,7 +468,11 @@ class PowerSGDState:
 
     def _close_iteration(self):
         self.iter += 1
+        self._local_iter += 1
         self._previous_layout, self._layout = self._layout, {}
+        if self._local_iter <= DECLARATION_ITER:
+            self._previous_layout_keys, self._layout_keys = self._layout_keys, {}
+            self._previous_order, self._order = self._order, []
         if self.iter == max(self.start_powerSGD_iter, DECLARATION_ITER):
             logger.info("Start to apply PowerSGD after %d iterations.", self.iter)
 
@@ -452,26 +494,73 @@ class PowerSGDState:
                 raise PowerSGDError(1, "DDP's bucket indices %s in iteration %d are not 0 to %d"
                                     % (sorted(layout), self.iter - 1, len(layout) - 1))
             config = self._engine_config(whole_bucket)
-            config.start_iter = max(0, int(self.start_powerSGD_iter) - self.iter)
-            comm = _engine_comm(self._group, _group_timeout(self.process_group))
-            reducer = ctypes.c_void_p()
-            _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
-            self._reducer = reducer
-            for index in range(len(layout)):
-                shapes = layout[index]
-                ndims = (ctypes.c_int * len(shapes))(*[len(s) for s in shapes])
-                flat = [d for s in shapes for d in s]
-                dims = (ctypes.c_int64 * max(1, len(flat)))(*flat)
-                declared = ctypes.c_int(-1)
-                _capi.check(_capi.lib.psgd_reducer_add_bucket(reducer, len(shapes), ndims, dims,
-                                                              ctypes.byref(declared)))
+            self._create_reducer(layout, whole_bucket, self.iter)
         except PowerSGDError as e:
             self._failure = e
             return
         self._declared = layout
         self._whole_bucket = whole_bucket
+        self._declared_keys, self._declared_order = self._previous_layout_keys, self._previous_order
+        self._declared_at = self.iter
+        self._after_declare()
+
+    def _after_declare(self):
+        """Once the reducer exists (a declaration here or a checkpoint's in _checkpoint.declare_restored)."""
         if _TIMING_LOG_EVERY and self._timer is None:
             self._timer = _timing.StepTimer(_TIMING_LOG_EVERY)
+
+    def _create_reducer(self, layout, whole_bucket, declared_at):
+        """Collective: the engine reducer with `layout` (bucket index -> shapes), compressing from
+        start_powerSGD_iter counted from `declared_at`."""
+        config = self._engine_config(whole_bucket)
+        config.start_iter = max(0, int(self.start_powerSGD_iter) - declared_at)
+        comm = _engine_comm(self._group, _group_timeout(self.process_group))
+        reducer = ctypes.c_void_p()
+        _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
+        self._reducer = reducer
+        self._comm = comm
+        for index in range(len(layout)):
+            shapes = layout[index]
+            ndims = (ctypes.c_int * len(shapes))(*[len(s) for s in shapes])
+            flat = [d for s in shapes for d in s]
+            dims = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+            declared = ctypes.c_int(-1)
+            _capi.check(_capi.lib.psgd_reducer_add_bucket(reducer, len(shapes), ndims, dims, ctypes.byref(declared)))
+        return comm
+
+    # ---- checkpoints (python/powersgd/_checkpoint.py) ----
+
+    def state_dict(self):
+        """The state as a dict of plain values (torch.save, pickle): iter, the configuration and, once the
+        hook declared DDP's buckets, the engine's checkpoint: error memory and warm start, as a job checkpoint
+        (any world size) and this rank's own (bitwise resume on the same rank and world size). Collective
+        after the declaration: every rank of the group calls it, between iterations."""
+        return _checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        """Restores a state_dict(): iter and the configuration now; the engine's state now when the engine
+        reducer exists (collective), else at the first bucket of the next iteration, which declares the
+        checkpoint's buckets. A fresh DDP's first iterations (before DDP rebuilt its buckets) are reduced
+        through the declared buckets, so the resumed run continues the saved one."""
+        _checkpoint.load_state_dict(self, state_dict)
+
+    def __getstate__(self):
+        """Pickling (torch.save(state)): state_dict(), without the process group (as PyTorch's, which logs
+        that it is not serializable); collective after the declaration, like state_dict()."""
+        logger.warning("NOTE: Process group is not serializable and excluded from a saved state.")
+        return self.state_dict()
+
+    def __setstate__(self, state):
+        """Unpickling: the default process group (as PyTorch's), then load_state_dict(state)."""
+        logger.warning("NOTE: Process group will be set to a default group (i.e. the world size). If a "
+                       "different group is desired, please set `self.process_group` after PowerSGD state is "
+                       "loaded.")
+        self.process_group = None
+        self._group = None
+        self.iter = 0
+        self.next_stats_report = 0
+        self._init_runtime()
+        self.load_state_dict(state)
 
     def _failed_future(self, error):
         future = torch.futures.Future()

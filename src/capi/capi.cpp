@@ -12,18 +12,13 @@
 #include <vector>
 
 #include "capi/config_defaults.hpp"
+#include "capi/handles.hpp"
+#include "capi/on_store.hpp"
 #include "common/check.hpp"
 #include "powersgd/comm.hpp"
 #include "powersgd/powersgd.h"
 #include "powersgd/reducer.hpp"
 #include "powersgd_build_config.h"
-
-struct psgd_comm {
-  // Held by the communicator that hosts the beside-torch store in this process (create_beside_torch); declared
-  // first so that it is released after comm, whose destruction stops the store server.
-  std::shared_ptr<void> store_host;
-  std::unique_ptr<powersgd::Communicator> comm;
-};
 
 struct psgd_reducer {
   std::unique_ptr<powersgd::Reducer> reducer;
@@ -375,6 +370,15 @@ int store_port_beside_torch() {
   return master + 1;
 }
 
+// psgd_comm_init_group's rule for a group id.
+std::string checked_group_id(const char* group_id) {
+  const std::string id = group_id;
+  const bool printable = std::all_of(id.begin(), id.end(), [](char c) { return c > ' ' && c <= '~'; });
+  PSGD_REQUIRE(!id.empty() && id.size() <= 200 && printable, InvalidArgumentError, "group_id '", id,
+               "': expected 1 to 200 printable ASCII characters without spaces");
+  return id;
+}
+
 // A communicator beside torch, for the whole job or a group of it. Where the job's rank 0 hosts the store
 // (torchrun), only the process's first such communicator may host it: a second server on the same port would
 // fail to bind. The others use it while its host lives; once the host is destroyed the next one hosts again.
@@ -465,10 +469,7 @@ psgd_status psgd_comm_init_group(int rank, int size, const char* group_id, psgd_
     PSGD_C_NOT_NULL(out);
     *out = nullptr;
     PSGD_C_NOT_NULL(group_id);
-    const std::string id = group_id;
-    const bool printable = std::all_of(id.begin(), id.end(), [](char c) { return c > ' ' && c <= '~'; });
-    PSGD_REQUIRE(!id.empty() && id.size() <= 200 && printable, InvalidArgumentError, "group_id '", id,
-                 "': expected 1 to 200 printable ASCII characters without spaces");
+    const std::string id = checked_group_id(group_id);
     powersgd::CommOptions options = powersgd::CommOptions::from_env();
     PSGD_REQUIRE(size >= 1 && size <= options.world_size, InvalidArgumentError, "group size ", size,
                  ": expected 1 to the job's world size ", options.world_size);
@@ -525,6 +526,39 @@ psgd_status psgd_reducer_error_feedback_n(const psgd_reducer* r, int bucket_inde
 }  // extern "C"
 
 // ==== end of issue 18 additions ====
+
+// ==== A communicator on the caller's rendezvous store (issue 22, item 2) ====
+
+extern "C" {
+
+psgd_status psgd_store_value_set(psgd_store_value* value, const void* data, size_t size) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(value);
+    PSGD_REQUIRE(data != nullptr || size == 0, InvalidArgumentError, "argument 'data' is null with ", size, " bytes");
+    const auto* bytes = static_cast<const char*>(data);
+    value->bytes.assign(bytes, bytes + size);
+    value->set = true;
+  });
+}
+
+psgd_status psgd_comm_init_on_store(int rank, int size, const char* group_id, const psgd_store_callbacks* store,
+                                    const char* address, psgd_comm** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    PSGD_C_NOT_NULL(store);
+    std::string run_id = powersgd::env::get_or_default("PSGD_RUN_ID");
+    if (run_id.empty()) run_id = "default";
+    if (group_id != nullptr) run_id += "/group/" + checked_group_id(group_id);
+    auto handle = std::make_unique<psgd_comm>();
+    handle->comm = powersgd::capi::create_on_callback_store(rank, size, run_id, *store, address);
+    *out = handle.release();
+  });
+}
+
+}  // extern "C"
+
+// ==== end of issue 22 item 2 additions ====
 
 // ==== Timing of the DDP hook's reductions (issue 20, item 3) ====
 

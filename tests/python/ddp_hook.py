@@ -36,6 +36,7 @@ import ctypes
 import datetime
 import logging
 import math
+import os
 import sys
 import time
 
@@ -338,12 +339,17 @@ def expect_failure(what, fn, words):
 
 
 class FakeBucket:
-    """The four methods of dist.GradBucket that the hook calls, over a tensor this test controls."""
+    """The five methods of dist.GradBucket that the hook calls, over a tensor this test controls (and
+    parameters of the gradients' shapes, which the hook names for checkpoints)."""
 
     def __init__(self, index, shapes, last, dtype=torch.float32):
         self._index, self._last = index, last
         self._buffer = torch.ones(sum(torch.Size(s).numel() for s in shapes), dtype=dtype)
         self._shapes = shapes
+        self._parameters = [torch.zeros(s) for s in shapes]
+
+    def parameters(self):
+        return self._parameters
 
     def index(self):
         return self._index
@@ -745,6 +751,157 @@ def case_timing():
         print("timing: %d DDP buckets, %s" % (buckets, _timing.format_breakdown(b)))
 
 
+# ---- checkpoints (run by checkpoint_resume.py: save on 3 ranks, killed; resume on 3, then on 2) ----
+CKPT_STEP, CKPT_TOTAL = 6, 11
+CKPT_OPTIONS = dict(matrix_approximation_rank=1, start_powerSGD_iter=4, use_error_feedback=True, warm_start=True)
+
+
+def ckpt_model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def ckpt_ddp(module):
+    # Small buckets: DDP's first iteration has one bucket, its rebuilt layout two (read at construction).
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
+    return ddp(module, bucket_cap_mb=0.004)
+
+
+def ckpt_data():
+    # The same batches for a step in every run: seeded by the rank of the saving job (3 ranks).
+    return data(4, CKPT_TOTAL, seed=5)
+
+
+def ckpt_train(model, optimizer, state, first, last):
+    inputs, targets = ckpt_data()
+    losses = []
+    for step in range(first, last):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs[step]), targets[step])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert state.iter == last, (state.iter, last)
+    return losses
+
+
+def ckpt_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def error_memories(state):
+    """This rank's error memory of every declared bucket (the engine's, psgd_reducer_error_feedback_n)."""
+    lib, memories = pst._capi.lib, []
+    for index in range(len(state._declared)):
+        size = ctypes.c_size_t()
+        pst._capi.check(lib.psgd_reducer_bucket_size(state._reducer, index, ctypes.byref(size)))
+        memory = torch.empty(size.value)
+        pst._capi.check(lib.psgd_reducer_error_feedback_n(state._reducer, index, ctypes.c_void_p(memory.data_ptr()),
+                                                          size.value))
+        memories.append(memory)
+    return memories
+
+
+def case_checkpoint_save(directory):
+    """3 ranks: the uninterrupted run (its parameters saved), then the run that saves at CKPT_STEP with
+    torch.save (model, optimizer, pickled PowerSGDState) and is killed (SIGKILL, no cleanup)."""
+    import os
+    import signal
+    assert world() == 3
+    module = ckpt_model()
+    model = ckpt_ddp(module)
+    state = pst.PowerSGDState(None, **CKPT_OPTIONS)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    ckpt_train(model, ckpt_optimizer(model), state, 0, CKPT_TOTAL)
+    torch.save(module.state_dict(), "%s/reference-rank%d.pt" % (directory, rank()))
+    state.close()
+
+    module = ckpt_model()
+    model = ckpt_ddp(module)
+    optimizer = ckpt_optimizer(model)
+    state = pst.PowerSGDState(None, **CKPT_OPTIONS)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    ckpt_train(model, optimizer, state, 0, CKPT_STEP)
+    assert state.compression_stats()[1] > 0, "nothing compressed before the checkpoint"
+    torch.save(error_memories(state), "%s/memory-rank%d.pt" % (directory, rank()))
+    torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "powersgd": state},
+               "%s/ckpt-rank%d.pt" % (directory, rank()))
+    torch.save(state.compression_stats(), "%s/stats-rank%d.pt" % (directory, rank()))
+    dist.barrier()
+    if rank() == 0:
+        print("checkpoint-save: saved at iteration %d, killing every rank" % state.iter, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ckpt_resume(path, register=True):
+    """A fresh model, DDP and optimizer from the checkpoint at `path`; the unpickled PowerSGDState as hook."""
+    saved = torch.load(path)
+    module = ckpt_model()
+    module.load_state_dict(saved["model"])
+    model = ckpt_ddp(module)
+    optimizer = ckpt_optimizer(model)
+    optimizer.load_state_dict(saved["optimizer"])
+    state = saved["powersgd"]
+    assert isinstance(state, pst.PowerSGDState) and state.iter == CKPT_STEP, state.iter
+    if register:
+        model.register_comm_hook(state, pst.powerSGD_hook)
+    return module, model, optimizer, state
+
+
+def case_checkpoint_resume(directory):
+    """3 ranks: each resumes its own file and ends bitwise where the uninterrupted run ended; a fresh state
+    with only iter restored (as PyTorch's __setstate__ does) trains on. 2 ranks: both resume rank 0's file
+    through the job checkpoint (mean error memory, step count); see docs/torch.md, "Checkpoints"."""
+    if world() == 3:
+        module, model, optimizer, state = ckpt_resume("%s/ckpt-rank%d.pt" % (directory, rank()))
+        ckpt_train(model, optimizer, state, CKPT_STEP, CKPT_TOTAL)
+        assert state._resumed_from == "rank", state._resumed_from
+        reference = torch.load("%s/reference-rank%d.pt" % (directory, rank()))
+        for name, value in module.state_dict().items():
+            if not torch.equal(value, reference[name]):
+                raise AssertionError("checkpoint-resume: %s differs from the uninterrupted run by %g" %
+                                     (name, (value - reference[name]).abs().max().item()))
+        state.close()
+        # iter alone (torch's __setstate__ restores it into a fresh state): the layout check still holds.
+        module, model, optimizer, _ = ckpt_resume("%s/ckpt-rank%d.pt" % (directory, rank()), register=False)
+        fresh = pst.PowerSGDState(None, **CKPT_OPTIONS)
+        fresh.iter = CKPT_STEP
+        model.register_comm_hook(fresh, pst.powerSGD_hook)
+        losses = ckpt_train(model, optimizer, fresh, CKPT_STEP, CKPT_TOTAL)
+        assert fresh.compression_stats()[1] > 0 and all(map(math.isfinite, losses)), losses
+        fresh.close()
+        if rank() == 0:
+            print("checkpoint-resume/3: parameters bitwise equal to the uninterrupted run's after %d resumed "
+                  "steps; iter alone restored: %d steps trained" % (CKPT_TOTAL - CKPT_STEP, CKPT_TOTAL - CKPT_STEP))
+        return
+    assert world() == 2
+    module, model, optimizer, state = ckpt_resume("%s/ckpt-rank0.pt" % directory)
+    saved_stats = torch.load("%s/stats-rank0.pt" % directory)
+    losses = ckpt_train(model, optimizer, state, CKPT_STEP, CKPT_TOTAL)
+    assert state._resumed_from == "job", state._resumed_from
+    # The engine's counters went on from the checkpoint's: every resumed step compressed the same elements
+    # as each of the saved run's compressed steps (CKPT_STEP - start_powerSGD_iter of them).
+    per_step = saved_stats[1] // (CKPT_STEP - CKPT_OPTIONS["start_powerSGD_iter"])
+    assert state.compression_stats()[1] == saved_stats[1] + (CKPT_TOTAL - CKPT_STEP) * per_step, (
+        state.compression_stats(), saved_stats)
+    assert all(map(math.isfinite, losses)), losses
+    gathered = [torch.zeros_like(p) for p in module.parameters() for _ in range(2)]
+    for i, p in enumerate(module.parameters()):
+        dist.all_gather(gathered[2 * i:2 * i + 2], p.detach())
+        assert torch.equal(gathered[2 * i], gathered[2 * i + 1]), "parameters differ between the ranks"
+    # The error memory the job checkpoint gives every rank: the mean of the 3 saving ranks' own.
+    state.load_state_dict(torch.load("%s/ckpt-rank0.pt" % directory)["powersgd"].state_dict())
+    saved = [torch.load("%s/memory-rank%d.pt" % (directory, r)) for r in range(3)]
+    for index, memory in enumerate(error_memories(state)):
+        mean = sum(s[index].double() for s in saved) / 3
+        difference = (memory.double() - mean).abs().max().item()
+        assert difference <= 1e-6, (index, difference)
+        assert mean.abs().max().item() > 1e-3, "the saved error memory is zero: nothing compared"
+    if rank() == 0:
+        print("checkpoint-resume/2: %d steps on 2 ranks from the 3 ranks' checkpoint; error memory = the saved "
+              "ranks' mean; compression counters continued" % (CKPT_TOTAL - CKPT_STEP))
+
+
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
@@ -763,16 +920,24 @@ CASES = {
     "dtype-float64": lambda: case_dtype(torch.float64, 1e-6),
     "dtype-float16": lambda: case_dtype(torch.float16, 4e-3),
     "dtype-bfloat16": case_bfloat16,
+    "checkpoint-save": case_checkpoint_save,
+    "checkpoint-resume": case_checkpoint_resume,
 }
+# Cases that take a directory argument.
+DIRECTORY_CASES = ("checkpoint-save", "checkpoint-resume")
 
 
 def main():
-    if len(sys.argv) != 2 or sys.argv[1] not in CASES:
-        print("usage: ddp_hook.py {%s}" % ",".join(CASES), file=sys.stderr)
+    if len(sys.argv) != (3 if sys.argv[1:2] and sys.argv[1] in DIRECTORY_CASES else 2) or sys.argv[1] not in CASES:
+        print("usage: ddp_hook.py {%s} [DIRECTORY]" % ",".join(CASES), file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    pst.init_process_group("gloo")
-    CASES[sys.argv[1]]()
+    if os.environ.get("POWERSGD_TEST_INIT_METHOD"):  # torchrun_env.py --file-store
+        dist.init_process_group("gloo", init_method=os.environ["POWERSGD_TEST_INIT_METHOD"],
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        pst.init_process_group("gloo")
+    CASES[sys.argv[1]](*sys.argv[2:])
     dist.barrier()
     if rank() == 0:
         print("%s: passed" % sys.argv[1])

@@ -5,7 +5,10 @@ itself (`python3 -m torch.distributed.run`, static rendezvous on that MASTER_POR
 --tee 1`: without them Debian's torchrun 1.13 fails under Python 3.11 before starting workers (its
 `Std.from_str("0")` is None there, docs/torch.md).
 
-    python3 torchrun_env.py [--torchrun] WORKER.py ARGS...
+    python3 torchrun_env.py [--torchrun | --busy-next-port | --file-store] WORKER.py ARGS...
+
+--busy-next-port keeps a listening socket on MASTER_PORT + 1 during the run; --file-store gives the workers
+no MASTER_ADDR or MASTER_PORT and POWERSGD_TEST_INIT_METHOD=file://... (torch's FileStore) instead.
 
 MASTER_PORT is a port below the kernel's ephemeral range (so no outgoing connection can take it or its
 successor between the check and the workers' bind) where both it and MASTER_PORT + 1 are free. Exit: the
@@ -19,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 
 def ephemeral_low():
@@ -73,9 +77,22 @@ def main():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSGD_")}
     if sys.argv[1:2] == ["--torchrun"]:
         return run_torchrun(port, env, sys.argv[2:])
-    workers = [subprocess.Popen([sys.executable] + sys.argv[1:],
+    args, busy, directory = sys.argv[1:], None, None
+    if args[:1] == ["--busy-next-port"]:
+        # Another program listens on MASTER_PORT + 1 (where the engine's own store used to go): the engine
+        # must rendezvous through torch's store alone.
+        args, busy = args[1:], socket.socket()
+        busy.bind(("127.0.0.1", port + 1))
+        busy.listen()
+    elif args[:1] == ["--file-store"]:
+        # torch's FileStore (init_method file://), no MASTER_ADDR or MASTER_PORT at all (ddp_hook.py reads
+        # POWERSGD_TEST_INIT_METHOD).
+        args, directory = args[1:], tempfile.TemporaryDirectory(prefix="powersgd-filestore-")
+        env["POWERSGD_TEST_INIT_METHOD"] = "file://%s/store" % directory.name
+    master = {} if directory is not None else dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    workers = [subprocess.Popen([sys.executable] + args,
                                 env=dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                                         **master))
                for r in range(2)]
     codes = []
     try:

@@ -55,24 +55,35 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
 }
 
 std::unique_ptr<GlooCommunicator> GlooCommunicator::create(const CommOptions& options, GlooApi api) {
+  return create_on_store(options, nullptr, "", api);
+}
+
+std::unique_ptr<GlooCommunicator> GlooCommunicator::create_on_store(const CommOptions& options,
+                                                                    std::unique_ptr<Store> store,
+                                                                    std::string store_name, GlooApi api) {
   PSGD_REQUIRE(options.world_size >= 1, InvalidArgumentError, "world size ", options.world_size,
                " is invalid: expected >= 1");
   PSGD_REQUIRE(options.rank >= 0 && options.rank < options.world_size, InvalidArgumentError, "rank ",
                options.rank, " is out of range: expected 0 to ", options.world_size - 1);
   PSGD_REQUIRE(options.timeout.count() > 0, InvalidArgumentError, "timeout ", options.timeout.count(),
                " ms is invalid: expected > 0");
-  PSGD_REQUIRE(options.store_port != 0 || (options.host_store && options.world_size == 1), InvalidArgumentError,
-               "store port 0 is only valid for a single process hosting its own store: set MASTER_PORT");
   // A peer that vanishes must surface as an error from send(), not kill us.
   std::signal(SIGPIPE, SIG_IGN);
   log::set_rank(options.rank);
+  PSGD_REQUIRE(store != nullptr || options.store_port != 0 || (options.host_store && options.world_size == 1),
+               InvalidArgumentError,
+               "store port 0 is only valid for a single process hosting its own store: set MASTER_PORT");
   std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(options, api));
+  comm->store_ = std::move(store);
+  comm->store_name_ = std::move(store_name);
   comm->connect();
   return comm;
 }
 
 void GlooCommunicator::connect() {
-  if (options_.host_store) {
+  if (store_ != nullptr) {
+    // The caller's store: nothing to host or connect.
+  } else if (options_.host_store) {
     TcpStoreServerOptions server;
     // Only the address the other ranks use to reach MASTER_ADDR, never every
     // interface: a loopback MASTER_ADDR itself (127.0.0.1 for a name such as
@@ -92,7 +103,10 @@ void GlooCommunicator::connect() {
                " accepts any client that can reach it (it could redirect this job's traffic or stall its "
                "rendezvous): set PSGD_TOKEN to the same secret on every rank, or use powersgd-run, which does");
   }
-  store_ = connect_tcp_store(options_.store_addr, options_.store_port, options_.token, options_.timeout);
+  if (store_ == nullptr) {
+    store_ = connect_tcp_store(options_.store_addr, options_.store_port, options_.token, options_.timeout);
+    store_name_ = options_.store_addr + ":" + std::to_string(options_.store_port);
+  }
   store_->set_timeout(options_.timeout);
 
   // Every group that forms on this store gets a fresh generation, so a rebuilt
@@ -115,10 +129,9 @@ void GlooCommunicator::connect() {
   } catch (const std::exception& e) {
     std::string message = e.what();
     if (is_timeout_message(message))
-      PSGD_THROW(TimeoutError, "rendezvous of ", options_.world_size, " ranks at ", options_.store_addr, ":",
-                 options_.store_port, " timed out after ", options_.timeout.count(), " ms: ", message);
-    PSGD_THROW(IoError, "rendezvous of ", options_.world_size, " ranks at ", options_.store_addr, ":",
-               options_.store_port, " failed: ", message);
+      PSGD_THROW(TimeoutError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " timed out after ",
+                 options_.timeout.count(), " ms: ", message);
+    PSGD_THROW(IoError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " failed: ", message);
   }
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint();

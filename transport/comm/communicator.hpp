@@ -35,6 +35,11 @@ class GlooCommunicator final : public Communicator {
   // Collective; see Communicator::create. api defaults to New on TCP; ibverbs
   // always uses Legacy.
   static std::unique_ptr<GlooCommunicator> create(const CommOptions& options, GlooApi api = GlooApi::New);
+  // Collective, as create, but the ranks rendezvous through `store` (e.g. torch.distributed's, through the C
+  // API's callbacks), which the communicator owns; options' store_addr, store_port, host_store are unused.
+  // `store_name` names it in errors ("torch.distributed's store"). A null store: create's own.
+  static std::unique_ptr<GlooCommunicator> create_on_store(const CommOptions& options, std::unique_ptr<Store> store,
+                                                           std::string store_name, GlooApi api = GlooApi::New);
   ~GlooCommunicator() override;
 
   int rank() const override { return options_.rank; }
@@ -78,6 +83,7 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<CollectiveAlgorithms> algorithms_;
   std::unique_ptr<TcpStoreServer> server_;
   std::unique_ptr<Store> store_;
+  std::string store_name_;  // in rendezvous errors: "ADDR:PORT", or the caller's store's name
   std::shared_ptr<gloo::transport::Device> device_;
   // Dropped by the communication thread after a fatal failure.
   std::shared_ptr<gloo::rendezvous::Context> context_;

@@ -9,6 +9,7 @@
 #include "common/env.hpp"
 #include "comm/address.hpp"
 #include "comm/launch_env.hpp"
+#include "comm/options.hpp"
 #include "common/log.hpp"
 #include "powersgd/comm.hpp"
 
@@ -76,6 +77,17 @@ CommOptions CommOptions::from_env() {
   // A job whose derived port another job's store holds must not join that job's group.
   if (o.run_id.empty()) o.run_id = rendezvous.run_id;
 
+  transport::apply_env_settings(o);
+  if (o.transport == TransportKind::Tcp && o.iface.empty() && o.address.empty())
+    o.address = transport::local_address_towards(o.store_addr, transport::kMasterAddr);
+  return o;
+}
+
+}  // namespace powersgd
+
+namespace powersgd::transport {
+
+void apply_env_settings(CommOptions& o) {
   std::string transport = env::get_or_default("PSGD_TRANSPORT");
   if (transport == "tcp")
     o.transport = TransportKind::Tcp;
@@ -89,8 +101,6 @@ CommOptions CommOptions::from_env() {
   o.address = env::get_or_default("PSGD_ADDR");
   PSGD_REQUIRE(o.iface.empty() || o.address.empty(), InvalidArgumentError, "PSGD_IFACE='", o.iface,
                "' and PSGD_ADDR='", o.address, "' are both set: expected at most one");
-  if (o.transport == TransportKind::Tcp && o.iface.empty() && o.address.empty())
-    o.address = transport::local_address_towards(o.store_addr, transport::kMasterAddr);
 
   o.ib_device = env::get_or_default("PSGD_IB_DEVICE");
   o.ib_port = static_cast<int>(env::get_int("PSGD_IB_PORT", 1, 255));
@@ -98,7 +108,6 @@ CommOptions CommOptions::from_env() {
   o.timeout = std::chrono::milliseconds(env::get_int("PSGD_TIMEOUT_MS", 1, int64_t{24} * 3600 * 1000));
   o.ring_threshold_bytes =
       static_cast<size_t>(env::get_int("PSGD_RING_THRESHOLD_BYTES", 0, std::numeric_limits<int64_t>::max()));
-  return o;
 }
 
-}  // namespace powersgd
+}  // namespace powersgd::transport

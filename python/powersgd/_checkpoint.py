@@ -1,0 +1,248 @@
+"""Checkpoints of powersgd.torch.PowerSGDState: state_dict() / load_state_dict() and pickling (docs/torch.md,
+"Checkpoints").
+
+A state_dict holds plain values only (ints, floats, bytes, dicts, tuples): iter, next_stats_report, the
+configuration, and once the hook has declared DDP's buckets to the engine, under "engine":
+- the declared layout (bucket index -> gradient shapes), the declared buckets' parameters as keys (a
+  parameter's place in DDP's buckets of a process's first iteration, which DDP computes from the model alone),
+  the order the buckets were reduced in, the iteration of the declaration and which hook declared them;
+- "job": the engine's job checkpoint (psgd_reducer_save_job: the mean error memory over the ranks, warm start,
+  step count), the same bytes on every rank; it resumes on any world size;
+- "rank_data": this rank's own checkpoint (psgd_reducer_save: its own error memory), with "rank" and
+  "world_size"; when every rank of the resumed group holds its own rank's data from a group of the same size,
+  the ranks load these instead and the resumed run is bitwise the uninterrupted one.
+
+Resuming: DDP rebuilds its buckets after its first iteration (the second with static_graph), so a fresh DDP's
+buckets differ from the declared ones for up to DECLARATION_ITER iterations. The engine's per-bucket state
+follows the declared buckets; so in those iterations the hook collects the iteration's buckets, copies every
+gradient into its place in the declared buckets (by parameter key), reduces those through the engine at the
+iteration's last bucket, copies the results back and completes the futures. From iteration DECLARATION_ITER
+of the process on, DDP's buckets must be the declared ones (checked) and the hook reduces them directly.
+"""
+import ctypes
+import os
+import shutil
+import tempfile
+
+import torch
+
+from powersgd import _capi
+from powersgd._capi import PowerSGDError
+
+# The configuration a state_dict carries: PowerSGDState's attributes of the same names.
+CONFIG_FIELDS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
+                 "warm_start", "orthogonalization_epsilon", "random_seed", "compression_stats_logging_frequency",
+                 "batch_tensors_with_same_shape", "adaptive", "rank_low", "rank_high", "adaptive_interval",
+                 "adaptive_threshold", "alternating")
+VERSION = 1
+_MISMATCH = 4
+
+
+def record_keys(state, bucket, index):
+    """Before the declaration (and in a resumed process's first iterations): names this bucket's parameters.
+    In the process's first iteration every parameter gets the next key, in DDP's call order (bucket index
+    order, then the bucket's own order)."""
+    pointers = [p.data_ptr() for p in bucket.parameters()]
+    if state._local_iter == 0:
+        for pointer in pointers:
+            state._param_keys.setdefault(pointer, len(state._param_keys))
+    state._layout_keys[index] = tuple(state._param_keys.get(pointer, -1) for pointer in pointers)
+    state._order.append(index)
+
+
+def _temporary_dir():
+    return tempfile.mkdtemp(prefix="powersgd-checkpoint-")
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _broadcast_bytes(comm, data):
+    """Collective: rank 0's `data` (bytes) on every rank of the engine communicator."""
+    size = ctypes.c_uint64(len(data) if data is not None else 0)
+    _capi.check(_capi.lib.psgd_comm_broadcast(comm, ctypes.byref(size), ctypes.sizeof(size), 0))
+    buffer = ctypes.create_string_buffer(data if data is not None else b"", size.value)
+    _capi.check(_capi.lib.psgd_comm_broadcast(comm, buffer, size.value, 0))
+    return buffer.raw[:size.value]
+
+
+def state_dict(state):
+    if state._layout:
+        raise RuntimeError("PowerSGDState.state_dict() inside an iteration (%d of DDP's buckets reduced): call it "
+                           "between iterations, e.g. after optimizer.step()" % len(state._layout))
+    if state._failure is not None:
+        raise state._failure
+    result = {"version": VERSION, "iter": state.iter, "next_stats_report": state.next_stats_report,
+              "config": {name: getattr(state, name) for name in CONFIG_FIELDS}, "engine": None}
+    if state._reducer is not None:
+        comm = state._comm
+        rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
+        directory = _temporary_dir()
+        try:
+            job = os.path.join(directory, "job.ckpt")
+            own = os.path.join(directory, "rank.ckpt")
+            _capi.check(_capi.lib.psgd_reducer_save_job(state._reducer, job.encode()))
+            job_data = _broadcast_bytes(comm, _read(job) if rank == 0 else None)
+            _capi.check(_capi.lib.psgd_reducer_save(state._reducer, own.encode()))
+            rank_data = _read(own)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        result["engine"] = {"declared": dict(state._declared), "declared_keys": dict(state._declared_keys),
+                            "declared_order": tuple(state._declared_order), "declared_at": state._declared_at,
+                            "whole_bucket": bool(state._whole_bucket), "job": job_data, "rank": rank,
+                            "world_size": world, "rank_data": rank_data}
+    elif state._restored is not None:
+        result["engine"] = state._restored  # loaded, not applied yet: passed on as it came
+    return result
+
+
+def load_state_dict(state, loaded):
+    if not isinstance(loaded, dict) or loaded.get("version") != VERSION:
+        raise ValueError("PowerSGDState.load_state_dict: expected a dict from PowerSGDState.state_dict() (version "
+                         "%d), got %s" % (VERSION, type(loaded).__name__ if not isinstance(loaded, dict)
+                                          else "version %r" % (loaded.get("version"),)))
+    if state._layout:
+        raise RuntimeError("PowerSGDState.load_state_dict() inside an iteration: call it between iterations")
+    previous = {name: getattr(state, name, None) for name in CONFIG_FIELDS}
+    for name in CONFIG_FIELDS:
+        setattr(state, name, loaded["config"][name])
+    try:
+        state._engine_config(whole_bucket=False)  # every field checked again, as at construction
+    except (TypeError, ValueError):
+        for name, value in previous.items():
+            setattr(state, name, value)
+        raise
+    state.iter = int(loaded["iter"])
+    state.next_stats_report = int(loaded["next_stats_report"])
+    engine = loaded.get("engine")
+    state._restored = None
+    if engine is None:
+        return
+    if state._reducer is not None:
+        if engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket):
+            raise PowerSGDError(_MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
+                                "this state declared, %s (%s)" % (engine["declared"], _hook_name(engine),
+                                                                  state._declared, state._hook_name(
+                                                                      state._whole_bucket)))
+        _load_engine(state, state._comm, engine)
+        state._declared_keys = dict(engine["declared_keys"])
+        state._declared_order = tuple(engine["declared_order"])
+        state._declared_at = engine["declared_at"]
+    else:
+        state._restored = engine
+
+
+def _hook_name(engine):
+    return "batched_powerSGD_hook" if engine["whole_bucket"] else "powerSGD_hook"
+
+
+def _load_engine(state, comm, engine):
+    """Collective: the engine's state from the checkpoint: every rank's own data where every rank has it
+    (same group size, its own rank's), else the job checkpoint. The choice is agreed by an allreduce."""
+    rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
+    own = engine.get("rank_data") is not None and engine["rank"] == rank and engine["world_size"] == world
+    flag = ctypes.c_float(1.0 if own else 0.0)
+    _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, ctypes.byref(flag), 1))
+    per_rank = flag.value == world
+    directory = _temporary_dir()
+    try:
+        path = os.path.join(directory, "state.ckpt")
+        _write(path, engine["rank_data"] if per_rank else engine["job"])
+        if per_rank:
+            _capi.check(_capi.lib.psgd_reducer_load(state._reducer, path.encode()))
+        else:
+            _capi.check(_capi.lib.psgd_reducer_load_job(state._reducer, path.encode()))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    state._resumed_from = "rank" if per_rank else "job"
+
+
+def declare_restored(state, whole_bucket):
+    """Collective, at the first bucket of an iteration: the engine reducer for the checkpoint's buckets, with
+    the checkpoint's state. A failure becomes the state's failure (every later bucket fails with it)."""
+    engine = state._restored
+    state._restored = None
+    try:
+        if bool(engine["whole_bucket"]) != bool(whole_bucket):
+            raise PowerSGDError(_MISMATCH, "the checkpoint was saved by %s; this state now serves %s"
+                                % (_hook_name(engine), state._hook_name(whole_bucket)))
+        declared = dict(engine["declared"])
+        state._create_reducer(declared, whole_bucket, engine["declared_at"])
+        _load_engine(state, state._comm, engine)
+    except PowerSGDError as e:
+        state._failure = e
+        return
+    state._declared = declared
+    state._whole_bucket = whole_bucket
+    state._declared_keys = dict(engine["declared_keys"])
+    state._declared_order = tuple(engine["declared_order"])
+    state._declared_at = engine["declared_at"]
+    state._after_declare()
+
+
+def defer(state, bucket, buffer, final):
+    """A bucket of an iteration whose layout may not be the declared one yet: kept until the iteration's last
+    bucket, then the iteration is reduced through the declared buckets (_reduce_deferred). `final`: DDP's
+    layout of this iteration is final (it must be the declared one)."""
+    future = torch.futures.Future()
+    if state._failure is not None:
+        future.set_exception(state._failure)
+    else:
+        state._deferred.append((future, buffer, bucket.parameters(), bucket.gradients()))
+    if bucket.is_last():
+        deferred, state._deferred = state._deferred, []
+        if state._failure is None:
+            _reduce_deferred(state, deferred, final)
+        for item in deferred:
+            if not item[0].done():
+                item[0].set_exception(state._failure)
+    return future.then(lambda done: done.value())
+
+
+def _reduce_deferred(state, deferred, final):
+    gradients = {}
+    for _, _, parameters, views in deferred:
+        for parameter, view in zip(parameters, views):
+            gradients[state._param_keys.get(parameter.data_ptr(), -1)] = view
+    try:
+        for index in state._declared_order:
+            keys = state._declared_keys[index]
+            missing = [key for key in keys if key not in gradients]
+            if missing or len(gradients) != sum(len(k) for k in state._declared_keys.values()):
+                raise PowerSGDError(_MISMATCH, "DDP's buckets of this iteration hold other parameters than the "
+                                    "checkpoint's declared buckets (bucket %d's parameters %s not found among %s): "
+                                    "resume the same model with the same DDP options" % (index, missing,
+                                                                                         sorted(gradients)))
+            work = torch.cat([gradients[key].reshape(-1).to(torch.float32) for key in keys])
+            handle = ctypes.c_void_p()
+            _capi.check(_capi.lib.psgd_reducer_reduce_async(state._reducer, index,
+                                                            ctypes.c_void_p(work.data_ptr()), ctypes.byref(handle)))
+            status = _capi.lib.psgd_reduce_handle_wait(handle)
+            message = _capi.last_error() if status != 0 else ""
+            _capi.lib.psgd_reduce_handle_free(handle)
+            if status != 0:
+                raise PowerSGDError(status, message)
+            offset = 0
+            for key in keys:
+                view = gradients[key]
+                view.copy_(work[offset:offset + view.numel()].view(view.shape))
+                offset += view.numel()
+        if final and state._layout_keys != state._declared_keys:
+            # DDP's layout is final from here on: it must be the declared one, parameters included.
+            raise PowerSGDError(_MISMATCH, "DDP's buckets after its rebuild, %s, are not the checkpoint's "
+                                "declared buckets %s: resume the same model with the same DDP options"
+                                % (state._layout_keys, state._declared_keys))
+    except PowerSGDError as e:
+        state._failure = e
+        for future, _, _, _ in deferred:
+            future.set_exception(e)
+        return
+    for future, buffer, _, _ in deferred:
+        future.set_result(buffer)

@@ -1,0 +1,15 @@
+// The PSGD_* settings of CommOptions::from_env, for communicators whose
+// membership and rendezvous come from elsewhere (the C API's
+// psgd_comm_init_on_store: torch.distributed's ranks and store).
+#pragma once
+
+#include "powersgd/comm.hpp"
+
+namespace powersgd::transport {
+
+// Sets transport, iface, address (PSGD_IFACE / PSGD_ADDR as given; no
+// default), ib_*, timeout and ring_threshold_bytes from the environment
+// (docs/env.md). Throws InvalidArgumentError naming a bad variable.
+void apply_env_settings(CommOptions& options);
+
+}  // namespace powersgd::transport
