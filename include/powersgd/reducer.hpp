@@ -174,7 +174,8 @@ class PSGD_API Reducer {
   size_t bucket_size(int bucket) const;        // elements of the bucket's flat buffer
   std::span<const Shape> bucket_shapes(int bucket) const;
   // The rank the bucket's compressed matrices use in its next compressed step
-  // (Stats::current_rank[bucket]; waits for in-flight reductions).
+  // (Stats::current_rank[bucket]; waits for in-flight reductions). A pending
+  // note_lr_change() is not in it yet: it applies within the next reduction.
   int bucket_rank(int bucket) const;
 
   // Collective, in place. Reducing a bucket twice in one step is an
