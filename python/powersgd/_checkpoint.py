@@ -33,7 +33,7 @@ from powersgd._capi import PowerSGDError
 CONFIG_FIELDS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
                  "warm_start", "orthogonalization_epsilon", "random_seed", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "adaptive", "rank_low", "rank_high", "adaptive_interval",
-                 "adaptive_threshold", "alternating")
+                 "adaptive_threshold", "alternating", "warmup_steps", "lr_boost_steps")
 VERSION = 1
 _MISMATCH = 4
 
@@ -80,7 +80,8 @@ def state_dict(state):
     if state._failure is not None:
         raise state._failure
     result = {"version": VERSION, "iter": state.iter, "next_stats_report": state.next_stats_report,
-              "config": {name: getattr(state, name) for name in CONFIG_FIELDS}, "engine": None}
+              "config": {name: getattr(state, name) for name in CONFIG_FIELDS}, "engine": None,
+              "note_pending": bool(state._note_pending)}
     if state._reducer is not None:
         comm = state._comm
         rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
@@ -121,6 +122,8 @@ def load_state_dict(state, loaded):
         raise
     state.iter = int(loaded["iter"])
     state.next_stats_report = int(loaded["next_stats_report"])
+    # A note_lr_change() made before the engine reducer existed (after it, the engine's checkpoint has it).
+    state._note_pending = bool(loaded.get("note_pending", False))
     engine = loaded.get("engine")
     state._restored = None
     if engine is None:

@@ -248,7 +248,8 @@ class PowerSGDState:
                  min_compression_rate=2, use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0,
                  random_seed=0, compression_stats_logging_frequency=10_000,
                  batch_tensors_with_same_shape: bool = False, *, adaptive=False, rank_low=1, rank_high=4,
-                 adaptive_interval=100, adaptive_threshold=0.5, alternating=False):
+                 adaptive_interval=100, adaptive_threshold=0.5, alternating=False, warmup_steps=0,
+                 lr_boost_steps=100, lr_watch=None):
         logger.info("PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "
                     "min_compression_rate = %s; orthogonalization_epsilon = %s; use_error_feedback = %s; "
                     "warm_start = %s; random_seed = %s; compression_stats_logging_frequency = %s; "
@@ -278,6 +279,17 @@ class PowerSGDState:
         self.adaptive_interval = adaptive_interval
         self.adaptive_threshold = adaptive_threshold
         self.alternating = alternating
+        # The rank policy (docs/engine.md, "Rank policy and decision log"); lr_watch: an optimizer whose
+        # param_groups' lr is read at each iteration's first bucket: a decrease is one note_lr_change().
+        self.warmup_steps = warmup_steps
+        self.lr_boost_steps = lr_boost_steps
+        if lr_watch is not None and not hasattr(lr_watch, "param_groups"):
+            raise TypeError("PowerSGDState: lr_watch = %r: expected a torch.optim optimizer (with param_groups)"
+                            % (lr_watch,))
+        self.lr_watch = lr_watch
+        self._watched_lrs = None if lr_watch is None else [g["lr"] for g in lr_watch.param_groups]
+        self.lr_notes = 0            # note_lr_change() calls, the watcher's included
+        self._note_pending = False   # a note made before the engine reducer exists
         self._group = _group_of(process_group)  # None: the whole job
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
@@ -342,6 +354,8 @@ class PowerSGDState:
                                        "an integer >= 1")
         c.adaptive_threshold = _nonnegative("adaptive_threshold", self.adaptive_threshold)
         c.alternating = _bool("alternating", self.alternating)
+        c.warmup_steps = _integer("warmup_steps", self.warmup_steps, 0, 2**63 - 1, "an integer >= 0")
+        c.lr_boost_steps = _integer("lr_boost_steps", self.lr_boost_steps, 0, 2**63 - 1, "an integer >= 0")
         if c.alternating and not c.warm_start:
             raise ValueError("PowerSGDState: alternating = True with warm_start = False: alternating needs "
                              "warm_start = True (each step starts from the previous step's averaged factor)")
@@ -403,6 +417,7 @@ class PowerSGDState:
         if buffer.dtype not in _DTYPES or buffer.device.type != "cpu":
             raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32, float64, "
                             "float16 or bfloat16 on the CPU" % (index, buffer.dtype, buffer.device))
+        first = not self._layout
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
         if self._local_iter < DECLARATION_ITER:
             _checkpoint.record_keys(self, bucket, index)
@@ -410,6 +425,11 @@ class PowerSGDState:
                 _checkpoint.declare_restored(self, whole_bucket)
         if self._reducer is None and self._failure is None and self._local_iter >= DECLARATION_ITER:
             self._declare(whole_bucket)
+        if first and self._watched_lrs is not None:
+            lrs = [g["lr"] for g in self.lr_watch.param_groups]
+            if any(now < before for now, before in zip(lrs, self._watched_lrs)):
+                self.note_lr_change()
+            self._watched_lrs = lrs
         last = bucket.is_last()
         if self._local_iter < DECLARATION_ITER and self._reducer is not None:
             future = _checkpoint.defer(self, bucket, buffer, final=self._local_iter == DECLARATION_ITER - 1)
@@ -466,6 +486,38 @@ class PowerSGDState:
             else:
                 timer.step_completed(time.monotonic(), _capi.lib, self._reducer)
 
+    # ---- rank policy ----
+
+    def note_lr_change(self):
+        """Reducer::note_lr_change(): the next lr_boost_steps compressed steps of every bucket at rank_high.
+        Between iterations (or from the lr_watch watcher), on every rank alike: a note on some ranks only fails
+        the next iteration's reductions on every rank (MismatchError)."""
+        self.lr_notes += 1
+        self._note_pending = True
+        self._flush_note()
+
+    def _flush_note(self):
+        if self._note_pending and self._reducer is not None and self._failure is None:
+            self._note_pending = False
+            _capi.check(_capi.lib.psgd_reducer_note_lr_change(self._reducer))
+
+    def decisions(self):
+        """The engine's decision log since the last call: dicts {step, bucket, rank, reason}."""
+        out = []
+        if self._reducer is None:
+            return out
+        capacity = 256
+        steps = (ctypes.c_int64 * capacity)()
+        buckets, ranks, reasons = (ctypes.c_int * capacity)(), (ctypes.c_int * capacity)(), (ctypes.c_int * capacity)()
+        count = ctypes.c_size_t(capacity)
+        while count.value == capacity:
+            _capi.check(_capi.lib.psgd_reducer_decisions(self._reducer, steps, buckets, ranks, reasons, capacity,
+                                                         ctypes.byref(count)))
+            for i in range(count.value):
+                out.append({"step": steps[i], "bucket": buckets[i], "rank": ranks[i],
+                            "reason": _capi.lib.psgd_rank_reason_name(reasons[i]).decode()})
+        return out
+
     def _close_iteration(self):
         self.iter += 1
         self._local_iter += 1
@@ -508,6 +560,7 @@ class PowerSGDState:
         """Once the reducer exists (a declaration here or a checkpoint's in _checkpoint.declare_restored)."""
         if _TIMING_LOG_EVERY and self._timer is None:
             self._timer = _timing.StepTimer(_TIMING_LOG_EVERY)
+        self._flush_note()
 
     def _create_reducer(self, layout, whole_bucket, declared_at):
         """Collective: the engine reducer with `layout` (bucket index -> shapes), compressing from
@@ -559,6 +612,10 @@ class PowerSGDState:
         self._group = None
         self.iter = 0
         self.next_stats_report = 0
+        self.lr_watch = None         # an optimizer is not part of the state: pass lr_watch again
+        self._watched_lrs = None
+        self.lr_notes = 0
+        self._note_pending = False
         self._init_runtime()
         self.load_state_dict(state)
 

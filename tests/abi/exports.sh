@@ -19,7 +19,7 @@ grep -E '^PSGD_API' "$header" | grep -oE '\bpsgd_[a-z0-9_]+\(' | tr -d '(' | sor
 errors='(Error|InvalidArgumentError|IoError|TimeoutError|MismatchError|NonFiniteError|UnsupportedError'
 errors="$errors|InternalError|PeerError)"
 abi='(\[abi:[a-z0-9]+\])?'  # the tag of functions returning std::string
-public="^powersgd::(size_of|to_string)\\(\
+public="^powersgd::(size_of|to_string|rank_reason_name)\\(\
 |^powersgd::(CommOptions|Work|Communicator|Config|Stats|ReduceHandle)::[~a-zA-Z_]+$abi\\(\
 |^powersgd::Reducer::(~?Reducer|[a-z_]+)$abi\\(\
 |^powersgd::$errors::~?[a-zA-Z_]+$abi\\(\
