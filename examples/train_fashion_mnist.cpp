@@ -12,7 +12,8 @@
 //
 // The paper's ablations are flags: --no-error-feedback, --no-warm-start,
 // --adaptive (--rank-low/--rank-high/--adaptive-interval/--adaptive-threshold)
-// and --alternating set the Config fields of the same names. Learning rate:
+// and --alternating set the Config fields of the same names, --wire-dtype
+// f32|bf16|fp16 sets Config::wire_dtype. Learning rate:
 // --lr, multiplied by --lr-decay-factor from each epoch in --lr-decay-epochs on
 // (default: x0.1 in the last epoch when there are more than 2). --train-limit
 // and --test-limit train and test on the first N images. Each epoch prints rank
@@ -144,6 +145,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--alternating", alternating,
                "One collective per step: alternate the power-iteration halves (Config::alternating)");
+  std::string wire_dtype = "f32";
+  app.add_option("--wire-dtype", wire_dtype,
+                 "Element type of the P and Q factors on the wire (Config::wire_dtype): f32, bf16 or fp16")
+      ->check(CLI::IsMember({"f32", "bf16", "fp16"}));
   app.add_option("--record-gradients", record_path,
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
@@ -210,6 +215,9 @@ int main(int argc, char** argv) {
     config.adaptive_interval = adaptive_interval;
     config.adaptive_threshold = adaptive_threshold;
     config.alternating = alternating;
+    config.wire_dtype = wire_dtype == "bf16"   ? powersgd::WireDType::BFloat16
+                        : wire_dtype == "fp16" ? powersgd::WireDType::Float16
+                                               : powersgd::WireDType::Float32;
     powersgd::Reducer reducer(*comm, config);
     int buckets[2] = {reducer.add_bucket(model->bucket_shapes(0)), reducer.add_bucket(model->bucket_shapes(1))};
     if (me == 0) {
@@ -220,6 +228,7 @@ int main(int argc, char** argv) {
         if (alternating) method += ", alternating";
         if (no_error_feedback) method += ", no error feedback";
         if (no_warm_start) method += ", no warm start";
+        if (wire_dtype != "f32") method += ", " + wire_dtype + " factors on the wire";
       }
       std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s\n",
                   model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str());
@@ -242,6 +251,8 @@ int main(int argc, char** argv) {
                             int64_t(rank_high), adaptive_interval, int64_t(alternating)})
       options = fashion_mnist::fnv1a(&v, sizeof v, options);
     for (const float v : {lr, lr_decay_factor}) options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    // The wire type changes the rounding of the run: a resumed job must use the same one.
+    if (wire_dtype != "f32") options = fashion_mnist::fnv1a(wire_dtype.data(), wire_dtype.size(), options);
     for (const int e : lr_decay_epochs) options = fashion_mnist::fnv1a(&e, sizeof e, options);
     options = fashion_mnist::fnv1a(&adaptive_threshold, sizeof adaptive_threshold, options);
     std::optional<fashion_mnist::TrainerCheckpoints> checkpoints;

@@ -53,7 +53,12 @@ class Config(ctypes.Structure):
         ("adaptive_threshold", ctypes.c_double),
         ("alternating", ctypes.c_int),
         ("divergence_check_interval", ctypes.c_int64),  # appended in 0.2 as well
+        ("wire_dtype", ctypes.c_int),  # appended (issue 20): WIRE_DTYPES' values
     ]
+
+
+# psgd_config.wire_dtype: PSGD_WIRE_F32, PSGD_WIRE_BF16, PSGD_WIRE_FP16.
+WIRE_DTYPES = {"f32": 0, "bf16": 1, "fp16": 2}
 
 
 class Stats(ctypes.Structure):
