@@ -67,7 +67,7 @@ const Variant kVariants[] = {{"default", false, false, false, false},
 
 TEST_CASE("wire: 16-bit factors give bitwise-identical outputs on every rank, near float32's, error memory exact") {
   auto comm = connect("wire-identical");
-  const int world = comm->size(), me = comm->rank();
+  const int me = comm->rank();
   for (WireDType type : {WireDType::BFloat16, WireDType::Float16})
     for (const Variant& v : kVariants) {
       INFO(to_string(type), ", ", v.name);
