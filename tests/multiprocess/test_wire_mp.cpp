@@ -120,7 +120,7 @@ TEST_CASE("wire: 16-bit factors give bitwise-identical outputs on every rank, ne
           // roundings deep, amplified by the orthogonalization: a loose multiple.
           if (step == 1) {
             const double rel = relative(out_w[b], out_f[b]);
-            MESSAGE(to_string(type), " ", v.name, ": output relative to float32's ", rel);
+            MESSAGE(std::string(to_string(type)), " ", std::string(v.name), ": output relative to float32 output ", rel);
             CHECK(rel < (type == WireDType::BFloat16 ? 0.05 : 0.01));
             CHECK(rel > 0);  // the factors really were rounded
           }
