@@ -4,6 +4,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <stdlib.h>
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "engine/half.hpp"
+#include "powersgd/powersgd.h"
 
 using namespace powersgd;
 using namespace powersgd::engine;
@@ -137,4 +140,29 @@ TEST_CASE("encode and decode: the bulk forms use the per-element conversions") {
     }
   }
   CHECK(std::string(to_string(WireDType::BFloat16)) == "bf16");
+}
+
+TEST_CASE("C API: wire_dtype defaults to f32; a bad value and a 16-bit wire on CUDA are refused, naming them") {
+  CHECK(psgd_config_default().wire_dtype == PSGD_WIRE_F32);
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  psgd_config config = psgd_config_default();
+  psgd_reducer* reducer = nullptr;
+  config.wire_dtype = 7;
+  CHECK(psgd_reducer_create(comm, &config, &reducer) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("config.wire_dtype = 7: expected f32 (0), bf16 (1) or fp16 (2)") !=
+        std::string::npos);
+  CHECK(reducer == nullptr);
+  config.wire_dtype = PSGD_WIRE_BF16;
+  config.device = 1;
+  CHECK(psgd_reducer_create(comm, &config, &reducer) == PSGD_ERR_UNSUPPORTED);
+  CHECK(std::string(psgd_last_error()).find("config.wire_dtype = bf16 with config.device = Cuda") != std::string::npos);
+  config.device = 0;
+  REQUIRE(psgd_reducer_create(comm, &config, &reducer) == PSGD_OK);
+  psgd_reducer_destroy(reducer);
+  psgd_comm_destroy(comm);
 }
