@@ -16,7 +16,8 @@
 // policy's --warmup-steps and --lr-boost-steps; --lr-notes calls
 // Reducer::note_lr_change() on every rank at each learning-rate decay, and
 // --decision-log FILE has rank 0 write the decision log as JSON lines
-// ({"step":..,"bucket":..,"rank":..,"reason":"..","lr":..}). Learning rate:
+// ({"step":..,"bucket":..,"rank":..,"reason":"..","lr":..}); --wire-dtype
+// f32|bf16|fp16 sets Config::wire_dtype. Learning rate:
 // --lr, multiplied by --lr-decay-factor from each epoch in --lr-decay-epochs on
 // (default: x0.1 in the last epoch when there are more than 2). --train-limit
 // and --test-limit train and test on the first N images. Each epoch prints rank
@@ -160,6 +161,10 @@ int main(int argc, char** argv) {
   app.add_flag("--lr-notes", lr_notes, "Call Reducer::note_lr_change() at each learning-rate decay");
   app.add_option("--decision-log", decision_log_path,
                  "Rank 0 writes the reducer's rank decisions to this file as JSON lines");
+  std::string wire_dtype = "f32";
+  app.add_option("--wire-dtype", wire_dtype,
+                 "Element type of the P and Q factors on the wire (Config::wire_dtype): f32, bf16 or fp16")
+      ->check(CLI::IsMember({"f32", "bf16", "fp16"}));
   app.add_option("--record-gradients", record_path,
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
@@ -228,6 +233,9 @@ int main(int argc, char** argv) {
     config.alternating = alternating;
     config.warmup_steps = warmup_steps;
     config.lr_boost_steps = lr_boost_steps;
+    config.wire_dtype = wire_dtype == "bf16"   ? powersgd::WireDType::BFloat16
+                        : wire_dtype == "fp16" ? powersgd::WireDType::Float16
+                                               : powersgd::WireDType::Float32;
     powersgd::Reducer reducer(*comm, config);
     int buckets[2] = {reducer.add_bucket(model->bucket_shapes(0)), reducer.add_bucket(model->bucket_shapes(1))};
     if (me == 0) {
@@ -240,6 +248,7 @@ int main(int argc, char** argv) {
         if (no_warm_start) method += ", no warm start";
         if (warmup_steps > 0) method += ", warm-up " + std::to_string(warmup_steps) + " steps";
         if (lr_notes) method += ", learning-rate notes (boost " + std::to_string(lr_boost_steps) + " steps)";
+        if (wire_dtype != "f32") method += ", " + wire_dtype + " factors on the wire";
       }
       std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s\n",
                   model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str());
@@ -263,6 +272,8 @@ int main(int argc, char** argv) {
                             lr_boost_steps, int64_t(lr_notes)})
       options = fashion_mnist::fnv1a(&v, sizeof v, options);
     for (const float v : {lr, lr_decay_factor}) options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    // The wire type changes the rounding of the run: a resumed job must use the same one.
+    if (wire_dtype != "f32") options = fashion_mnist::fnv1a(wire_dtype.data(), wire_dtype.size(), options);
     for (const int e : lr_decay_epochs) options = fashion_mnist::fnv1a(&e, sizeof e, options);
     options = fashion_mnist::fnv1a(&adaptive_threshold, sizeof adaptive_threshold, options);
     std::optional<fashion_mnist::TrainerCheckpoints> checkpoints;

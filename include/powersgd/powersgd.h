@@ -84,7 +84,15 @@ typedef struct psgd_config {
      rank_high)); after psgd_reducer_note_lr_change, the next lr_boost_steps compressed steps do. Both >= 0. */
   int64_t warmup_steps;              /* default 0 */
   int64_t lr_boost_steps;            /* default 100; 0 = notes change nothing */
+  /* Appended (issue 20): the element type of the P and Q factors on the wire (docs/engine.md, "Factors on the
+     wire"): PSGD_WIRE_F32 (0, default), PSGD_WIRE_BF16 (1) or PSGD_WIRE_FP16 (2); 16-bit factors halve their
+     bytes, the packed uncompressed tensors stay float32. Every rank the same value; CPU only (device 1 with a
+     16-bit wire is PSGD_ERR_UNSUPPORTED at psgd_reducer_create). */
+  int wire_dtype;
 } psgd_config;
+#define PSGD_WIRE_F32 0
+#define PSGD_WIRE_BF16 1
+#define PSGD_WIRE_FP16 2
 /* Writes the defaults into the first struct_size bytes of *config (zeros past the fields this library knows)
    and sets config->struct_size = struct_size. Pass sizeof(psgd_config) of the caller's compilation, as
    psgd_config_default() does. PSGD_ERR_INVALID_ARGUMENT for a null config or a struct_size below 72 (0.1's

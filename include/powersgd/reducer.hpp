@@ -32,6 +32,15 @@ namespace powersgd {
 
 enum class Device { Cpu, Cuda };
 
+// The element type of the P and Q factors on the wire (Config::wire_dtype).
+// Float32: as computed. BFloat16, Float16: each rank rounds its factors to
+// nearest even once before their collective, the transport's sum rounds again
+// at every hop of the ring (docs/engine.md, "Factors on the wire"), and error
+// feedback absorbs the rounding. Float16 overflows beyond +-65504 (a
+// NonFiniteError on every rank, state unchanged).
+enum class WireDType { Float32, BFloat16, Float16 };
+PSGD_API const char* to_string(WireDType type);  // "f32", "bf16", "fp16"
+
 // The reference's fields (PyTorch's PowerSGDState) and defaults.
 struct PSGD_API Config {
   int rank = 1;                             // matrix approximation rank r, >= 1 and <= 64
@@ -73,6 +82,13 @@ struct PSGD_API Config {
   // rank (so a fixed rank >= rank_high is never boosted). Both >= 0.
   int64_t warmup_steps = 0;
   int64_t lr_boost_steps = 100;
+
+  // P and Q in 16 bits on the wire (WireDType): the factors' bytes halve. The
+  // packed uncompressed tensors, the finite flags and the steps before
+  // start_iter stay float32. Every rank must use the same value (it is in the
+  // fingerprint); not saved in checkpoints (a resumed run may change it). CPU
+  // only: Device::Cuda with a 16-bit wire is refused by the Reducer (UnsupportedError).
+  WireDType wire_dtype = WireDType::Float32;
 
   // Throws InvalidArgumentError naming the first invalid field and its value.
   void validate() const;

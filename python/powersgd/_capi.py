@@ -55,7 +55,12 @@ class Config(ctypes.Structure):
         ("divergence_check_interval", ctypes.c_int64),  # appended in 0.2 as well
         ("warmup_steps", ctypes.c_int64),  # issue 19: the rank policy
         ("lr_boost_steps", ctypes.c_int64),
+        ("wire_dtype", ctypes.c_int),  # appended (issue 20): WIRE_DTYPES' values
     ]
+
+
+# psgd_config.wire_dtype: PSGD_WIRE_F32, PSGD_WIRE_BF16, PSGD_WIRE_FP16.
+WIRE_DTYPES = {"f32": 0, "bf16": 1, "fp16": 2}
 
 
 class Stats(ctypes.Structure):

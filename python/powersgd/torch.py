@@ -241,7 +241,8 @@ def _nonnegative(name, value):
 class PowerSGDState:
     """PyTorch's PowerSGDState, by name, signature and defaults; the arguments mean what they mean there
     (docs/torch.md lists the differences: compression starts no earlier than DECLARATION_ITER, the rank is at
-    most MAX_RANK). Keyword-only extras configure the engine's adaptive rank and alternating (docs/engine.md).
+    most MAX_RANK). Keyword-only extras configure the engine's adaptive rank, alternating and the factors' type on the
+    wire, wire_dtype="f32"|"bf16"|"fp16" (docs/engine.md).
     Every argument is validated here, with the engine's ranges: TypeError or ValueError naming it."""
 
     def __init__(self, process_group, matrix_approximation_rank=1, start_powerSGD_iter=1_000,
@@ -249,7 +250,7 @@ class PowerSGDState:
                  random_seed=0, compression_stats_logging_frequency=10_000,
                  batch_tensors_with_same_shape: bool = False, *, adaptive=False, rank_low=1, rank_high=4,
                  adaptive_interval=100, adaptive_threshold=0.5, alternating=False, warmup_steps=0,
-                 lr_boost_steps=100, lr_watch=None):
+                 lr_boost_steps=100, lr_watch=None, wire_dtype="f32"):
         logger.info("PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "
                     "min_compression_rate = %s; orthogonalization_epsilon = %s; use_error_feedback = %s; "
                     "warm_start = %s; random_seed = %s; compression_stats_logging_frequency = %s; "
@@ -290,6 +291,7 @@ class PowerSGDState:
         self._watched_lrs = None if lr_watch is None else [g["lr"] for g in lr_watch.param_groups]
         self.lr_notes = 0            # note_lr_change() calls, the watcher's included
         self._note_pending = False   # a note made before the engine reducer exists
+        self.wire_dtype = wire_dtype  # "f32", "bf16" or "fp16": the factors' type on the wire
         self._group = _group_of(process_group)  # None: the whole job
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
@@ -359,6 +361,9 @@ class PowerSGDState:
         if c.alternating and not c.warm_start:
             raise ValueError("PowerSGDState: alternating = True with warm_start = False: alternating needs "
                              "warm_start = True (each step starts from the previous step's averaged factor)")
+        if not isinstance(self.wire_dtype, str) or self.wire_dtype not in _capi.WIRE_DTYPES:
+            raise ValueError("PowerSGDState: wire_dtype = %r: expected 'f32', 'bf16' or 'fp16'" % (self.wire_dtype,))
+        c.wire_dtype = _capi.WIRE_DTYPES[self.wire_dtype]
         return c
 
     # ---- statistics ----

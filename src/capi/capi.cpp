@@ -69,6 +69,11 @@ constexpr size_t kMaxStructSize = 4096;
 static_assert(offsetof(psgd_config, adaptive) == kConfigSize01, "0.2's psgd_config fields start at 0.1's sizeof");
 static_assert(offsetof(psgd_stats, last_step_bytes) == kStatsSize01, "0.2's psgd_stats fields start at 0.1's sizeof");
 
+static_assert(PSGD_WIRE_F32 == static_cast<int>(powersgd::WireDType::Float32) &&
+                  PSGD_WIRE_BF16 == static_cast<int>(powersgd::WireDType::BFloat16) &&
+                  PSGD_WIRE_FP16 == static_cast<int>(powersgd::WireDType::Float16),
+              "the C API's wire types are the C++ enum's values");
+
 void check_struct_size(const char* what, size_t size, size_t smallest, const char* how) {
   PSGD_REQUIRE(size >= smallest && size <= kMaxStructSize, InvalidArgumentError, what, " = ", size,
                ": expected at least ", smallest, " (powersgd 0.1's sizeof) and at most ", kMaxStructSize, " (", how,
@@ -101,6 +106,7 @@ psgd_config library_defaults() {
   c.divergence_check_interval = d.divergence_check_interval;
   c.warmup_steps = d.warmup_steps;
   c.lr_boost_steps = d.lr_boost_steps;
+  c.wire_dtype = static_cast<int>(d.wire_dtype);
   return c;
 }
 
@@ -147,6 +153,7 @@ powersgd::Config to_config(const psgd_config& c) {
   config.divergence_check_interval = c.divergence_check_interval;
   config.warmup_steps = c.warmup_steps;
   config.lr_boost_steps = c.lr_boost_steps;
+  config.wire_dtype = static_cast<powersgd::WireDType>(c.wire_dtype);  // validate() names a value out of range
   config.validate();
   return config;
 }

@@ -31,4 +31,13 @@ void Config::validate() const {
                "starts from the previous step's averaged factor)");
 }
 
+const char* to_string(WireDType type) {
+  switch (type) {
+    case WireDType::Float32: return "f32";
+    case WireDType::BFloat16: return "bf16";
+    case WireDType::Float16: return "fp16";
+  }
+  return "unknown";
+}
+
 }  // namespace powersgd

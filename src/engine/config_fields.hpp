@@ -10,8 +10,10 @@ namespace powersgd::engine {
 // Shared: every rank and a checkpoint must agree on the value (it is in the
 // fingerprint and in the checkpoint, in this order). PerRank: may differ between
 // ranks (which device a rank computes on) and is neither compared nor saved.
-// Agreed: every rank must agree (it is in the fingerprint), but it changes no
-// result and is not saved (a resumed run may change it).
+// Agreed: every rank must agree (it is in the fingerprint), but the state it
+// leaves means the same under any value, so it is not saved (a resumed run may
+// change it): divergence_check_interval changes no result; wire_dtype changes
+// the rounding of the factors, whose error the error memory absorbs either way.
 enum class FieldScope { Shared, PerRank, Agreed };
 
 // When a configuration uses a Shared field. A field it does not use (the
@@ -79,6 +81,7 @@ void for_each_config_field(ConfigT& config, F&& f) {
   f(FieldSpec{"divergence_check_interval", Agreed, 0, kNoLimit, ">= 0 (0: off)"}, config.divergence_check_interval);
   f(FieldSpec{"warmup_steps", Shared, 0, kNoLimit, ">= 0", 4}, config.warmup_steps);
   f(FieldSpec{"lr_boost_steps", Shared, 0, kNoLimit, ">= 0", 4}, config.lr_boost_steps);
+  f(FieldSpec{"wire_dtype", Agreed, 0, 2, "f32 (0), bf16 (1) or fp16 (2)"}, config.wire_dtype);
 }
 
 }  // namespace powersgd::engine

@@ -58,6 +58,8 @@ std::string value_text(const T& value) {
     char text[32];
     std::snprintf(text, sizeof(text), "%.17g", static_cast<double>(value));
     return text;
+  } else if constexpr (std::is_same_v<T, WireDType>) {
+    return to_string(value);
   } else if constexpr (std::is_enum_v<T>) {
     return std::to_string(static_cast<int>(value));
   } else {

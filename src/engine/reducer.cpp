@@ -63,6 +63,10 @@ class Reducer::Impl final : public detail::CommUser {
     // The finite flags (kFailedFlag) and the order guard's sums are exact below 4096 ranks.
     PSGD_REQUIRE(comm_.size() <= engine::kMaxWorldSize, InvalidArgumentError, "a world of ", comm_.size(),
                  " ranks: the reducer supports at most ", engine::kMaxWorldSize, " ranks");
+    // The 16-bit wire converts on the host; the CUDA backend keeps the factors on the device.
+    PSGD_REQUIRE(config_.device == Device::Cpu || config_.wire_dtype == WireDType::Float32, UnsupportedError,
+                 "config.wire_dtype = ", to_string(config_.wire_dtype),
+                 " with config.device = Cuda: 16-bit factors on the wire are CPU-only; use wire_dtype f32 on CUDA");
     std::optional<engine::Fault> fault = engine::take_armed_fault();
     call([this, fault] {
       backend_ = compute::make_backend(

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "common/check.hpp"
+#include "engine/half.hpp"
 #include "engine/random.hpp"
 #include "engine/rank_reports.hpp"
 
@@ -21,6 +22,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+DataType wire_type(WireDType type) {
+  return type == WireDType::BFloat16 ? DataType::BFloat16 : DataType::Float16;
+}
+
+// fp16 factors overflow far below float32's range: say so where a sum overflowed.
+const char* overflow_hint(const Config& config) {
+  return config.wire_dtype == WireDType::Float16 ? " (wire_dtype fp16 carries at most +-65504; bf16 has float32's range)"
+                                                 : "";
 }
 
 OrthoMethod ortho_method(int64_t cols) { return cols <= 2 ? OrthoMethod::GramSchmidt : OrthoMethod::Qr; }
@@ -60,6 +71,65 @@ Work StepRunner::send(const Segment& seg, bool stage) {
   return comm_.allreduce_async(seg.host, seg.count, DataType::Float32);
 }
 
+void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works) {
+  if (config_.wire_dtype == WireDType::Float32) {
+    works.push_back(send(seg, stage));
+    return;
+  }
+  if (stage && seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
+  const auto count = static_cast<int64_t>(seg.count);
+  int64_t half_count = 0;
+  for (const auto& [offset, n] : factors) half_count += n;
+  wire_f32_.resize(static_cast<size_t>(count - half_count));
+  wire_half_.resize(static_cast<size_t>(half_count));
+  float* f32 = wire_f32_.data();
+  uint16_t* half = wire_half_.data();
+  int64_t at = 0;
+  for (const auto& [offset, n] : factors) {
+    f32 = std::copy(seg.host + at, seg.host + offset, f32);
+    encode(config_.wire_dtype, seg.host + offset, half, static_cast<size_t>(n));
+    half += n;
+    at = offset + n;
+  }
+  std::copy(seg.host + at, seg.host + count, f32);
+  // Float32 first, then the factors: the same two collectives, in the same order, on every rank.
+  if (!wire_f32_.empty()) {
+    stats_.bytes_sent += wire_f32_.size() * sizeof(float);
+    works.push_back(comm_.allreduce_async(wire_f32_.data(), wire_f32_.size(), DataType::Float32));
+  }
+  if (!wire_half_.empty()) {
+    stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
+    works.push_back(comm_.allreduce_async(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
+  }
+}
+
+void StepRunner::wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back) {
+  if (config_.wire_dtype == WireDType::Float32) return wait_all(works, {seg}, copy_back);
+  wait_all(works, {}, false);
+  const float* f32 = wire_f32_.data();
+  const uint16_t* half = wire_half_.data();
+  int64_t at = 0;
+  for (const auto& [offset, n] : factors) {
+    std::copy_n(f32, offset - at, seg.host + at);
+    f32 += offset - at;
+    decode(config_.wire_dtype, half, seg.host + offset, static_cast<size_t>(n));
+    half += n;
+    at = offset + n;
+  }
+  std::copy_n(f32, static_cast<int64_t>(seg.count) - at, seg.host + at);
+  if (copy_back && seg.host != seg.dev) be_.copy_from_host(seg.dev, seg.host, seg.count);
+}
+
+StepRunner::Ranges StepRunner::factor_ranges(const Reduction& job) {
+  Ranges ranges;
+  for (size_t i = 0; i < job.buckets.size(); ++i) {
+    const BucketState& s = bucket(job.buckets[i]);
+    const int64_t n = factor_numel(s, job.q_half[i]);
+    if (n > 0) ranges.emplace_back(job.unc_at[i] - job.unc_begin + s.plan.packed_numel + 1, n);
+  }
+  return ranges;
+}
+
 void StepRunner::wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back) {
   const auto start = Clock::now();
   std::exception_ptr first;
@@ -93,11 +163,11 @@ void StepRunner::fail_flagged(const Reduction& job, std::exception_ptr own) {
 
 // The compressed step's first collective; after a failed prepare, this rank's
 // host range as it is with kFailedFlag in every bucket's finite flag.
-Work StepRunner::send_first(const Reduction& job, const Segment& unc) {
+void StepRunner::send_first(const Reduction& job, const Segment& unc, std::vector<Work>& works) {
   if (job.prepare_error)
     for (size_t i = 0; i < job.buckets.size(); ++i)
       flag(job, i, unc) = kFailedFlag;
-  return send(unc, !job.prepare_error);
+  send_segment(unc, factor_ranges(job), !job.prepare_error, works);
 }
 
 void StepRunner::prepare(Reduction& job) {
@@ -313,9 +383,11 @@ void StepRunner::check_flags(const Reduction& job, const Segment& unc) {
       throw_nonfinite(job, job.buckets[i], detail::concat("NaN or Inf in the gradients of ", count, " rank(s)"));
   }
   if (!be_.all_finite(unc.dev, unc.count))
-    throw_nonfinite(job, job.buckets[0], config_.alternating
-                                             ? "the allreduced P or Q or uncompressed tensors overflowed to Inf/NaN"
-                                             : "the allreduced P or uncompressed tensors overflowed to Inf/NaN");
+    throw_nonfinite(job, job.buckets[0],
+                    detail::concat(config_.alternating
+                                       ? "the allreduced P or Q or uncompressed tensors overflowed to Inf/NaN"
+                                       : "the allreduced P or uncompressed tensors overflowed to Inf/NaN",
+                                   overflow_hint(config_)));
 }
 
 void StepRunner::run_compressed(Reduction& job) {
@@ -324,9 +396,10 @@ void StepRunner::run_compressed(Reduction& job) {
 
   // Wire order: packed uncompressed tensors, finite flag and P in one
   // collective, then Q (reduce_all: all buckets' in one collective each).
-  std::vector<Work> works{send_first(job, unc)};
+  std::vector<Work> works;
+  send_first(job, unc, works);
   lookahead(job);
-  wait_all(works, {unc}, !job.prepare_error);
+  wait_segment(works, unc, factor_ranges(job), !job.prepare_error);
   check_flags(job, unc);
   if (config_.adaptive)
     for (size_t i = 0; i < job.buckets.size(); ++i)
@@ -361,13 +434,13 @@ void StepRunner::run_compressed(Reduction& job) {
   works.clear();
   if (q.count > 0) {
     if (between_failed) q.host[0] = std::numeric_limits<float>::quiet_NaN();
-    works.push_back(send(q, !between_failed));
+    send_segment(q, {{0, static_cast<int64_t>(q.count)}}, !between_failed, works);
   }
   lookahead(job);
-  wait_all(works, {q}, !between_failed);
+  if (q.count > 0) wait_segment(works, q, {{0, static_cast<int64_t>(q.count)}}, !between_failed);
   if (between_failed || !be_.all_finite(q.dev, q.count)) {
     raise_local_failures(job, between_failed);
-    throw_nonfinite(job, job.buckets[0], "the allreduced Q overflowed to Inf/NaN");
+    throw_nonfinite(job, job.buckets[0], detail::concat("the allreduced Q overflowed to Inf/NaN", overflow_hint(config_)));
   }
   // ||output|| = ||P^ Q^T|| = ||Q|| (P^ orthonormal).
   if (config_.adaptive)
@@ -387,9 +460,10 @@ void StepRunner::run_compressed(Reduction& job) {
 // (each bucket by its own parity; docs/engine.md).
 void StepRunner::run_alternating(Reduction& job) {
   Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
-  std::vector<Work> works{send_first(job, unc)};
+  std::vector<Work> works;
+  send_first(job, unc, works);
   lookahead(job);
-  wait_all(works, {unc}, !job.prepare_error);
+  wait_segment(works, unc, factor_ranges(job), !job.prepare_error);
   check_flags(job, unc);
 
   // Commit point. ||output|| = ||P Q^^T|| = ||P|| in a P half, ||P^ Q^T|| = ||Q|| in a Q half.

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compute/backend.hpp"
@@ -111,13 +112,24 @@ class StepRunner {
   // stage: copy the device range to its host staging first; a rank whose local
   // work failed sends its host buffer as it is (its device may be what failed).
   Work send(const Segment& seg, bool stage = true);
+  // A segment whose `factors` ranges ([offset, count) from the segment's start,
+  // ascending) hold P or Q: with a 16-bit wire_dtype those travel in their own
+  // collective, rounded once (engine/half.hpp), after one float32 collective of
+  // the rest; with float32, the whole segment in one. wait_segment waits for
+  // `works`, puts the sums back into the segment's host range (the factors
+  // widened to float32) and, with copy_back, into its device range.
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  void send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works);
+  void wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back);
+  // The factor ranges of the reduction's first-collective segment.
+  Ranges factor_ranges(const Reduction& job);
   void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back = true);
   // Collective, on the error path only (every rank saw from the sums that one
   // failed, or that Q is not finite): throws the failure on every rank when a
   // rank reports one (`own` on the failing rank); returns when none did.
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
   // The first collective's flags said a rank failed locally: raise it on every rank.
-  Work send_first(const Reduction& job, const Segment& unc);
+  void send_first(const Reduction& job, const Segment& unc, std::vector<Work>& works);
   [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);
   [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
 
@@ -130,6 +142,10 @@ class StepRunner {
   DecisionLog& log_;
   NextReduction next_;
   std::optional<Fault> fault_;  // test-only fault injection (fault_injection.hpp)
+  // The 16-bit wire's buffers: one segment's float32 ranges and its factors,
+  // valid from send_segment until wait_segment (one segment in flight at a time).
+  std::vector<float> wire_f32_;
+  std::vector<uint16_t> wire_half_;
 };
 
 }  // namespace powersgd::engine

@@ -40,6 +40,7 @@ struct Settings {
   int64_t adaptive_interval = 100;
   int64_t divergence_check_interval = Config{}.divergence_check_interval;
   std::string device = "cpu";
+  std::string wire_dtype = "f32";
   std::string json_path;
 };
 
@@ -174,6 +175,9 @@ void run(const Settings& settings) {
   config.adaptive_interval = settings.adaptive_interval;
   config.divergence_check_interval = settings.divergence_check_interval;
   config.device = settings.device == "cpu" ? Device::Cpu : Device::Cuda;
+  config.wire_dtype = settings.wire_dtype == "bf16"   ? WireDType::BFloat16
+                      : settings.wire_dtype == "fp16" ? WireDType::Float16
+                                                      : WireDType::Float32;
   Reducer reducer(*comm, config);
   const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
   for (const auto& b : buckets) reducer.add_bucket(b);
@@ -283,6 +287,7 @@ void run(const Settings& settings) {
                         {"alternating", settings.alternating},
                         {"adaptive", settings.adaptive},
                         {"bytes_per_step", bytes_per_step},
+                        {"wire_dtype", settings.wire_dtype},
                         {"current_rank", stats.current_rank},
                         {"device", settings.device},
                         {"backend", reducer.backend_name()},
@@ -306,9 +311,9 @@ void run(const Settings& settings) {
                 model.name.c_str(), model.shapes.size(), total, buckets.size(), settings.rank, settings.mode.c_str(),
                 world, reducer.backend_name().c_str());
     for (int r = 0; r < world; ++r) std::printf("step time rank %d: %.3f ms (median of %d)\n", r, per_rank[static_cast<size_t>(r)] * 1e3, settings.steps);
-    std::printf("%s%s: %.0f bytes sent per step per rank (mean of the timed steps)\n",
+    std::printf("%s%s, %s factors: %.0f bytes sent per step per rank (mean of the timed steps)\n",
                 settings.alternating ? "alternating" : "default (P then Q)", settings.adaptive ? ", adaptive" : "",
-                bytes_per_step);
+                settings.wire_dtype.c_str(), bytes_per_step);
     std::printf("compression rate %.1fx, relative error %.3f; worker time compress %.3f s, communicate %.3f s, "
                 "decompress %.3f s\n",
                 stats.compression_rate(), stats.total_relative_error, stats.compress_seconds,
@@ -374,6 +379,9 @@ void add_engine_command(CLI::App& app) {
                   "Divergence detector: hash and compare outputs every N steps (0: off)")
       ->capture_default_str();
   cmd->add_option("--device", settings->device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--wire-dtype", settings->wire_dtype, "P and Q on the wire (Config::wire_dtype): f32, bf16 or fp16")
+      ->check(CLI::IsMember({"f32", "bf16", "fp16"}))
+      ->capture_default_str();
   cmd->add_option("--json", settings->json_path, "Write results as JSON to this file (rank 0)");
   cmd->callback([settings] { run(*settings); });
 }

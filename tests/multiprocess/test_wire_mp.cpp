@@ -1,0 +1,186 @@
+// Factors in 16 bits on the wire (Config::wire_dtype) across real processes,
+// under powersgd-run:
+//   powersgd-run -n 3 --timeout 120 -- test_wire_mp -tc='wire:*'
+// Without WORLD_SIZE in the environment the binary exits 77 (skipped).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.hpp"
+#include "engine/half.hpp"
+#include "engine/plan.hpp"
+#include "engine_reference.hpp"
+#include "error_of.hpp"
+
+using namespace powersgd;
+using powersgd::test::error_of;
+using powersgd::test::gradients;
+
+namespace {
+
+std::unique_ptr<Communicator> connect(const std::string& run_id) {
+  CommOptions o = CommOptions::from_env();
+  o.run_id = run_id;
+  return Communicator::create(o);
+}
+
+// Whether every rank holds the same bits in `data`.
+bool same_on_every_rank(Communicator& comm, const std::vector<float>& data) {
+  const uint32_t mine = engine::crc32(data.data(), data.size() * sizeof(float));
+  std::vector<uint32_t> all(static_cast<size_t>(comm.size()));
+  comm.allgather(&mine, all.data(), sizeof(mine));
+  return std::all_of(all.begin(), all.end(), [&](uint32_t c) { return c == all[0]; });
+}
+
+double relative(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, n = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d += (double(a[i]) - double(b[i])) * (double(a[i]) - double(b[i]));
+    n += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(d / n);
+}
+
+// Two compressed matrices (one batched pair), a bias and a 1-D tensor that travel uncompressed.
+const std::vector<Shape> kShapes{{48, 40}, {40}, {16, 3, 3, 3}, {16, 3, 3, 3}, {7}};
+
+struct Variant {
+  const char* name;
+  bool alternating, whole_bucket, batch_same_shape, two_buckets;
+};
+const Variant kVariants[] = {{"default", false, false, false, false},
+                             {"alternating", true, false, false, false},
+                             {"whole bucket", false, true, false, false},
+                             {"batched", false, false, true, false},
+                             {"reduce_all of two buckets", false, false, false, true}};
+
+}  // namespace
+
+TEST_CASE("wire: 16-bit factors give bitwise-identical outputs on every rank, near float32's, error memory exact") {
+  auto comm = connect("wire-identical");
+  const int me = comm->rank();
+  for (WireDType type : {WireDType::BFloat16, WireDType::Float16})
+    for (const Variant& v : kVariants) {
+      INFO(to_string(type), ", ", v.name);
+      Config config;
+      config.rank = 2;
+      config.start_iter = 1;  // one plain step (float32 on the wire), then compressed
+      config.alternating = v.alternating;
+      config.whole_bucket = v.whole_bucket;
+      config.batch_same_shape = v.batch_same_shape;
+      Config f32 = config;
+      config.wire_dtype = type;
+      Reducer wire(*comm, config), ref(*comm, f32);
+      const int buckets = v.two_buckets ? 2 : 1;
+      for (int b = 0; b < buckets; ++b) {
+        wire.add_bucket(kShapes);
+        ref.add_bucket(kShapes);
+      }
+      const size_t n = wire.bucket_size(0);
+      for (int64_t step = 0; step < 6; ++step) {
+        std::vector<std::vector<float>> out_w(buckets), out_f(buckets), error_before(buckets);
+        for (int b = 0; b < buckets; ++b) {
+          out_w[b] = gradients(n, me, step, static_cast<uint64_t>(b));
+          out_f[b] = out_w[b];
+          error_before[b].resize(n);
+          wire.error_feedback(b, error_before[b]);
+        }
+        if (v.two_buckets) {
+          std::vector<std::span<float>> wd{out_w[0], out_w[1]}, fd{out_f[0], out_f[1]};
+          wire.reduce_all(wd);
+          ref.reduce_all(fd);
+        } else {
+          wire.reduce(0, out_w[0]);
+          ref.reduce(0, out_f[0]);
+        }
+        for (int b = 0; b < buckets; ++b) {
+          CAPTURE(step);
+          CAPTURE(b);
+          CHECK(same_on_every_rank(*comm, out_w[b]));
+          // Compressed steps: the error memory is M minus what this rank wrote: local gradient + old error = output + new error.
+          std::vector<float> error(n);
+          wire.error_feedback(b, error);
+          const auto g = gradients(n, me, step, static_cast<uint64_t>(b));
+          double worst = 0;
+          for (size_t i = 0; i < n; ++i)
+            worst = std::max(worst, std::abs((double(g[i]) + error_before[b][i]) - (double(out_w[b][i]) + error[i])) /
+                                        (1.0 + std::abs(double(g[i]) + error_before[b][i])));
+          if (step >= 1) CHECK(worst < 1e-6);
+          // Step 1 starts from the same state on both reducers (the plain step leaves no error): the outputs
+          // differ by the factors' rounding only. A unit roundoff of 2^-8 (bf16) or 2^-11 (fp16), a few
+          // roundings deep, amplified by the orthogonalization: a loose multiple.
+          if (step == 1) {
+            const double rel = relative(out_w[b], out_f[b]);
+            MESSAGE(std::string(to_string(type)), " ", std::string(v.name), ": output relative to float32 output ", rel);
+            CHECK(rel < (type == WireDType::BFloat16 ? 0.05 : 0.01));
+            CHECK(rel > 0);  // the factors really were rounded
+          }
+          if (step == 0) CHECK(out_w[b] == out_f[b]);  // plain steps stay float32
+        }
+        // Bytes: the factors cost 2 bytes each instead of 4; everything else the same.
+        if (step >= 1) {
+          const engine::BucketPlan plan = engine::make_plan(kShapes, config);
+          const int64_t factors = v.alternating ? (wire.iteration() % 2 == 1 ? plan.q_numel : plan.p_numel)
+                                                : plan.p_numel + plan.q_numel;
+          CHECK(ref.stats().last_step_bytes - wire.stats().last_step_bytes ==
+                static_cast<uint64_t>(2 * factors * buckets));
+        }
+      }
+    }
+}
+
+TEST_CASE("wire: ranks with different wire types fail add_bucket on every rank, naming wire_dtype") {
+  auto comm = connect("wire-mismatch");
+  Config config;
+  if (comm->rank() == 1) config.wire_dtype = WireDType::BFloat16;
+  Reducer reducer(*comm, config);
+  const std::string error = error_of([&] { reducer.add_bucket({{32, 32}}); });
+  INFO(error);
+  CHECK(error.find("wire_dtype") != std::string::npos);
+}
+
+// Not a check: how far the transport's 16-bit sum (rounded at every hop) lies
+// from one rounding of the float32 sum of the same rounded inputs (what partial
+// sums in float32 would give), against the exact float32 sum. Figures for
+// docs/engine.md; run with -tc='measure*'.
+TEST_CASE("measure: per-hop rounding against one rounding" * doctest::skip()) {
+  auto comm = connect("wire-measure");
+  const int me = comm->rank();
+  const size_t n = 1 << 16;
+  for (WireDType type : {WireDType::BFloat16, WireDType::Float16}) {
+    const auto mine = gradients(n, me, 0, 7);
+    std::vector<float> exact = mine;
+    comm->allreduce(exact.data(), n, DataType::Float32);
+    std::vector<uint16_t> wire(n);
+    engine::encode(type, mine.data(), wire.data(), n);
+    std::vector<float> rounded(n);
+    engine::decode(type, wire.data(), rounded.data(), n);
+    comm->allreduce(wire.data(), n, type == WireDType::BFloat16 ? DataType::BFloat16 : DataType::Float16);
+    std::vector<float> hops(n);
+    engine::decode(type, wire.data(), hops.data(), n);
+    comm->allreduce(rounded.data(), n, DataType::Float32);  // partial sums in float32
+    std::vector<uint16_t> once(n);
+    engine::encode(type, rounded.data(), once.data(), n);
+    engine::decode(type, once.data(), rounded.data(), n);
+    if (me == 0)
+      std::printf("%d ranks, %s: relative error vs float32 sum: per-hop %.3e, one rounding %.3e\n", comm->size(),
+                  to_string(type), relative(hops, exact), relative(rounded, exact));
+  }
+}
+
+int main(int argc, char** argv) {
+  if (std::getenv("WORLD_SIZE") == nullptr) {
+    std::fprintf(stderr, "test_wire_mp: run under powersgd-run (no WORLD_SIZE); skipped\n");
+    return 77;
+  }
+  return powersgd::testing::run_selected_tests(argc, argv);
+}
