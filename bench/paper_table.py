@@ -32,6 +32,7 @@ ROWS = [
     ("rank1", "rank 1, error feedback"),
     ("rank2", "rank 2, error feedback"),
     ("rank4", "rank 4, error feedback"),
+    ("rank8", "rank 8, error feedback"),
     ("rank2-no-ef", "rank 2, no error feedback"),
     ("rank2-no-warm-start", "rank 2, no warm start"),
     ("adaptive", "norm-change rule (adaptive)"),
@@ -40,7 +41,7 @@ ROWS = [
     ("alternating", "rank 2, alternating"),
     ("rank2-bf16", "rank 2, bf16 factors"),
 ]
-FIXED = ["rank1", "rank2", "rank4"]
+FIXED = ["rank1", "rank2", "rank4", "rank8"]
 MODELS = [("wide", "wide MLP 784-1024-1024-10"), ("cnn", "CNN")]
 EPOCH = re.compile(r"^\[0\] epoch (\d+): train loss ([0-9.]+), train accuracy ([0-9.]+)%, "
                    r"test accuracy ([0-9.]+)%, ([0-9.]+) s, lr ([0-9.e+-]+), (\d+) bytes sent per rank")

@@ -4,7 +4,7 @@
 # once per seed, with a learning-rate schedule that decays twice. Models (MODELS):
 # `wide` (784-1024-1024-10 perceptron, the paper's regime: rank 2 sends 157x
 # fewer elements per step than a plain allreduce) and `cnn` (the small CNN, 25x
-# at rank 2). Rows (ROWS): plain allreduce; rank 1, 2, 4 with error feedback;
+# at rank 2). Rows (ROWS): plain allreduce; rank 1, 2, 4, 8 with error feedback;
 # rank 2 without error feedback; rank 2 without warm start; the norm-change rule
 # (adaptive); the schedule-aware policy (warm-up and learning-rate notes, with a
 # fixed low rank and with the norm-change rule); alternating; rank 2 with bf16
@@ -16,13 +16,13 @@
 # Usage: bench/paper_table.sh BUILD_DIR
 # Environment (defaults):
 #   OUT_DIR (/tmp/powersgd-paper-table), MODELS ("wide cnn"), WORKERS (16), SEEDS ("1 2 3"),
-#   ROWS (all: "allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive policy
+#   ROWS (all: "allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy
 #         policy-adaptive alternating rank2-bf16"; policy rows need the trainer's --warmup-steps/--lr-notes,
 #         rank2-bf16 its --wire-dtype),
 #   EPOCHS (wide 4, cnn 4), TRAIN_LIMIT (wide 7680, cnn 3840 training images: a subset, to fit 2 cores),
 #   TEST_LIMIT (0: all 10,000 test images), BATCH (wide 256, cnn 128), LR (0.02),
 #   START_ITER (0: compressed from the first step, so the bytes show the compression itself),
-#   POLICY_LOW (1), POLICY_HIGH (4), WARMUP_STEPS (one epoch's steps), LR_BOOST_STEPS (half an epoch's steps),
+#   POLICY_LOW (2), POLICY_HIGH (8), WARMUP_STEPS (one epoch's steps), LR_BOOST_STEPS (half an epoch's steps),
 #   ADAPTIVE_INTERVAL (a third of an epoch's steps).
 # Rows whose log already holds a finished run are kept (delete the log to rerun it; SKIP_DONE=0 reruns all).
 set -eu
@@ -31,12 +31,12 @@ OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
 MODELS=${MODELS:-wide cnn}
 WORKERS=${WORKERS:-16}
 SEEDS=${SEEDS:-1 2 3}
-ALL_ROWS="allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16"
+ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16"
 ROWS=${ROWS:-$ALL_ROWS}
 TEST_LIMIT=${TEST_LIMIT:-0}
 START_ITER=${START_ITER:-0}
-POLICY_LOW=${POLICY_LOW:-1}
-POLICY_HIGH=${POLICY_HIGH:-4}
+POLICY_LOW=${POLICY_LOW:-2}
+POLICY_HIGH=${POLICY_HIGH:-8}
 SKIP_DONE=${SKIP_DONE:-1}
 RUN="$BUILD/tools/run/powersgd-run"
 TRAIN="$BUILD/examples/train-fashion-mnist"
@@ -51,6 +51,7 @@ row_args() {  # row -> the trainer's arguments of that row
     rank1) echo "--rank 1" ;;
     rank2) echo "--rank 2" ;;
     rank4) echo "--rank 4" ;;
+    rank8) echo "--rank 8" ;;
     rank2-no-ef) echo "--rank 2 --no-error-feedback" ;;
     rank2-no-warm-start) echo "--rank 2 --no-warm-start" ;;
     adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" ;;
