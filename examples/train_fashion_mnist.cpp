@@ -12,7 +12,11 @@
 //
 // The paper's ablations are flags: --no-error-feedback, --no-warm-start,
 // --adaptive (--rank-low/--rank-high/--adaptive-interval/--adaptive-threshold)
-// and --alternating set the Config fields of the same names. --model wide
+// and --alternating set the Config fields of the same names, as do the rank
+// policy's --warmup-steps and --lr-boost-steps; --lr-notes calls
+// Reducer::note_lr_change() on every rank at each learning-rate decay, and
+// --decision-log FILE has rank 0 write the decision log as JSON lines
+// ({"step":..,"bucket":..,"rank":..,"reason":"..","lr":..}). --model wide
 // (784-1024-1024-10) is the paper's regime: rank 2 sends about 157x fewer
 // elements per step than a plain allreduce; rank 0 prints the model's
 // parameters and that ratio at start. --seed varies the initialization, the
@@ -160,6 +164,9 @@ int main(int argc, char** argv) {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0, crash_at_step = -1;
   int crash_rank = 0;
+  int64_t warmup_steps = defaults.warmup_steps, lr_boost_steps = defaults.lr_boost_steps;
+  bool lr_notes = false;
+  std::string decision_log_path;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
   app.add_option("--model", model_name,
                  "mlp: 784-256-128-10 perceptron (--hidden sets the 256); wide: 784-1024-1024-10 perceptron (the "
@@ -199,6 +206,15 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--alternating", alternating,
                "One collective per step: alternate the power-iteration halves (Config::alternating)");
+  app.add_option("--warmup-steps", warmup_steps,
+                 "Rank policy: the first N compressed steps of each bucket at the high rank (Config::warmup_steps)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--lr-boost-steps", lr_boost_steps,
+                 "Rank policy: compressed steps at the high rank after a learning-rate note (Config::lr_boost_steps)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--lr-notes", lr_notes, "Call Reducer::note_lr_change() at each learning-rate decay");
+  app.add_option("--decision-log", decision_log_path,
+                 "Rank 0 writes the reducer's rank decisions to this file as JSON lines");
   app.add_option("--record-gradients", record_path,
                  "Rank 0 writes its local gradients of some steps to this file, for powersgd-bench sweep");
   app.add_option("--record-steps", record_steps, "Steps to record")->check(CLI::Range(1, 100000));
@@ -262,6 +278,8 @@ int main(int argc, char** argv) {
     config.adaptive_threshold = adaptive_threshold;
     config.alternating = alternating;
     config.seed = seed;
+    config.warmup_steps = warmup_steps;
+    config.lr_boost_steps = lr_boost_steps;
     powersgd::Reducer reducer(*comm, config);
     int buckets[2] = {reducer.add_bucket(model->bucket_shapes(0)), reducer.add_bucket(model->bucket_shapes(1))};
     if (me == 0) {
@@ -272,6 +290,8 @@ int main(int argc, char** argv) {
         if (alternating) method += ", alternating";
         if (no_error_feedback) method += ", no error feedback";
         if (no_warm_start) method += ", no warm start";
+        if (warmup_steps > 0) method += ", warm-up " + std::to_string(warmup_steps) + " steps";
+        if (lr_notes) method += ", learning-rate notes (boost " + std::to_string(lr_boost_steps) + " steps)";
       }
       std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s, seed %llu\n",
                   model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str(),
@@ -293,7 +313,8 @@ int main(int argc, char** argv) {
     for (const int64_t v : {int64_t(world), int64_t(global_batch), int64_t(rank), int64_t(hidden1), int64_t(hidden2),
                             start_iter, int64_t(epochs), int64_t(train.count), int64_t(no_compression),
                             int64_t(no_error_feedback), int64_t(no_warm_start), int64_t(adaptive), int64_t(rank_low),
-                            int64_t(rank_high), adaptive_interval, int64_t(alternating)})
+                            int64_t(rank_high), adaptive_interval, int64_t(alternating), warmup_steps,
+                            lr_boost_steps, int64_t(lr_notes)})
       options = fashion_mnist::fnv1a(&v, sizeof v, options);
     if (seed != 0) options = fashion_mnist::fnv1a(&seed, sizeof seed, options);  // older checkpoints: seed 0
     for (const float v : {lr, lr_decay_factor}) options = fashion_mnist::fnv1a(&v, sizeof v, options);
@@ -310,6 +331,21 @@ int main(int argc, char** argv) {
           std::printf("resumed from %s at step %lld\n", checkpoint_dir.c_str(), static_cast<long long>(global_step));
       }
     }
+
+    // The decision log (rank 0; every rank drains its reducer's identical log).
+    std::unique_ptr<FILE, int (*)(FILE*)> decision_log(nullptr, &std::fclose);
+    if (me == 0 && !decision_log_path.empty()) {
+      decision_log.reset(std::fopen(decision_log_path.c_str(), global_step > 0 ? "a" : "w"));
+      if (!decision_log) throw std::runtime_error("cannot open --decision-log " + decision_log_path);
+    }
+    const auto write_decisions = [&](float step_lr) {
+      if (no_compression || decision_log_path.empty()) return;
+      for (const powersgd::RankDecision& d : reducer.decisions())
+        if (decision_log)
+          std::fprintf(decision_log.get(), "{\"step\":%lld,\"bucket\":%d,\"rank\":%d,\"reason\":\"%s\",\"lr\":%g}\n",
+                       static_cast<long long>(d.step), d.bucket, d.rank, powersgd::rank_reason_name(d.reason),
+                       double(step_lr));
+    };
 
     std::vector<size_t> order(train.count);
     std::iota(order.begin(), order.end(), size_t{0});
@@ -329,9 +365,14 @@ int main(int argc, char** argv) {
       const bool resumed_here = epoch == first_epoch && resumed.step > first_epoch * steps_per_epoch;
       double loss_sum = resumed_here ? resumed.loss_sum : 0;
       int correct = resumed_here ? int(resumed.correct) : 0;
-      float epoch_lr = lr;
-      for (int e : lr_decay_epochs)
+      float epoch_lr = lr, previous_lr = lr;
+      for (int e : lr_decay_epochs) {
         if (e <= epoch + 1) epoch_lr *= lr_decay_factor;
+        if (e <= epoch) previous_lr *= lr_decay_factor;
+      }
+      // At the epoch's first step (a job resumed later in the epoch has the note in its reducer checkpoint).
+      if (lr_notes && !no_compression && epoch_lr < previous_lr && global_step == int64_t(epoch) * steps_per_epoch)
+        reducer.note_lr_change();
       for (int step = int(global_step - int64_t(epoch) * steps_per_epoch); step < steps_per_epoch; ++step) {
         if (global_step == crash_at_step && me == crash_rank && !(checkpoints && checkpoints->due(global_step)))
           ::raise(SIGKILL);  // a real crash, mid-epoch (test of resuming)
@@ -359,6 +400,7 @@ int main(int argc, char** argv) {
           }
         }
         model->sgd(epoch_lr, 0.9f, 5e-4f);
+        write_decisions(epoch_lr);
         if (checkpoints && checkpoints->due(global_step))
           checkpoints->save({global_step, loss_sum, correct}, tensors,
                             global_step == crash_at_step && me == crash_rank);

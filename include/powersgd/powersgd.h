@@ -79,6 +79,11 @@ typedef struct psgd_config {
   /* Appended in 0.2 as well (issue 18). Divergence detector (docs/engine.md): every N steps the ranks compare a hash of
      each bucket's output; a difference is PSGD_ERR_MISMATCH on every rank. Default 100; 0 = off; >= 0. */
   int64_t divergence_check_interval;
+  /* Appended in 0.2 as well (issue 19). Rank policy (docs/engine.md, "Rank policy and decision log"): the first
+     warmup_steps compressed steps of each bucket use the high rank (rank_high; with a fixed rank max(rank,
+     rank_high)); after psgd_reducer_note_lr_change, the next lr_boost_steps compressed steps do. Both >= 0. */
+  int64_t warmup_steps;              /* default 0 */
+  int64_t lr_boost_steps;            /* default 100; 0 = notes change nothing */
 } psgd_config;
 /* Writes the defaults into the first struct_size bytes of *config (zeros past the fields this library knows)
    and sets config->struct_size = struct_size. Pass sizeof(psgd_config) of the caller's compilation, as
@@ -202,6 +207,28 @@ PSGD_API psgd_status psgd_reducer_error_feedback_n(const psgd_reducer* r, int bu
 PSGD_API psgd_status psgd_comm_init_group(int rank, int size, const char* group_id, psgd_comm** out);
 
 /* ==== end of issue 18 section 4 additions ==== */
+
+/* ==== Rank policy and decision log (issue 19) ==== */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+/* Notes a learning-rate change: from the next step on each bucket's next config.lr_boost_steps compressed steps
+   use the high rank. At a step boundary, on every rank before the same step: a note on some ranks only is
+   PSGD_ERR_MISMATCH on every rank at the next reduce, naming them, nothing changed, the note still pending. */
+PSGD_API psgd_status psgd_reducer_note_lr_change(psgd_reducer* r);
+/* The decision log (identical on every rank): writes up to `capacity` of the oldest entries not yet taken into
+   the arrays (each of `capacity` elements; any may be null to skip that column) and sets *count to how many;
+   they are then taken. Call until *count < capacity. An entry: from step steps[i] on, bucket buckets[i] uses
+   rank ranks[i] because of reasons[i] (psgd_rank_reason_name). At most 65536 entries wait between calls. */
+PSGD_API psgd_status psgd_reducer_decisions(psgd_reducer* r, int64_t* steps, int* buckets, int* ranks, int* reasons,
+                                            size_t capacity, size_t* count);
+/* "fixed" (0), "warmup" (1), "lr_note" (2), "first_window" (3), "norm_change_high" (4), "norm_change_low" (5);
+   null for another value. */
+PSGD_API const char* psgd_rank_reason_name(int reason);
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
+/* ==== end of issue 19 additions ==== */
 
 #ifdef __cplusplus
 }

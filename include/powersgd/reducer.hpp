@@ -65,6 +65,14 @@ struct PSGD_API Config {
   // rank naming the ranks, the step and the bucket. >= 0; 0: off. Every rank
   // must use the same value; not saved in checkpoints.
   int64_t divergence_check_interval = 100;
+  // Schedule-aware policy (docs/engine.md, "Rank policy and decision log"):
+  // warmup_steps: the first warmup_steps compressed steps of each bucket use the
+  // high rank; lr_boost_steps: after Reducer::note_lr_change(), each bucket's next
+  // lr_boost_steps compressed steps use the high rank (0: notes change nothing).
+  // The high rank: rank_high with adaptive, max(rank, rank_high) with a fixed
+  // rank (so a fixed rank >= rank_high is never boosted). Both >= 0.
+  int64_t warmup_steps = 0;
+  int64_t lr_boost_steps = 100;
 
   // Throws InvalidArgumentError naming the first invalid field and its value.
   void validate() const;
@@ -101,6 +109,28 @@ struct PSGD_API Stats {
   // included), and hashing outputs for the divergence detector.
   double guard_seconds = 0.0;
   double check_seconds = 0.0;
+};
+
+// Why a bucket's rank was chosen (the decision log, Reducer::decisions()).
+enum class RankReason : int {
+  Fixed = 0,           // config.rank (no adaptive; no warm-up or boost in force)
+  Warmup = 1,          // within the first config.warmup_steps compressed steps: the high rank
+  LrNote = 2,          // within config.lr_boost_steps compressed steps of a note_lr_change(): the high rank
+  FirstWindow = 3,     // adaptive, no norm window completed yet: rank_high
+  NormChangeHigh = 4,  // adaptive, the window's norm changed by >= adaptive_threshold: rank_high
+  NormChangeLow = 5,   // adaptive, it changed by less: rank_low
+};
+// "fixed", "warmup", "lr_note", "first_window", "norm_change_high", "norm_change_low".
+PSGD_API const char* rank_reason_name(RankReason reason);
+
+// One entry of the decision log: from step `step` on, bucket `bucket`'s
+// compressed matrices use rank `rank` (per matrix min(n, m, rank)), because of
+// `reason`. Identical on every rank.
+struct RankDecision {
+  int64_t step = 0;
+  int bucket = 0;
+  int rank = 0;
+  RankReason reason = RankReason::Fixed;
 };
 
 // Completion handle of reduce_async. wait() blocks until the reduction finished
@@ -144,7 +174,8 @@ class PSGD_API Reducer {
   size_t bucket_size(int bucket) const;        // elements of the bucket's flat buffer
   std::span<const Shape> bucket_shapes(int bucket) const;
   // The rank the bucket's compressed matrices use in its next compressed step
-  // (Stats::current_rank[bucket]; waits for in-flight reductions).
+  // (Stats::current_rank[bucket]; waits for in-flight reductions). A pending
+  // note_lr_change() is not in it yet: it applies within the next reduction.
   int bucket_rank(int bucket) const;
 
   // Collective, in place. Reducing a bucket twice in one step is an
@@ -180,6 +211,24 @@ class PSGD_API Reducer {
   // (one for the uncompressed tensors, one for P, one for Q). Must start a step.
   void reduce_all(std::span<const std::span<float>> data);  // size-checked
   void reduce_all(std::span<float* const> data);
+
+  // Notes a learning-rate change (docs/engine.md, "Rank policy and decision
+  // log"): from the next step on, each bucket's next config.lr_boost_steps
+  // compressed steps use the high rank (a second note restarts the count).
+  // At a step boundary (InvalidArgumentError otherwise, or before any
+  // add_bucket); waits for in-flight reductions; not collective, but due on
+  // every rank before the same step: the next reduction of each bucket carries
+  // the note in its order-guard announce, and a note on some ranks only is a
+  // MismatchError on every rank naming them, nothing reduced or changed, the
+  // note still pending (note on the other ranks too, or load a checkpoint).
+  void note_lr_change();
+  // The decision log: the entries since the last call, oldest first (waits for
+  // in-flight reductions). An entry is written when a bucket's rank or its
+  // reason changes, at each adaptive window's decision, at a note, and at each
+  // bucket's first compressed step. At most kMaxDecisions are kept between
+  // calls (the oldest are dropped). Not saved in checkpoints.
+  static constexpr size_t kMaxDecisions = 65536;
+  std::vector<RankDecision> decisions();
 
   // Completed steps (waits for in-flight reductions).
   int64_t iteration() const;

@@ -53,6 +53,8 @@ class Config(ctypes.Structure):
         ("adaptive_threshold", ctypes.c_double),
         ("alternating", ctypes.c_int),
         ("divergence_check_interval", ctypes.c_int64),  # appended in 0.2 as well
+        ("warmup_steps", ctypes.c_int64),  # issue 19: the rank policy
+        ("lr_boost_steps", ctypes.c_int64),
     ]
 
 
@@ -118,6 +120,13 @@ def _load():
         "psgd_reducer_iteration": (ctypes.c_int64, [handle]),
         "psgd_reducer_stats": (status, [handle, ctypes.POINTER(Stats)]),
         "psgd_reducer_destroy": (None, [handle]),
+        "psgd_reducer_note_lr_change": (status, [handle]),
+        "psgd_reducer_decisions": (
+            status,
+            [handle, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
+             ctypes.POINTER(ctypes.c_int), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
+        ),
+        "psgd_rank_reason_name": (ctypes.c_char_p, [ctypes.c_int]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

@@ -233,7 +233,8 @@ class PowerSGDState:
                  min_compression_rate=2, use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0,
                  random_seed=0, compression_stats_logging_frequency=10_000,
                  batch_tensors_with_same_shape: bool = False, *, adaptive=False, rank_low=1, rank_high=4,
-                 adaptive_interval=100, adaptive_threshold=0.5, alternating=False):
+                 adaptive_interval=100, adaptive_threshold=0.5, alternating=False, warmup_steps=0,
+                 lr_boost_steps=100, lr_watch=None):
         logger.info("PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "
                     "min_compression_rate = %s; orthogonalization_epsilon = %s; use_error_feedback = %s; "
                     "warm_start = %s; random_seed = %s; compression_stats_logging_frequency = %s; "
@@ -263,6 +264,17 @@ class PowerSGDState:
         self.adaptive_interval = adaptive_interval
         self.adaptive_threshold = adaptive_threshold
         self.alternating = alternating
+        # The rank policy (docs/engine.md, "Rank policy and decision log"); lr_watch: an optimizer whose
+        # param_groups' lr is read at each iteration's first bucket: a decrease is one note_lr_change().
+        self.warmup_steps = warmup_steps
+        self.lr_boost_steps = lr_boost_steps
+        if lr_watch is not None and not hasattr(lr_watch, "param_groups"):
+            raise TypeError("PowerSGDState: lr_watch = %r: expected a torch.optim optimizer (with param_groups)"
+                            % (lr_watch,))
+        self.lr_watch = lr_watch
+        self._watched_lrs = None if lr_watch is None else [g["lr"] for g in lr_watch.param_groups]
+        self.lr_notes = 0            # note_lr_change() calls, the watcher's included
+        self._note_pending = False   # a note made before the engine reducer exists
         self._group = _group_of(process_group)  # None: the whole job
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
@@ -305,6 +317,8 @@ class PowerSGDState:
                                        "an integer >= 1")
         c.adaptive_threshold = _nonnegative("adaptive_threshold", self.adaptive_threshold)
         c.alternating = _bool("alternating", self.alternating)
+        c.warmup_steps = _integer("warmup_steps", self.warmup_steps, 0, 2**63 - 1, "an integer >= 0")
+        c.lr_boost_steps = _integer("lr_boost_steps", self.lr_boost_steps, 0, 2**63 - 1, "an integer >= 0")
         if c.alternating and not c.warm_start:
             raise ValueError("PowerSGDState: alternating = True with warm_start = False: alternating needs "
                              "warm_start = True (each step starts from the previous step's averaged factor)")
@@ -353,9 +367,15 @@ class PowerSGDState:
         if buffer.dtype not in _DTYPES or buffer.device.type != "cpu":
             raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32, float64, "
                             "float16 or bfloat16 on the CPU" % (index, buffer.dtype, buffer.device))
+        first = not self._layout
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
         if self._reducer is None and self._failure is None and self.iter >= DECLARATION_ITER:
             self._declare(whole_bucket)
+        if first and self._watched_lrs is not None:
+            lrs = [g["lr"] for g in self.lr_watch.param_groups]
+            if any(now < before for now, before in zip(lrs, self._watched_lrs)):
+                self.note_lr_change()
+            self._watched_lrs = lrs
         if self._reducer is None and self._failure is None:
             future = allreduce_hook(self.process_group, bucket)
             self._plain_bytes += buffer.numel() * buffer.element_size()
@@ -366,6 +386,38 @@ class PowerSGDState:
         if bucket.is_last():
             self._close_iteration()
         return future
+
+    # ---- rank policy ----
+
+    def note_lr_change(self):
+        """Reducer::note_lr_change(): the next lr_boost_steps compressed steps of every bucket at rank_high.
+        Between iterations (or from the lr_watch watcher), on every rank alike: a note on some ranks only fails
+        the next iteration's reductions on every rank (MismatchError)."""
+        self.lr_notes += 1
+        self._note_pending = True
+        self._flush_note()
+
+    def _flush_note(self):
+        if self._note_pending and self._reducer is not None and self._failure is None:
+            self._note_pending = False
+            _capi.check(_capi.lib.psgd_reducer_note_lr_change(self._reducer))
+
+    def decisions(self):
+        """The engine's decision log since the last call: dicts {step, bucket, rank, reason}."""
+        out = []
+        if self._reducer is None:
+            return out
+        capacity = 256
+        steps = (ctypes.c_int64 * capacity)()
+        buckets, ranks, reasons = (ctypes.c_int * capacity)(), (ctypes.c_int * capacity)(), (ctypes.c_int * capacity)()
+        count = ctypes.c_size_t(capacity)
+        while count.value == capacity:
+            _capi.check(_capi.lib.psgd_reducer_decisions(self._reducer, steps, buckets, ranks, reasons, capacity,
+                                                         ctypes.byref(count)))
+            for i in range(count.value):
+                out.append({"step": steps[i], "bucket": buckets[i], "rank": ranks[i],
+                            "reason": _capi.lib.psgd_rank_reason_name(reasons[i]).decode()})
+        return out
 
     def _close_iteration(self):
         self.iter += 1
@@ -409,6 +461,7 @@ class PowerSGDState:
         self._whole_bucket = whole_bucket
         self._waiter = threading.Thread(target=self._wait_loop, name="powersgd-waiter", daemon=True)
         self._waiter.start()
+        self._flush_note()
 
     def _failed_future(self, error):
         future = torch.futures.Future()

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -26,6 +27,7 @@ struct psgd_comm {
 
 struct psgd_reducer {
   std::unique_ptr<powersgd::Reducer> reducer;
+  std::deque<powersgd::RankDecision> decisions;  // taken from the reducer, not yet copied out
 };
 
 namespace {
@@ -101,6 +103,8 @@ psgd_config library_defaults() {
   c.adaptive_threshold = d.adaptive_threshold;
   c.alternating = d.alternating ? 1 : 0;
   c.divergence_check_interval = d.divergence_check_interval;
+  c.warmup_steps = d.warmup_steps;
+  c.lr_boost_steps = d.lr_boost_steps;
   return c;
 }
 
@@ -145,6 +149,8 @@ powersgd::Config to_config(const psgd_config& c) {
   config.adaptive_threshold = c.adaptive_threshold;
   config.alternating = as_bool(c.alternating, "alternating");
   config.divergence_check_interval = c.divergence_check_interval;
+  config.warmup_steps = c.warmup_steps;
+  config.lr_boost_steps = c.lr_boost_steps;
   config.validate();
   return config;
 }
@@ -294,6 +300,40 @@ psgd_status psgd_reducer_bucket_rank(const psgd_reducer* r, int bucket_index, in
     PSGD_C_NOT_NULL(rank);
     *rank = r->reducer->bucket_rank(bucket_index);
   });
+}
+
+psgd_status psgd_reducer_note_lr_change(psgd_reducer* r) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    r->reducer->note_lr_change();
+  });
+}
+
+psgd_status psgd_reducer_decisions(psgd_reducer* r, int64_t* steps, int* buckets, int* ranks, int* reasons,
+                                   size_t capacity, size_t* count) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(count);
+    for (const powersgd::RankDecision& d : r->reducer->decisions()) {
+      if (r->decisions.size() == powersgd::Reducer::kMaxDecisions) r->decisions.pop_front();
+      r->decisions.push_back(d);
+    }
+    const size_t n = std::min(capacity, r->decisions.size());
+    for (size_t i = 0; i < n; ++i) {
+      const powersgd::RankDecision& d = r->decisions[i];
+      if (steps != nullptr) steps[i] = d.step;
+      if (buckets != nullptr) buckets[i] = d.bucket;
+      if (ranks != nullptr) ranks[i] = d.rank;
+      if (reasons != nullptr) reasons[i] = static_cast<int>(d.reason);
+    }
+    r->decisions.erase(r->decisions.begin(), r->decisions.begin() + static_cast<std::ptrdiff_t>(n));
+    *count = n;
+  });
+}
+
+const char* psgd_rank_reason_name(int reason) {
+  if (reason < 0 || reason > static_cast<int>(powersgd::RankReason::NormChangeLow)) return nullptr;
+  return powersgd::rank_reason_name(static_cast<powersgd::RankReason>(reason));
 }
 
 psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path) {

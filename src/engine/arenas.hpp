@@ -17,7 +17,8 @@ namespace powersgd::engine {
 // One bucket: its plan, its device buffers and its slice of every arena.
 struct BucketState {
   BucketPlan plan;  // the current level's: levels[level]
-  // One plan per rank level: {config.rank}, or with adaptive {rank_low, rank_high}.
+  // One plan per rank level: {config.rank}, with adaptive {rank_low, rank_high},
+  // with a fixed rank that the policy may boost {rank, rank_high} (policy.hpp).
   std::vector<BucketPlan> levels;
   std::vector<int> level_ranks;
   size_t level = 0;
@@ -49,6 +50,15 @@ struct BucketState {
   // the previous window's sum (NaN: no window completed yet).
   double window_sum = 0.0;
   double previous_window = std::nan("");
+  // Rank policy (policy.hpp), identical on every rank: a learning-rate note not
+  // yet applied (it rides on the bucket's next announce), the boosted compressed
+  // steps left, the adaptive rule's own choice (in force once no warm-up or
+  // boost overrides it) and the reason of the level in force.
+  bool note_pending = false;
+  uint64_t boost_left = 0;
+  size_t rule_level = 0;
+  RankReason rule_reason = RankReason::FirstWindow;
+  RankReason reason = RankReason::Fixed;
 
   // The buffer a plain (uncompressed) step reduces: numel floats and the flag.
   float* plain_buffer() const { return plan.whole ? tmp.data() : in.data(); }

@@ -103,6 +103,41 @@ void put_counted_floats(Writer& w, const std::vector<float>& values) {
   w.put_floats(values);
 }
 
+RankReason get_reason(Reader& r, const char* field, size_t bucket) {
+  const auto value = r.get<uint8_t>(field);
+  PSGD_REQUIRE(value <= static_cast<uint8_t>(RankReason::NormChangeLow), IoError, "checkpoint ", r.path(),
+               " is malformed: bucket ", bucket, " has ", field, " ", +value, ", expected 0 to ",
+               static_cast<int>(RankReason::NormChangeLow));
+  return static_cast<RankReason>(value);
+}
+
+// The bucket's rank-policy state: version 4 holds it; an older file had no
+// policy, so no note pending, no boost left, and with adaptive the level in
+// force is the rule's (its reason from the window it came from).
+void read_policy(Reader& r, const Config& config, CheckpointBucket& out, uint32_t version, size_t levels,
+                 size_t bucket) {
+  if (version >= 4) {
+    out.note_pending = r.get<uint8_t>("note pending") != 0;
+    out.boost_left = r.get<uint64_t>("boost left");
+    out.rule_level = r.get<uint32_t>("rule level");
+    PSGD_REQUIRE(out.rule_level < levels, IoError, "checkpoint ", r.path(), " is malformed: bucket ", bucket,
+                 " has rule level ", out.rule_level, ", this configuration has ", levels, " rank level(s)");
+    out.rule_reason = get_reason(r, "rule reason", bucket);
+    out.reason = get_reason(r, "reason", bucket);
+    return;
+  }
+  if (!config.adaptive) {
+    out.rule_level = static_cast<uint32_t>(levels - 1);
+    out.reason = RankReason::Fixed;
+    return;
+  }
+  out.rule_level = out.level;
+  out.rule_reason = std::isnan(out.previous_window) ? RankReason::FirstWindow
+                    : out.level == 1                ? RankReason::NormChangeHigh
+                                                    : RankReason::NormChangeLow;
+  out.reason = out.rule_reason;
+}
+
 struct Framing {
   const char* magic;
   uint32_t oldest, newest;  // the format versions this build reads
@@ -217,6 +252,11 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
     w.put(b.compressed_steps);
     w.put(b.window_sum);
     w.put(b.previous_window);
+    w.put(static_cast<uint8_t>(b.note_pending));
+    w.put(b.boost_left);
+    w.put(b.rule_level);
+    w.put(static_cast<uint8_t>(b.rule_reason));
+    w.put(static_cast<uint8_t>(b.reason));
     put_counted_floats(w, b.error);
     put_counted_floats(w, b.p);
     put_counted_floats(w, b.q);
@@ -289,6 +329,7 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
     } else {
       out.rank = level->rank;
     }
+    read_policy(r, config, out, version, levels.size(), b);
     out.error = get_counted_floats(r, buckets[b].error, "error", b, buckets[b].error_without_padding);
     out.p = get_counted_floats(r, level->p, "P", b);
     out.q = get_counted_floats(r, level->q, "Q", b);

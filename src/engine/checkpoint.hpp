@@ -22,19 +22,21 @@ namespace powersgd::engine {
 inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 'T'};
 // Version 2 appended the adaptive and alternating config fields and, per
 // bucket, its rank and step state; version 3, per bucket, its rank level (which
-// its rank alone does not tell when rank_low == rank_high). load() also reads
-// versions 1 (those fields at their defaults: a reducer without adaptive or
-// alternating) and 2 (the level found from the rank).
-inline constexpr uint32_t kCheckpointVersion = 3;
+// its rank alone does not tell when rank_low == rank_high); version 4, the rank
+// policy's config fields (warmup_steps, lr_boost_steps) and, per bucket, its
+// policy state. load() also reads versions 1 (those fields at their defaults: a
+// reducer without adaptive or alternating), 2 (the level found from the rank)
+// and 3 (no note pending, no boost left, with adaptive the rule's choice in force).
+inline constexpr uint32_t kCheckpointVersion = 4;
 inline constexpr uint32_t kCheckpointOldestVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
 // A job checkpoint (Reducer::save_job) has the same header and payload layout
 // under its own magic and version, so that load() refuses a job file and
 // load_job() a per-rank file, naming the other kind.
 inline constexpr char kJobCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'J', 'O', 'B', 'C'};
-// Job version 1's payload is the per-rank payload of version 2, job version
-// 2's that of version 3; load_job() reads both.
-inline constexpr uint32_t kJobCheckpointVersion = 2;
+// Job version v's payload is the per-rank payload of version v + 1; load_job()
+// reads job versions 1 to 3.
+inline constexpr uint32_t kJobCheckpointVersion = 3;
 inline constexpr uint32_t kJobCheckpointOldestVersion = 1;
 
 // PerRank: one rank's own state (Reducer::save). Job: the world's state with the
@@ -117,6 +119,13 @@ struct CheckpointBucket {
   uint64_t compressed_steps = 0;
   double window_sum = 0.0;
   double previous_window = std::nan("");
+  // Version 4: the rank policy (policy.hpp): a note not yet applied, the boosted
+  // compressed steps left, the adaptive rule's level and reason, the reason in force.
+  bool note_pending = false;
+  uint64_t boost_left = 0;
+  uint32_t rule_level = 0;
+  RankReason rule_reason = RankReason::FirstWindow;
+  RankReason reason = RankReason::Fixed;
 };
 
 // A rank's whole reducer state.

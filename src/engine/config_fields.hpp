@@ -19,7 +19,9 @@ enum class FieldScope { Shared, PerRank, Agreed };
 // batch_same_shape with whole_bucket) changes nothing it computes, so neither
 // the ranks' fingerprint nor a checkpoint's config check compares it. The
 // fields that decide use (adaptive, whole_bucket) are always used.
-enum class FieldUse { Always, WithoutAdaptive, WithAdaptive, WithoutWholeBucket };
+// WithHighRank: rank_high, used with adaptive or when the schedule-aware
+// policy may boost (warmup_steps or lr_boost_steps > 0).
+enum class FieldUse { Always, WithoutAdaptive, WithAdaptive, WithoutWholeBucket, WithHighRank };
 
 // What validate() accepts: min <= value <= max (and finite, for floating-point
 // fields); `expected` is the phrase its error message ends with.
@@ -41,6 +43,7 @@ inline bool field_in_use(const FieldSpec& spec, const Config& config) {
     case FieldUse::WithoutAdaptive: return !config.adaptive;
     case FieldUse::WithAdaptive: return config.adaptive;
     case FieldUse::WithoutWholeBucket: return !config.whole_bucket;
+    case FieldUse::WithHighRank: return config.adaptive || config.warmup_steps > 0 || config.lr_boost_steps > 0;
   }
   return true;
 }
@@ -68,12 +71,14 @@ void for_each_config_field(ConfigT& config, F&& f) {
   f(FieldSpec{"device_index", PerRank, 0, kNoLimit, ">= 0"}, config.device_index);
   f(FieldSpec{"adaptive", Shared, 0, 1, "0 or 1", 2}, config.adaptive);
   f(FieldSpec{"rank_low", Shared, 1, 64, "1 to 64", 2, WithAdaptive}, config.rank_low);
-  f(FieldSpec{"rank_high", Shared, 1, 64, "1 to 64", 2, WithAdaptive}, config.rank_high);
+  f(FieldSpec{"rank_high", Shared, 1, 64, "1 to 64", 2, WithHighRank}, config.rank_high);
   f(FieldSpec{"adaptive_interval", Shared, 1, kNoLimit, ">= 1", 2, WithAdaptive}, config.adaptive_interval);
   f(FieldSpec{"adaptive_threshold", Shared, 0, kNoLimit, "a finite value >= 0", 2, WithAdaptive},
     config.adaptive_threshold);
   f(FieldSpec{"alternating", Shared, 0, 1, "0 or 1", 2}, config.alternating);
   f(FieldSpec{"divergence_check_interval", Agreed, 0, kNoLimit, ">= 0 (0: off)"}, config.divergence_check_interval);
+  f(FieldSpec{"warmup_steps", Shared, 0, kNoLimit, ">= 0", 4}, config.warmup_steps);
+  f(FieldSpec{"lr_boost_steps", Shared, 0, kNoLimit, ">= 0", 4}, config.lr_boost_steps);
 }
 
 }  // namespace powersgd::engine

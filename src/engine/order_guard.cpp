@@ -35,7 +35,7 @@ constexpr uint64_t kAllBuckets = uint64_t{1} << 63;
 // The values a rank reports on the error path, in this order; all but Loaded
 // go into the announce's hash.
 enum Value : size_t { Step, Identity, Numel, FirstCount, ConfigFp, Layout, WarmBuckets, Warm, Check, CheckStep,
-                      Loaded, kValueCount };
+                      Note, Loaded, kValueCount };
 static_assert(kValueCount <= RankReport::kValues);
 
 std::string what_of(const std::vector<uint64_t>& v) {
@@ -217,9 +217,12 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
       warm.add(s->draws);
       warm.add(s->current_rank);  // the adaptive level and the alternating half decide the sizes too
       warm.add(s->compressed_steps);
+      warm.add(s->boost_left);  // the rank policy's state decides the next levels
     }
+    uint64_t notes = 0;
     for (int b : r.buckets) {
       numel += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.numel);
+      notes += buckets_[static_cast<size_t>(b)]->note_pending ? 1 : 0;
       Pending& p = pending_[static_cast<size_t>(b)];
       if (p.step < 0) continue;
       check.add(b);
@@ -237,6 +240,7 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
     mine[Warm] = warm.value();
     mine[Check] = check_step >= 0 ? check.value() : 0;
     mine[CheckStep] = static_cast<uint64_t>(check_step + 1);
+    mine[Note] = notes;
     mine[Loaded] = loaded ? 1 : 0;
   }
   if (comm_.size() == 1) return;  // nobody to disagree with
@@ -344,6 +348,15 @@ void OrderGuard::raise(const Reduction& r, const std::vector<uint64_t>& mine, bo
                " where rank 0 reduces ", what_of(root),
                "; nothing reduced or changed on any rank. Reduce the buckets in the same order on every rank (from "
                "one thread)");
+  }
+  if (const auto ranks = differing({Note}); !ranks.empty()) {
+    const bool noted = values(ranks[0])[Note] != 0;
+    PSGD_THROW(MismatchError, "step ", r.iteration, ", ", what_of(root), ": ", noted ? "rank " : "rank 0 ",
+               noted ? std::to_string(ranks[0]) : std::string(), noted ? others(ranks) : std::string(),
+               " noted a learning-rate change (note_lr_change) that ", noted ? "rank 0" : "rank ",
+               noted ? std::string() : std::to_string(ranks[0]), noted ? std::string() : others(ranks),
+               " did not; nothing reduced or changed on any rank, the note still pending. Note it on every rank "
+               "before the same step (or load a checkpoint on every rank)");
   }
   if (!state_ranks.empty()) {
     const std::vector<uint64_t> v = values(state_ranks[0]);

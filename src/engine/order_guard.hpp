@@ -7,8 +7,8 @@
 // equal sizes, average different buckets into each other. So before a
 // reduction's data collectives every rank announces, in one fixed-size Float64
 // allreduce, what it is about to reduce: the step, the buckets, the size of the
-// first data collective, configuration, layout, warm-start state, a pending
-// divergence hash, and whether its own call already failed locally (a poisoned
+// first data collective, configuration, layout, warm-start and rank-policy state, a pending
+// divergence hash, a pending learning-rate note, and whether its own call already failed locally (a poisoned
 // reduction). Sums are identical on every rank, so every rank takes the same
 // branch: when all announced the same, the data collectives follow; otherwise
 // every rank takes part in one fixed-size gather of reports (rank_reports.hpp)

@@ -24,6 +24,7 @@
 #include "engine/job_checkpoint.hpp"
 #include "engine/order_guard.hpp"
 #include "engine/plan.hpp"
+#include "engine/policy.hpp"
 #include "engine/rank_reports.hpp"
 #include "engine/step_runner.hpp"
 #include "engine/steps.hpp"
@@ -55,7 +56,7 @@ class Reducer::Impl final : public detail::CommUser {
       backend_ = compute::make_backend(
           config_.device == Device::Cpu ? compute::DeviceKind::Cpu : compute::DeviceKind::Cuda, config_.device_index);
       runner_ = std::make_unique<engine::StepRunner>(config_, comm_, *backend_, buckets_, arenas_, stats_,
-                                                     [this] { return next_reduction(); }, fault);
+                                                     log_, [this] { return next_reduction(); }, fault);
       guard_ = std::make_unique<engine::OrderGuard>(config_, comm_, *backend_, buckets_, arenas_, stats_);
     });
     detail::attach_comm_user(&comm_, this);
@@ -95,8 +96,7 @@ class Reducer::Impl final : public detail::CommUser {
     try {
       PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
                    "buckets before reducing; bucket ", buckets_.size(), " refused");
-      // Rank levels: {rank}, or {rank_low, rank_high} starting high (the first window).
-      ranks = config_.adaptive ? std::vector<int>{config_.rank_low, config_.rank_high} : std::vector<int>{config_.rank};
+      ranks = engine::rank_levels(config_);
       for (int rank : ranks) levels.push_back(engine::make_plan(shapes, config_, rank));
       layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
     } catch (...) {
@@ -111,11 +111,14 @@ class Reducer::Impl final : public detail::CommUser {
         engine::raise_layout_mismatch(comm_, config_, index, shapes, reports);  // every rank takes this branch
     layout_fingerprint_ = layout;
     auto bucket = std::make_unique<BucketState>();
-    bucket->level = levels.size() - 1;
-    bucket->plan = levels.back();
     bucket->levels = std::move(levels);
     bucket->level_ranks = ranks;
-    bucket->current_rank = ranks.back();
+    bucket->rule_level = ranks.size() - 1;  // the adaptive rule starts high (its first window)
+    const engine::LevelChoice first = engine::choose_level(config_, *bucket);
+    bucket->level = first.level;
+    bucket->reason = first.reason;
+    bucket->plan = bucket->levels[first.level];
+    bucket->current_rank = ranks[first.level];
     bucket->shapes.assign(shapes.begin(), shapes.end());
     buckets_.push_back(std::move(bucket));
     steps_.add_bucket();
@@ -174,6 +177,23 @@ class Reducer::Impl final : public detail::CommUser {
       throw;
     }
     worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
+  }
+
+  void note_lr_change() {
+    const OneCaller one(user_mutex_, "note_lr_change");
+    require_comm();
+    PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError,
+                 "note_lr_change before any add_bucket: declare the buckets first");
+    steps_.require_boundary("note_lr_change");
+    call([this] {
+      for (auto& s : buckets_) s->note_pending = true;
+    });
+  }
+
+  std::vector<RankDecision> decisions() {
+    std::vector<RankDecision> out;
+    call([&] { out = log_.take(); });
+    return out;
   }
 
   int64_t iteration() {
@@ -280,6 +300,8 @@ class Reducer::Impl final : public detail::CommUser {
         state.add(b.draws);
         state.add(b.rank);
         state.add(b.compressed_steps);
+        state.add(b.boost_left);
+        state.add(b.note_pending);
       }
       comm_.check_same(state.value(), detail::concat("save_job: the step count (this rank: ", contents.iteration,
                                                       ") and warm-start state"));
@@ -406,10 +428,19 @@ class Reducer::Impl final : public detail::CommUser {
     try {
       // layout_fingerprint_ is final since the first reduce (start()).
       guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_);
-      runner_->run(reduction, [&] {
+      const auto agreed = [&] {
         guard_->finish(reduction);
         loaded_on_worker_ = false;
-      });
+      };
+      if (!reduction.poisoned && noted(reduction)) {
+        // The note changes the buckets' levels, and so what prepare computes:
+        // only once every rank announced it (the lookahead left this reduction alone).
+        agreed();
+        apply_note(reduction);
+        runner_->run(reduction);
+      } else {
+        runner_->run(reduction, agreed);
+      }
       guard_->after_success(reduction);
     } catch (...) {
       guard_->settle();
@@ -417,6 +448,27 @@ class Reducer::Impl final : public detail::CommUser {
       throw;
     }
     if (reduction.closes_step) close_step(reduction);
+  }
+
+  // Worker thread: whether a bucket of the reduction carries a learning-rate note.
+  bool noted(const Reduction& reduction) const {
+    return std::any_of(reduction.buckets.begin(), reduction.buckets.end(),
+                       [&](int b) { return buckets_[static_cast<size_t>(b)]->note_pending; });
+  }
+
+  // Worker thread, after every rank announced the note: the boost starts with this step.
+  void apply_note(const Reduction& reduction) {
+    for (int b : reduction.buckets) {
+      BucketState& s = *buckets_[static_cast<size_t>(b)];
+      if (!s.note_pending) continue;
+      s.note_pending = false;
+      if (config_.lr_boost_steps == 0) continue;
+      s.boost_left = static_cast<uint64_t>(config_.lr_boost_steps);
+      const engine::LevelChoice choice = engine::choose_level(config_, s);
+      if (choice.level != s.level) runner_->switch_level(s, b, choice.level);
+      s.reason = choice.reason;
+      log_.add(reduction.iteration, b, s);
+    }
   }
 
   // Worker thread.
@@ -447,6 +499,11 @@ class Reducer::Impl final : public detail::CommUser {
       b.compressed_steps = s->compressed_steps;
       b.window_sum = s->window_sum;
       b.previous_window = s->previous_window;
+      b.note_pending = s->note_pending;
+      b.boost_left = s->boost_left;
+      b.rule_level = static_cast<uint32_t>(s->rule_level);
+      b.rule_reason = s->rule_reason;
+      b.reason = s->reason;
       if (!s->nerr.empty()) b.error = engine::read_error(*backend_, *s);
       b.p.resize(static_cast<size_t>(s->plan.p_numel));
       b.q.resize(static_cast<size_t>(s->plan.q_numel));
@@ -471,6 +528,11 @@ class Reducer::Impl final : public detail::CommUser {
       s.compressed_steps = b.compressed_steps;
       s.window_sum = b.window_sum;
       s.previous_window = b.previous_window;
+      s.note_pending = b.note_pending;
+      s.boost_left = b.boost_left;
+      s.rule_level = b.rule_level;
+      s.rule_reason = b.rule_reason;
+      s.reason = b.reason;
       if (!s.nerr.empty()) engine::write_error(*backend_, s, b.error);
       backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, b.p.data(), b.p.size());
       backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, b.q.data(), b.q.size());
@@ -506,6 +568,7 @@ class Reducer::Impl final : public detail::CommUser {
   std::unique_ptr<engine::OrderGuard> guard_;
   Stats stats_;
   uint64_t bytes_before_step_ = 0;  // stats_.bytes_sent when the step being run began
+  engine::DecisionLog log_;  // before runner_, which writes to it
   std::unique_ptr<engine::StepRunner> runner_;
 
   // One entry of the worker's queue: a reduction, or a call that reads or
@@ -555,6 +618,8 @@ void Reducer::reduce_all(std::span<const std::span<float>> data) {
   }
   impl_->reduce_all(pointers, counts);
 }
+void Reducer::note_lr_change() { impl_->note_lr_change(); }
+std::vector<RankDecision> Reducer::decisions() { return impl_->decisions(); }
 int64_t Reducer::iteration() const { return impl_->iteration(); }
 void Reducer::error_feedback(int bucket, float* out) const { impl_->error_feedback(bucket, out, Impl::kUnchecked); }
 void Reducer::error_feedback(int bucket, std::span<float> out) const {

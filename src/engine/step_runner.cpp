@@ -40,6 +40,9 @@ double host_squared_sum(const float* x, int64_t count) {
 void StepRunner::lookahead(const Reduction& current) {
   const std::shared_ptr<Reduction> next = next_();
   if (next == nullptr || next->prepared) return;
+  // A pending note changes the bucket's level once its announce agreed (reducer.cpp).
+  for (int a : next->buckets)
+    if (bucket(a).note_pending) return;
   for (int a : next->buckets)
     for (int b : current.buckets)
       if (a == b) return;
@@ -464,27 +467,46 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
   stats_.numel_before += static_cast<uint64_t>(plan.numel);
   stats_.numel_after += static_cast<uint64_t>(
       plan.packed_numel + (config_.alternating ? factor_numel(s, job.q_half[i]) : plan.p_numel + plan.q_numel));
+  const bool first = s.compressed_steps == 0;
   ++s.compressed_steps;
-  if (config_.adaptive) commit_adaptive(job, i);
+  if (s.boost_left > 0) --s.boost_left;
+  const bool window_end = config_.adaptive && commit_adaptive(job, i);
+  if (first) log_.add(job.iteration, b, s);
+  // The policy's level for the next compressed step (policy.hpp): logged when
+  // it changes and at each window the adaptive rule decides.
+  const LevelChoice next = choose_level(config_, s);
+  const bool rule_decides = window_end && next.reason == s.rule_reason && next.level == s.rule_level;
+  if (next.level != s.level || next.reason != s.reason || rule_decides) {
+    if (next.level != s.level) switch_level(s, b, next.level);
+    s.reason = next.reason;
+    log_.add(job.iteration + 1, b, s);
+  }
 }
 
 // Accordion's rule at the end of each window of adaptive_interval compressed
 // steps: the window's summed output norm against the previous window's; a
 // relative change >= adaptive_threshold, or no previous window, selects
 // rank_high, else rank_low. Inputs are sums computed on the host from the
-// collectives' results, so every rank decides the same.
-void StepRunner::commit_adaptive(const Reduction& job, size_t i) {
+// collectives' results, so every rank decides the same. The rule keeps
+// measuring while a warm-up or boost overrides its choice (choose_level), so
+// its latest choice is in force when the override ends. Returns whether a
+// window ended.
+bool StepRunner::commit_adaptive(const Reduction& job, size_t i) {
   BucketState& s = bucket(job.buckets[i]);
   s.window_sum += std::sqrt(job.out2[i]) / static_cast<double>(comm_.size());
-  if (s.compressed_steps % static_cast<uint64_t>(config_.adaptive_interval) != 0) return;
+  if (s.compressed_steps % static_cast<uint64_t>(config_.adaptive_interval) != 0) return false;
   const double current = s.window_sum, previous = s.previous_window;
   s.window_sum = 0;
   s.previous_window = current;
   const double change = previous > 0 ? std::abs(current - previous) / previous
                         : current > 0 ? std::numeric_limits<double>::infinity()
                                       : 0.0;
-  const size_t level = std::isnan(previous) || change >= config_.adaptive_threshold ? 1 : 0;
-  if (level != s.level) switch_level(s, job.buckets[i], level);
+  const bool high = std::isnan(previous) || change >= config_.adaptive_threshold;
+  s.rule_level = high ? 1 : 0;
+  s.rule_reason = std::isnan(previous) ? RankReason::FirstWindow
+                  : high              ? RankReason::NormChangeHigh
+                                      : RankReason::NormChangeLow;
+  return true;
 }
 
 // The bucket's plan becomes levels[level]. The error memory is carried through

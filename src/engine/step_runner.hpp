@@ -15,6 +15,7 @@
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
 #include "engine/fault_injection.hpp"
+#include "engine/policy.hpp"
 #include "powersgd/reducer.hpp"
 
 namespace powersgd::engine {
@@ -52,9 +53,9 @@ class StepRunner {
   // Everything by reference is owned by the Reducer and outlives the runner;
   // `next` returns the reduction queued after the running one, if any.
   StepRunner(const Config& config, Communicator& comm, compute::Backend& backend,
-             std::vector<std::unique_ptr<BucketState>>& buckets, Arenas& arenas, Stats& stats, NextReduction next,
-             std::optional<Fault> fault = std::nullopt)
-      : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats),
+             std::vector<std::unique_ptr<BucketState>>& buckets, Arenas& arenas, Stats& stats, DecisionLog& log,
+             NextReduction next, std::optional<Fault> fault = std::nullopt)
+      : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats), log_(log),
         next_(std::move(next)), fault_(fault) {}
 
   // Throws NonFiniteError (the same decision on every rank) before changing any
@@ -88,8 +89,14 @@ class StepRunner {
   void run_alternating(Reduction& job);
   void check_flags(const Reduction& job, const Segment& unc);
   void decompress(const Reduction& job, size_t i);
-  void commit_adaptive(const Reduction& job, size_t i);
+  bool commit_adaptive(const Reduction& job, size_t i);
+
+ public:
+  // The bucket's plan becomes levels[level], its warm start and error memory
+  // carried over (local work, no collective); the policy's switches use it.
   void switch_level(BucketState& s, int bucket, size_t level);
+
+ private:
 
   // The factor the bucket's first-collective range carries this step: P, or Q in an alternating Q half.
   int64_t factor_numel(const BucketState& s, bool q_half) const { return q_half ? s.plan.q_numel : s.plan.p_numel; }
@@ -120,6 +127,7 @@ class StepRunner {
   std::vector<std::unique_ptr<BucketState>>& buckets_;
   Arenas& arenas_;
   Stats& stats_;
+  DecisionLog& log_;
   NextReduction next_;
   std::optional<Fault> fault_;  // test-only fault injection (fault_injection.hpp)
 };

@@ -1342,3 +1342,127 @@ TEST_CASE("divergence: one rank's drifted output is named on every rank, with th
       CHECK((s.check_seconds > 0) == (interval != 0));
     }
 }
+
+namespace {
+
+// The decision log as floats (step, bucket, rank, reason per entry), to compare across ranks.
+std::vector<float> log_floats(const std::vector<RankDecision>& log) {
+  std::vector<float> out;
+  for (const auto& d : log)
+    for (const float v : {float(d.step), float(d.bucket), float(d.rank), float(d.reason)}) out.push_back(v);
+  return out;
+}
+
+// Steps [from, to) of two buckets reduced one by one with the adaptive rule, warm-up and a learning-rate
+// note before step 9; the rank-policy test's run. Returns every output, in order.
+std::vector<float> policy_steps(Reducer& r, int me, int from, int to) {
+  std::vector<float> outputs;
+  for (int t = from; t < to; ++t) {
+    if (t == 9) r.note_lr_change();
+    for (int b = 0; b < 2; ++b) {
+      // The gradients' scale jumps at step 14: the norm rule's high rank after the boost.
+      auto g = gradients(r.bucket_size(b), me, t, 31 + static_cast<uint64_t>(b));
+      for (float& v : g) v *= t < 14 ? 1.0f : 20.0f;
+      r.reduce(b, g.data());
+      outputs.insert(outputs.end(), g.begin(), g.end());
+    }
+  }
+  return outputs;
+}
+
+Config policy_config() {
+  Config c;
+  c.start_iter = 1;
+  c.adaptive = true;
+  c.rank_low = 1;
+  c.rank_high = 3;
+  c.adaptive_interval = 2;
+  c.warmup_steps = 3;
+  c.lr_boost_steps = 2;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("policy: the rank decisions are identical on every rank, also after a checkpoint resume") {
+  auto comm = connect("engine-policy-agree");
+  const int me = comm->rank();
+  const std::string file = side_file("policy-agree") + ".rank" + std::to_string(me);
+  Reducer a(*comm, policy_config());
+  a.add_bucket(kShapes);
+  a.add_bucket({{24, 20}, {7}});
+  policy_steps(a, me, 0, 11);
+  a.save(file);  // mid-boost (the note before step 9 boosts steps 9 and 10... its count is in the file)
+  const std::vector<RankDecision> first = a.decisions();
+  const std::vector<float> rest = policy_steps(a, me, 11, 20);
+  const std::vector<RankDecision> later = a.decisions();
+  // Warm-up, the note, the rule's windows: every kind of decision happened, on every rank alike.
+  std::vector<RankDecision> all = first;
+  all.insert(all.end(), later.begin(), later.end());
+  for (RankReason reason : {RankReason::Warmup, RankReason::LrNote, RankReason::NormChangeLow,
+                            RankReason::NormChangeHigh}) {
+    CAPTURE(rank_reason_name(reason));
+    CHECK(std::any_of(all.begin(), all.end(), [&](const RankDecision& d) { return d.reason == reason; }));
+  }
+  CHECK(same_on_every_rank(*comm, log_floats(all)));
+
+  Reducer b(*comm, policy_config());
+  b.add_bucket(kShapes);
+  b.add_bucket({{24, 20}, {7}});
+  b.load(file);
+  CHECK(policy_steps(b, me, 11, 20) == rest);  // bit for bit
+  const std::vector<RankDecision> resumed = b.decisions();
+  CHECK(log_floats(resumed) == log_floats(later));
+  CHECK(same_on_every_rank(*comm, log_floats(resumed)));
+  comm->barrier();
+  std::remove(file.c_str());
+}
+
+TEST_CASE("policy: a learning-rate note on one rank only is a MismatchError on every rank, state unchanged") {
+  auto comm = connect("engine-policy-one-note");
+  const int me = comm->rank();
+  Config c;
+  c.rank = 1;
+  c.rank_high = 3;
+  c.start_iter = 0;
+  c.lr_boost_steps = 2;
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  const size_t n = r.bucket_size(0);
+  for (int t = 0; t < 3; ++t) {
+    auto g = gradients(n, me, t, 5);
+    r.reduce(0, g.data());
+  }
+  if (me == 1) r.note_lr_change();
+  std::vector<float> error_before(n), error_after(n);
+  r.error_feedback(0, error_before.data());
+  auto g = gradients(n, me, 3, 5);
+  const auto data = g;
+  const Outcome o = outcome_of([&] { r.reduce(0, g.data()); });
+  INFO(o.message);
+  CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
+  CHECK(contains(o.message, "step 3, bucket 0"));
+  CHECK(contains(o.message, "rank 1 noted a learning-rate change (note_lr_change) that rank 0 did not"));
+  CHECK(o.seconds < kFailTogetherSeconds);
+  CHECK(g == data);
+  r.error_feedback(0, error_after.data());
+  CHECK(error_after == error_before);
+  CHECK(r.bucket_rank(0) == 1);
+  CHECK(r.decisions().size() == 1);  // the first compressed step's only
+  // The others note too: the (still pending) note is agreed and boosts every rank alike.
+  if (me != 1) r.note_lr_change();
+  for (int t = 4; t < 7; ++t) {
+    CAPTURE(t);
+    g = gradients(n, me, t, 5);
+    CHECK(r.bucket_rank(0) == (t == 5 ? 3 : 1));  // the note applies within step 4's reduction
+    r.reduce(0, g.data());
+    CHECK(same_on_every_rank(*comm, g));
+  }
+  const std::vector<RankDecision> log = r.decisions();
+  REQUIRE(log.size() == 2);
+  CHECK(log[0].step == 4);
+  CHECK(log[0].reason == RankReason::LrNote);
+  CHECK(log[1].step == 6);
+  CHECK(log[1].reason == RankReason::Fixed);
+  CHECK(same_on_every_rank(*comm, log_floats(log)));
+}

@@ -22,6 +22,9 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     DDP on a model of that dtype: parameters equal DDP allreduce's in that dtype within a
                     tolerance of the dtype (exact low-rank setting of parity-exact)
   dtype-bfloat16    bfloat16 buckets (by hand: torch 1.13's Gloo has none) give the float32 results rounded
+  lr-watch          PowerSGDState(lr_watch=optimizer): each StepLR decay is exactly one note_lr_change on every
+                    rank, which boosts every bucket to rank_high for lr_boost_steps steps (the decision log, equal on
+                    both ranks); warmup_steps/lr_boost_steps are validated
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
 Exit 77 (skip) when torch is not importable.
@@ -645,6 +648,50 @@ def case_bfloat16():
         print("dtype-bfloat16: 4 compressed steps of bfloat16 buckets equal the float32 results rounded")
 
 
+def case_lr_watch():
+    torch.manual_seed(1)
+    model = ddp(TwoLayers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=6, gamma=0.1)
+    state = pst.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3,
+                              rank_high=3, lr_boost_steps=2, lr_watch=optimizer)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    inputs, targets = data(4, 16, seed=3)
+    log = []
+    for x, y in zip(inputs, targets):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()  # decays after iterations 6 and 12: noted at the first bucket of iterations 6 and 12
+        log += state.decisions()
+    assert state.lr_notes == 2, state.lr_notes
+    buckets = sorted({d["bucket"] for d in log})
+    for b in buckets:
+        mine = [(d["step"], d["rank"], d["reason"]) for d in log if d["bucket"] == b]
+        boosts = [entry for entry in mine if entry[2] == "lr_note"]
+        assert [(step, r) for step, r, _ in boosts] == [(3, 3), (9, 3)], mine  # engine steps: iteration - 3
+        assert (5, 1, "fixed") in mine and (11, 1, "fixed") in mine, mine
+    everyone = [None] * world()
+    dist.all_gather_object(everyone, log)
+    assert all(other == log for other in everyone), everyone
+    for bad in ({"warmup_steps": -1}, {"lr_boost_steps": 1.5}):
+        try:
+            pst.PowerSGDState(process_group=None, **bad)
+        except (TypeError, ValueError) as e:
+            assert list(bad)[0] in str(e), e
+        else:
+            raise AssertionError("PowerSGDState accepted %s" % bad)
+    try:
+        pst.PowerSGDState(process_group=None, lr_watch=object())
+    except TypeError as e:
+        assert "lr_watch" in str(e), e
+    else:
+        raise AssertionError("PowerSGDState accepted lr_watch=object()")
+    state.close()
+    if rank() == 0:
+        print("lr-watch: two StepLR decays, two boosts per bucket, equal on every rank: %s" % log)
+
+
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
@@ -662,6 +709,7 @@ CASES = {
     "dtype-float64": lambda: case_dtype(torch.float64, 1e-6),
     "dtype-float16": lambda: case_dtype(torch.float16, 4e-3),
     "dtype-bfloat16": case_bfloat16,
+    "lr-watch": case_lr_watch,
 }
 
 

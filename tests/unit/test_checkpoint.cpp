@@ -85,8 +85,9 @@ std::vector<char> payload_of(const std::vector<char>& file) {
   return {file.begin() + static_cast<std::ptrdiff_t>(kCheckpointHeaderBytes), file.end()};
 }
 
-// The payload of `c` in format version 1 (before adaptive and alternating) or
-// 2 (before the rank level), written field by field as docs/engine.md lists them.
+// The payload of `c` in format version 1 (before adaptive and alternating), 2
+// (before the rank level) or 3 (before the rank policy), written field by field
+// as docs/engine.md lists them.
 std::vector<char> payload_before_level(const CheckpointContents& c, uint32_t version) {
   const Config& k = c.config;
   Writer w;
@@ -121,6 +122,7 @@ std::vector<char> payload_before_level(const CheckpointContents& c, uint32_t ver
     w.put(b.draws);
     if (version >= 2) {
       w.put(b.rank);
+      if (version >= 3) w.put(b.level);
       w.put(b.compressed_steps);
       w.put(b.window_sum);
       w.put(b.previous_window);
@@ -186,10 +188,10 @@ TEST_CASE("checkpoint codec: every field is little-endian whatever the host's or
   CHECK(r.get_floats(2, "e") == floats);
   CHECK(r.at_end());
 
-  // The header: magic, then version 3, CRC and payload length, little-endian.
+  // The header: magic, then version 4, CRC and payload length, little-endian.
   const std::vector<char> file = encode_checkpoint(test_contents());
   CHECK(std::memcmp(file.data(), kCheckpointMagic, 8) == 0);
-  CHECK(file[8] == 3);
+  CHECK(file[8] == 4);
   CHECK(file[9] == 0);
   CHECK(file[10] == 0);
   CHECK(file[11] == 0);
@@ -222,9 +224,9 @@ TEST_CASE("checkpoint codec: truncated, corrupted and foreign input is refused w
   CHECK(contains(error_of([&] { decode(magic, like); }), "file ckpt is not a powersgd checkpoint (bad magic)"));
 
   std::vector<char> version = file;
-  version[8] = 4;
+  version[8] = 5;
   CHECK_THROWS_AS(decode(version, like), IoError);
-  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 4: this build reads versions 1 to 3"));
+  CHECK(contains(error_of([&] { decode(version, like); }), "has format version 5: this build reads versions 1 to 4"));
   version[8] = 0;
   version[11] = 1;  // big-endian 1 read as little-endian
   CHECK(contains(error_of([&] { decode(version, like); }), "has format version 16777216"));
@@ -507,7 +509,8 @@ TEST_CASE("checkpoint codec and fingerprint: only the fields a configuration use
   auto none = [](Config&) {};
   const Case cases[] = {
       // Unused: the adaptive fields without adaptive, rank with it, the per-matrix fields with whole_bucket.
-      {"rank_high without adaptive", none, [](Config& c) { c.rank_high = 8; }, nullptr},
+      {"rank_high without adaptive and without the rank policy",
+       [](Config& c) { c.lr_boost_steps = 0; }, [](Config& c) { c.lr_boost_steps = 0, c.rank_high = 8; }, nullptr},
       {"rank_low, interval, threshold without adaptive", [](Config& c) { c.rank_low = 2; },
        [](Config& c) { c.adaptive_interval = 7, c.adaptive_threshold = 0.1; }, nullptr},
       {"rank with adaptive", [](Config& c) { c.adaptive = true, c.rank = 2; },
@@ -518,6 +521,8 @@ TEST_CASE("checkpoint codec and fingerprint: only the fields a configuration use
       {"rank without adaptive", none, [](Config& c) { c.rank = 5; }, "config.rank = 3, this reducer has 5"},
       {"rank_high with adaptive", [](Config& c) { c.adaptive = true; },
        [](Config& c) { c.adaptive = true, c.rank_high = 8; }, "config.rank_high = 4, this reducer has 8"},
+      {"rank_high with a fixed rank the policy may boost", none, [](Config& c) { c.rank_high = 8; },
+       "config.rank_high = 4, this reducer has 8"},
       {"adaptive itself", none, [](Config& c) { c.adaptive = true; }, "config.adaptive = 0, this reducer has 1"},
       {"min_compression_rate without whole_bucket", [](Config& c) { c.whole_bucket = false; },
        [](Config& c) { c.whole_bucket = false, c.min_compression_rate = 9; },
@@ -546,4 +551,74 @@ TEST_CASE("checkpoint codec and fingerprint: only the fields a configuration use
       CHECK(config_fingerprint(saved.config) != config_fingerprint(loader.config));
     }
   }
+}
+
+TEST_CASE("checkpoint codec: the rank policy's state is kept; a version 3 file loads without it") {
+  CheckpointContents in = equal_ranks_contents(1);
+  in.config.warmup_steps = 7;
+  in.config.lr_boost_steps = 9;
+  in.buckets[0].note_pending = true;
+  in.buckets[0].boost_left = 5;
+  in.buckets[0].rule_level = 0;
+  in.buckets[0].rule_reason = RankReason::NormChangeLow;
+  in.buckets[0].reason = RankReason::LrNote;
+  const CheckpointContents out =
+      decode_checkpoint(encode_checkpoint(in), "ckpt", in.config, in.layout_fingerprint, two_levels(in));
+  CHECK(out.buckets[0].note_pending);
+  CHECK(out.buckets[0].boost_left == 5);
+  CHECK(out.buckets[0].rule_level == 0);
+  CHECK(out.buckets[0].rule_reason == RankReason::NormChangeLow);
+  CHECK(out.buckets[0].reason == RankReason::LrNote);
+  CHECK(!out.buckets[1].note_pending);
+  // Another warm-up or boost length is another configuration.
+  Config other = in.config;
+  other.lr_boost_steps = 8;
+  CHECK(contains(error_of([&] {
+                   decode_checkpoint(encode_checkpoint(in), "ckpt", other, in.layout_fingerprint, two_levels(in));
+                 }),
+                 "config.lr_boost_steps = 9, this reducer has 8"));
+  // A reason byte out of range is a malformed file (bucket 0's reason byte,
+  // found by encoding with another reason).
+  CheckpointContents odd = in;
+  odd.buckets[0].reason = RankReason::NormChangeHigh;
+  std::vector<char> payload = payload_of(encode_checkpoint(in));
+  const std::vector<char> other_payload = payload_of(encode_checkpoint(odd));
+  size_t at = 0;
+  while (payload[at] == other_payload[at]) ++at;
+  payload[at] = 9;
+  CHECK(contains(error_of([&] {
+                   decode_checkpoint(framed(payload), "ckpt", in.config, in.layout_fingerprint, two_levels(in));
+                 }),
+                 "has reason 9, expected 0 to 5"));
+
+  // Version 3 (before the policy): no note, no boost; with adaptive the level in force is the rule's, its
+  // reason from the window; the policy's config fields at their defaults (a reducer with others refuses it).
+  CheckpointContents v3 = equal_ranks_contents(0);
+  v3.buckets[0].previous_window = 2.5;
+  const std::vector<char> old_payload = payload_before_level(v3, 3);
+  const CheckpointContents old = decode_checkpoint(framed(old_payload, 3), "ckpt", v3.config, v3.layout_fingerprint,
+                                                   two_levels(v3));
+  CHECK(old.buckets[0].level == 0);
+  CHECK(old.buckets[0].boost_left == 0);
+  CHECK(!old.buckets[0].note_pending);
+  CHECK(old.buckets[0].rule_level == 0);
+  CHECK(old.buckets[0].rule_reason == RankReason::NormChangeLow);
+  CHECK(old.buckets[0].reason == RankReason::NormChangeLow);
+  CHECK(old.buckets[0].p == v3.buckets[0].p);
+  Config with_warmup = v3.config;
+  with_warmup.warmup_steps = 3;
+  CHECK_THROWS_AS(decode_checkpoint(framed(old_payload, 3), "ckpt", with_warmup, v3.layout_fingerprint,
+                                    two_levels(v3)),
+                  MismatchError);
+  // Job version 2's payload is version 3's.
+  Writer job_v2;
+  job_v2.put_raw(kJobCheckpointMagic, sizeof(kJobCheckpointMagic));
+  job_v2.put(uint32_t{2});
+  job_v2.put(crc32(old_payload.data(), old_payload.size()));
+  job_v2.put(static_cast<uint64_t>(old_payload.size()));
+  job_v2.put_raw(old_payload.data(), old_payload.size());
+  const CheckpointContents old_job = decode_checkpoint(job_v2.take(), "job", v3.config, v3.layout_fingerprint,
+                                                       two_levels(v3), CheckpointKind::Job);
+  CHECK(old_job.buckets[0].boost_left == 0);
+  CHECK(old_job.buckets[0].q == v3.buckets[0].q);
 }

@@ -1,0 +1,258 @@
+// The rank policy (engine/policy.hpp) in one process (world size 1): warm-up,
+// learning-rate notes and their boost, composed with a fixed rank and with the
+// adaptive rule, the decision log, and the policy state in checkpoints. Across
+// ranks (agreement, a note on one rank only): tests/multiprocess/test_engine_mp.cpp.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "support/doctest_main.hpp"
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.hpp"
+#include "engine_reference.hpp"
+#include "error_of.hpp"
+#include "powersgd/powersgd.h"
+
+using namespace powersgd;
+using powersgd::test::error_of;
+using powersgd::test::gradients;
+
+namespace {
+
+std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
+
+std::string temp_path(const char* tag) {
+  return "/tmp/psgd-test-policy-" + std::to_string(::getpid()) + "-" + tag;
+}
+
+const std::vector<Shape> kShapes = {{24, 30}, {30}, {16, 20}};
+
+struct Entry {
+  int64_t step;
+  int rank;
+  RankReason reason;
+  bool operator==(const Entry&) const = default;
+};
+
+std::vector<Entry> entries_of(const std::vector<RankDecision>& log, int bucket) {
+  std::vector<Entry> out;
+  for (const auto& d : log)
+    if (d.bucket == bucket) out.push_back({d.step, d.rank, d.reason});
+  return out;
+}
+
+doctest::String describe(const std::vector<Entry>& entries) {
+  std::string text;
+  for (const auto& e : entries)
+    text += "{" + std::to_string(e.step) + "," + std::to_string(e.rank) + "," + rank_reason_name(e.reason) + "} ";
+  return text.c_str();
+}
+
+// Runs `steps` steps of reduce_all over two buckets (steady gradients), noting a learning-rate change
+// before each step in `notes`; returns bucket_rank(0) before each step (before its note).
+std::vector<int> run(Reducer& reducer, int from, int to, const std::vector<int>& notes) {
+  std::vector<int> ranks;
+  for (int step = from; step < to; ++step) {
+    ranks.push_back(reducer.bucket_rank(0));  // a note applies when the step's reduction announced it
+    for (int n : notes)
+      if (n == step) reducer.note_lr_change();
+    std::vector<float> a = gradients(reducer.bucket_size(0), 0, step % 3);
+    std::vector<float> b = gradients(reducer.bucket_size(1), 1, step % 3);
+    std::vector<std::span<float>> data = {a, b};
+    reducer.reduce_all(data);
+  }
+  return ranks;
+}
+
+}  // namespace
+
+TEST_CASE("policy: warm-up and a learning-rate note boost a fixed rank to rank_high, then it returns") {
+  auto comm = solo();
+  Config c;
+  c.rank = 1;
+  c.rank_high = 3;
+  c.start_iter = 2;
+  c.warmup_steps = 3;
+  c.lr_boost_steps = 2;
+  Reducer reducer(*comm, c);
+  reducer.add_bucket(kShapes);
+  reducer.add_bucket({{16, 20}});
+  // Steps 0, 1 uncompressed; 2..4 warm-up; a note before step 8 boosts steps 8, 9.
+  const std::vector<int> ranks = run(reducer, 0, 12, {8});
+  CHECK(ranks == std::vector<int>{3, 3, 3, 3, 3, 1, 1, 1, 1, 3, 1, 1});
+  const std::vector<RankDecision> log = reducer.decisions();
+  const std::vector<Entry> expected = {{2, 3, RankReason::Warmup}, {5, 1, RankReason::Fixed},
+                                       {8, 3, RankReason::LrNote}, {10, 1, RankReason::Fixed}};
+  for (int b : {0, 1}) {
+    CAPTURE(b);
+    CAPTURE(describe(entries_of(log, b)));
+    CHECK(entries_of(log, b) == expected);
+  }
+  CHECK(reducer.decisions().empty());  // taken
+  CHECK(std::string(rank_reason_name(RankReason::NormChangeLow)) == "norm_change_low");
+}
+
+TEST_CASE("policy: a fixed rank at or above rank_high is never boosted; lr_boost_steps 0 ignores notes") {
+  auto comm = solo();
+  Config c;
+  c.rank = 4;
+  c.rank_high = 2;
+  c.start_iter = 0;
+  c.warmup_steps = 2;
+  Reducer reducer(*comm, c);
+  reducer.add_bucket(kShapes);
+  reducer.add_bucket({{16, 20}});
+  CHECK(run(reducer, 0, 5, {3}) == std::vector<int>{4, 4, 4, 4, 4});
+
+  Config off;
+  off.rank = 1;
+  off.start_iter = 0;
+  off.lr_boost_steps = 0;
+  Reducer quiet(*comm, off);
+  quiet.add_bucket(kShapes);
+  quiet.add_bucket({{16, 20}});
+  CHECK(run(quiet, 0, 4, {1}) == std::vector<int>{1, 1, 1, 1});
+  CHECK(entries_of(quiet.decisions(), 0) == std::vector<Entry>{{0, 1, RankReason::Fixed}});
+}
+
+TEST_CASE("policy: note_lr_change only at a step boundary, after add_bucket; fields validated") {
+  auto comm = solo();
+  Config c;
+  c.start_iter = 0;
+  Reducer reducer(*comm, c);
+  CHECK(error_of([&] { reducer.note_lr_change(); }).find("before any add_bucket") != std::string::npos);
+  reducer.add_bucket(kShapes);
+  reducer.add_bucket({{16, 20}});
+  std::vector<float> a = gradients(reducer.bucket_size(0), 0, 0);
+  reducer.reduce(0, a.data());
+  CHECK_THROWS_AS(reducer.note_lr_change(), InvalidArgumentError);
+  std::vector<float> b = gradients(reducer.bucket_size(1), 0, 0);
+  reducer.reduce(1, b.data());
+  reducer.note_lr_change();
+  Config bad;
+  bad.warmup_steps = -1;
+  CHECK(error_of([&] { bad.validate(); }).find("config.warmup_steps = -1: expected >= 0") != std::string::npos);
+  bad = Config{};
+  bad.lr_boost_steps = -5;
+  CHECK(error_of([&] { bad.validate(); }).find("config.lr_boost_steps = -5") != std::string::npos);
+}
+
+TEST_CASE("policy: with adaptive, a boost overrides the rule, which keeps measuring and decides after it") {
+  auto comm = solo();
+  Config c;
+  c.start_iter = 0;
+  c.adaptive = true;
+  c.rank_low = 1;
+  c.rank_high = 4;
+  c.adaptive_interval = 4;
+  c.lr_boost_steps = 5;
+  Reducer reducer(*comm, c);
+  reducer.add_bucket(kShapes);
+  reducer.add_bucket({{16, 20}});
+  // Windows end after steps 3, 7, 11, 15: the first at rank_high, steady ones (the same three gradients
+  // in turn) at rank_low. A note before step 10 boosts 10..14; the rule's choice is back at step 15.
+  const std::vector<int> ranks = run(reducer, 0, 17, {10});
+  CHECK(ranks == std::vector<int>{4, 4, 4, 4, 4, 4, 4, 4, 1, 1, 1, 4, 4, 4, 4, 1, 1});
+  const std::vector<Entry> got = entries_of(reducer.decisions(), 0);
+  CAPTURE(describe(got));
+  CHECK(got == std::vector<Entry>{{0, 4, RankReason::FirstWindow},
+                                  {4, 4, RankReason::FirstWindow},
+                                  {8, 1, RankReason::NormChangeLow},
+                                  {10, 4, RankReason::LrNote},
+                                  {15, 1, RankReason::NormChangeLow},
+                                  {16, 1, RankReason::NormChangeLow}});
+}
+
+TEST_CASE("policy: a checkpoint mid-boost resumes bit-identically, decisions included; C API and log") {
+  for (bool adaptive : {false, true}) {
+    CAPTURE(adaptive);
+    auto comm = solo();
+    Config c;
+    c.start_iter = 1;
+    c.adaptive = adaptive;
+    c.adaptive_interval = 3;
+    c.warmup_steps = 2;
+    c.lr_boost_steps = 4;
+    const std::string path = temp_path("mid"), a_end = path + ".a", b_end = path + ".b";
+    Reducer a(*comm, c);
+    a.add_bucket(kShapes);
+    a.add_bucket({{16, 20}});
+    run(a, 0, 7, {5});
+    a.note_lr_change();  // pending across the save
+    a.save(path);
+    (void)a.decisions();
+    const std::vector<int> a_ranks = run(a, 7, 16, {9});
+    const std::vector<RankDecision> a_log = a.decisions();
+    a.save(a_end);
+
+    Reducer b(*comm, c);
+    b.add_bucket(kShapes);
+    b.add_bucket({{16, 20}});
+    b.load(path);
+    CHECK(run(b, 7, 16, {9}) == a_ranks);
+    const std::vector<RankDecision> b_log = b.decisions();
+    REQUIRE(b_log.size() == a_log.size());
+    for (size_t i = 0; i < a_log.size(); ++i) {
+      CHECK(b_log[i].step == a_log[i].step);
+      CHECK(b_log[i].bucket == a_log[i].bucket);
+      CHECK(b_log[i].rank == a_log[i].rank);
+      CHECK(b_log[i].reason == a_log[i].reason);
+    }
+    b.save(b_end);
+    CHECK(engine::read_checkpoint_file(a_end) == engine::read_checkpoint_file(b_end));
+    for (const auto& p : {path, a_end, b_end}) std::remove(p.c_str());
+  }
+}
+
+TEST_CASE("policy: the C API's config fields, note and decision log") {
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  psgd_comm* comm = nullptr;
+  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  psgd_config config = psgd_config_default();
+  CHECK(config.warmup_steps == 0);
+  CHECK(config.lr_boost_steps == 100);
+  config.start_iter = 0;
+  config.rank = 1;
+  config.rank_high = 2;
+  config.lr_boost_steps = 1;
+  psgd_reducer* r = nullptr;
+  REQUIRE(psgd_reducer_create(comm, &config, &r) == PSGD_OK);
+  const int ndims[1] = {2};
+  const int64_t dims[2] = {16, 20};
+  int bucket = -1;
+  REQUIRE(psgd_reducer_add_bucket(r, 1, ndims, dims, &bucket) == PSGD_OK);
+  std::vector<float> g = gradients(320, 0, 0);
+  REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  REQUIRE(psgd_reducer_note_lr_change(r) == PSGD_OK);
+  for (int step = 1; step < 3; ++step) REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  // {0, 1, fixed}, {1, 2, lr_note}, {2, 1, fixed}: taken two at a time.
+  int64_t steps[2];
+  int buckets[2], ranks[2], reasons[2];
+  size_t count = 0;
+  REQUIRE(psgd_reducer_decisions(r, steps, buckets, ranks, reasons, 2, &count) == PSGD_OK);
+  REQUIRE(count == 2);
+  CHECK(steps[1] == 1);
+  CHECK(ranks[1] == 2);
+  CHECK(std::string(psgd_rank_reason_name(reasons[1])) == "lr_note");
+  REQUIRE(psgd_reducer_decisions(r, steps, nullptr, ranks, reasons, 2, &count) == PSGD_OK);
+  REQUIRE(count == 1);
+  CHECK(steps[0] == 2);
+  CHECK(std::string(psgd_rank_reason_name(reasons[0])) == "fixed");
+  CHECK(psgd_rank_reason_name(6) == nullptr);
+  CHECK(psgd_reducer_decisions(r, steps, buckets, ranks, reasons, 2, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_note_lr_change(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  config.warmup_steps = -2;
+  psgd_reducer* refused = nullptr;
+  CHECK(psgd_reducer_create(comm, &config, &refused) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("warmup_steps = -2") != std::string::npos);
+  psgd_reducer_destroy(r);
+  psgd_comm_destroy(comm);
+}
+int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
