@@ -185,7 +185,8 @@ def figures(out_dir, model, model_label, rows):
     import matplotlib.ticker
 
     fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=100)
-    for r in rows:
+    colors = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # 20 distinct colours, the first 10 dark
+    for row_index, r in enumerate(rows):
         done = [run for run in r["runs"] if run["problem"] is None]
         if not done:
             continue
@@ -198,8 +199,9 @@ def figures(out_dir, model, model_label, rows):
             ses.append(0 if math.isnan(se) else se)
             sent.append(sum(sum(e["bytes"] for e in run["epochs"][:i + 1]) for run in done) / len(done))
         style = "--" if r["key"] == "allreduce" else "-"
-        by_epoch.errorbar(xs, ms, yerr=ses, fmt=style, marker="o", markersize=3, capsize=2, label=r["label"])
-        by_bytes.errorbar(sent, ms, yerr=ses, fmt=style, marker="o", markersize=3, capsize=2, label=r["label"])
+        kw = dict(fmt=style, marker="o", markersize=3, capsize=2, label=r["label"], color=colors[row_index % len(colors)])
+        by_epoch.errorbar(xs, ms, yerr=ses, **kw)
+        by_bytes.errorbar(sent, ms, yerr=ses, **kw)
     by_epoch.set_xlabel("epoch")
     by_epoch.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     by_bytes.set_xlabel("gradient bytes sent per rank (cumulative)")
