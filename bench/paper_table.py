@@ -40,6 +40,9 @@ ROWS = [
     ("policy-adaptive", "policy: warm-up + lr notes + norm-change rule"),
     ("alternating", "rank 2, alternating"),
     ("rank2-bf16", "rank 2, bf16 factors"),
+    ("policy-4-8", "policy 4..8: warm-up + lr notes"),
+    ("policy-adaptive-4-8", "policy 4..8: warm-up + lr notes + norm-change rule"),
+    ("policy-warmup-4-8", "policy 4..8: warm-up only"),
 ]
 FIXED = ["rank1", "rank2", "rank4", "rank8"]
 MODELS = [("wide", "wide MLP 784-1024-1024-10"), ("cnn", "CNN")]
@@ -137,7 +140,7 @@ def verdicts(model, rows, base):
                    f"{smallest['bytes_mean'] / 1e6:.2f} MB per rank")
     else:
         out.append("no fixed rank reaches allreduce within one SE")
-    for key in ("adaptive", "policy", "policy-adaptive"):
+    for key in ("adaptive", "policy", "policy-adaptive", "policy-4-8", "policy-adaptive-4-8", "policy-warmup-4-8"):
         p = by_key.get(key)
         if not p:
             continue

@@ -7,17 +7,19 @@
 # at rank 2). Rows (ROWS): plain allreduce; rank 1, 2, 4, 8 with error feedback;
 # rank 2 without error feedback; rank 2 without warm start; the norm-change rule
 # (adaptive); the schedule-aware policy (warm-up and learning-rate notes, with a
-# fixed low rank and with the norm-change rule); alternating; rank 2 with bf16
-# factors on the wire. Writes OUT_DIR/<model>/<row>-s<seed>.log (first line: the
-# command that made it), then bench/paper_table.py makes OUT_DIR/table.md,
-# OUT_DIR/table.json and the figures (mean and standard error over the seeds of
-# the final test accuracy, bytes per rank).
+# fixed low rank and with the norm-change rule; the same from rank 4, and its
+# warm-up alone); alternating; rank 2 with bf16 factors on the wire. Writes
+# OUT_DIR/<model>/<row>-s<seed>.log (first line: the command that made it), then
+# bench/paper_table.py makes OUT_DIR/table.md, OUT_DIR/table.json and the figures
+# (mean and standard error over the seeds of the final test accuracy, bytes per
+# rank).
 #
 # Usage: bench/paper_table.sh BUILD_DIR
 # Environment (defaults):
 #   OUT_DIR (/tmp/powersgd-paper-table), MODELS ("wide cnn"), WORKERS (16), SEEDS ("1 2 3"),
 #   ROWS (all: "allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy
-#         policy-adaptive alternating rank2-bf16"; policy rows need the trainer's --warmup-steps/--lr-notes,
+#         policy-adaptive alternating rank2-bf16 policy-4-8 policy-adaptive-4-8 policy-warmup-4-8";
+#         policy rows need the trainer's --warmup-steps/--lr-notes,
 #         rank2-bf16 its --wire-dtype),
 #   EPOCHS (wide 4, cnn 4), TRAIN_LIMIT (wide 7680, cnn 3840 training images: a subset, to fit 2 cores),
 #   TEST_LIMIT (0: all 10,000 test images), BATCH (wide 256, cnn 128), LR (0.02),
@@ -31,7 +33,8 @@ OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
 MODELS=${MODELS:-wide cnn}
 WORKERS=${WORKERS:-16}
 SEEDS=${SEEDS:-1 2 3}
-ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16"
+ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16
+  policy-4-8 policy-adaptive-4-8 policy-warmup-4-8"
 ROWS=${ROWS:-$ALL_ROWS}
 TEST_LIMIT=${TEST_LIMIT:-0}
 START_ITER=${START_ITER:-0}
@@ -58,6 +61,12 @@ row_args() {  # row -> the trainer's arguments of that row
     policy) echo "--rank $POLICY_LOW --rank-high $POLICY_HIGH --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
     policy-adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" \
       "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    # The policy from rank 4 instead of POLICY_LOW (with and without the norm-change rule), and its warm-up alone
+    # (no learning-rate notes), which separates the warm-up's effect from the boosts'.
+    policy-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-adaptive-4-8) echo "--adaptive --rank-low 4 --rank-high 8 --adaptive-interval $interval" \
+      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-warmup-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup" ;;
     alternating) echo "--rank 2 --alternating" ;;
     rank2-bf16) echo "--rank 2 --wire-dtype bf16" ;;
     *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
