@@ -1,85 +1,134 @@
 #!/bin/sh
-# The PowerSGD paper's table on this machine: the example trainer's CNN on
-# Fashion-MNIST, WORKERS workers through powersgd-run on loopback, one run per
-# row (plain allreduce; rank 1, 2, 4 with error feedback; rank 2 without error
-# feedback; rank 2 without warm start; adaptive rank; alternating), with a
-# learning-rate decay. Writes OUT_DIR/table.md, OUT_DIR/table.json,
-# OUT_DIR/paper_table.png (test accuracy vs epoch and vs bytes sent) and one
-# log per row (first line: the command that made it); prints every command.
+# The PowerSGD paper's table on this machine: the example trainer on
+# Fashion-MNIST, WORKERS workers through powersgd-run on loopback, every row
+# once per seed, with a learning-rate schedule that decays twice. Models (MODELS):
+# `wide` (784-1024-1024-10 perceptron, the paper's regime: rank 2 sends 157x
+# fewer elements per step than a plain allreduce) and `cnn` (the small CNN, 25x
+# at rank 2). Rows (ROWS): plain allreduce; rank 1, 2, 4, 8 with error feedback;
+# rank 2 without error feedback; rank 2 without warm start; the norm-change rule
+# (adaptive); the schedule-aware policy (warm-up and learning-rate notes, with a
+# fixed low rank and with the norm-change rule; the same from rank 4, and its
+# warm-up alone); alternating; rank 2 with bf16 factors on the wire. Writes
+# OUT_DIR/<model>/<row>-s<seed>.log (first line: the command that made it), then
+# bench/paper_table.py makes OUT_DIR/table.md, OUT_DIR/table.json and the figures
+# (mean and standard error over the seeds of the final test accuracy, bytes per
+# rank).
 #
-# Usage: bench/paper_table.sh BUILD_DIR [EPOCHS]     (default EPOCHS 5)
-# Environment (defaults): OUT_DIR (/tmp/powersgd-paper-table), WORKERS (4),
-#   TRAIN_LIMIT (10240 training images: a subset, to keep the table short; the 8
-#   rows took 35 minutes on 2 cores at a load average of about 20), TEST_LIMIT
-#   (5000 test images),
-#   ROWS (all rows: "allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive adaptive24
-#   alternating alternating4"; a subset reruns those rows and keeps the other logs
-#   found in OUT_DIR in the table: each log's first line says how it was made).
+# Usage: bench/paper_table.sh BUILD_DIR
+# Environment (defaults):
+#   OUT_DIR (/tmp/powersgd-paper-table), MODELS ("wide cnn"), WORKERS (16), SEEDS ("1 2 3"),
+#   ROWS (all: "allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy
+#         policy-adaptive alternating rank2-bf16 policy-4-8 policy-adaptive-4-8 policy-warmup-4-8";
+#         policy rows need the trainer's --warmup-steps/--lr-notes,
+#         rank2-bf16 its --wire-dtype),
+#   EPOCHS (wide 4, cnn 4), TRAIN_LIMIT (wide 7680, cnn 3840 training images: a subset, to fit 2 cores),
+#   TEST_LIMIT (0: all 10,000 test images), BATCH (wide 256, cnn 128), LR (0.02),
+#   START_ITER (0: compressed from the first step, so the bytes show the compression itself),
+#   POLICY_LOW (2), POLICY_HIGH (8), WARMUP_STEPS (one epoch's steps), LR_BOOST_STEPS (half an epoch's steps),
+#   ADAPTIVE_INTERVAL (a third of an epoch's steps).
+# Rows whose log already holds a finished run are kept (delete the log to rerun it; SKIP_DONE=0 reruns all).
 set -eu
-BUILD=${1:?usage: bench/paper_table.sh BUILD_DIR [EPOCHS]}
-EPOCHS=${2:-5}
+BUILD=${1:?usage: bench/paper_table.sh BUILD_DIR}
 OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
-WORKERS=${WORKERS:-4}
-TRAIN_LIMIT=${TRAIN_LIMIT:-10240}
-TEST_LIMIT=${TEST_LIMIT:-5000}
-ROWS=${ROWS:-allreduce rank1 rank2 rank4 rank2-no-ef rank2-no-warm-start adaptive adaptive24 alternating alternating4}
+MODELS=${MODELS:-wide cnn}
+WORKERS=${WORKERS:-16}
+SEEDS=${SEEDS:-1 2 3}
+ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16
+  policy-4-8 policy-adaptive-4-8 policy-warmup-4-8"
+ROWS=${ROWS:-$ALL_ROWS}
+TEST_LIMIT=${TEST_LIMIT:-0}
+START_ITER=${START_ITER:-0}
+POLICY_LOW=${POLICY_LOW:-2}
+POLICY_HIGH=${POLICY_HIGH:-8}
+SKIP_DONE=${SKIP_DONE:-1}
 RUN="$BUILD/tools/run/powersgd-run"
 TRAIN="$BUILD/examples/train-fashion-mnist"
 HERE=$(dirname "$0")
 for f in "$RUN" "$TRAIN"; do
   [ -x "$f" ] || { echo "paper_table.sh: $f not found (build first: ninja -C $BUILD)" >&2; exit 2; }
 done
-case $EPOCHS in '' | *[!0-9]*) echo "paper_table.sh: EPOCHS '$EPOCHS': expected a whole number >= 1" >&2; exit 2 ;; esac
-[ "$EPOCHS" -ge 1 ] || { echo "paper_table.sh: EPOCHS $EPOCHS: expected >= 1" >&2; exit 2; }
-mkdir -p "$OUT_DIR"
 
-# Learning rate 0.02, times 0.1 from 60% and again from 80% of the epochs
-# (epochs 4 and 5 of 5): the decays the paper's schedule has, scaled down.
-decay1=$((EPOCHS * 6 / 10 + 1))
-decay2=$((EPOCHS * 8 / 10 + 1))
-[ "$decay2" -gt "$decay1" ] || decay2=$((decay1 + 1))
-decay="--lr-decay-factor 1"
-if [ "$decay1" -le "$EPOCHS" ]; then
-  decay="--lr-decay-epochs $decay1 --lr-decay-factor 0.1"
-  [ "$decay2" -le "$EPOCHS" ] && decay="--lr-decay-epochs $decay1,$decay2 --lr-decay-factor 0.1"
-fi
-common="--model cnn --epochs $EPOCHS --batch 128 --lr 0.02 $decay --train-limit $TRAIN_LIMIT --test-limit $TEST_LIMIT --start-iter 10"
-
-row_args() {
+row_args() {  # row -> the trainer's arguments of that row
   case $1 in
     allreduce) echo "--no-compression" ;;
     rank1) echo "--rank 1" ;;
     rank2) echo "--rank 2" ;;
     rank4) echo "--rank 4" ;;
+    rank8) echo "--rank 8" ;;
     rank2-no-ef) echo "--rank 2 --no-error-feedback" ;;
     rank2-no-warm-start) echo "--rank 2 --no-warm-start" ;;
-    adaptive) echo "--adaptive --rank-low 1 --rank-high 4 --adaptive-interval 20" ;;
-    adaptive24) echo "--adaptive --rank-low 2 --rank-high 4 --adaptive-interval 20" ;;
+    adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" ;;
+    policy) echo "--rank $POLICY_LOW --rank-high $POLICY_HIGH --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" \
+      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    # The policy from rank 4 instead of POLICY_LOW (with and without the norm-change rule), and its warm-up alone
+    # (no learning-rate notes), which separates the warm-up's effect from the boosts'.
+    policy-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-adaptive-4-8) echo "--adaptive --rank-low 4 --rank-high 8 --adaptive-interval $interval" \
+      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-warmup-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup" ;;
     alternating) echo "--rank 2 --alternating" ;;
-    alternating4) echo "--rank 4 --alternating" ;;
-    *) echo "paper_table.sh: unknown row '$1' in ROWS" >&2; return 2 ;;
+    rank2-bf16) echo "--rank 2 --wire-dtype bf16" ;;
+    *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
   esac
 }
 
-echo "== $WORKERS workers, CNN, $EPOCHS epochs, $TRAIN_LIMIT training images, $TEST_LIMIT test images; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+finished() { [ -f "$1" ] && grep -qE "^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)" "$1"; }
+
 failed=""
-for row in $ROWS; do
-  args=$(row_args "$row")
-  cmd="$RUN -n $WORKERS --timeout 3600 --env OPENBLAS_NUM_THREADS=1 --env PSGD_BLAS_THREADS=1 -- $TRAIN $common $args"
-  echo "\$ $cmd"
-  log="$OUT_DIR/$row.log"
-  {
-    echo "\$ $cmd"
-    echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-  } > "$log"
-  # shellcheck disable=SC2086  # the argument lists are meant to split
-  if $cmd >> "$log" 2>&1; then
-    grep -E "^\[0\] (epoch|PowerSGD|sent)" "$log" | tail -n 2
-  else
-    echo "   $row: failed (status $?), see $log"
-    failed="$failed $row"
+for model in $MODELS; do
+  case $model in
+    wide) epochs=${EPOCHS:-4} train_limit=${TRAIN_LIMIT:-7680} batch=${BATCH:-256} lr=${LR:-0.02} ;;
+    cnn) epochs=${EPOCHS:-4} train_limit=${TRAIN_LIMIT:-3840} batch=${BATCH:-128} lr=${LR:-0.02} ;;
+    *) echo "paper_table.sh: unknown model '$model' in MODELS (expected wide, cnn)" >&2; exit 2 ;;
+  esac
+  steps=$((train_limit / batch))  # per epoch
+  warmup=${WARMUP_STEPS:-$steps}
+  boost=${LR_BOOST_STEPS:-$((steps / 2))}
+  interval=${ADAPTIVE_INTERVAL:-$(((steps + 2) / 3))}
+  # The learning rate times 0.1 from 60% and again from 80% of the epochs (epochs 3 and 4 of 4).
+  decay1=$((epochs * 6 / 10 + 1))
+  decay2=$((epochs * 8 / 10 + 1))
+  [ "$decay2" -gt "$decay1" ] || decay2=$((decay1 + 1))
+  decay="--lr-decay-factor 1"
+  if [ "$decay1" -le "$epochs" ]; then
+    decay="--lr-decay-epochs $decay1 --lr-decay-factor 0.1"
+    [ "$decay2" -le "$epochs" ] && decay="--lr-decay-epochs $decay1,$decay2 --lr-decay-factor 0.1"
   fi
-  echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$log"
+  common="--model $model --epochs $epochs --batch $batch --lr $lr $decay --train-limit $train_limit"
+  common="$common --test-limit $TEST_LIMIT --start-iter $START_ITER"
+  dir="$OUT_DIR/$model"
+  mkdir -p "$dir"
+  echo "== $model: $WORKERS workers, $epochs epochs of $steps steps, $train_limit training images, seeds $SEEDS;" \
+    "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+  for row in $ROWS; do
+    args=$(row_args "$row")
+    for seed in $SEEDS; do
+      log="$dir/$row-s$seed.log"
+      if [ "$SKIP_DONE" = 1 ] && finished "$log"; then
+        echo "   $model $row seed $seed: kept $log"
+        continue
+      fi
+      extra=""
+      case $row in policy*) extra="--decision-log $dir/$row-s$seed.decisions.jsonl" ;; esac
+      cmd="$RUN -n $WORKERS --timeout 3600 --env OPENBLAS_NUM_THREADS=1 --env PSGD_BLAS_THREADS=1 -- $TRAIN"
+      cmd="$cmd $common $args --seed $seed $extra"
+      echo "\$ $cmd"
+      {
+        echo "\$ $cmd"
+        echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg); started $(date -u +%FT%TZ)"
+      } > "$log"
+      start=$(date +%s)
+      # shellcheck disable=SC2086  # the argument lists are meant to split
+      if $cmd >> "$log" 2>&1; then
+        grep -E "^\[0\] epoch" "$log" | tail -n 1
+      else
+        echo "   $model $row seed $seed: failed (status $?), see $log"
+        failed="$failed $model/$row/s$seed"
+      fi
+      echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg); wall $(($(date +%s) - start)) s" >> "$log"
+    done
+  done
 done
 /usr/bin/python3 "$HERE/paper_table.py" "$OUT_DIR"
-[ -z "$failed" ] || { echo "paper_table.sh: rows that failed:$failed (left out of the table)"; exit 1; }
+[ -z "$failed" ] || { echo "paper_table.sh: runs that failed:$failed (left out of the table)"; exit 1; }

@@ -1,4 +1,4 @@
-// Example training job: a 3-layer perceptron or a small CNN (--model) on
+// Example training job: a 3-layer perceptron, a wide one or a small CNN (--model) on
 // Fashion-MNIST, data-parallel over every rank of the job, gradients exchanged
 // with PowerSGD.
 //
@@ -17,7 +17,12 @@
 // Reducer::note_lr_change() on every rank at each learning-rate decay, and
 // --decision-log FILE has rank 0 write the decision log as JSON lines
 // ({"step":..,"bucket":..,"rank":..,"reason":"..","lr":..}); --wire-dtype
-// f32|bf16|fp16 sets Config::wire_dtype. Learning rate:
+// f32|bf16|fp16 sets Config::wire_dtype. --model wide
+// (784-1024-1024-10) is the paper's regime: rank 2 sends about 157x fewer
+// elements per step than a plain allreduce; rank 0 prints the model's
+// parameters and that ratio at start. --seed varies the initialization, the
+// data order and the engine's initial Q together (the same on every rank).
+// Learning rate:
 // --lr, multiplied by --lr-decay-factor from each epoch in --lr-decay-epochs on
 // (default: x0.1 in the last epoch when there are more than 2). --train-limit
 // and --test-limit train and test on the first N images. Each epoch prints rank
@@ -52,16 +57,21 @@ namespace {
 struct Dataset {
   std::vector<float> images;  // count x 784, scaled to [0, 1] then standardized
   std::vector<uint8_t> labels;
-  size_t count = 0;
+  size_t count = 0;  // images loaded
+  size_t total = 0;  // images in the file
 };
 
-std::vector<uint8_t> read_gzip(const std::string& path) {
+// The first `limit` bytes of the decompressed file (all of it when it is shorter):
+// 16 ranks on 2 cores each decompressing 47 MB they do not use took most of a short run's start.
+std::vector<uint8_t> read_gzip(const std::string& path, size_t limit) {
   gzFile file = gzopen(path.c_str(), "rb");
   if (file == nullptr) throw std::runtime_error("cannot open " + path + " (install dataset-fashion-mnist)");
   std::vector<uint8_t> bytes;
   uint8_t chunk[1 << 16];
-  int n;
-  while ((n = gzread(file, chunk, sizeof chunk)) > 0) bytes.insert(bytes.end(), chunk, chunk + n);
+  int n = 0;
+  while (bytes.size() < limit &&
+         (n = gzread(file, chunk, unsigned(std::min(sizeof chunk, limit - bytes.size())))) > 0)
+    bytes.insert(bytes.end(), chunk, chunk + n);
   gzclose(file);
   if (n < 0) throw std::runtime_error("corrupt gzip file " + path);
   return bytes;
@@ -71,22 +81,62 @@ uint32_t big_endian32(const uint8_t* p) {
   return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
 }
 
-Dataset load(const std::string& dir, const std::string& split) {
-  auto images = read_gzip(dir + "/" + split + "-images-idx3-ubyte.gz");
-  auto labels = read_gzip(dir + "/" + split + "-labels-idx1-ubyte.gz");
+// The first `limit` images of a split (0: all).
+Dataset load(const std::string& dir, const std::string& split, size_t limit) {
+  const size_t max_bytes = size_t(-1);
+  auto images = read_gzip(dir + "/" + split + "-images-idx3-ubyte.gz", limit ? 16 + limit * 784 : max_bytes);
+  auto labels = read_gzip(dir + "/" + split + "-labels-idx1-ubyte.gz", limit ? 8 + limit : max_bytes);
   if (images.size() < 16 || big_endian32(images.data()) != 2051 || labels.size() < 8 ||
       big_endian32(labels.data()) != 2049)
     throw std::runtime_error("not IDX files in " + dir);
   Dataset d;
-  d.count = big_endian32(images.data() + 4);
+  d.total = big_endian32(images.data() + 4);
+  d.count = limit > 0 ? std::min(limit, d.total) : d.total;
   if (big_endian32(images.data() + 8) * big_endian32(images.data() + 12) != 784 ||
-      big_endian32(labels.data() + 4) != d.count || images.size() != 16 + d.count * 784)
+      big_endian32(labels.data() + 4) != d.total || images.size() != 16 + d.count * 784 ||
+      labels.size() != 8 + d.count)
     throw std::runtime_error("unexpected IDX sizes in " + dir);
   d.images.resize(d.count * 784);
   // Fashion-MNIST pixel mean 0.286 and std 0.353 (of the training set).
   for (size_t i = 0; i < d.images.size(); ++i) d.images[i] = (images[16 + i] / 255.0f - 0.286f) / 0.353f;
   d.labels.assign(labels.begin() + 8, labels.end());
   return d;
+}
+
+// Elements and bytes of one compressed step by the engine's rule
+// (Config::min_compression_rate: a tensor viewed as shape[0] x rest is compressed
+// iff (n + m) r rate < n m, and then sends (n + m) min(n, m, r) elements; every
+// other tensor goes whole) against a plain allreduce, at the configured rank
+// (with adaptive: at rank_low and rank_high; none with --no-compression).
+std::string compression_line(const fashion_mnist::Model& model, const powersgd::Config& config, bool plain_only) {
+  auto elements_at = [&](int r) {
+    uint64_t sent = 0;
+    for (int b = 0; b < fashion_mnist::Model::kBuckets; ++b)
+      for (const powersgd::Shape& s : model.bucket_shapes(b)) {
+        int64_t n = 1;
+        for (int64_t d : s) n *= d;
+        const int64_t rows = s[0], cols = s.size() >= 2 ? n / rows : 1;
+        const int64_t rr = std::min<int64_t>({rows, cols, int64_t(r)});
+        const bool compress = s.size() >= 2 && double(rows + cols) * double(rr) * config.min_compression_rate <
+                                                   double(rows) * double(cols);
+        sent += compress ? uint64_t(rows + cols) * uint64_t(rr) : uint64_t(n);
+      }
+    return sent;
+  };
+  const uint64_t plain = model.parameter_count();
+  std::string line = "compression by the engine's rule: plain allreduce " + std::to_string(plain * 4) +
+                     " bytes per step";
+  std::vector<int> ranks = {config.rank};
+  if (config.adaptive) ranks = {config.rank_low, config.rank_high};
+  if (plain_only) ranks.clear();
+  for (int r : ranks) {
+    const uint64_t sent = elements_at(r);
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "; rank %d %llu bytes per compressed step (%.1fx)", r,
+                  static_cast<unsigned long long>(sent * 4), double(plain) / double(sent));
+    line += buf;
+  }
+  return line;
 }
 
 }  // namespace
@@ -98,6 +148,7 @@ int main(int argc, char** argv) {
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   std::string model_name = "mlp";
   int epochs = 3, global_batch = 256, rank = 4, hidden1 = 256, hidden2 = 128;
+  uint64_t seed = 0;
   int64_t start_iter = 10;
   size_t train_limit = 0, test_limit = 0;
   float lr = 0.05f, lr_decay_factor = 0.1f;
@@ -119,9 +170,13 @@ int main(int argc, char** argv) {
   std::string decision_log_path;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
   app.add_option("--model", model_name,
-                 "mlp: 784-256-128-10 perceptron (--hidden sets the 256); cnn: conv 5x5 16 ch, max-pool 2, conv 5x5 "
-                 "32 ch, max-pool 2, dense 128, dense 10")
-      ->check(CLI::IsMember({"mlp", "cnn"}));
+                 "mlp: 784-256-128-10 perceptron (--hidden sets the 256); wide: 784-1024-1024-10 perceptron (the "
+                 "paper's regime, about 157x at rank 2); cnn: conv 5x5 16 ch, max-pool 2, conv 5x5 32 ch, max-pool 2, "
+                 "dense 128, dense 10")
+      ->check(CLI::IsMember({"mlp", "wide", "cnn"}));
+  app.add_option("--seed", seed,
+                 "Seed of the model's initialization, the data order and the engine's initial Q (Config::seed), the "
+                 "same on every rank; 0 (default) repeats the runs made before this option");
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::Range(1, 100));
   app.add_option("--batch", global_batch, "Global batch size (split over the ranks)")->check(CLI::Range(1, 60000));
   app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)");
@@ -200,26 +255,22 @@ int main(int argc, char** argv) {
       return 2;
     }
     const int local_batch = global_batch / world;
-    Dataset train = load(data_dir, "train");
-    Dataset test = load(data_dir, "t10k");
-    if (train_limit > 0) {
-      if (train_limit < size_t(global_batch) || train_limit > train.count) {
-        std::fprintf(stderr, "--train-limit %zu: expected 0 or %d (--batch) .. %zu images\n", train_limit,
-                     global_batch, train.count);
-        return 2;
-      }
-      train.count = train_limit;
+    Dataset train = load(data_dir, "train", train_limit);
+    Dataset test = load(data_dir, "t10k", test_limit);
+    if (train_limit > 0 && (train_limit < size_t(global_batch) || train_limit > train.total)) {
+      std::fprintf(stderr, "--train-limit %zu: expected 0 or %d (--batch) .. %zu images\n", train_limit,
+                   global_batch, train.total);
+      return 2;
     }
-    if (test_limit > 0) {
-      if (test_limit > test.count) {
-        std::fprintf(stderr, "--test-limit %zu: expected 0 .. %zu images\n", test_limit, test.count);
-        return 2;
-      }
-      test.count = test_limit;
+    if (test_limit > test.total) {
+      std::fprintf(stderr, "--test-limit %zu: expected 0 .. %zu images\n", test_limit, test.total);
+      return 2;
     }
 
-    auto model = model_name == "cnn" ? fashion_mnist::make_cnn(16, 32, 128, /*seed=*/42)
-                                     : fashion_mnist::make_mlp(hidden1, hidden2, /*seed=*/42);
+    if (model_name == "wide") hidden1 = hidden2 = 1024;
+    // Seed 0 keeps the streams of the runs made before --seed (initialization 42, data order 7).
+    auto model = model_name == "cnn" ? fashion_mnist::make_cnn(16, 32, 128, 42 + seed)
+                                     : fashion_mnist::make_mlp(hidden1, hidden2, 42 + seed);
     powersgd::Config config;
     config.rank = rank;
     config.start_iter = start_iter;
@@ -231,6 +282,7 @@ int main(int argc, char** argv) {
     config.adaptive_interval = adaptive_interval;
     config.adaptive_threshold = adaptive_threshold;
     config.alternating = alternating;
+    config.seed = seed;
     config.warmup_steps = warmup_steps;
     config.lr_boost_steps = lr_boost_steps;
     config.wire_dtype = wire_dtype == "bf16"   ? powersgd::WireDType::BFloat16
@@ -250,8 +302,10 @@ int main(int argc, char** argv) {
         if (lr_notes) method += ", learning-rate notes (boost " + std::to_string(lr_boost_steps) + " steps)";
         if (wire_dtype != "f32") method += ", " + wire_dtype + " factors on the wire";
       }
-      std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s\n",
-                  model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str());
+      std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s, seed %llu\n",
+                  model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str(),
+                  static_cast<unsigned long long>(seed));
+      std::printf("%s\n", compression_line(*model, config, no_compression).c_str());
     }
 
     std::unique_ptr<powersgd::GradientRecordWriter> recorder;
@@ -271,6 +325,7 @@ int main(int argc, char** argv) {
                             int64_t(rank_high), adaptive_interval, int64_t(alternating), warmup_steps,
                             lr_boost_steps, int64_t(lr_notes)})
       options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    if (seed != 0) options = fashion_mnist::fnv1a(&seed, sizeof seed, options);  // older checkpoints: seed 0
     for (const float v : {lr, lr_decay_factor}) options = fashion_mnist::fnv1a(&v, sizeof v, options);
     // The wire type changes the rounding of the run: a resumed job must use the same one.
     if (wire_dtype != "f32") options = fashion_mnist::fnv1a(wire_dtype.data(), wire_dtype.size(), options);
@@ -307,7 +362,7 @@ int main(int argc, char** argv) {
     std::iota(order.begin(), order.end(), size_t{0});
     std::vector<float> x(size_t(local_batch) * 784);
     std::vector<uint8_t> y(local_batch);
-    std::mt19937_64 shuffle_rng(7);  // same permutation on every rank; each takes its slice
+    std::mt19937_64 shuffle_rng(7 + seed);  // same permutation on every rank; each takes its slice
     const int steps_per_epoch = int(train.count / global_batch);
     uint64_t plain_bytes = 0, bytes_before_epoch = 0;
     auto t0 = std::chrono::steady_clock::now();

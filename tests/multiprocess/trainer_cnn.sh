@@ -2,6 +2,8 @@
 # The example trainer's CNN, 2 ranks under powersgd-run on loopback: a few steps
 # of training lower the training loss, with PowerSGD (rank 2, error feedback,
 # warm start) and with both switched off; each epoch reports the bytes sent.
+# Then the wide perceptron: its compression printed at start, and --seed
+# changing where training ends.
 # Exit 77 without the Fashion-MNIST data set.
 #   trainer_cnn.sh POWERSGD_RUN TRAIN_FASHION_MNIST
 set -u
@@ -37,4 +39,24 @@ check() {  # label, trainer arguments...
 }
 check "rank 2" --rank 2
 check "rank 2, no error feedback, no warm start" --rank 2 --no-error-feedback --no-warm-start
+
+# --model wide (784-1024-1024-10, the paper's regime) prints its compression by the
+# engine's rule at start; --seed changes the initialization and the data order.
+hashes=""
+for seed in 1 2; do
+  if ! timeout 150 "$run" -n 2 --timeout 120 --env OPENBLAS_NUM_THREADS=1 -- "$train" --model wide --epochs 1 \
+      --train-limit 64 --test-limit 50 --batch 32 --rank 2 --start-iter 0 --seed $seed >"$out" 2>&1; then
+    echo "FAIL wide, seed $seed: the run failed:"; cat "$out"; fail=1; continue
+  fi
+  if ! grep -q "^\[0\] compression by the engine's rule: plain allreduce 7454760 bytes per step; rank 2 47352 bytes per compressed step (157.4x)" "$out"; then
+    echo "FAIL wide, seed $seed: expected its compression at start (157.4x at rank 2):"; cat "$out"; fail=1
+  fi
+  hashes="$hashes $(sed -n 's/^\[0\] parameters fnv1a64 \([0-9a-f]*\) .*/\1/p' "$out")"
+done
+set -- $hashes
+if [ $# -eq 2 ] && [ "$1" != "$2" ]; then
+  echo "ok wide: 157.4x at rank 2, seeds 1 and 2 end at parameters $1 and $2"
+else
+  echo "FAIL wide: expected two different parameter hashes for seeds 1 and 2, got:$hashes"; fail=1
+fi
 exit $fail
