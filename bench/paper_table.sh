@@ -33,8 +33,8 @@ OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
 MODELS=${MODELS:-wide cnn}
 WORKERS=${WORKERS:-16}
 SEEDS=${SEEDS:-1 2 3}
-ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16
-  policy-4-8 policy-adaptive-4-8 policy-warmup-4-8"
+ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16"
+ALL_ROWS="$ALL_ROWS policy-4-8 policy-adaptive-4-8 policy-warmup-4-8"
 ROWS=${ROWS:-$ALL_ROWS}
 TEST_LIMIT=${TEST_LIMIT:-0}
 START_ITER=${START_ITER:-0}
