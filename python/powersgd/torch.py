@@ -18,8 +18,9 @@ What happens per DDP bucket and iteration (details: docs/torch.md):
   the future fails with PowerSGDError (a RuntimeError) naming the failure, which DDP raises from backward().
 
 The engine's communicators rendezvous through torch's own store (the default group's: _store.py), so no
-second store or port. Under powersgd-run the launcher's store holds MASTER_PORT, so create torch's process
-group with init_process_group() below instead of torch.distributed.init_process_group().
+second store or port. torch.distributed.init_process_group() works under torchrun and under powersgd-run
+(which gives torch MASTER_ADDR/MASTER_PORT of its own); init_process_group() below adds the interface torch's
+Gloo needs in powersgd-run's emulated cluster.
 
 Checkpoints: state_dict() / load_state_dict() and pickling (_checkpoint.py; collective once declared).
 
@@ -172,46 +173,20 @@ def _interface_of(address):
 
 
 def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
-    """torch.distributed.init_process_group(backend) that works under torchrun and under powersgd-run.
+    """torch.distributed.init_process_group(backend) (env://) that also works in powersgd-run's emulated cluster.
 
-    Under torchrun (PSGD_STORE_HOSTED unset) this is torch's env:// rendezvous on MASTER_ADDR:MASTER_PORT.
-    Under powersgd-run (PSGD_STORE_HOSTED=1) the launcher's store holds MASTER_PORT; rank 0 then hosts torch's
-    TCPStore on a free port and broadcasts its address and port over a communicator on the launcher's store,
-    destroyed after; with
-    PSGD_ADDR set (the emulated cluster) torch's Gloo uses the interface holding that address
-    (GLOO_SOCKET_IFNAME, unless already set). Collective.
+    torchrun and powersgd-run alike give torch MASTER_ADDR:MASTER_PORT (powersgd-run keeps its own store in
+    PSGD_STORE_ADDR/PSGD_STORE_PORT), so a plain torch.distributed.init_process_group works under both. In
+    powersgd-run's emulated cluster (PSGD_ADDR set by the launcher, PSGD_STORE_HOSTED=1) this also points
+    torch's Gloo at the interface holding that address (GLOO_SOCKET_IFNAME, unless already set): torch would
+    otherwise bind to its hostname's address, loopback inside the namespace. Collective.
     """
-    if os.environ.get("PSGD_STORE_HOSTED") != "1":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    # The launcher's store bootstraps torch's; the engine's communicators then use torch's (_engine_comm).
-    comm = ctypes.c_void_p()
-    _with_timeout(timeout, lambda: _capi.check(_capi.lib.psgd_comm_init_beside_torch(ctypes.byref(comm))))
-    try:
-        _bootstrap_torch_store(comm, backend, timeout)
-    finally:
-        _capi.lib.psgd_comm_destroy(comm)
-
-
-def _bootstrap_torch_store(comm, backend, timeout):
-    rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
-    # powersgd-run's emulated cluster gives each worker PSGD_ADDR (its host's address); torch's Gloo would
-    # otherwise bind to the address its hostname resolves to (loopback there).
-    if os.environ.get("PSGD_ADDR") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+    if (os.environ.get("PSGD_STORE_HOSTED") == "1" and os.environ.get("PSGD_ADDR")
+            and not os.environ.get("GLOO_SOCKET_IFNAME")):
         interface = _interface_of(os.environ["PSGD_ADDR"])
         if interface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-    endpoint = ctypes.create_string_buffer(64)
-    store = None
-    if rank == 0:
-        host = os.environ.get("PSGD_ADDR") or _store.address_towards(os.environ["MASTER_ADDR"])
-        store = dist.TCPStore(host, 0, world, True, timeout, wait_for_workers=False)
-        endpoint.value = ("%s:%d" % (host, store.port)).encode()
-    _capi.check(_capi.lib.psgd_comm_broadcast(comm, endpoint, len(endpoint), 0))
-    if rank != 0:
-        host, port = endpoint.value.decode().rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), world, False, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def _bool(name, value):

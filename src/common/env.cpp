@@ -16,8 +16,10 @@ constexpr Variable kVariables[] = {
     {"LOCAL_RANK", "", "Rank among the processes on this host."},
     {"LOCAL_WORLD_SIZE", "", "Number of processes on this host."},
     {"MASTER_ADDR", "", "Address of the rendezvous store (rank 0 hosts it when the launcher does not). Unset "
-                        "under srun or a one-node mpirun: derived (docs/launcher.md, Slurm and MPI)."},
-    {"MASTER_PORT", "", "TCP port of the rendezvous store. Unset under srun or mpirun: derived (docs/launcher.md)."},
+                        "under srun or a one-node mpirun: derived (docs/launcher.md, Slurm and MPI). Under "
+                        "powersgd-run: torch.distributed's (rank 0's host), not read by powersgd."},
+    {"MASTER_PORT", "", "TCP port of the rendezvous store. Unset under srun or mpirun: derived (docs/launcher.md). "
+                        "Under powersgd-run: a free port for torch.distributed's TCPStore, not read by powersgd."},
     {"OMPI_COMM_WORLD_RANK", "", "Open MPI's rank, used when RANK is unset."},
     {"OMPI_COMM_WORLD_SIZE", "", "Open MPI's world size, used when WORLD_SIZE is unset."},
     {"OMPI_COMM_WORLD_LOCAL_RANK", "", "Open MPI's local rank, used when LOCAL_RANK is unset."},
@@ -45,9 +47,13 @@ constexpr Variable kVariables[] = {
     // Library settings.
     {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
     {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},
-    {"PSGD_STORE_PORT", "", "Port of powersgd's store beside torch.distributed (powersgd.torch), whose TCPStore "
-                           "holds MASTER_PORT. Default: MASTER_PORT under powersgd-run (its store), else "
-                           "MASTER_PORT+1."},
+    {"PSGD_STORE_ADDR", "", "Set by powersgd-run: the address of its store, the rendezvous when "
+                           "PSGD_STORE_HOSTED=1 (MASTER_ADDR is torch.distributed's there)."},
+    {"PSGD_STORE_PORT", "", "Port of powersgd's store: set by powersgd-run (its store, the rendezvous when "
+                           "PSGD_STORE_HOSTED=1, beside torch's MASTER_PORT); beside torch.distributed for the C "
+                           "API's psgd_comm_init_beside_torch / psgd_comm_init_group, default MASTER_PORT+1. "
+                           "powersgd.torch does not use it: its communicators rendezvous through torch's own store "
+                           "(psgd_comm_init_on_store)."},
     {"PSGD_RUN_ID", "", "Key prefix in the rendezvous store; set it when several jobs share one store (e.g. a file store)."},
     {"PSGD_TRANSPORT", "tcp", "Data transport: tcp or ibverbs."},
     {"PSGD_IFACE", "", "Network interface for the TCP transport (e.g. eth0). Exclusive with PSGD_ADDR."},

@@ -41,7 +41,7 @@ trap 'exit 143' TERM INT HUP
 args=(--data "$data" --train-limit 256 --test-limit 64 --batch 64 --epochs 1 --rank 2 --start-iter 1 --hidden 32)
 # The job's environment: none of the variables that would tell the trainer where the store is.
 clean=(env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u PSGD_TOKEN
-       -u PSGD_RUN_ID -u PSGD_STORE_HOSTED -u PSGD_ADDR -u PSGD_IFACE -u PSGD_STORE_PORT
+       -u PSGD_RUN_ID -u PSGD_STORE_HOSTED -u PSGD_ADDR -u PSGD_IFACE -u PSGD_STORE_PORT -u PSGD_STORE_ADDR
        PSGD_LOG_LEVEL=info PSGD_TIMEOUT_MS=60000 OPENBLAS_NUM_THREADS=1)
 
 hash_of() { sed -n 's/.*parameters fnv1a64 \([0-9a-f]*\) after 4 steps.*/\1/p' "$1" | head -n 1; }

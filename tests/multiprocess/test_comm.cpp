@@ -367,27 +367,9 @@ TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {
 }
 
 TEST_CASE("torchrun: rank 0 hosts the store on MASTER_PORT") {
-  // Under a launcher that hosts the store, move to a port rank 0 picks.
-  if (const char* hosted = std::getenv("PSGD_STORE_HOSTED"); hosted && std::string(hosted) == "1") {
-    auto store = transport::connect_tcp_store(std::getenv("MASTER_ADDR"), static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT"))),
-                                              std::getenv("PSGD_TOKEN") ? std::getenv("PSGD_TOKEN") : "",
-                                              std::chrono::seconds(30));
-    if (std::atoi(std::getenv("RANK")) == 0) {
-      int fd = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      socklen_t len = sizeof(addr);
-      REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-      REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-      close(fd);
-      std::string port = std::to_string(ntohs(addr.sin_port));
-      store->set("torchrun-port", std::vector<char>(port.begin(), port.end()));
-    }
-    auto port = store->get("torchrun-port");
-    setenv("MASTER_PORT", std::string(port.begin(), port.end()).c_str(), 1);
-    unsetenv("PSGD_STORE_HOSTED");
-  }
+  // Under powersgd-run, MASTER_ADDR/MASTER_PORT are torch.distributed's (the launcher's store is in
+  // PSGD_STORE_ADDR/PSGD_STORE_PORT) and free: without PSGD_STORE_HOSTED rank 0 hosts the store there.
+  unsetenv("PSGD_STORE_HOSTED");
   CommOptions o = options("torchrun");
   CHECK(o.host_store == (o.rank == 0));
   CHECK(o.address == "127.0.0.1");
@@ -431,10 +413,12 @@ TEST_CASE("from_env: validation names the variable and the value") {
     std::optional<std::string> value;
   };
   std::vector<Saved> saved;
-  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PSGD_TRANSPORT", "PSGD_IFACE", "PSGD_ADDR"}) {
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PSGD_TRANSPORT", "PSGD_IFACE", "PSGD_ADDR",
+                           "PSGD_STORE_HOSTED"}) {
     const char* v = std::getenv(name);
     saved.push_back({name, v ? std::optional<std::string>(v) : std::nullopt});
   }
+  unsetenv("PSGD_STORE_HOSTED");  // else powersgd-run's PSGD_STORE_ADDR/PSGD_STORE_PORT win over MASTER_*
   auto expect = [](const char* var, const char* value, const char* needle) {
     const char* old = std::getenv(var);
     std::string keep = old ? old : "";

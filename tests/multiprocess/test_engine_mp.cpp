@@ -338,7 +338,7 @@ TEST_CASE("checkpoint: another rank's file is refused, naming both; ranks saving
     auto g = gradients(r.bucket_size(0), me, t, 9);
     r.reduce(0, g.data());
   }
-  const char* port = std::getenv("MASTER_PORT");
+  const char* port = std::getenv("PSGD_STORE_PORT");
   REQUIRE(port != nullptr);
   const std::string base = std::string("/tmp/psgd-test-ckpt-") + port;
   const std::string mine = base + ".rank" + std::to_string(me);
@@ -519,7 +519,7 @@ TEST_CASE("job checkpoint: phase 2, 2 ranks load_job and reduce the same mean: o
 TEST_CASE("job checkpoint: a missing, corrupted, foreign or mismatching file fails every rank, state unchanged") {
   auto comm = connect("engine-job-refusals");
   const int me = comm->rank();
-  const char* port = std::getenv("MASTER_PORT");
+  const char* port = std::getenv("PSGD_STORE_PORT");
   REQUIRE(port != nullptr);
   const std::string base = std::string("/tmp/psgd-test-job-") + port;
   Reducer r(*comm, job_config());
@@ -793,7 +793,7 @@ TEST_CASE("resume: ranks loading checkpoints of different steps get MismatchErro
   Config c;
   c.rank = 2;
   c.start_iter = 2;
-  const char* port = std::getenv("MASTER_PORT");
+  const char* port = std::getenv("PSGD_STORE_PORT");
   REQUIRE(port != nullptr);
   auto file = [&](int step) {
     return std::string("/tmp/psgd-test-resume-") + port + ".step" + std::to_string(step) + ".rank" + std::to_string(me);
@@ -1068,7 +1068,7 @@ bool near(const std::vector<float>& a, const std::vector<float>& b) {
 
 // A file both ranks see: a side channel for the threads test (never collective traffic).
 std::string side_file(const char* name) {
-  const char* port = std::getenv("MASTER_PORT");
+  const char* port = std::getenv("PSGD_STORE_PORT");
   REQUIRE(port != nullptr);
   return std::string("/tmp/psgd-test-") + name + "-" + port;
 }

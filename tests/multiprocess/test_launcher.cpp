@@ -230,8 +230,13 @@ TEST_SUITE("local") {
     INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
     CHECK(r.code == 0);
     std::string port = word_after(r.out, "[0] MASTER_PORT=");
+    std::string store_port = word_after(r.out, "[0] PSGD_STORE_PORT=");
     std::string run_id = word_after(r.out, "[0] PSGD_RUN_ID=");
     REQUIRE(std::atoi(port.c_str()) > 0);
+    REQUIRE(std::atoi(store_port.c_str()) > 0);
+    // torch.distributed gets a port of its own, free for its rank 0's TCPStore (not the launcher's store).
+    CHECK(port != store_port);
+    CHECK(contains(r.out, "[0] torch_port=free\n"));
     REQUIRE(run_id.size() == 16);
     for (int rank = 0; rank < 3; ++rank) {
       std::string p = "[" + std::to_string(rank) + "] ";
@@ -241,6 +246,8 @@ TEST_SUITE("local") {
       CHECK(contains(r.out, p + "LOCAL_WORLD_SIZE=3\n"));
       CHECK(contains(r.out, p + "MASTER_ADDR=127.0.0.1\n"));
       CHECK(contains(r.out, p + "MASTER_PORT=" + port + "\n"));
+      CHECK(contains(r.out, p + "PSGD_STORE_ADDR=127.0.0.1\n"));
+      CHECK(contains(r.out, p + "PSGD_STORE_PORT=" + store_port + "\n"));
       CHECK(contains(r.out, p + "PSGD_STORE_HOSTED=1\n"));
       CHECK(contains(r.out, p + "PSGD_RUN_ID=" + run_id + "\n"));
       CHECK(contains(r.out, p + "PSGD_TOKEN length=64\n"));
@@ -661,7 +668,9 @@ TEST_SUITE("emulated") {
     CHECK(contains(r.out, "[1] PSGD_ADDR=10.77.0.1\n"));
     CHECK(contains(r.out, "[2] PSGD_ADDR=10.77.0.2\n"));
     CHECK(contains(r.out, "[3] LOCAL_RANK=1\n"));
-    CHECK(contains(r.out, "[3] MASTER_ADDR=10.77.0.254\n"));
+    CHECK(contains(r.out, "[3] PSGD_STORE_ADDR=10.77.0.254\n"));
+    CHECK(contains(r.out, "[3] MASTER_ADDR=10.77.0.1\n"));  // torch's: rank 0's host
+    CHECK(contains(r.out, "[0] torch_port=free\n"));
     for (int rank = 0; rank < 4; ++rank) CHECK(contains(r.out, "[" + std::to_string(rank) + "] store=ok same_run_id=1"));
     CHECK(namespaces_of(l.pid()).empty());
   }

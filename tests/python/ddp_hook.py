@@ -32,6 +32,8 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     both ranks); warmup_steps/lr_boost_steps are validated
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
+With POWERSGD_TEST_TORCH_INIT=1 the process group comes from torch.distributed.init_process_group("gloo")
+itself (env://), as in a script written for torchrun; else from powersgd.torch.init_process_group.
 Exit 77 (skip) when torch is not importable.
 """
 import copy
@@ -983,6 +985,8 @@ def main():
     if os.environ.get("POWERSGD_TEST_INIT_METHOD"):  # torchrun_env.py --file-store
         dist.init_process_group("gloo", init_method=os.environ["POWERSGD_TEST_INIT_METHOD"],
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    elif os.environ.get("POWERSGD_TEST_TORCH_INIT") == "1":  # an unchanged script: torch's own env://
+        dist.init_process_group("gloo")
     else:
         pst.init_process_group("gloo")
     CASES[sys.argv[1]](*sys.argv[2:])

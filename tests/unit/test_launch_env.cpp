@@ -253,6 +253,32 @@ TEST_CASE("rendezvous: RANK/WORLD_SIZE without MASTER_* names the launcher detec
   CHECK(has(error_of([&] { resolve_rendezvous(bad_port, by_hand); }), "MASTER_PORT=70000"));
 }
 
+TEST_CASE("rendezvous: under powersgd-run the launcher's PSGD_STORE_ADDR/PSGD_STORE_PORT win over torch's MASTER_*") {
+  Membership worker{"RANK", "WORLD_SIZE", 1, 2};
+  LaunchEnv e;
+  e.master_addr = "127.0.0.1";
+  e.master_port = "12345";  // torch.distributed's TCPStore, hosted by its rank 0
+  e.store_addr = "10.77.0.254";
+  e.store_port = "40000";
+  e.launcher_hosted = true;
+  Rendezvous r = resolve_rendezvous(e, worker);
+  CHECK(r.addr == "10.77.0.254");
+  CHECK(r.port == 40000);
+  CHECK(has(r.origin, "PSGD_STORE_PORT"));
+  e.store_port = "70000";
+  CHECK(has(error_of([&] { resolve_rendezvous(e, worker); }), "PSGD_STORE_PORT=70000"));
+  // Without PSGD_STORE_HOSTED=1 (torchrun, a user's PSGD_STORE_PORT for the C API beside torch) MASTER_* rule.
+  e.launcher_hosted = false;
+  r = resolve_rendezvous(e, worker);
+  CHECK(r.addr == "127.0.0.1");
+  CHECK(r.port == 12345);
+  // A launcher that sets only MASTER_* (an older powersgd-run) still works.
+  e.launcher_hosted = true;
+  e.store_addr.reset();
+  e.store_port.reset();
+  CHECK(resolve_rendezvous(e, worker).port == 12345);
+}
+
 TEST_CASE("inherited RANK: warned when it differs from the launcher's rank while the sizes agree") {
   // A batch script exported RANK=$SLURM_PROCID (0) before srun: task 2 got RANK=0.
   LaunchEnv e = slurm_task(2);

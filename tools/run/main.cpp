@@ -1,11 +1,14 @@
 // powersgd-run: the launcher. Usage and design: `powersgd-run --help`, docs/launcher.md.
 #include <sched.h>
 #include <signal.h>
+#include <netinet/in.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <exception>
 #include <memory>
 #include <thread>
@@ -84,6 +87,28 @@ std::unique_ptr<transport::TcpStoreServer> make_store_in_namespace(const transpo
 
 using EnvList = std::vector<std::pair<std::string, std::string>>;
 
+// A port for torch.distributed's TCPStore (MASTER_PORT: rank 0 binds it on every interface): one free here,
+// below the kernel's ephemeral range, so that no outgoing connection takes it before rank 0 binds it; tried
+// from a random start. A port the launcher's store and the engine never use (their ports are ephemeral).
+uint16_t torch_store_port() {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  const int first = 10000, count = std::max(1, ephemeral_low - first);
+  uint32_t start = 0;
+  if (::getrandom(&start, sizeof start, 0) != static_cast<ssize_t>(sizeof start)) start = static_cast<uint32_t>(::getpid());
+  for (int i = 0; i < count; ++i) {
+    const auto port = static_cast<uint16_t>(first + static_cast<int>((start + static_cast<uint32_t>(i)) % static_cast<uint32_t>(count)));
+    Fd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!sock) PSGD_THROW_ERRNO(IoError, errno, "socket for torch's store port");
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (::bind(sock.get(), reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0) return port;
+  }
+  PSGD_THROW(IoError, "no free TCP port between ", first, " and ", ephemeral_low - 1, " for torch's store (MASTER_PORT)");
+}
+
 void set_var(EnvList& env, const std::string& name, const std::string& value) {
   for (auto& [n, v] : env)
     if (n == name) {
@@ -140,6 +165,15 @@ int run_job(const Options& options, int signal_fd) {
   SshOptions ssh = options.ssh;
   if (options.mode == Mode::Ssh) ssh.command[0] = resolve_program(ssh.command[0]);
 
+  // torch.distributed's env:// rendezvous gets MASTER_ADDR/MASTER_PORT of its own (rank 0 hosts a TCPStore
+  // there); the launcher's store, which the engine uses, is in PSGD_STORE_ADDR/PSGD_STORE_PORT.
+  const int host0 = placements.front().host;
+  const std::string torch_addr = options.mode == Mode::Local      ? "127.0.0.1"
+                                 : options.mode == Mode::Emulated ? EmulatedCluster::host_address(host0)
+                                                                  : options.hosts.at(static_cast<size_t>(host0)).name;
+  // A fresh namespace has every port free; elsewhere one free here (for --hosts: on the launcher's machine only).
+  const uint16_t torch_port = options.mode == Mode::Emulated ? 29500 : torch_store_port();
+
   std::vector<WorkerLaunch> launches;
   for (const auto& p : placements) {
     EnvList env;
@@ -161,8 +195,10 @@ int run_job(const Options& options, int signal_fd) {
     set_var(env, "WORLD_SIZE", std::to_string(placements.size()));
     set_var(env, "LOCAL_RANK", std::to_string(p.local_rank));
     set_var(env, "LOCAL_WORLD_SIZE", std::to_string(p.local_world_size));
-    set_var(env, "MASTER_ADDR", master_addr);
-    set_var(env, "MASTER_PORT", std::to_string(store->port()));
+    set_var(env, "MASTER_ADDR", torch_addr);
+    set_var(env, "MASTER_PORT", std::to_string(torch_port));
+    set_var(env, "PSGD_STORE_ADDR", master_addr);
+    set_var(env, "PSGD_STORE_PORT", std::to_string(store->port()));
     set_var(env, "PSGD_TOKEN", store_options.token);
     set_var(env, "PSGD_STORE_HOSTED", "1");
     set_var(env, "PSGD_RUN_ID", run_id);

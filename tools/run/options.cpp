@@ -53,7 +53,9 @@ MODES
 
 ENVIRONMENT GIVEN TO EACH WORKER
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   its place in the job
-  MASTER_ADDR, MASTER_PORT                         the launcher's store (a free port picked per job)
+  PSGD_STORE_ADDR, PSGD_STORE_PORT                 the launcher's store (a free port picked per job)
+  MASTER_ADDR, MASTER_PORT                         torch.distributed's env:// rendezvous: rank 0's host and
+                                                   a port free for its TCPStore (29500 when emulated)
   PSGD_TOKEN                                       random job token the store requires
   PSGD_STORE_HOSTED=1                              the store runs in the launcher
   PSGD_RUN_ID                                      random id of this job

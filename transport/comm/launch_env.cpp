@@ -228,6 +228,8 @@ LaunchEnv LaunchEnv::from_environment() {
   LaunchEnv e;
   e.master_addr = env::get("MASTER_ADDR");
   e.master_port = env::get("MASTER_PORT");
+  e.store_addr = env::get("PSGD_STORE_ADDR");
+  e.store_port = env::get("PSGD_STORE_PORT");
   e.run_id = env::get("PSGD_RUN_ID");
   e.launcher_hosted = env::get("PSGD_STORE_HOSTED") == std::optional<std::string>("1");
   e.torchrun = env::get("TORCHELASTIC_RUN_ID").has_value();
@@ -257,6 +259,14 @@ Rendezvous resolve_rendezvous(const LaunchEnv& env, const Membership& m) {
     r.launcher = "Open MPI";
   else if (m.rank_var == "PMI_RANK")
     r.launcher = "PMI";
+  // powersgd-run gives its own store in PSGD_STORE_ADDR/PSGD_STORE_PORT and MASTER_ADDR/MASTER_PORT to
+  // torch.distributed (whose rank 0 hosts a TCPStore there); a launcher that sets only MASTER_* still works.
+  if (env.launcher_hosted && env.store_addr && env.store_port) {
+    r.addr = *env.store_addr;
+    r.port = parse_port(*env.store_port, "PSGD_STORE_PORT");
+    r.origin = detail::concat(r.addr, ":", r.port, " (powersgd-run's store: PSGD_STORE_ADDR, PSGD_STORE_PORT)");
+    return r;
+  }
   std::string addr_origin = "MASTER_ADDR", port_origin = "MASTER_PORT";
   if (env.master_addr) r.addr = *env.master_addr;
   if (env.master_port) r.port = parse_port(*env.master_port, "MASTER_PORT");

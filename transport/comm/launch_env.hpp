@@ -41,6 +41,9 @@ uint16_t namespace_derived_port(std::string_view job_namespace);
 // this host's name.
 struct LaunchEnv {
   std::optional<std::string> master_addr, master_port;
+  // powersgd-run's own store (PSGD_STORE_ADDR, PSGD_STORE_PORT): read before MASTER_* when launcher_hosted, as
+  // MASTER_ADDR/MASTER_PORT are torch's there (docs/launcher.md).
+  std::optional<std::string> store_addr, store_port;
   std::optional<std::string> run_id;                 // PSGD_RUN_ID
   bool launcher_hosted = false;                      // PSGD_STORE_HOSTED=1 (powersgd-run)
   bool torchrun = false;                             // TORCHELASTIC_RUN_ID set (a torchrun worker)

@@ -1,6 +1,8 @@
 // A worker program for test_launcher: each mode exercises one behaviour of
 // powersgd-run from the worker's side. Usage: launcher_worker MODE ARGS...
-//   env [NAME...]         print the launcher's variables (and NAMEs), then rendezvous through its store
+//   env [NAME...]         print the launcher's variables (and NAMEs), then rendezvous through its store;
+//                         rank 0 also prints torch_port=free when it can bind MASTER_ADDR:MASTER_PORT (where
+//                         torch.distributed's rank 0 hosts its TCPStore), else torch_port=busy
 //   output                lines on stdout and stderr, then a last line without '\n'
 //   exit RANK CODE        rank RANK exits with CODE after 200 ms; the others sleep 60 s
 //   stubborn RANK CODE    like exit, but the others ignore SIGTERM
@@ -51,15 +53,29 @@ int rank() { return std::atoi(var("RANK").c_str()); }
 void sleep_for(std::chrono::milliseconds d) { std::this_thread::sleep_for(d); }
 
 std::unique_ptr<powersgd::transport::Store> connect_store() {
-  return powersgd::transport::connect_tcp_store(var("MASTER_ADDR"),
-                                                static_cast<uint16_t>(std::atoi(var("MASTER_PORT").c_str())),
+  return powersgd::transport::connect_tcp_store(var("PSGD_STORE_ADDR"),
+                                                static_cast<uint16_t>(std::atoi(var("PSGD_STORE_PORT").c_str())),
                                                 var("PSGD_TOKEN"), 30000ms);
 }
 
 int mode_env(int argc, char** argv) {
   for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                           "PSGD_STORE_HOSTED", "PSGD_RUN_ID", "PSGD_ADDR"})
+                           "PSGD_STORE_ADDR", "PSGD_STORE_PORT", "PSGD_STORE_HOSTED", "PSGD_RUN_ID", "PSGD_ADDR"})
     std::printf("%s=%s\n", name, var(name).c_str());
+  if (rank() == 0) {
+    // As torch's TCPStore server binds (SO_REUSEADDR), on the address the other ranks are given.
+    int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int on = 1;
+    ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(std::atoi(var("MASTER_PORT").c_str())));
+    const bool parsed = ::inet_pton(AF_INET, var("MASTER_ADDR").c_str(), &a.sin_addr) == 1;
+    const bool free = parsed && s >= 0 && ::bind(s, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0 &&
+                      ::listen(s, 1) == 0;
+    std::printf("torch_port=%s\n", free ? "free" : "busy");
+    if (s >= 0) ::close(s);
+  }
   std::printf("PSGD_TOKEN length=%zu\n", var("PSGD_TOKEN").size());
   for (int i = 2; i < argc; ++i) std::printf("%s=%s\n", argv[i], var(argv[i]).c_str());
   std::fflush(stdout);
