@@ -33,7 +33,7 @@ from powersgd._capi import PowerSGDError
 CONFIG_FIELDS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
                  "warm_start", "orthogonalization_epsilon", "random_seed", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "adaptive", "rank_low", "rank_high", "adaptive_interval",
-                 "adaptive_threshold", "alternating", "warmup_steps", "lr_boost_steps")
+                 "adaptive_threshold", "alternating", "warmup_steps", "lr_boost_steps", "wire_dtype")
 VERSION = 1
 _MISMATCH = 4
 
