@@ -352,6 +352,20 @@ TEST_CASE("project_transposed: q = m^T p") {
   });
 }
 
+// A reconstruct case's inputs for shape s: M (rows x cols, in [-4, 4]), P, Q; seeds seed+1..seed+3 (advanced).
+struct ReconstructInputs {
+  size_t mn;
+  std::vector<float> m, p, q;
+};
+template <class Shape>
+ReconstructInputs reconstruct_inputs(const Shape& s, uint32_t& seed) {
+  const auto mn = static_cast<size_t>(s.rows * s.cols);
+  std::vector<float> m = random_vector(mn, ++seed, -4.0f, 4.0f);
+  std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
+  std::vector<float> q = random_vector(static_cast<size_t>(s.cols * s.rank), ++seed);
+  return {mn, std::move(m), std::move(p), std::move(q)};
+}
+
 TEST_CASE("reconstruct_and_residual: out = p q^T, m = out - m, returns ||m||^2") {
   for_each_fused_backend([](Backend& be) {
     uint32_t seed = 700;
@@ -359,10 +373,7 @@ TEST_CASE("reconstruct_and_residual: out = p q^T, m = out - m, returns ||m||^2")
       CAPTURE(s.rows);
       CAPTURE(s.cols);
       CAPTURE(s.rank);
-      const auto mn = static_cast<size_t>(s.rows * s.cols);
-      const std::vector<float> m = random_vector(mn, ++seed, -4.0f, 4.0f);
-      const std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
-      const std::vector<float> q = random_vector(static_cast<size_t>(s.cols * s.rank), ++seed);
+      const auto [mn, m, p, q] = reconstruct_inputs(s, seed);
       Guarded dm(be, m), dp(be, p), dq(be, q), dout(be, std::vector<float>(mn, std::nanf("")));
       const double sum = be.reconstruct_and_residual(dout.data(), dm.data(), s.rows, s.cols, dp.data(), dq.data(), s.rank);
       const std::vector<float> out = dout.read(be), residual = dm.read(be);
@@ -403,10 +414,7 @@ TEST_CASE("cpu: reconstruct_and_residual writes the same bits with every kernel 
     CAPTURE(s.rows);
     CAPTURE(s.cols);
     CAPTURE(s.rank);
-    const auto mn = static_cast<size_t>(s.rows * s.cols);
-    const std::vector<float> m = random_vector(mn, ++seed, -4.0f, 4.0f);
-    const std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
-    const std::vector<float> q = random_vector(static_cast<size_t>(s.cols * s.rank), ++seed);
+    const auto [mn, m, p, q] = reconstruct_inputs(s, seed);
     std::vector<float> ref_out, ref_m;
     for (const std::string& v : variants)
       for (int threads : {1, 2}) {
