@@ -23,6 +23,13 @@
 #include <vector>
 
 #include "compute/backend.hpp"
+#ifndef PSGD_TEST_COMPUTE_CUDA
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "compute/cpu/thread_pool.hpp"
+#endif
 #include "powersgd/error.hpp"
 #include "error_of.hpp"
 
@@ -47,7 +54,7 @@ void for_each_backend(const std::function<void(Backend&)>& body) {
 }
 
 // The fused passes: on the CPU once per kernel variant this CPU runs (AVX-512,
-// AVX2, SSE2) and per thread count (1 and 2; threads split matrices of 2^18
+// AVX2, SSE2) and per thread count (1 and 2; threads split matrices of 2^16
 // floats and more), else as for_each_backend.
 void for_each_fused_backend(const std::function<void(Backend&)>& body) {
 #ifdef PSGD_TEST_COMPUTE_CUDA
@@ -274,7 +281,7 @@ const std::vector<FusedShape> kFusedShapes = {
     {1, 1, 1},      {3, 5, 2},     {7, 13, 3},      {9, 16, 4},      {5, 9, 5},   {4, 17, 7},    {64, 147, 2},
     {33, 1000, 4},  {513, 37, 1},  {31, 600, 16},   {0, 5, 2},       {5, 0, 2},   {6, 4, 0},     {11, 23, 6},
     {17, 31, 8},    {1, 77, 2},    {77, 1, 3},      {13, 45, 9},     {520, 509, 2}, {1, 262147, 3}, {262147, 1, 1},
-    {600, 441, 9}};
+    {600, 441, 9},  {257, 300, 3}, {3, 40000, 2}};  // the last two: split over threads, written without streaming
 
 TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||m||^2") {
   for_each_fused_backend([](Backend& be) {
@@ -439,6 +446,42 @@ TEST_CASE("cpu: reconstruct_and_residual writes the same bits with every kernel 
       }
   }
   set_cpu_blas_threads(original);
+}
+
+// Also under ThreadSanitizer (test compute-threads, suite tsan).
+TEST_CASE("cpu: thread pool: every index once per run, runs of every size, back to back and after sleeping") {
+  constexpr int kPool = 4;
+  std::atomic<int> calls[kPool] = {};
+  std::atomic<int> wrong{0};
+  int expected[kPool] = {};
+  {
+    cpu::ThreadPool pool;
+    for (int round = 0; round < 600; ++round) {
+      // Sizes 1..4 in a pattern: smaller runs after larger ones leave workers
+      // outside the run, which must neither run its task nor be waited for.
+      const int count = 1 + (round * 7 + round / 5) % kPool;
+      int local = 0;  // written by task 0 only (the caller): plain memory, ordered by run()
+      pool.run(count, [&](int index) {
+        if (index < 0 || index >= count) wrong.fetch_add(1);
+        calls[index].fetch_add(1);
+        if (index == 0) local = 1;
+      });
+      for (int i = 0; i < count; ++i) ++expected[i];
+      REQUIRE(local == 1);
+      // Every 50th round the workers outlast their spin and sleep on the condition variable.
+      if (round % 50 == 49) std::this_thread::sleep_for(cpu::ThreadPool::kSpin * 4);
+    }
+    pool.run(kPool, [&](int index) { calls[index].fetch_add(1); });  // destroyed right after a run
+    for (int& e : expected) ++e;
+  }
+  CHECK(wrong.load() == 0);
+  for (int i = 0; i < kPool; ++i) {
+    CAPTURE(i);
+    CHECK(calls[i].load() == expected[i]);
+  }
+  {
+    cpu::ThreadPool idle;  // never run: no threads to join
+  }
 }
 
 TEST_CASE("cpu: kernel variants: the widest by default, PSGD_CPU_KERNELS and the argument choose, others refused") {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -102,6 +103,25 @@ std::vector<std::vector<Shape>> make_buckets(const std::vector<Shape>& shapes, d
 // arrays far larger than the caches; bytes counted as STREAM does. `threads`
 // threads each take a contiguous slice (first touched by that thread), as the
 // CPU backend's kernels split large matrices over its threads.
+// Gradient buffers aligned as a training framework's are (PyTorch's CPU
+// allocator: 64 bytes), not as malloc's large blocks happen to be (16 bytes).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}  // NOLINT(google-explicit-constructor): allocator rebind
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) noexcept { std::free(p); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+};
+using GradientBuffer = std::vector<float, CacheLineAllocator<float>>;
+
 std::pair<double, double> stream_bandwidth(int threads) {
   const size_t n = size_t{32} << 20;  // 128 MiB per array
   std::vector<float> a(n), b(n), c(n);
@@ -185,7 +205,7 @@ void run(const Settings& settings) {
   // Gradients: fresh copies of fixed random values every step (outside the timing).
   std::mt19937 gen(static_cast<unsigned>(comm->rank() + 1));
   std::normal_distribution<float> dist;
-  std::vector<std::vector<float>> source, host;
+  std::vector<GradientBuffer> source, host;
   size_t total = 0;
   for (int b = 0; b < reducer.num_buckets(); ++b) {
     source.emplace_back(reducer.bucket_size(b));

@@ -220,16 +220,24 @@ class CpuBackend final : public Backend {
     if (cols == 0 || rank == 0) return;
     const auto n = static_cast<size_t>(cols);
     const auto r = static_cast<size_t>(rank);
-    qt_.assign(r * n, 0.0f);
-    // Column blocks: each thread owns its columns of qt, whole vectors wide.
-    const int threads = threads_for(rows, cols, static_cast<int64_t>(n / kernels_.width));
-    const size_t per = (n / kernels_.width + static_cast<size_t>(threads) - 1) / static_cast<size_t>(threads) *
-                       kernels_.width;
+    // Row blocks, as form_and_project and reconstruct_and_residual split the
+    // same matrix: each thread reads the rows whose lines its own core's caches
+    // hold from the pass before and keeps for the pass after (a column split
+    // made every core fetch the other's lines, which cost reconstruct a third
+    // of its bandwidth). Each thread sums into its own qt; the partial sums are
+    // added in thread order (local products: the collective sums them next).
+    const int threads = threads_for(rows, cols, rows);
+    const auto total = static_cast<size_t>(rows);
+    qt_.assign(r * n * static_cast<size_t>(threads), 0.0f);
     pool_.run(threads, [&](int t) {
-      const size_t c0 = std::min(n, static_cast<size_t>(t) * per), c1 = std::min(n, c0 + per);
-      const size_t end = t == threads - 1 ? n : c1;
-      if (c0 < end) kernels_.project_cols(qt_.data(), m, static_cast<size_t>(rows), n, c0, end, p, r);
+      const size_t i0 = total * static_cast<size_t>(t) / static_cast<size_t>(threads);
+      const size_t i1 = total * static_cast<size_t>(t + 1) / static_cast<size_t>(threads);
+      kernels_.project_cols(qt_.data() + static_cast<size_t>(t) * r * n, m + i0 * n, i1 - i0, n, 0, n, p + i0 * r, r);
     });
+    for (int t = 1; t < threads; ++t) {
+      const float* part = qt_.data() + static_cast<size_t>(t) * r * n;
+      for (size_t i = 0; i < r * n; ++i) qt_[i] += part[i];
+    }
     for (size_t j = 0; j < n; ++j)
       for (size_t k = 0; k < r; ++k) q[j * r + k] = qt_[k * n + j];
   }
@@ -332,17 +340,19 @@ class CpuBackend final : public Backend {
       for (size_t c = 0; c < n; ++c) matrix[r * n + c] = c < k ? static_cast<float>(q_[c * m + r]) : 0.0f;
   }
 
-  // Matrices of at least this many floats (1 MiB) are written with
-  // non-temporal stores and split over threads: smaller ones may stay in cache
-  // between passes, and a thread hand-off (some microseconds) would cost more
-  // than it saves.
+  // Matrices of at least kLarge floats (1 MiB) are written with non-temporal
+  // stores: smaller ones may stay in cache between passes. Matrices of at
+  // least kThreaded floats (256 KiB, some tens of microseconds a pass) are
+  // split over threads: below that a hand-off (about a microsecond while the
+  // pool spins, tens when it sleeps) costs more than the split saves.
   static constexpr int64_t kLarge = int64_t{1} << 18;
+  static constexpr int64_t kThreaded = int64_t{1} << 16;
   static bool large(int64_t rows, int64_t cols) { return rows * cols >= kLarge; }
 
   // Threads for a matrix that splits into `blocks` units: the backend's thread
-  // count (cpu_blas_threads()) for large matrices, at most one per unit.
+  // count (cpu_blas_threads()) from kThreaded floats on, at most one per unit.
   int threads_for(int64_t rows, int64_t cols, int64_t blocks) const {
-    if (!large(rows, cols)) return 1;
+    if (rows * cols < kThreaded) return 1;
     return static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(cpu_blas_threads(), kMaxThreads), 1,
                                                 std::max<int64_t>(blocks, 1)));
   }

@@ -15,8 +15,9 @@ using vf = float __attribute__((vector_size(32)));
 using vd = double __attribute__((vector_size(32)));
 inline vf madd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vd madd(vd a, vd b, vd c) { return _mm256_fmadd_pd(a, b, c); }
-inline vd to_double_lo(vf x) { return __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3), vd); }
-inline vd to_double_hi(vf x) { return __builtin_convertvector(__builtin_shufflevector(x, x, 4, 5, 6, 7), vd); }
+// One vcvtps2pd of each 128-bit half (see kernels_avx512.cpp).
+inline vd to_double_lo(vf x) { return _mm256_cvtps_pd(_mm256_castps256_ps128(x)); }
+inline vd to_double_hi(vf x) { return _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)); }
 inline void stream(float* p, vf v) { _mm256_stream_ps(p, v); }
 void fence() { _mm_sfence(); }
 

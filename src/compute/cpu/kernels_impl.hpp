@@ -16,6 +16,10 @@
 // ones take the rank at run time (R == 0; accumulators in memory, one
 // coefficient loop per vector).
 
+// Fully unrolled small loops keep the accumulator arrays below in registers
+// (GCC at -O2 leaves them on the stack, a store and reload per vector).
+#define PSGD_UNROLL _Pragma("GCC unroll 16")
+
 template <int R>
 constexpr size_t max_rank() {
   return R > 0 ? static_cast<size_t>(R) : size_t{64};  // kMaxOrthoCols
@@ -72,7 +76,9 @@ double form_project_row(float* m, const float* a, const float* b, const float* q
   constexpr int U = (R > 0 && R < 4) ? 2 : 1;
   vf acc[U][max_rank<R>()];
   float tail[max_rank<R>()];
+  PSGD_UNROLL
   for (size_t k = 0; k < r; ++k) {
+    PSGD_UNROLL
     for (int u = 0; u < U; ++u) acc[u][k] = vf{};
     tail[k] = 0.0f;
   }
@@ -88,13 +94,16 @@ double form_project_row(float* m, const float* a, const float* b, const float* q
     for (const size_t head = head_of(m, n); j < head; ++j) scalar(j);
   for (; j + U * kW <= n; j += U * kW) {
     vf x[U];
+    PSGD_UNROLL
     for (int u = 0; u < U; ++u) {
       x[u] = load(a + j + u * kW);
       if constexpr (HasB) x[u] -= load(b + j + u * kW);
     }
+    PSGD_UNROLL
     for (int u = 0; u < U; ++u) {
       put<Stream>(m + j + u * kW, x[u]);
       sq[u].add(x[u]);
+      PSGD_UNROLL
       for (size_t k = 0; k < r; ++k) acc[u][k] = madd(x[u], load(qt + k * n + j + u * kW), acc[u][k]);
     }
   }
@@ -133,9 +142,12 @@ void accumulate_rows(float* qt, const float* m, const float* p, size_t n, size_t
   size_t j = c0;
   for (; j + kW <= c1; j += kW) {
     vf x[Rows];
+    PSGD_UNROLL
     for (int i = 0; i < Rows; ++i) x[i] = load(m + static_cast<size_t>(i) * n + j);
+    PSGD_UNROLL
     for (size_t k = 0; k < r; ++k) {
       vf t = load(qt + k * n + j);
+      PSGD_UNROLL
       for (int i = 0; i < Rows; ++i) t = madd(splat(coef[i][k]), x[i], t);
       store(qt + k * n + j, t);
     }
@@ -183,6 +195,7 @@ double reconstruct_row(float* out, float* m, const float* p, const float* qt, si
     for (const size_t head = head_of(out, n); j < head; ++j) scalar(j);
   for (; j + kW <= n; j += kW) {
     vf o{};
+    PSGD_UNROLL
     for (size_t k = 0; k < r; ++k) o += splat(coef[k]) * load(qt + k * n + j);
     put<Stream>(out + j, o);
     const vf d = o - load(m + j);

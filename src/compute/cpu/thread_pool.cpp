@@ -1,6 +1,35 @@
 #include "compute/cpu/thread_pool.hpp"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace powersgd::compute::cpu {
+
+namespace {
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Spins until done() or kSpin has passed; true when done() held.
+template <typename Done>
+bool spin_until(Done&& done) {
+  const auto deadline = std::chrono::steady_clock::now() + ThreadPool::kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+  }
+}
+
+}  // namespace
 
 ThreadPool::~ThreadPool() {
   {
@@ -23,30 +52,38 @@ void ThreadPool::run(int count, const std::function<void(int)>& task) {
       threads_.emplace_back([this, index] { work(index); });
     }
     task_ = &task;
-    count_ = count;
-    pending_ = count - 1;
-    ++generation_;
+    pending_.store(count - 1, std::memory_order_relaxed);
+    // Under mu_: a worker about to sleep either sees the new run in its wait
+    // predicate or is already waiting and gets the notification.
+    const uint64_t sequence = (run_.load(std::memory_order_relaxed) >> 8) + 1;
+    run_.store(sequence << 8 | static_cast<uint64_t>(count), std::memory_order_release);
   }
   wake_.notify_all();
   task(0);
-  std::unique_lock lock(mu_);
-  done_.wait(lock, [this] { return pending_ == 0; });
-  task_ = nullptr;
+  if (!spin_until([this] { return pending_.load(std::memory_order_acquire) == 0; })) {
+    std::unique_lock lock(mu_);
+    done_.wait(lock, [this] { return pending_.load(std::memory_order_acquire) == 0; });
+  }
 }
 
 void ThreadPool::work(int index) {
   uint64_t seen = 0;
-  std::unique_lock lock(mu_);
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-    if (stop_) return;
-    seen = generation_;
-    if (index >= count_) continue;  // a smaller run than the pool: not this worker's
-    const std::function<void(int)>* task = task_;
-    lock.unlock();
-    (*task)(index);
-    lock.lock();
-    if (--pending_ == 0) done_.notify_one();
+    const auto fresh = [&] { return run_.load(std::memory_order_acquire) != seen; };
+    if (!spin_until(fresh)) {
+      std::unique_lock lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || fresh(); });
+      if (stop_) return;
+    }
+    seen = run_.load(std::memory_order_acquire);
+    if (index >= static_cast<int>(seen & 0xff)) continue;  // a smaller run than the pool: not this worker's
+    // task_ was written before this run's word and stays until every worker of
+    // the run has returned (run() waits for them).
+    (*task_)(index);
+    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard lock(mu_);  // pairs with the caller's predicate check under mu_
+      done_.notify_one();
+    }
   }
 }
 
