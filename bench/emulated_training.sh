@@ -9,12 +9,9 @@ BUILD=${1:-build}
 HOSTS=${2:-4}
 RATE=${3:-100mbit}
 EPOCHS=${4:-1}
-RUN="$BUILD/tools/run/powersgd-run"
-TRAIN="$BUILD/examples/train-fashion-mnist"
-for f in "$RUN" "$TRAIN"; do
-  [ -x "$f" ] || { echo "emulated_training.sh: $f not found (build first: ninja -C $BUILD)" >&2; exit 2; }
-done
-[ "$(id -u)" -eq 0 ] || { echo "emulated_training.sh: needs root (network namespaces)" >&2; exit 77; }
+# shellcheck source=bench/emulated_preamble.sh
+. "$(dirname "$0")/emulated_preamble.sh"
+emulated_preamble emulated_training.sh
 
 run() {  # label, trainer arguments...
   label=$1

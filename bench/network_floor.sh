@@ -19,12 +19,9 @@ if [ $# -gt 4 ]; then shift 4; else shift $#; fi
 [ "${1:-}" = "--" ] && shift
 if [ $# -eq 0 ]; then set -- --model wide --rank 2 --start-iter 0 --epochs 1 --test-limit 2000; fi
 TRAIN_ARGS="$*"  # word-split again below: arguments without blanks
-RUN="$BUILD/tools/run/powersgd-run"
-TRAIN="$BUILD/examples/train-fashion-mnist"
-for f in "$RUN" "$TRAIN"; do
-  [ -x "$f" ] || { echo "network_floor.sh: $f not found (build first: ninja -C $BUILD)" >&2; exit 2; }
-done
-[ "$(id -u)" -eq 0 ] || { echo "network_floor.sh: needs root (network namespaces)" >&2; exit 77; }
+# shellcheck source=bench/emulated_preamble.sh
+. "$(dirname "$0")/emulated_preamble.sh"
+emulated_preamble network_floor.sh
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
