@@ -484,6 +484,40 @@ TEST_CASE("cpu: thread pool: every index once per run, runs of every size, back 
   }
 }
 
+// Also under ThreadSanitizer (test compute-threads, suite tsan).
+TEST_CASE("cpu: thread pool: run() returns after every task's plain writes; more workers than cores") {
+  // The test above counts calls in atomics and checks them after the pool is
+  // joined, so it passes even if run() returned before its last worker did.
+  // Here each task writes plain memory that the caller reads right after run():
+  // a run() that returned early shows a stale mark (and a data race to TSan).
+  constexpr int kPool = 16;  // the backend's kMaxThreads: more workers than CI's cores
+  int mark[kPool] = {};
+  int expected[kPool] = {};
+  cpu::ThreadPool pool;
+  std::mt19937 gen(2020);
+  for (int round = 1; round <= 2000; ++round) {
+    const int count = 1 + static_cast<int>(gen() % kPool);
+    const int slow = static_cast<int>(gen() % static_cast<unsigned>(count));  // finishes last, often
+    pool.run(count, [&](int index) {
+      if (index == slow && round % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      mark[index] = round;
+    });
+    for (int i = 0; i < count; ++i) expected[i] = round;
+    for (int i = 0; i < kPool; ++i)
+      if (mark[i] != expected[i]) {
+        CAPTURE(round);
+        CAPTURE(count);
+        CAPTURE(i);
+        REQUIRE(mark[i] == expected[i]);
+      }
+    if (round % 500 == 0) std::this_thread::sleep_for(cpu::ThreadPool::kSpin * 4);  // workers asleep
+  }
+  // A count beyond run_'s 8 bits is refused before any task runs (it used to wait forever).
+  bool ran = false;
+  CHECK_THROWS(pool.run(cpu::ThreadPool::kMaxCount + 1, [&](int) { ran = true; }));
+  CHECK(!ran);
+}
+
 TEST_CASE("cpu: kernel variants: the widest by default, PSGD_CPU_KERNELS and the argument choose, others refused") {
   const std::vector<std::string> variants = cpu_kernel_variants();
   REQUIRE(!variants.empty());

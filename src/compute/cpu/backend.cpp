@@ -193,9 +193,9 @@ class CpuBackend final : public Backend {
   // cols) so that every use is a contiguous vector, stays in cache: M crosses
   // the memory bus once per pass, where OpenBLAS sgemm with n = rank packs
   // (copies) M first. The row kernels are the table chosen at construction
-  // (kernels.hpp); large matrices run in row blocks (column blocks for
-  // project_transposed) on the pool's threads, and write M and the output with
-  // non-temporal stores (they leave the caches before the next pass anyway).
+  // (kernels.hpp); matrices of kThreaded floats and more run in row blocks on
+  // the pool's threads, and those of kLarge floats and more write M and the
+  // output with non-temporal stores (they leave the caches before the next pass anyway).
   double form_and_project(float* m, const float* a, const float* b, int64_t rows, int64_t cols, const float* q,
                           int64_t rank, float* p) override {
     detail::check_fused_arguments("form_and_project", rows, cols, rank,
@@ -385,6 +385,7 @@ class CpuBackend final : public Backend {
   }
 
   static constexpr int kMaxThreads = 16;
+  static_assert(kMaxThreads <= cpu::ThreadPool::kMaxCount);
   const cpu::Kernels& kernels_;
   cpu::ThreadPool pool_;
   // Scratch reused across calls (a backend is used from one thread at a time).

@@ -1,5 +1,7 @@
 #include "compute/cpu/thread_pool.hpp"
 
+#include "common/check.hpp"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -41,6 +43,8 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::run(int count, const std::function<void(int)>& task) {
+  // A count that does not fit run_'s 8 bits would leave pending_ above 0 forever (a hang).
+  PSGD_ASSERT(count <= kMaxCount, "thread pool: run() of ", count, " tasks, at most ", kMaxCount);
   if (count <= 1) {
     if (count == 1) task(0);
     return;

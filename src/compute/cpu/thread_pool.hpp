@@ -1,6 +1,7 @@
 // A fixed set of worker threads for the CPU backend's row blocks.
 // Contract: run() is called from one thread at a time (the backend's); it runs
-// task(0) on the caller and task(1..count-1) on workers (count <= 255), and returns when all
+// task(0) on the caller and task(1..count-1) on workers (count <= kMaxCount: a
+// larger count is an internal error, thrown before any task runs), and returns when all
 // have returned. Tasks must not throw. Workers start on first use and are
 // joined by the destructor.
 //
@@ -26,6 +27,7 @@ namespace powersgd::compute::cpu {
 class ThreadPool {
  public:
   static constexpr std::chrono::microseconds kSpin{50};
+  static constexpr int kMaxCount = 255;  // the count's 8 bits in run_
 
   ThreadPool() = default;
   ThreadPool(const ThreadPool&) = delete;
@@ -37,7 +39,7 @@ class ThreadPool {
  private:
   void work(int index);
 
-  std::mutex mu_;  // guards the sleeping side of generation_ and pending_, and stop_
+  std::mutex mu_;  // guards the sleeping side of run_ and pending_, and stop_
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
   const std::function<void(int)>* task_ = nullptr;  // written before run_ changes
