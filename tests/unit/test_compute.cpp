@@ -329,6 +329,24 @@ TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||
   });
 }
 
+// Checks project_transposed's q (cols x rank) against m^T p in double.
+void check_project_transposed(const std::vector<float>& got, const std::vector<float>& m, const std::vector<float>& p,
+                              const FusedShape& s) {
+  for (int64_t j = 0; j < s.cols; ++j)
+    for (int64_t k = 0; k < s.rank; ++k) {
+      double dot = 0.0, magnitude = 0.0;
+      for (int64_t i = 0; i < s.rows; ++i) {
+        const double term =
+            static_cast<double>(m[static_cast<size_t>(i * s.cols + j)]) * p[static_cast<size_t>(i * s.rank + k)];
+        dot += term;
+        magnitude += std::fabs(term);
+      }
+      CAPTURE(j);
+      CAPTURE(k);
+      REQUIRE(std::fabs(got[static_cast<size_t>(j * s.rank + k)] - dot) <= dot_tolerance(s.rows, magnitude));
+    }
+}
+
 TEST_CASE("project_transposed: q = m^T p") {
   for_each_fused_backend([](Backend& be) {
     uint32_t seed = 600;
@@ -342,19 +360,7 @@ TEST_CASE("project_transposed: q = m^T p") {
       be.project_transposed(dm.data(), s.rows, s.cols, dp.data(), s.rank, dq.data());
       const std::vector<float> got = dq.read(be);
       CHECK(dm.read(be) == m);
-      for (int64_t j = 0; j < s.cols; ++j)
-        for (int64_t k = 0; k < s.rank; ++k) {
-          double dot = 0.0, magnitude = 0.0;
-          for (int64_t i = 0; i < s.rows; ++i) {
-            const double term =
-                static_cast<double>(m[static_cast<size_t>(i * s.cols + j)]) * p[static_cast<size_t>(i * s.rank + k)];
-            dot += term;
-            magnitude += std::fabs(term);
-          }
-          CAPTURE(j);
-          CAPTURE(k);
-          REQUIRE(std::fabs(got[static_cast<size_t>(j * s.rank + k)] - dot) <= dot_tolerance(s.rows, magnitude));
-        }
+      check_project_transposed(got, m, p, s);
     }
   });
 }
@@ -482,6 +488,37 @@ TEST_CASE("cpu: thread pool: every index once per run, runs of every size, back 
   {
     cpu::ThreadPool idle;  // never run: no threads to join
   }
+}
+
+// Also under ThreadSanitizer (test compute-threads, suite tsan).
+TEST_CASE("project_transposed: any thread count (3 to 16 partial sums), the count changing between calls") {
+  // for_each_fused_backend runs 1 and 2 threads; a host with more cores adds 3 to 16 partial sums
+  // in thread order, on one backend whose scratch grows and shrinks with the count.
+  const int original = cpu_blas_threads();
+  auto be = make_cpu_backend();
+  uint32_t seed = 1600;
+  const std::vector<FusedShape> shapes = {{3, 40000, 2}, {17, 4000, 5}, {600, 441, 9}, {40, 2048, 16}};
+  for (const auto& s : shapes) {
+    CAPTURE(s.rows);
+    CAPTURE(s.cols);
+    CAPTURE(s.rank);
+    const std::vector<float> m = random_vector(static_cast<size_t>(s.rows * s.cols), ++seed, -4.0f, 4.0f);
+    const std::vector<float> p = random_vector(static_cast<size_t>(s.rows * s.rank), ++seed);
+    for (int threads : {16, 3, 1, 7, 2, 5, 16}) {
+      CAPTURE(threads);
+      set_cpu_blas_threads(threads);
+      Guarded dm(*be, m), dp(*be, p), dq(*be, std::vector<float>(static_cast<size_t>(s.cols * s.rank), kSentinel));
+      be->project_transposed(dm.data(), s.rows, s.cols, dp.data(), s.rank, dq.data());
+      const std::vector<float> got = dq.read(*be);
+      // The same bits as a fresh backend at this thread count: nothing left over from the call before.
+      auto fresh = make_cpu_backend();
+      Guarded fq(*fresh, std::vector<float>(static_cast<size_t>(s.cols * s.rank), kSentinel));
+      fresh->project_transposed(dm.data(), s.rows, s.cols, dp.data(), s.rank, fq.data());
+      REQUIRE(fq.read(*fresh) == got);
+      check_project_transposed(got, m, p, s);
+    }
+  }
+  set_cpu_blas_threads(original);
 }
 
 // Also under ThreadSanitizer (test compute-threads, suite tsan).
