@@ -275,13 +275,15 @@ struct FusedShape {
 // Covers compile-time ranks 1 to 8 and the run-time path (9, 16), row lengths
 // with and without a vector tail (of 4, 8 and 16 floats), the 4- and 8-row
 // blocking of project_transposed (odd row counts), 1 x n and n x 1, PowerSGD-
-// sized matrices, empty sizes, and matrices of 2^18 floats and more (threads,
-// non-temporal stores: rows not starting on a vector boundary).
+// sized matrices, empty sizes, matrices of 2^16 floats and more (threads; in
+// project_transposed only with 4 * rank rows per thread) and of 2^18 and more
+// (non-temporal stores: rows not starting on a vector boundary).
 const std::vector<FusedShape> kFusedShapes = {
     {1, 1, 1},      {3, 5, 2},     {7, 13, 3},      {9, 16, 4},      {5, 9, 5},   {4, 17, 7},    {64, 147, 2},
     {33, 1000, 4},  {513, 37, 1},  {31, 600, 16},   {0, 5, 2},       {5, 0, 2},   {6, 4, 0},     {11, 23, 6},
     {17, 31, 8},    {1, 77, 2},    {77, 1, 3},      {13, 45, 9},     {520, 509, 2}, {1, 262147, 3}, {262147, 1, 1},
-    {600, 441, 9},  {257, 300, 3}, {3, 40000, 2}};  // the last two: split over threads, written without streaming
+    {600, 441, 9},  {257, 300, 3}, {3, 40000, 2}};  // the last two: split over threads, written without streaming (the projection
+                                        // of the last on one thread: 3 rows)
 
 TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||m||^2") {
   for_each_fused_backend([](Backend& be) {
@@ -497,7 +499,10 @@ TEST_CASE("project_transposed: any thread count (3 to 16 partial sums), the coun
   const int original = cpu_blas_threads();
   auto be = make_cpu_backend();
   uint32_t seed = 1600;
-  const std::vector<FusedShape> shapes = {{3, 40000, 2}, {17, 4000, 5}, {600, 441, 9}, {40, 2048, 16}};
+  // A thread takes at least 4 * rank rows: the first, second and last shapes stay on one thread whatever
+  // the count, the others split into up to 16.
+  const std::vector<FusedShape> shapes = {{3, 40000, 2}, {17, 4000, 5}, {600, 441, 9}, {1100, 64, 4},
+                                          {2000, 40, 1}, {40, 2048, 16}};
   for (const auto& s : shapes) {
     CAPTURE(s.rows);
     CAPTURE(s.cols);
