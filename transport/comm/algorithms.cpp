@@ -141,6 +141,22 @@ void run_legacy_allreduce(const std::shared_ptr<gloo::Context>& context, void* d
   }
 }
 
+// Gloo's legacy barriers return once their messages are posted, not sent: the
+// root of BarrierAllToOne leaves right after posting its releases. A rank that
+// then exits or tears the context down can lose them, and its peers fail with
+// "Connection closed by peer" inside the barrier (seen once in comm-legacy-n3,
+// whose ranks exit right after their last barrier). These wait for their own
+// sends to complete before returning.
+template <typename GlooBarrier>
+class FlushedBarrier : public GlooBarrier {
+ public:
+  using GlooBarrier::GlooBarrier;
+  void run() {
+    GlooBarrier::run();
+    for (auto& buffer : this->sendBuffers_) buffer->waitSend();
+  }
+};
+
 class LegacyAlgorithms final : public CollectiveAlgorithms {
  public:
   GlooApi api() const override { return GlooApi::Legacy; }
@@ -152,7 +168,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   size_t max_allgather_bytes() const override { return INT_MAX; }
 
   void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
-    gloo::BarrierAllToAll(context).run();
+    FlushedBarrier<gloo::BarrierAllToAll>(context).run();
   }
 
   void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t, void* data, size_t count, DataType type,
@@ -184,7 +200,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   }
 
   void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
-    gloo::BarrierAllToOne(context).run();
+    FlushedBarrier<gloo::BarrierAllToOne>(context).run();
   }
 };
 
