@@ -20,6 +20,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compute/backend.hpp"
@@ -249,6 +250,19 @@ double dot_tolerance(int64_t terms, double magnitude) {
   return (std::min(k, 8.0 * std::sqrt(k)) + 4.0) * 2.0 * kUnitRoundoff * magnitude + 1e-30;
 }
 
+// The reference of one fused-pass element: the sum of term(l) for l < n in
+// double, and the sum of |term(l)| (the scale dot_tolerance takes).
+template <typename Term>
+std::pair<double, double> reference_dot(int64_t n, Term term) {
+  double dot = 0.0, magnitude = 0.0;
+  for (int64_t l = 0; l < n; ++l) {
+    const double t = term(l);
+    dot += t;
+    magnitude += std::fabs(t);
+  }
+  return {dot, magnitude};
+}
+
 // A buffer of `count` values followed by sentinels that no operation may touch.
 struct Guarded {
   std::vector<float> host;
@@ -314,13 +328,9 @@ TEST_CASE("form_and_project: m = a - b (or a, in place too), p = m q, returns ||
         CHECK(sum == doctest::Approx(expected_sum).epsilon(1e-12));
         for (int64_t i = 0; i < s.rows; ++i)
           for (int64_t k = 0; k < s.rank; ++k) {
-            double dot = 0.0, magnitude = 0.0;
-            for (int64_t j = 0; j < s.cols; ++j) {
-              const double term = static_cast<double>(got_m[static_cast<size_t>(i * s.cols + j)]) *
-                                  q[static_cast<size_t>(j * s.rank + k)];
-              dot += term;
-              magnitude += std::fabs(term);
-            }
+            const auto [dot, magnitude] = reference_dot(s.cols, [&](int64_t j) {
+              return static_cast<double>(got_m[static_cast<size_t>(i * s.cols + j)]) * q[static_cast<size_t>(j * s.rank + k)];
+            });
             const float got = got_p[static_cast<size_t>(i * s.rank + k)];
             CAPTURE(i);
             CAPTURE(k);
@@ -336,13 +346,9 @@ void check_project_transposed(const std::vector<float>& got, const std::vector<f
                               const FusedShape& s) {
   for (int64_t j = 0; j < s.cols; ++j)
     for (int64_t k = 0; k < s.rank; ++k) {
-      double dot = 0.0, magnitude = 0.0;
-      for (int64_t i = 0; i < s.rows; ++i) {
-        const double term =
-            static_cast<double>(m[static_cast<size_t>(i * s.cols + j)]) * p[static_cast<size_t>(i * s.rank + k)];
-        dot += term;
-        magnitude += std::fabs(term);
-      }
+      const auto [dot, magnitude] = reference_dot(s.rows, [&](int64_t i) {
+        return static_cast<double>(m[static_cast<size_t>(i * s.cols + j)]) * p[static_cast<size_t>(i * s.rank + k)];
+      });
       CAPTURE(j);
       CAPTURE(k);
       REQUIRE(std::fabs(got[static_cast<size_t>(j * s.rank + k)] - dot) <= dot_tolerance(s.rows, magnitude));
@@ -395,13 +401,9 @@ TEST_CASE("reconstruct_and_residual: out = p q^T, m = out - m, returns ||m||^2")
       double got_sum = 0.0;
       for (int64_t i = 0; i < s.rows; ++i)
         for (int64_t j = 0; j < s.cols; ++j) {
-          double dot = 0.0, magnitude = 0.0;
-          for (int64_t k = 0; k < s.rank; ++k) {
-            const double term =
-                static_cast<double>(p[static_cast<size_t>(i * s.rank + k)]) * q[static_cast<size_t>(j * s.rank + k)];
-            dot += term;
-            magnitude += std::fabs(term);
-          }
+          const auto [dot, magnitude] = reference_dot(s.rank, [&](int64_t k) {
+            return static_cast<double>(p[static_cast<size_t>(i * s.rank + k)]) * q[static_cast<size_t>(j * s.rank + k)];
+          });
           const auto idx = static_cast<size_t>(i * s.cols + j);
           const double tol = dot_tolerance(s.rank, magnitude);
           CAPTURE(i);

@@ -27,6 +27,7 @@
 #include "engine/fault_injection.hpp"
 #include "engine/order_guard.hpp"
 #include "engine/rank_reports.hpp"
+#include "c_comm_of_one.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
 #include "powersgd/powersgd.h"
@@ -42,18 +43,7 @@ namespace {
 
 std::unique_ptr<Communicator> solo() { return Communicator::create(CommOptions::single_process()); }
 
-// A C API communicator of one rank, through psgd_comm_init_from_env as a C caller would make it;
-// the environment it needs is set for the call only.
-psgd_comm* c_comm_of_one() {
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  const psgd_status status = psgd_comm_init_from_env(&comm);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
-  REQUIRE(status == PSGD_OK);
-  return comm;
-}
+using test::c_comm_of_one;
 
 // A per-test temporary file name.
 std::string temp_path(const char* tag) {

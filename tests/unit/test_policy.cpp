@@ -15,6 +15,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
+#include "c_comm_of_one.hpp"
 #include "powersgd/powersgd.h"
 
 using namespace powersgd;
@@ -209,12 +210,7 @@ TEST_CASE("policy: a checkpoint mid-boost resumes bit-identically, decisions inc
 }
 
 TEST_CASE("policy: the C API's config fields, note and decision log") {
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
+  psgd_comm* comm = test::c_comm_of_one();
   psgd_config config = psgd_config_default();
   CHECK(config.warmup_steps == 0);
   CHECK(config.lr_boost_steps == 100);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/half.hpp"
+#include "c_comm_of_one.hpp"
 #include "powersgd/powersgd.h"
 
 using namespace powersgd;
@@ -144,12 +145,7 @@ TEST_CASE("encode and decode: the bulk forms use the per-element conversions") {
 
 TEST_CASE("C API: wire_dtype defaults to f32; a bad value and a 16-bit wire on CUDA are refused, naming them") {
   CHECK(psgd_config_default().wire_dtype == PSGD_WIRE_F32);
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  psgd_comm* comm = nullptr;
-  REQUIRE(psgd_comm_init_from_env(&comm) == PSGD_OK);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
+  psgd_comm* comm = test::c_comm_of_one();
   psgd_config config = psgd_config_default();
   psgd_reducer* reducer = nullptr;
   config.wire_dtype = 7;
