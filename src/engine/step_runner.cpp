@@ -122,6 +122,7 @@ void StepRunner::wait_segment(std::vector<Work>& works, const Segment& seg, cons
 
 StepRunner::Ranges StepRunner::factor_ranges(const Reduction& job) {
   Ranges ranges;
+  if (config_.wire_dtype == WireDType::Float32) return ranges;  // send_segment and wait_segment ignore them
   for (size_t i = 0; i < job.buckets.size(); ++i) {
     const BucketState& s = bucket(job.buckets[i]);
     const int64_t n = factor_numel(s, job.q_half[i]);
@@ -163,11 +164,12 @@ void StepRunner::fail_flagged(const Reduction& job, std::exception_ptr own) {
 
 // The compressed step's first collective; after a failed prepare, this rank's
 // host range as it is with kFailedFlag in every bucket's finite flag.
-void StepRunner::send_first(const Reduction& job, const Segment& unc, std::vector<Work>& works) {
+void StepRunner::send_first(const Reduction& job, const Segment& unc, const Ranges& factors,
+                            std::vector<Work>& works) {
   if (job.prepare_error)
     for (size_t i = 0; i < job.buckets.size(); ++i)
       flag(job, i, unc) = kFailedFlag;
-  send_segment(unc, factor_ranges(job), !job.prepare_error, works);
+  send_segment(unc, factors, !job.prepare_error, works);
 }
 
 void StepRunner::prepare(Reduction& job) {
@@ -396,10 +398,11 @@ void StepRunner::run_compressed(Reduction& job) {
 
   // Wire order: packed uncompressed tensors, finite flag and P in one
   // collective, then Q (reduce_all: all buckets' in one collective each).
+  const Ranges factors = factor_ranges(job);
   std::vector<Work> works;
-  send_first(job, unc, works);
+  send_first(job, unc, factors, works);
   lookahead(job);
-  wait_segment(works, unc, factor_ranges(job), !job.prepare_error);
+  wait_segment(works, unc, factors, !job.prepare_error);
   check_flags(job, unc);
   if (config_.adaptive)
     for (size_t i = 0; i < job.buckets.size(); ++i)
@@ -432,12 +435,13 @@ void StepRunner::run_compressed(Reduction& job) {
   // rank then sees a non-finite sum and takes part in the report gather, which
   // tells a local failure from an overflow.
   works.clear();
+  const Ranges all_of_q{{0, static_cast<int64_t>(q.count)}};  // Q is all factor
   if (q.count > 0) {
     if (between_failed) q.host[0] = std::numeric_limits<float>::quiet_NaN();
-    send_segment(q, {{0, static_cast<int64_t>(q.count)}}, !between_failed, works);
+    send_segment(q, all_of_q, !between_failed, works);
   }
   lookahead(job);
-  if (q.count > 0) wait_segment(works, q, {{0, static_cast<int64_t>(q.count)}}, !between_failed);
+  if (q.count > 0) wait_segment(works, q, all_of_q, !between_failed);
   if (between_failed || !be_.all_finite(q.dev, q.count)) {
     raise_local_failures(job, between_failed);
     throw_nonfinite(job, job.buckets[0], detail::concat("the allreduced Q overflowed to Inf/NaN", overflow_hint(config_)));
@@ -460,10 +464,11 @@ void StepRunner::run_compressed(Reduction& job) {
 // (each bucket by its own parity; docs/engine.md).
 void StepRunner::run_alternating(Reduction& job) {
   Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
+  const Ranges factors = factor_ranges(job);
   std::vector<Work> works;
-  send_first(job, unc, works);
+  send_first(job, unc, factors, works);
   lookahead(job);
-  wait_segment(works, unc, factor_ranges(job), !job.prepare_error);
+  wait_segment(works, unc, factors, !job.prepare_error);
   check_flags(job, unc);
 
   // Commit point. ||output|| = ||P Q^^T|| = ||P|| in a P half, ||P^ Q^T|| = ||Q|| in a Q half.

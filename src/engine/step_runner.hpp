@@ -121,7 +121,8 @@ class StepRunner {
   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
   void send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works);
   void wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back);
-  // The factor ranges of the reduction's first-collective segment.
+  // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
+  // computed once per step for send_first and wait_segment.
   Ranges factor_ranges(const Reduction& job);
   void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back = true);
   // Collective, on the error path only (every rank saw from the sums that one
@@ -129,7 +130,7 @@ class StepRunner {
   // rank reports one (`own` on the failing rank); returns when none did.
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
   // The first collective's flags said a rank failed locally: raise it on every rank.
-  void send_first(const Reduction& job, const Segment& unc, std::vector<Work>& works);
+  void send_first(const Reduction& job, const Segment& unc, const Ranges& factors, std::vector<Work>& works);
   [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);
   [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
 
