@@ -7,7 +7,7 @@
  * made by every rank in the same order.
  *
  * ABI (docs/abi.md): a binary built against an older header keeps working with a later libpowersgd.so.0.
- * The rule for every struct the caller allocates, now and to come:
+ * The rule for every struct the caller allocates (psgd_config, psgd_stats, psgd_store_callbacks), now and to come:
  * - It begins with `size_t struct_size`, the sizeof the CALLER was compiled with. Only the caller's own
  *   compilation may write it: psgd_config_default() is inline here (it calls psgd_config_init with its
  *   sizeof), psgd_stats is declared as PSGD_STATS_INIT. No function returns such a struct by value from the
@@ -98,6 +98,12 @@ typedef struct psgd_config {
    psgd_config_default() does. PSGD_ERR_INVALID_ARGUMENT for a null config or a struct_size below 72 (0.1's
    sizeof) or above 4096, naming it; *config is then untouched. */
 PSGD_API psgd_status psgd_config_init(psgd_config* config, size_t struct_size);
+/* Checks *config as psgd_reducer_create does, with no communicator and no side effect: struct_size (the rule
+   above), every field's range, and the rules between fields (rank_low <= rank_high; alternating needs
+   warm_start; a 16-bit wire_dtype needs device 0). PSGD_OK, or what psgd_reducer_create would return for it:
+   PSGD_ERR_INVALID_ARGUMENT (PSGD_ERR_UNSUPPORTED for a 16-bit wire with device 1) with a message naming the
+   first field at fault, its value and what is expected ("config.rank = 65: expected 1 to 64"). */
+PSGD_API psgd_status psgd_config_validate(const psgd_config* config);
 /* The defaults, at this header's size. Inline: the size is the caller's sizeof, never the library's. */
 static inline psgd_config psgd_config_default(void) {
   psgd_config config;

@@ -90,7 +90,9 @@ struct PSGD_API Config {
   // only: Device::Cuda with a 16-bit wire is refused by the Reducer (UnsupportedError).
   WireDType wire_dtype = WireDType::Float32;
 
-  // Throws InvalidArgumentError naming the first invalid field and its value.
+  // Throws InvalidArgumentError naming the first invalid field, its value and the range expected (or the rule
+  // of two fields broken), UnsupportedError for a 16-bit wire_dtype with Device::Cuda. The Reducer's
+  // constructor calls it; psgd_config_validate is this from C.
   void validate() const;
 };
 
@@ -254,6 +256,8 @@ class PSGD_API Reducer {
   // calls (the oldest are dropped). Not saved in checkpoints.
   static constexpr size_t kMaxDecisions = 65536;
   std::vector<RankDecision> decisions();
+  // The same, at most the `max` oldest entries; the rest wait for the next call (psgd_reducer_decisions).
+  std::vector<RankDecision> decisions(size_t max);
 
   // Completed steps (waits for in-flight reductions).
   int64_t iteration() const;

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
-#include <deque>
 #include <iterator>
 #include <memory>
 #include <mutex>
@@ -23,7 +22,6 @@
 
 struct psgd_reducer {
   std::unique_ptr<powersgd::Reducer> reducer;
-  std::deque<powersgd::RankDecision> decisions;  // taken from the reducer, not yet copied out
 };
 
 namespace {
@@ -65,19 +63,59 @@ bool as_bool(int value, const char* field) {
 // struct) is refused rather than followed into memory.
 constexpr size_t kConfigSize01 = 72;
 constexpr size_t kStatsSize01 = 48;
+constexpr size_t kStoreCallbacksSize02 = 56;
 constexpr size_t kMaxStructSize = 4096;
 static_assert(offsetof(psgd_config, adaptive) == kConfigSize01, "0.2's psgd_config fields start at 0.1's sizeof");
 static_assert(offsetof(psgd_stats, last_step_bytes) == kStatsSize01, "0.2's psgd_stats fields start at 0.1's sizeof");
+static_assert(offsetof(psgd_store_callbacks, remove) + sizeof(void*) == kStoreCallbacksSize02,
+              "psgd_store_callbacks' first version (0.2) ends with remove");
 
 static_assert(PSGD_WIRE_F32 == static_cast<int>(powersgd::WireDType::Float32) &&
                   PSGD_WIRE_BF16 == static_cast<int>(powersgd::WireDType::BFloat16) &&
                   PSGD_WIRE_FP16 == static_cast<int>(powersgd::WireDType::Float16),
               "the C API's wire types are the C++ enum's values");
 
-void check_struct_size(const char* what, size_t size, size_t smallest, const char* how) {
-  PSGD_REQUIRE(size >= smallest && size <= kMaxStructSize, InvalidArgumentError, what, " = ", size,
-               ": expected at least ", smallest, " (powersgd 0.1's sizeof) and at most ", kMaxStructSize, " (", how,
-               ")");
+// A struct the caller allocates (powersgd.h, "ABI"): how its errors name it and the sizes it may have.
+struct CallerStruct {
+  const char* type;           // "psgd_config"
+  const char* size_field;     // how a message names its struct_size: "config.struct_size"
+  size_t first_size;          // the sizeof of the struct's first version
+  const char* first_version;  // "0.1"
+  const char* how;            // how a caller sets struct_size right
+};
+
+constexpr CallerStruct kConfigStruct{"psgd_config", "config.struct_size", kConfigSize01, "0.1",
+                                     "sizeof(psgd_config); get the config from psgd_config_default() or "
+                                     "psgd_config_init()"};
+constexpr CallerStruct kStatsStruct{"psgd_stats", "stats.struct_size", kStatsSize01, "0.1",
+                                    "sizeof(psgd_stats); declare it as PSGD_STATS_INIT"};
+constexpr CallerStruct kStoreCallbacksStruct{"psgd_store_callbacks", "store->struct_size", kStoreCallbacksSize02,
+                                             "0.2", "sizeof(psgd_store_callbacks)"};
+
+// The rule for every such struct's size: from the first version's sizeof to kMaxStructSize.
+void check_struct_size(const CallerStruct& s, const char* what, size_t size, const char* how = nullptr) {
+  PSGD_REQUIRE(size >= s.first_size && size <= kMaxStructSize, InvalidArgumentError, what, " = ", size,
+               ": expected at least ", s.first_size, " (powersgd ", s.first_version, "'s sizeof) and at most ",
+               kMaxStructSize, " (", how != nullptr ? how : s.how, ")");
+}
+
+// A struct the library reads, as this library's T: the first min(struct_size, sizeof(T)) bytes of the
+// caller's over `defaults` (an older caller's missing fields). Every byte past sizeof(T) must be 0 (a newer
+// header's field at its default): anything else is a setting this version cannot honour.
+template <typename T>
+T read_caller_struct(const CallerStruct& s, const T* in, T defaults) {
+  const size_t size = in->struct_size;
+  check_struct_size(s, s.size_field, size);
+  T out = defaults;
+  std::memcpy(&out, in, std::min(size, sizeof(T)));
+  const auto* bytes = reinterpret_cast<const unsigned char*>(in);
+  for (size_t i = sizeof(T); i < size; ++i)
+    PSGD_REQUIRE(bytes[i] == 0, InvalidArgumentError, s.size_field, " = ", size,
+                 ": the struct holds fields this library does not know (powersgd ", PSGD_VERSION, " knows the first ",
+                 sizeof(T), " bytes of ", s.type, "; byte ", i, " is ", static_cast<int>(bytes[i]),
+                 "): leave fields of a newer header at 0 or use that version's library");
+  out.struct_size = sizeof(T);
+  return out;
 }
 
 // This library's defaults, padding bytes zero.
@@ -110,24 +148,7 @@ psgd_config library_defaults() {
   return c;
 }
 
-// The caller's struct as this library's: the first min(struct_size, sizeof) bytes copied over the defaults.
-// Bytes past what this library knows must be 0 (a newer header's field at its default); anything else is a
-// setting this version cannot honour.
-psgd_config read_config(const psgd_config* in) {
-  const size_t size = in->struct_size;
-  check_struct_size("config.struct_size", size, kConfigSize01,
-                    "sizeof(psgd_config); get the config from psgd_config_default() or psgd_config_init()");
-  psgd_config c = library_defaults();
-  std::memcpy(&c, in, std::min(size, sizeof(c)));
-  const auto* bytes = reinterpret_cast<const unsigned char*>(in);
-  for (size_t i = sizeof(c); i < size; ++i)
-    PSGD_REQUIRE(bytes[i] == 0, InvalidArgumentError, "config.struct_size = ", size,
-                 ": the struct holds fields this library does not know (powersgd ", PSGD_VERSION, " knows the first ",
-                 sizeof(c), " bytes of psgd_config; byte ", i, " is ", static_cast<int>(bytes[i]),
-                 "): leave fields of a newer header at 0 or use that version's library");
-  c.struct_size = sizeof(c);
-  return c;
-}
+psgd_config read_config(const psgd_config* in) { return read_caller_struct(kConfigStruct, in, library_defaults()); }
 
 powersgd::Config to_config(const psgd_config& c) {
   powersgd::Config config;
@@ -207,8 +228,15 @@ void psgd_comm_destroy(psgd_comm* comm) { delete comm; }
 psgd_status psgd_config_init(psgd_config* config, size_t struct_size) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(config);
-    check_struct_size("struct_size", struct_size, kConfigSize01, "pass sizeof(psgd_config)");
+    check_struct_size(kConfigStruct, "struct_size", struct_size, "pass sizeof(psgd_config)");
     powersgd::capi::write_config_defaults(config, struct_size);
+  });
+}
+
+psgd_status psgd_config_validate(const psgd_config* config) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(config);
+    (void)to_config(read_config(config));
   });
 }
 
@@ -282,7 +310,7 @@ psgd_status psgd_reducer_stats(const psgd_reducer* r, psgd_stats* out) {
     PSGD_C_NOT_NULL(r);
     PSGD_C_NOT_NULL(out);
     const size_t size = out->struct_size;
-    check_struct_size("stats.struct_size", size, kStatsSize01, "sizeof(psgd_stats); declare it as PSGD_STATS_INIT");
+    check_struct_size(kStatsStruct, kStatsStruct.size_field, size);
     const powersgd::Stats s = r->reducer->stats();
     psgd_stats result;
     result.struct_size = size;
@@ -317,19 +345,15 @@ psgd_status psgd_reducer_decisions(psgd_reducer* r, int64_t* steps, int* buckets
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(r);
     PSGD_C_NOT_NULL(count);
-    for (const powersgd::RankDecision& d : r->reducer->decisions()) {
-      if (r->decisions.size() == powersgd::Reducer::kMaxDecisions) r->decisions.pop_front();
-      r->decisions.push_back(d);
-    }
-    const size_t n = std::min(capacity, r->decisions.size());
+    const std::vector<powersgd::RankDecision> taken = r->reducer->decisions(capacity);
+    const size_t n = taken.size();
     for (size_t i = 0; i < n; ++i) {
-      const powersgd::RankDecision& d = r->decisions[i];
+      const powersgd::RankDecision& d = taken[i];
       if (steps != nullptr) steps[i] = d.step;
       if (buckets != nullptr) buckets[i] = d.bucket;
       if (ranks != nullptr) ranks[i] = d.rank;
       if (reasons != nullptr) reasons[i] = static_cast<int>(d.reason);
     }
-    r->decisions.erase(r->decisions.begin(), r->decisions.begin() + static_cast<std::ptrdiff_t>(n));
     *count = n;
   });
 }
@@ -594,11 +618,12 @@ psgd_status psgd_comm_init_on_store(int rank, int size, const char* group_id, co
     PSGD_C_NOT_NULL(out);
     *out = nullptr;
     PSGD_C_NOT_NULL(store);
+    const psgd_store_callbacks callbacks = read_caller_struct(kStoreCallbacksStruct, store, psgd_store_callbacks{});
     std::string run_id = powersgd::env::get_or_default("PSGD_RUN_ID");
     if (run_id.empty()) run_id = "default";
     if (group_id != nullptr) run_id += "/group/" + checked_group_id(group_id);
     auto handle = std::make_unique<psgd_comm>();
-    handle->comm = powersgd::capi::create_on_callback_store(rank, size, run_id, *store, address);
+    handle->comm = powersgd::capi::create_on_callback_store(rank, size, run_id, callbacks, address);
     *out = handle.release();
   });
 }

@@ -102,9 +102,6 @@ class CallbackStore final : public transport::Store {
 
 std::unique_ptr<Communicator> create_on_callback_store(int rank, int size, const std::string& run_id,
                                                        const psgd_store_callbacks& callbacks, const char* address) {
-  PSGD_REQUIRE(callbacks.struct_size >= sizeof(psgd_store_callbacks) && callbacks.struct_size <= 4096,
-               InvalidArgumentError, "store->struct_size = ", callbacks.struct_size, ": expected ",
-               sizeof(psgd_store_callbacks), " (sizeof(psgd_store_callbacks)) to 4096");
   PSGD_REQUIRE(callbacks.set != nullptr && callbacks.get != nullptr && callbacks.add != nullptr &&
                    callbacks.wait != nullptr && callbacks.remove != nullptr,
                InvalidArgumentError, "store: every callback (set, get, add, wait, remove) must be set");

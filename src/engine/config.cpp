@@ -29,6 +29,10 @@ void Config::validate() const {
   PSGD_REQUIRE(!alternating || warm_start, InvalidArgumentError,
                "config.alternating = 1 with config.warm_start = 0: alternating needs warm_start = 1 (each step "
                "starts from the previous step's averaged factor)");
+  // The 16-bit wire converts on the host; the CUDA backend keeps the factors on the device.
+  PSGD_REQUIRE(device == Device::Cpu || wire_dtype == WireDType::Float32, UnsupportedError,
+               "config.wire_dtype = ", to_string(wire_dtype),
+               " with config.device = Cuda: 16-bit factors on the wire are CPU-only; use wire_dtype f32 on CUDA");
 }
 
 const char* to_string(WireDType type) {

@@ -24,9 +24,10 @@ void DecisionLog::add(int64_t step, int bucket, const BucketState& s) {
   entries_.push_back(RankDecision{step, bucket, s.current_rank, s.reason});
 }
 
-std::vector<RankDecision> DecisionLog::take() {
-  std::vector<RankDecision> out(entries_.begin(), entries_.end());
-  entries_.clear();
+std::vector<RankDecision> DecisionLog::take(size_t max) {
+  const auto end = entries_.begin() + static_cast<std::ptrdiff_t>(std::min(max, entries_.size()));
+  std::vector<RankDecision> out(entries_.begin(), end);
+  entries_.erase(entries_.begin(), end);
   return out;
 }
 

@@ -29,11 +29,13 @@ struct LevelChoice {
 };
 LevelChoice choose_level(const Config& config, const BucketState& s);
 
-// The bounded log behind Reducer::decisions().
+// The bounded log behind Reducer::decisions() and psgd_reducer_decisions (the only copy: at most
+// Reducer::kMaxDecisions entries, the oldest dropped).
 class DecisionLog {
  public:
   void add(int64_t step, int bucket, const BucketState& s);
-  std::vector<RankDecision> take();
+  // Removes and returns the min(max, size) oldest entries.
+  std::vector<RankDecision> take(size_t max);
 
  private:
   std::deque<RankDecision> entries_;

@@ -63,10 +63,6 @@ class Reducer::Impl final : public detail::CommUser {
     // The finite flags (kFailedFlag) and the order guard's sums are exact below 4096 ranks.
     PSGD_REQUIRE(comm_.size() <= engine::kMaxWorldSize, InvalidArgumentError, "a world of ", comm_.size(),
                  " ranks: the reducer supports at most ", engine::kMaxWorldSize, " ranks");
-    // The 16-bit wire converts on the host; the CUDA backend keeps the factors on the device.
-    PSGD_REQUIRE(config_.device == Device::Cpu || config_.wire_dtype == WireDType::Float32, UnsupportedError,
-                 "config.wire_dtype = ", to_string(config_.wire_dtype),
-                 " with config.device = Cuda: 16-bit factors on the wire are CPU-only; use wire_dtype f32 on CUDA");
     std::optional<engine::Fault> fault = engine::take_armed_fault();
     call([this, fault] {
       backend_ = compute::make_backend(
@@ -206,9 +202,9 @@ class Reducer::Impl final : public detail::CommUser {
     });
   }
 
-  std::vector<RankDecision> decisions() {
+  std::vector<RankDecision> decisions(size_t max) {
     std::vector<RankDecision> out;
-    call([&] { out = log_.take(); });
+    call([&] { out = log_.take(max); });
     return out;
   }
 
@@ -635,7 +631,8 @@ void Reducer::reduce_all(std::span<const std::span<float>> data) {
   impl_->reduce_all(pointers, counts);
 }
 void Reducer::note_lr_change() { impl_->note_lr_change(); }
-std::vector<RankDecision> Reducer::decisions() { return impl_->decisions(); }
+std::vector<RankDecision> Reducer::decisions() { return impl_->decisions(kMaxDecisions); }
+std::vector<RankDecision> Reducer::decisions(size_t max) { return impl_->decisions(max); }
 int64_t Reducer::iteration() const { return impl_->iteration(); }
 void Reducer::error_feedback(int bucket, float* out) const { impl_->error_feedback(bucket, out, Impl::kUnchecked); }
 void Reducer::error_feedback(int bucket, std::span<float> out) const {

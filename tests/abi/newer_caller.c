@@ -7,6 +7,11 @@
  *    one with PSGD_ERR_INVALID_ARGUMENT naming struct_size and the unknown fields.
  * 3. psgd_reducer_stats fills the fields it knows and leaves the unknown ones as the caller set them.
  * 4. The header's inline psgd_config_default() stamps this program's sizeof(psgd_config).
+ * 5. psgd_config_validate reads the larger struct by the same rule as psgd_reducer_create (zero unknown fields
+ *    accepted, a non-zero one refused with the same message), and refuses null.
+ * 6. psgd_comm_init_on_store reads a larger psgd_store_callbacks by the same rule: a non-zero unknown field is
+ *    refused naming store->struct_size; zero ones are accepted (the call then fails on its rank argument,
+ *    which is checked after the struct); a struct_size below the first version's (0.2: 56) is refused.
  * Exits 0 when all hold, 1 otherwise, saying what differed. */
 #include <stdio.h>
 #include <string.h>
@@ -21,6 +26,11 @@ struct newer_config {
 struct newer_stats {
   psgd_stats stats;
   uint64_t appended[2];
+};
+
+struct newer_callbacks {
+  psgd_store_callbacks callbacks; /* this library's fields */
+  uint64_t appended;
 };
 
 static int failures = 0;
@@ -46,6 +56,30 @@ static void expect(psgd_status got, psgd_status want, const char* call, const ch
     }
 }
 
+/* Callbacks never called: every call below fails before the rendezvous. */
+static int no_set(void* user, const char* key, const void* data, size_t size, char* error, size_t error_size) {
+  (void)user, (void)key, (void)data, (void)size, (void)error, (void)error_size;
+  return PSGD_ERR_INTERNAL;
+}
+static int no_get(void* user, const char* key, int64_t timeout_ms, psgd_store_value* value, char* error,
+                  size_t error_size) {
+  (void)user, (void)key, (void)timeout_ms, (void)value, (void)error, (void)error_size;
+  return PSGD_ERR_INTERNAL;
+}
+static int no_add(void* user, const char* key, int64_t delta, int64_t* result, char* error, size_t error_size) {
+  (void)user, (void)key, (void)delta, (void)result, (void)error, (void)error_size;
+  return PSGD_ERR_INTERNAL;
+}
+static int no_wait(void* user, const char* const* keys, size_t count, int64_t timeout_ms, char* error,
+                   size_t error_size) {
+  (void)user, (void)keys, (void)count, (void)timeout_ms, (void)error, (void)error_size;
+  return PSGD_ERR_INTERNAL;
+}
+static int no_remove(void* user, const char* key, int* existed, char* error, size_t error_size) {
+  (void)user, (void)key, (void)existed, (void)error, (void)error_size;
+  return PSGD_ERR_INTERNAL;
+}
+
 static int all_bytes(const void* p, size_t n, unsigned char value) {
   const unsigned char* b = (const unsigned char*)p;
   size_t i;
@@ -59,6 +93,12 @@ int main(void) {
   static const char* const small[] = {"struct_size = 8", "expected at least 72", NULL};
   static const char* const large[] = {"struct_size = 4097", "at most 4096", NULL};
   static const char* const small_stats[] = {"stats.struct_size = 40", "expected at least 48", NULL};
+  static const char* const small_store[] = {"store->struct_size = 8", "expected at least 56", NULL};
+  static const char* const past_store[] = {"rank 5: expected 0 to 0", NULL};
+  char store_size[64], store_byte[64];
+  const char* store_unknown[4];
+  struct newer_callbacks cb;
+  psgd_comm* refused_comm = NULL;
   char unknown_size[64], unknown_byte[64];
   const char* unknown[4];
   const int ndims[] = {2};
@@ -125,6 +165,37 @@ int main(void) {
   expect(psgd_reducer_create(comm, &n.config, &reducer), PSGD_ERR_INVALID_ARGUMENT,
          "psgd_reducer_create(non-zero unknown field)", unknown);
   if (reducer != NULL) fail("a refused psgd_reducer_create returned a reducer");
+
+  /* 5. */
+  expect(psgd_config_validate(&n.config), PSGD_ERR_INVALID_ARGUMENT, "psgd_config_validate(non-zero unknown field)",
+         unknown);
+  n.appended[1] = 0;
+  expect(psgd_config_validate(&n.config), PSGD_OK, "psgd_config_validate(zero unknown fields)", NULL);
+  expect(psgd_config_validate(NULL), PSGD_ERR_INVALID_ARGUMENT, "psgd_config_validate(NULL)", null_config);
+
+  /* 6. */
+  memset(&cb, 0, sizeof cb);
+  cb.callbacks.struct_size = sizeof cb;
+  cb.callbacks.set = no_set;
+  cb.callbacks.get = no_get;
+  cb.callbacks.add = no_add;
+  cb.callbacks.wait = no_wait;
+  cb.callbacks.remove = no_remove;
+  expect(psgd_comm_init_on_store(5, 1, NULL, &cb.callbacks, "127.0.0.1", &refused_comm), PSGD_ERR_INVALID_ARGUMENT,
+         "psgd_comm_init_on_store(zero unknown field, rank 5 of 1)", past_store);
+  cb.appended = 7;
+  snprintf(store_size, sizeof store_size, "store->struct_size = %u", (unsigned)sizeof cb);
+  snprintf(store_byte, sizeof store_byte, "byte %u is 7", (unsigned)sizeof(psgd_store_callbacks));
+  store_unknown[0] = store_size;
+  store_unknown[1] = "holds fields this library does not know";
+  store_unknown[2] = store_byte;
+  store_unknown[3] = NULL;
+  expect(psgd_comm_init_on_store(5, 1, NULL, &cb.callbacks, "127.0.0.1", &refused_comm), PSGD_ERR_INVALID_ARGUMENT,
+         "psgd_comm_init_on_store(non-zero unknown field)", store_unknown);
+  cb.callbacks.struct_size = 8;
+  expect(psgd_comm_init_on_store(0, 1, NULL, &cb.callbacks, "127.0.0.1", &refused_comm), PSGD_ERR_INVALID_ARGUMENT,
+         "psgd_comm_init_on_store(struct_size 8)", small_store);
+  if (refused_comm != NULL) fail("a refused psgd_comm_init_on_store returned a communicator");
 
   /* 4. */
   plain = psgd_config_default();

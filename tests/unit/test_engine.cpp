@@ -530,20 +530,50 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(psgd_comm_barrier(comm) == PSGD_OK);
 
   psgd_reducer* r = nullptr;
+  // psgd_config_validate refuses what psgd_reducer_create refuses, with the same status and message (one
+  // validation: Config::validate behind both), and accepts the defaults.
+  const auto refused = [&](const psgd_config& bad, psgd_status status, const std::string& words) {
+    CHECK(psgd_reducer_create(comm, &bad, &r) == status);
+    const std::string created = psgd_last_error();
+    CHECK(created.find(words) != std::string::npos);
+    CHECK(r == nullptr);
+    CHECK(psgd_config_validate(&bad) == status);
+    const std::string validated = psgd_last_error();
+    CHECK(validated == "psgd_config_validate" + created.substr(created.find(':')));
+  };
+  CHECK(psgd_config_validate(&d) == PSGD_OK);
   psgd_config bad = d;
   bad.warm_start = 2;
-  CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(std::string(psgd_last_error()).find("config.warm_start = 2") != std::string::npos);
-  CHECK(r == nullptr);
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.warm_start = 2: expected 0 or 1");
   bad = d;
   bad.alternating = 3;
-  CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(std::string(psgd_last_error()).find("config.alternating = 3") != std::string::npos);
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.alternating = 3");
   bad = d;
   bad.rank_low = 5;
-  CHECK(psgd_reducer_create(comm, &bad, &r) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(std::string(psgd_last_error()).find("config.rank_low = 5 > config.rank_high = 4") != std::string::npos);
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.rank_low = 5 > config.rank_high = 4");
+  bad = d;
+  bad.rank = 65;
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.rank = 65: expected 1 to 64");
+  bad = d;
+  bad.divergence_check_interval = -1;
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.divergence_check_interval = -1: expected >= 0");
+  bad = d;
+  bad.alternating = 1;
+  bad.warm_start = 0;
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "alternating needs warm_start = 1");
+  bad = d;
+  bad.wire_dtype = 3;
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.wire_dtype = 3: expected f32 (0), bf16 (1) or fp16 (2)");
+  bad = d;
+  bad.wire_dtype = PSGD_WIRE_BF16;
+  bad.device = 1;
+  refused(bad, PSGD_ERR_UNSUPPORTED, "16-bit factors on the wire are CPU-only");
+  bad = d;
+  bad.struct_size = 8;
+  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.struct_size = 8: expected at least 72");
   CHECK(psgd_reducer_create(comm, nullptr, &r) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("'config'") != std::string::npos);
+  CHECK(psgd_config_validate(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("'config'") != std::string::npos);
 
   d.start_iter = 0;

@@ -85,7 +85,11 @@ TEST_CASE("policy: warm-up and a learning-rate note boost a fixed rank to rank_h
   // Steps 0, 1 uncompressed; 2..4 warm-up; a note before step 8 boosts steps 8, 9.
   const std::vector<int> ranks = run(reducer, 0, 12, {8});
   CHECK(ranks == std::vector<int>{3, 3, 3, 3, 3, 1, 1, 1, 1, 3, 1, 1});
-  const std::vector<RankDecision> log = reducer.decisions();
+  // Taken in parts, as psgd_reducer_decisions takes them: decisions(max) gives the oldest, the rest wait.
+  CHECK(reducer.decisions(0).empty());
+  std::vector<RankDecision> log = reducer.decisions(3);
+  CHECK(log.size() == 3);
+  for (const RankDecision& d : reducer.decisions()) log.push_back(d);
   const std::vector<Entry> expected = {{2, 3, RankReason::Warmup}, {5, 1, RankReason::Fixed},
                                        {8, 3, RankReason::LrNote}, {10, 1, RankReason::Fixed}};
   for (int b : {0, 1}) {
