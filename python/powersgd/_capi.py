@@ -113,6 +113,7 @@ def _load():
         "psgd_comm_destroy": (None, [handle]),
         "psgd_store_port_beside_torch": (status, [ctypes.POINTER(ctypes.c_int)]),
         "psgd_config_init": (status, [ctypes.POINTER(Config), ctypes.c_size_t]),
+        "psgd_config_validate": (status, [ctypes.POINTER(Config)]),
         "psgd_reducer_create": (status, [handle, ctypes.POINTER(Config), ctypes.POINTER(handle)]),
         "psgd_reducer_add_bucket": (
             status,

@@ -33,7 +33,10 @@ from powersgd._capi import PowerSGDError
 CONFIG_FIELDS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
                  "warm_start", "orthogonalization_epsilon", "random_seed", "compression_stats_logging_frequency",
                  "batch_tensors_with_same_shape", "adaptive", "rank_low", "rank_high", "adaptive_interval",
-                 "adaptive_threshold", "alternating", "warmup_steps", "lr_boost_steps", "wire_dtype")
+                 "adaptive_threshold", "alternating", "warmup_steps", "lr_boost_steps", "wire_dtype",
+                 "divergence_check_interval")
+# CONFIG_FIELDS added since VERSION 1's first release, with the value a dict without them meant.
+_ADDED_FIELDS = {"divergence_check_interval": 100}
 VERSION = 1
 _MISMATCH = 4
 
@@ -113,7 +116,7 @@ def load_state_dict(state, loaded):
         raise RuntimeError("PowerSGDState.load_state_dict() inside an iteration: call it between iterations")
     previous = {name: getattr(state, name, None) for name in CONFIG_FIELDS}
     for name in CONFIG_FIELDS:
-        setattr(state, name, loaded["config"][name])
+        setattr(state, name, loaded["config"][name] if name in loaded["config"] else _ADDED_FIELDS[name])
     try:
         state._engine_config(whole_bucket=False)  # every field checked again, as at construction
     except (TypeError, ValueError):

@@ -36,9 +36,9 @@ import ctypes
 import datetime
 import hashlib
 import logging
-import math
 import numbers
 import os
+import re
 import socket
 import threading
 import time
@@ -55,8 +55,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "init_process_group", "PowerSGDError",
            "DECLARATION_ITER"]
 
-# The engine's largest matrix_approximation_rank (and rank_high): Config's validation (engine/config_fields.hpp).
-MAX_RANK = 64
 # The engine's PSGD_TIMEOUT_MS accepts 1 ms to 24 h (transport/comm/options.cpp).
 _MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
@@ -204,28 +202,55 @@ def _integer(name, value, low, high, expected):
     return int(value)
 
 
-def _nonnegative(name, value):
-    """`value` as a finite float >= 0; TypeError or ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError("PowerSGDState: %s = %r: expected a finite number >= 0" % (name, value))
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError("PowerSGDState: %s = %r: expected a finite number >= 0" % (name, value))
-    return float(value)
+# The psgd_config field of each PowerSGDState argument whose name differs (the others have the field's name).
+_FIELD_OF_ARGUMENT = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
+                      "use_error_feedback": "error_feedback", "random_seed": "seed",
+                      "batch_tensors_with_same_shape": "batch_same_shape"}
+_ARGUMENT_OF_FIELD = {field: argument for argument, field in _FIELD_OF_ARGUMENT.items()}
+# What the C types of psgd_config's integer fields hold (the engine's ranges are psgd_config_validate's).
+_C_INTEGERS = {ctypes.c_int: (-2**31, 2**31 - 1, "-2**31 to 2**31 - 1"),
+               ctypes.c_int64: (-2**63, 2**63 - 1, "-2**63 to 2**63 - 1"),
+               ctypes.c_uint64: (0, 2**64 - 1, "0 to 2**64 - 1")}
+
+
+def _set_field(config, argument, value):
+    """Sets the psgd_config field of a PowerSGDState argument: TypeError for a value of another type, ValueError
+    for an integer its C type cannot hold. The engine's ranges are checked by _validate."""
+    field = _FIELD_OF_ARGUMENT.get(argument, argument)
+    ctype = dict(_capi.Config._fields_)[field]
+    real = ctype is ctypes.c_double
+    if isinstance(value, bool) or not isinstance(value, numbers.Real if real else numbers.Integral):
+        raise TypeError("PowerSGDState: %s = %r: expected %s" % (argument, value, "a number" if real else "an integer"))
+    if not real:
+        low, high, text = _C_INTEGERS[ctype]
+        if not low <= value <= high:
+            raise ValueError("PowerSGDState: %s = %r: expected an integer %s" % (argument, value, text))
+    setattr(config, field, value)
+
+
+def _validate(config):
+    """psgd_config_validate (the engine's ranges and rules): ValueError with the engine's message, naming the
+    PowerSGDState arguments instead of psgd_config's fields."""
+    if _capi.lib.psgd_config_validate(ctypes.byref(config)) != 0:
+        message = _capi.last_error().split(": ", 1)[-1]  # without "psgd_config_validate: "
+        message = re.sub(r"config\.(\w+)", lambda m: _ARGUMENT_OF_FIELD.get(m.group(1), m.group(1)), message)
+        raise ValueError("PowerSGDState: " + message)
 
 
 class PowerSGDState:
     """PyTorch's PowerSGDState, by name, signature and defaults; the arguments mean what they mean there
     (docs/torch.md lists the differences: compression starts no earlier than DECLARATION_ITER, the rank is at
-    most MAX_RANK). Keyword-only extras configure the engine's adaptive rank, alternating and the factors' type on the
-    wire, wire_dtype="f32"|"bf16"|"fp16" (docs/engine.md).
-    Every argument is validated here, with the engine's ranges: TypeError or ValueError naming it."""
+    most 64). Keyword-only extras configure the engine's adaptive rank, alternating, the factors' type on the
+    wire, wire_dtype="f32"|"bf16"|"fp16", and its divergence detector, divergence_check_interval (docs/engine.md).
+    Every argument is validated here, by the engine's own validation (psgd_config_validate): TypeError or
+    ValueError naming it."""
 
     def __init__(self, process_group, matrix_approximation_rank=1, start_powerSGD_iter=1_000,
                  min_compression_rate=2, use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0,
                  random_seed=0, compression_stats_logging_frequency=10_000,
                  batch_tensors_with_same_shape: bool = False, *, adaptive=False, rank_low=1, rank_high=4,
                  adaptive_interval=100, adaptive_threshold=0.5, alternating=False, warmup_steps=0,
-                 lr_boost_steps=100, lr_watch=None, wire_dtype="f32"):
+                 lr_boost_steps=100, lr_watch=None, wire_dtype="f32", divergence_check_interval=100):
         logger.info("PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "
                     "min_compression_rate = %s; orthogonalization_epsilon = %s; use_error_feedback = %s; "
                     "warm_start = %s; random_seed = %s; compression_stats_logging_frequency = %s; "
@@ -267,6 +292,8 @@ class PowerSGDState:
         self.lr_notes = 0            # note_lr_change() calls, the watcher's included
         self._note_pending = False   # a note made before the engine reducer exists
         self.wire_dtype = wire_dtype  # "f32", "bf16" or "fp16": the factors' type on the wire
+        # The engine's divergence detector: every N steps the ranks compare their outputs' hashes (0: off).
+        self.divergence_check_interval = divergence_check_interval
         self._group = _group_of(process_group)  # None: the whole job
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
@@ -306,39 +333,25 @@ class PowerSGDState:
     # ---- configuration ----
 
     def _engine_config(self, whole_bucket):
-        """The engine's psgd_config of the attributes, each checked against the range the engine's validation
-        (engine/config.cpp) accepts; tests/python/ddp_hook.py's `validation` case gives every bad value to
-        the engine too and checks that it refuses it."""
-        ranks = "an integer 1 to %d (the engine's maximum rank is %d)" % (MAX_RANK, MAX_RANK)
+        """The engine's psgd_config of the attributes (start_iter: start_powerSGD_iter, which _create_reducer
+        makes relative to the declaration), checked by the engine's own validation (psgd_config_validate);
+        tests/python/ddp_hook.py's `validation` case gives every bad value to the constructor and to the
+        engine's psgd_reducer_create and checks that both refuse it."""
         c = _capi.default_config()
-        c.rank = _integer("matrix_approximation_rank", self.matrix_approximation_rank, 1, MAX_RANK, ranks)
-        _integer("start_powerSGD_iter", self.start_powerSGD_iter, 0, None, "an integer >= 0")
-        c.start_iter = 0
-        c.min_compression_rate = _nonnegative("min_compression_rate", self.min_compression_rate)
+        for argument in ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+                         "orthogonalization_epsilon", "random_seed", "rank_low", "rank_high", "adaptive_interval",
+                         "adaptive_threshold", "divergence_check_interval", "warmup_steps", "lr_boost_steps"):
+            _set_field(c, argument, getattr(self, argument))
         c.error_feedback = _bool("use_error_feedback", self.use_error_feedback)
         c.warm_start = _bool("warm_start", self.warm_start)
-        c.orthogonalization_epsilon = _nonnegative("orthogonalization_epsilon", self.orthogonalization_epsilon)
-        c.seed = _integer("random_seed", self.random_seed, 0, 2**64 - 1, "an integer 0 to 2**64 - 1")
         c.batch_same_shape = _bool("batch_tensors_with_same_shape", self.batch_tensors_with_same_shape)
         c.whole_bucket = int(whole_bucket)
         c.adaptive = _bool("adaptive", self.adaptive)
-        c.rank_low = _integer("rank_low", self.rank_low, 1, MAX_RANK, ranks)
-        c.rank_high = _integer("rank_high", self.rank_high, 1, MAX_RANK, ranks)
-        if c.rank_low > c.rank_high:
-            raise ValueError("PowerSGDState: rank_low = %d > rank_high = %d: expected rank_low <= rank_high"
-                             % (c.rank_low, c.rank_high))
-        c.adaptive_interval = _integer("adaptive_interval", self.adaptive_interval, 1, 2**63 - 1,
-                                       "an integer >= 1")
-        c.adaptive_threshold = _nonnegative("adaptive_threshold", self.adaptive_threshold)
         c.alternating = _bool("alternating", self.alternating)
-        c.warmup_steps = _integer("warmup_steps", self.warmup_steps, 0, 2**63 - 1, "an integer >= 0")
-        c.lr_boost_steps = _integer("lr_boost_steps", self.lr_boost_steps, 0, 2**63 - 1, "an integer >= 0")
-        if c.alternating and not c.warm_start:
-            raise ValueError("PowerSGDState: alternating = True with warm_start = False: alternating needs "
-                             "warm_start = True (each step starts from the previous step's averaged factor)")
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in _capi.WIRE_DTYPES:
             raise ValueError("PowerSGDState: wire_dtype = %r: expected 'f32', 'bf16' or 'fp16'" % (self.wire_dtype,))
         c.wire_dtype = _capi.WIRE_DTYPES[self.wire_dtype]
+        _validate(c)
         return c
 
     # ---- statistics ----

@@ -433,7 +433,8 @@ ENGINE_FIELD = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "sta
                 "warm_start": "warm_start", "orthogonalization_epsilon": "orthogonalization_epsilon",
                 "random_seed": "seed", "batch_tensors_with_same_shape": "batch_same_shape", "adaptive": "adaptive",
                 "rank_low": "rank_low", "rank_high": "rank_high", "adaptive_interval": "adaptive_interval",
-                "adaptive_threshold": "adaptive_threshold", "alternating": "alternating"}
+                "adaptive_threshold": "adaptive_threshold", "alternating": "alternating",
+                "divergence_check_interval": "divergence_check_interval"}
 
 
 def engine_accepts(options):
@@ -457,11 +458,10 @@ def case_validation():
     # the engine in its config, so the hook's ranges are the engine's (none narrower, none wider).
     nan, inf = float("nan"), float("inf")
     bad = [
-        (dict(matrix_approximation_rank=65), ValueError, ["matrix_approximation_rank = 65", "1 to 64",
-                                                          "maximum rank is 64"]),
+        (dict(matrix_approximation_rank=65), ValueError, ["matrix_approximation_rank = 65", "1 to 64"]),
         (dict(matrix_approximation_rank=0), ValueError, ["matrix_approximation_rank = 0", "1 to 64"]),
         (dict(start_powerSGD_iter=-1), ValueError, ["start_powerSGD_iter = -1", ">= 0"]),
-        (dict(min_compression_rate=-1), ValueError, ["min_compression_rate = -1", "finite number >= 0"]),
+        (dict(min_compression_rate=-1), ValueError, ["min_compression_rate = -1", "finite value >= 0"]),
         (dict(min_compression_rate=nan), ValueError, ["min_compression_rate = nan", "finite"]),
         (dict(min_compression_rate=inf), ValueError, ["min_compression_rate = inf", "finite"]),
         (dict(orthogonalization_epsilon=-1e-8), ValueError, ["orthogonalization_epsilon = -1e-08", ">= 0"]),
@@ -477,7 +477,8 @@ def case_validation():
         (dict(adaptive_interval=0), ValueError, ["adaptive_interval = 0", ">= 1"]),
         (dict(adaptive_threshold=-0.5), ValueError, ["adaptive_threshold = -0.5", ">= 0"]),
         (dict(adaptive_threshold=nan), ValueError, ["adaptive_threshold = nan", "finite"]),
-        (dict(alternating=True, warm_start=False), ValueError, ["alternating = True with warm_start = False"]),
+        (dict(alternating=True, warm_start=False), ValueError, ["alternating = 1 with warm_start = 0"]),
+        (dict(divergence_check_interval=-1), ValueError, ["divergence_check_interval = -1", ">= 0"]),
     ]
     for options, kind, words in bad:
         try:
@@ -509,11 +510,27 @@ def case_validation():
     good = [dict(matrix_approximation_rank=64), dict(matrix_approximation_rank=1), dict(start_powerSGD_iter=0),
             dict(min_compression_rate=0), dict(orthogonalization_epsilon=0), dict(random_seed=2**64 - 1),
             dict(adaptive=True, rank_low=64, rank_high=64, adaptive_interval=1, adaptive_threshold=0),
-            dict(alternating=True), dict(use_error_feedback=False, warm_start=False)]
+            dict(alternating=True), dict(use_error_feedback=False, warm_start=False), dict(divergence_check_interval=0)]
     for options in good:
         state = pst.PowerSGDState(None, **options)
         assert engine_accepts(options)[0], options
         state.close()
+    # Every psgd_config field is set from an argument (but struct_size, whole_bucket, chosen by the hook, and
+    # device, device_index: CPU only): a value other than the default reaches the engine's config.
+    from powersgd import _capi
+    others = {"struct_size", "whole_bucket", "device", "device_index"}
+    values = dict(matrix_approximation_rank=3, start_powerSGD_iter=5, min_compression_rate=3.0,
+                  use_error_feedback=False, warm_start=False, orthogonalization_epsilon=1e-6, random_seed=9,
+                  batch_tensors_with_same_shape=True, adaptive=True, rank_low=2, rank_high=5, adaptive_interval=7,
+                  adaptive_threshold=0.25, alternating=True, divergence_check_interval=7, warmup_steps=3,
+                  lr_boost_steps=4, wire_dtype="bf16")
+    fields = dict(ENGINE_FIELD, warmup_steps="warmup_steps", lr_boost_steps="lr_boost_steps", wire_dtype="wire_dtype")
+    assert {name for name, _ in _capi.Config._fields_} - others == set(fields.values())
+    defaults = _capi.default_config()
+    for argument, value in values.items():
+        config = pst.PowerSGDState(None, **{argument: value})._engine_config(whole_bucket=False)
+        got, default = getattr(config, fields[argument]), getattr(defaults, fields[argument])
+        assert got != default, (argument, got, default)
     # PyTorch's: at least 1.
     assert pst.PowerSGDState(None, compression_stats_logging_frequency=0).compression_stats_logging_frequency == 1
     if rank() == 0:
