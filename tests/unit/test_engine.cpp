@@ -542,35 +542,33 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
     CHECK(validated == "psgd_config_validate" + created.substr(created.find(':')));
   };
   CHECK(psgd_config_validate(&d) == PSGD_OK);
-  psgd_config bad = d;
-  bad.warm_start = 2;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.warm_start = 2: expected 0 or 1");
-  bad = d;
-  bad.alternating = 3;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.alternating = 3");
-  bad = d;
-  bad.rank_low = 5;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.rank_low = 5 > config.rank_high = 4");
-  bad = d;
-  bad.rank = 65;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.rank = 65: expected 1 to 64");
-  bad = d;
-  bad.divergence_check_interval = -1;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.divergence_check_interval = -1: expected >= 0");
-  bad = d;
-  bad.alternating = 1;
-  bad.warm_start = 0;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "alternating needs warm_start = 1");
-  bad = d;
-  bad.wire_dtype = 3;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.wire_dtype = 3: expected f32 (0), bf16 (1) or fp16 (2)");
-  bad = d;
-  bad.wire_dtype = PSGD_WIRE_BF16;
-  bad.device = 1;
-  refused(bad, PSGD_ERR_UNSUPPORTED, "16-bit factors on the wire are CPU-only");
-  bad = d;
-  bad.struct_size = 8;
-  refused(bad, PSGD_ERR_INVALID_ARGUMENT, "config.struct_size = 8: expected at least 72");
+  struct Bad {
+    void (*set)(psgd_config&);
+    psgd_status status;
+    const char* words;
+  };
+  const Bad bads[] = {
+      {[](psgd_config& c) { c.warm_start = 2; }, PSGD_ERR_INVALID_ARGUMENT, "config.warm_start = 2: expected 0 or 1"},
+      {[](psgd_config& c) { c.alternating = 3; }, PSGD_ERR_INVALID_ARGUMENT, "config.alternating = 3"},
+      {[](psgd_config& c) { c.rank_low = 5; }, PSGD_ERR_INVALID_ARGUMENT, "config.rank_low = 5 > config.rank_high = 4"},
+      {[](psgd_config& c) { c.rank = 65; }, PSGD_ERR_INVALID_ARGUMENT, "config.rank = 65: expected 1 to 64"},
+      {[](psgd_config& c) { c.divergence_check_interval = -1; }, PSGD_ERR_INVALID_ARGUMENT,
+       "config.divergence_check_interval = -1: expected >= 0"},
+      {[](psgd_config& c) { c.alternating = 1, c.warm_start = 0; }, PSGD_ERR_INVALID_ARGUMENT,
+       "alternating needs warm_start = 1"},
+      {[](psgd_config& c) { c.wire_dtype = 3; }, PSGD_ERR_INVALID_ARGUMENT,
+       "config.wire_dtype = 3: expected f32 (0), bf16 (1) or fp16 (2)"},
+      {[](psgd_config& c) { c.wire_dtype = PSGD_WIRE_BF16, c.device = 1; }, PSGD_ERR_UNSUPPORTED,
+       "16-bit factors on the wire are CPU-only"},
+      {[](psgd_config& c) { c.struct_size = 8; }, PSGD_ERR_INVALID_ARGUMENT,
+       "config.struct_size = 8: expected at least 72"},
+  };
+  for (const Bad& b : bads) {
+    CAPTURE(b.words);
+    psgd_config bad = d;
+    b.set(bad);
+    refused(bad, b.status, b.words);
+  }
   CHECK(psgd_reducer_create(comm, nullptr, &r) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("'config'") != std::string::npos);
   CHECK(psgd_config_validate(nullptr) == PSGD_ERR_INVALID_ARGUMENT);
