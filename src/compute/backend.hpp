@@ -98,14 +98,20 @@ class Backend {
   // (batch of them, `stride` floats apart; batch == 1 ignores the stride).
   // cols <= kMaxOrthoCols; epsilon finite and >= 0.
   // GramSchmidt: as the reference, column i /= (||column i|| + epsilon), then removed
-  // from the later columns. A column whose norm is 0 (with epsilon 0) becomes 0
-  // instead of NaN. Qr: Householder QR, Q's columns written back (sign convention
-  // of LAPACK); when rows < cols only the first `rows` columns can be orthonormal and
-  // the rest become 0. Gram-Schmidt with rows < cols, like the reference, leaves
-  // the columns after the first `rows` independent ones as normalized rounding noise.
-  // Sums (norms, dot products) accumulate in double on every backend.
+  // from the later columns. Qr: Householder QR, Q's columns written back (sign
+  // convention of LAPACK). Either way the first min(rows, cols) columns come out
+  // orthonormal for ANY input: a degenerate column (what is left of it after
+  // projecting out the columns before it is at most 1e-4 of its own norm: a zero
+  // column, a dependent one) is replaced by the first candidate vector
+  // (compute/degenerate.hpp: pseudo-random ones keyed by seed, batch item and
+  // column, then e_0, e_1, ...) that keeps more than 1e-4 of its norm once the
+  // other columns are projected out (twice), normalized. Its direction is
+  // rounding noise in the reference (NaN, or 0, for a zero column), and a factor
+  // kept at 0 stops the power iteration for good (docs/engine.md). Columns
+  // after the first `rows` become 0. The same input and seed give the same bits
+  // on every run of a backend. Sums (norms, dot products) accumulate in double.
   virtual void orthogonalize(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride,
-                             OrthoMethod method, float epsilon) = 0;
+                             OrthoMethod method, float epsilon, uint64_t seed) = 0;
 
   // ---- fused PowerSGD passes ----
   // One streaming pass over M each, where the gemm compositions named beside

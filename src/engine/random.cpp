@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cmath>
+#include <initializer_list>
 #include <numbers>
 
 namespace powersgd::engine {
@@ -87,6 +88,15 @@ void standard_normal(uint64_t seed, uint64_t bucket, uint64_t draw, std::span<fl
     out[i] = static_cast<float>(radius * cosine);
     if (i + 1 < out.size()) out[i + 1] = static_cast<float>(radius * sine);
   }
+}
+
+uint64_t orthogonalization_seed(uint64_t seed, uint64_t bucket, uint64_t step, uint64_t factor, uint64_t group) {
+  uint64_t state = seed;
+  for (uint64_t part : {bucket, step, factor, group}) {
+    state ^= part;
+    state = splitmix64(state);
+  }
+  return state;
 }
 
 }  // namespace powersgd::engine

@@ -261,6 +261,23 @@ double StepRunner::form(BucketState& s, const float* data, const float* q, float
   return m2;
 }
 
+// A zero or rank-deficient P or Q (a gradient that is 0 in a step, or of rank
+// below r) has degenerate columns: the backend replaces them by vectors keyed
+// by (seed, bucket, step, factor, group), so every rank gets the same bits and
+// the power iteration never keeps a zero factor (docs/engine.md).
+void StepRunner::orthogonalize(float* factor, const BucketPlan& plan, Factor which, int b, int64_t step) {
+  const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const Group& g = plan.groups[gi];
+    const bool p = which == Factor::P;
+    const int64_t rows = p ? g.rows : g.cols;
+    const uint64_t seed = orthogonalization_seed(config_.seed, static_cast<uint64_t>(b), static_cast<uint64_t>(step),
+                                                 p ? 0 : 1, gi);
+    be_.orthogonalize(factor + (p ? g.p_offset : g.q_offset), rows, g.rank, g.count, rows * g.rank,
+                      ortho_method(g.rank), eps, seed);
+  }
+}
+
 // Q = M^T P per matrix, one streaming pass each (the whole-bucket matrix is one group of one).
 void StepRunner::project_all(const BucketState& s, const float* p, float* q) {
   for (const auto& g : s.plan.groups)
@@ -274,14 +291,12 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
   const float* data = job.data[i];
   float* in = s.in.data();
   float* factor_out = factor(job, i);
-  const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
   double m2 = 0;
   if (job.q_half[i]) {
     // Alternating Q half: P^ = the warm P orthonormalized, then Q = M^T P^ (sent).
     float* p = arenas_.p_work.data() + s.p_offset;
     be_.copy(p, arenas_.p_state.data() + s.p_offset, static_cast<size_t>(plan.p_numel));
-    for (const auto& g : plan.groups)
-      be_.orthogonalize(p + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
+    orthogonalize(p, plan, Factor::P, job.buckets[i], job.iteration);
     m2 = form(s, data, nullptr, nullptr);
     project_all(s, p, factor_out);
   } else {
@@ -296,8 +311,7 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
     } else {
       be_.copy(q, arenas_.q_state.data() + s.q_offset, qn);
     }
-    for (const auto& g : plan.groups)
-      be_.orthogonalize(q + g.q_offset, g.cols, g.rank, g.count, g.cols * g.rank, ortho_method(g.rank), eps);
+    orthogonalize(q, plan, Factor::Q, job.buckets[i], job.iteration);
     m2 = form(s, data, q, factor_out);
   }
   // Squared norms in double are finite exactly when every element is: they are
@@ -416,12 +430,10 @@ void StepRunner::run_compressed(Reduction& job) {
   if (q.count > 0) {
     try {
       maybe_inject(fault_, FaultPoint::Between, job.iteration);
-      const auto eps = static_cast<float>(config_.orthogonalization_epsilon);
       for (size_t i = 0; i < job.buckets.size(); ++i) {
         BucketState& s = bucket(job.buckets[i]);
         float* pb = factor(job, i);
-        for (const auto& g : s.plan.groups)
-          be_.orthogonalize(pb + g.p_offset, g.rows, g.rank, g.count, g.rows * g.rank, ortho_method(g.rank), eps);
+        orthogonalize(pb, s.plan, Factor::P, job.buckets[i], job.iteration);
         project_all(s, pb, arenas_.q_work.data() + job.q_at[i]);
       }
       be_.synchronize();

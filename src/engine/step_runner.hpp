@@ -83,6 +83,9 @@ class StepRunner {
   void prepare_compressed(Reduction& job, size_t i, BucketState& s);
   double form(BucketState& s, const float* data, const float* q, float* p);
   void project_all(const BucketState& s, const float* p, float* q);
+  // Orthonormalizes every group's P or Q in `factor` (the bucket's P or Q range) in place.
+  enum class Factor { P, Q };
+  void orthogonalize(float* factor, const BucketPlan& plan, Factor which, int b, int64_t step);
   void lookahead(const Reduction& current);
 
   void run_plain(Reduction& job);

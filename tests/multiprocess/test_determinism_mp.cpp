@@ -309,15 +309,18 @@ int main(int argc, char** argv) {
   return powersgd::testing::run_selected_tests(argc, argv);
 }
 
-TEST_CASE("determinism: every option, every step, the same output bits on every rank") {
+namespace {
+
+// This round's communicator, after checking that OpenBLAS runs the core this
+// round assigned and that every rank runs the same round.
+std::unique_ptr<Communicator> connect_round(const std::string& name) {
   const int round = env_int("PSGD_DETERMINISM_ROUND"), rounds = env_int("PSGD_DETERMINISM_ROUNDS");
   const char* core = std::getenv("PSGD_DETERMINISM_CORE");
   REQUIRE(core != nullptr);
   REQUIRE_MESSAGE(strcasecmp(openblas_get_corename(), core) == 0, "OPENBLAS_CORETYPE=", std::string(core),
                   " but OpenBLAS runs ", std::string(openblas_get_corename()));
-
-  auto comm = connect("determinism-round-" + std::to_string(round));
-  const int world = comm->size(), me = comm->rank();
+  auto comm = connect(name + "-round-" + std::to_string(round));
+  const int world = comm->size();
   // Every rank runs the same rounds (the probes agreed).
   const int mine[2] = {round, rounds};
   std::vector<int> rounds_of(2 * static_cast<size_t>(world));
@@ -327,41 +330,48 @@ TEST_CASE("determinism: every option, every step, the same output bits on every 
     REQUIRE(rounds_of[2 * static_cast<size_t>(w)] == round);
     REQUIRE(rounds_of[2 * static_cast<size_t>(w) + 1] == rounds);
   }
+  return comm;
+}
 
-  // Every rank its own gradients, the same for every option.
-  std::vector<std::vector<float>> inputs;
+size_t numel_of(const std::vector<Shape>& shapes) {
   size_t numel = 0;
-  for (const Shape& shape : kShapes) {
+  for (const Shape& shape : shapes) {
     size_t n = 1;
     for (int64_t d : shape) n *= static_cast<size_t>(d);
     numel += n;
   }
-  for (int step = 0; step < kSteps; ++step) {
-    inputs.push_back(gradients(numel, me, step));
-    for (float& v : inputs.back()) v *= scale_at(step);
-  }
+  return numel;
+}
 
+// Runs every option on one bucket of `shapes`, step s reducing inputs[s], and
+// compares a hash of every rank's output at every step. Returns the failures
+// (the same on every rank; rank 0's name the hashes).
+std::vector<std::string> compare_options(Communicator& comm, const std::vector<Option>& opts,
+                                         const std::vector<Shape>& shapes,
+                                         const std::vector<std::vector<float>>& inputs) {
+  const int round = env_int("PSGD_DETERMINISM_ROUND"), rounds = env_int("PSGD_DETERMINISM_ROUNDS");
+  const int world = comm.size(), me = comm.rank();
   std::vector<std::string> failures;
   std::vector<std::string> labels;  // "rank 1 (SkylakeX, 2 BLAS threads)"
-  for (const Option& opt : options()) {
-    Reducer reducer(*comm, opt.config);  // its backend applies PSGD_BLAS_THREADS
+  for (const Option& opt : opts) {
+    Reducer reducer(comm, opt.config);  // its backend applies PSGD_BLAS_THREADS
     if (labels.empty()) {
       char label[96] = {};
       std::snprintf(label, sizeof label, "%s, %d BLAS thread(s), %s kernels", openblas_get_corename(),
                     openblas_get_num_threads(), std::getenv("PSGD_CPU_KERNELS"));
       std::vector<char> all(sizeof label * static_cast<size_t>(world));
-      comm->allgather(label, all.data(), sizeof label);
+      comm.allgather(label, all.data(), sizeof label);
       for (int w = 0; w < world; ++w)
         labels.push_back("rank " + std::to_string(w) + " (" + std::string(all.data() + w * sizeof label) + ")");
       if (me == 0)
         for (const auto& l : labels) MESSAGE("round ", round + 1, " of ", rounds, ": ", l);
     }
-    const int b = reducer.add_bucket(kShapes);
+    const int b = reducer.add_bucket(shapes);
     std::set<int> ranks_used;
     bool differed = false;
-    for (int step = 0; step < kSteps; ++step) {
+    for (size_t step = 0; step < inputs.size(); ++step) {
       ranks_used.insert(reducer.bucket_rank(b));
-      std::vector<float> g = inputs[static_cast<size_t>(step)];
+      std::vector<float> g = inputs[step];
       reducer.reduce(b, g.data());
       engine::Fnv hash;
       for (float v : g) hash.add(v);
@@ -370,7 +380,7 @@ TEST_CASE("determinism: every option, every step, the same output bits on every 
       out.rank = static_cast<uint32_t>(reducer.bucket_rank(b));
       out.hash = hash.value();
       std::vector<Output> all(static_cast<size_t>(world));
-      comm->allgather(&out, all.data(), sizeof out);
+      comm.allgather(&out, all.data(), sizeof out);
       std::string differ;
       for (int w = 1; w < world; ++w)
         if (std::memcmp(&all[static_cast<size_t>(w)], &all[0], sizeof out) != 0) differ += " " + std::to_string(w);
@@ -390,5 +400,65 @@ TEST_CASE("determinism: every option, every step, the same output bits on every 
     }
     if (opt.config.adaptive && !differed) CHECK(ranks_used == std::set<int>{1, 4});  // both levels ran
   }
-  for (const auto& f : failures) FAIL_CHECK(f);
+  return failures;
+}
+
+}  // namespace
+
+TEST_CASE("determinism: every option, every step, the same output bits on every rank") {
+  auto comm = connect_round("determinism");
+  // Every rank its own gradients, the same for every option.
+  const size_t numel = numel_of(kShapes);
+  std::vector<std::vector<float>> inputs;
+  for (int step = 0; step < kSteps; ++step) {
+    inputs.push_back(gradients(numel, comm->rank(), step));
+    for (float& v : inputs.back()) v *= scale_at(step);
+  }
+  for (const auto& f : compare_options(*comm, options(), kShapes, inputs)) FAIL_CHECK(f);
+}
+
+// Degenerate factors (issue 29): the orthogonalization replaces a zero or
+// dependent column by a vector drawn from (seed, bucket, step), the same bits
+// on every rank. Step 0 plain; steps 1-3 a zero gradient on every rank (P and
+// the warm Q are 0); steps 4-5 every rank a multiple of one rank-1 matrix per
+// tensor (the summed P has rank 1: at rank 4, three dependent columns); steps
+// 6-7 every rank its own gradients.
+TEST_CASE("determinism: a zero, then rank-deficient, then full gradient: the same output bits on every rank") {
+  auto comm = connect_round("determinism-degenerate");
+  const std::vector<Shape> shapes = {{64, 48}, {64, 48}, {200, 130}, {7}};
+  const size_t numel = numel_of(shapes);
+  std::vector<std::vector<float>> inputs(8, std::vector<float>(numel, 0.0f));
+  inputs[0] = gradients(numel, comm->rank(), 0);
+  for (int step : {4, 5}) {
+    size_t at = 0;
+    const auto scale = static_cast<float>(1 + comm->rank() + step);
+    for (const Shape& shape : shapes) {
+      const auto rows = static_cast<size_t>(shape[0]);
+      const size_t cols = shape.size() > 1 ? static_cast<size_t>(shape[1]) : 1;
+      const std::vector<float> u = gradients(rows, 100, step), v = gradients(cols, 101, step);
+      for (size_t i = 0; i < rows; ++i)
+        for (size_t j = 0; j < cols; ++j) inputs[static_cast<size_t>(step)][at + i * cols + j] = scale * u[i] * v[j];
+      at += rows * cols;
+    }
+  }
+  for (int step : {6, 7}) inputs[static_cast<size_t>(step)] = gradients(numel, comm->rank(), step);
+  const std::vector<Option> opts = {
+      option("default (rank 1)", [](Config& c) { c.rank = 1; }),
+      option("rank 2", [](Config& c) { c.rank = 2; }),
+      option("rank 4", [](Config&) {}),
+      option("batch_same_shape, rank 4", [](Config& c) { c.batch_same_shape = true; }),
+      option("whole_bucket, rank 1", [](Config& c) { c.whole_bucket = true; c.rank = 1; }),
+      option("whole_bucket, rank 4", [](Config& c) { c.whole_bucket = true; }),
+      option("alternating, rank 1", [](Config& c) { c.alternating = true; c.rank = 1; }),
+      option("alternating, rank 4", [](Config& c) { c.alternating = true; }),
+      option("adaptive, ranks 1..4, interval 1", [](Config& c) {
+        c.adaptive = true;
+        c.rank_low = 1;
+        c.rank_high = 4;
+        c.adaptive_interval = 1;
+      }),
+      option("error_feedback off, rank 1", [](Config& c) { c.error_feedback = false; c.rank = 1; }),
+      option("bf16 wire, rank 2", [](Config& c) { c.wire_dtype = WireDType::BFloat16; c.rank = 2; }),
+  };
+  for (const auto& f : compare_options(*comm, opts, shapes, inputs)) FAIL_CHECK(f);
 }

@@ -32,6 +32,9 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     both ranks); warmup_steps/lr_boost_steps are validated
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
+  unused-branch     a branch unused (find_unused_parameters=True), or scaled by 0.0, in the first compressed
+                    steps and used from step 6: its gradient is nonzero afterwards and comparable to DDP
+                    allreduce's (it stayed 0 for good when the zero step froze the warm-start factor)
 With POWERSGD_TEST_TORCH_INIT=1 the process group comes from torch.distributed.init_process_group("gloo")
 itself (env://), as in a script written for torchrun; else from powersgd.torch.init_process_group.
 Exit 77 (skip) when torch is not importable.
@@ -968,6 +971,68 @@ def case_lr_watch():
         print("lr-watch: two StepLR decays, two boosts per bucket, equal on every rank: %s" % log)
 
 
+class Branchy(nn.Module):
+    """A trunk and a head, and a branch added to the head's output from `branch_from` on: unused before (DDP
+    with find_unused_parameters), or used but scaled by 0.0 (a zero gradient without DDP's unused logic)."""
+
+    def __init__(self, scaled):
+        super().__init__()
+        self.trunk = nn.Linear(16, 32, bias=False)
+        self.head = nn.Linear(32, 8, bias=False)
+        self.branch = nn.Linear(32, 8, bias=False)
+        self.scaled = scaled
+        self.use_branch = False
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        if self.scaled:
+            return self.head(h) + (1.0 if self.use_branch else 0.0) * self.branch(h)
+        return self.head(h) + self.branch(h) if self.use_branch else self.head(h)
+
+
+def case_unused_branch():
+    steps, branch_from = 12, 6
+    for scaled in (False, True):
+        for error_feedback in (True, False):
+            name = "unused-branch/%s/error_feedback=%s" % ("scaled by 0.0" if scaled else "find_unused_parameters",
+                                                          error_feedback)
+            ddp_options = {} if scaled else dict(find_unused_parameters=True)
+            torch.manual_seed(1)
+            reference = Branchy(scaled)
+            ours = copy.deepcopy(reference)
+            plain = ddp(reference, **ddp_options)
+            net = ddp(ours, **ddp_options)
+            # Compressed from iteration 2: steps 2 to 5 reduce a zero branch gradient.
+            state = pst.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                      use_error_feedback=error_feedback)
+            net.register_comm_hook(state, pst.powerSGD_hook)
+            inputs, targets = data(8, steps, seed=12)
+            norms = []
+            for model, module in ((plain, reference), (net, ours)):
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+                norms.append([])
+                for step, (x, y) in enumerate(zip(inputs, targets)):
+                    module.use_branch = step >= branch_from
+                    optimizer.zero_grad()
+                    nn.functional.mse_loss(model(x), y).backward()
+                    grad = module.branch.weight.grad
+                    norms[-1].append(0.0 if grad is None else grad.norm().item())
+                    optimizer.step()
+            assert state.compression_stats()[1] > 0, "%s: nothing was compressed" % name
+            plain_norms, our_norms = norms
+            if rank() == 0:
+                print("%s: |branch grad| from step %d, allreduce %s, powersgd rank 1 %s"
+                      % (name, branch_from, " ".join("%.4f" % n for n in plain_norms[branch_from:]),
+                         " ".join("%.4f" % n for n in our_norms[branch_from:])))
+            assert all(n == 0.0 for n in our_norms[:branch_from]), (name, our_norms)
+            # Rank 1 carries a step's top singular direction (error feedback the rest later): comparable,
+            # not equal.
+            for step in range(branch_from, steps):
+                assert our_norms[step] > 0.2 * plain_norms[step], (name, step, plain_norms, our_norms)
+            assert sum(our_norms[branch_from:]) > 0.4 * sum(plain_norms[branch_from:]), (name, plain_norms, our_norms)
+            state.close()
+
+
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
@@ -989,6 +1054,7 @@ CASES = {
     "checkpoint-save": case_checkpoint_save,
     "checkpoint-resume": case_checkpoint_resume,
     "lr-watch": case_lr_watch,
+    "unused-branch": case_unused_branch,
 }
 # Cases that take a directory argument.
 DIRECTORY_CASES = ("checkpoint-save", "checkpoint-resume")

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -782,9 +783,9 @@ double span_error(const Matrix& q, const Matrix& a, int64_t cols) {
   return worst;
 }
 
-Matrix orthogonalized(Backend& be, const Matrix& a, OrthoMethod method, float epsilon) {
+Matrix orthogonalized(Backend& be, const Matrix& a, OrthoMethod method, float epsilon, uint64_t seed = 0) {
   DeviceBuffer buf = upload(be, a.data);
-  be.orthogonalize(buf.data(), a.rows, a.cols, 1, 0, method, epsilon);
+  be.orthogonalize(buf.data(), a.rows, a.cols, 1, 0, method, epsilon, seed);
   return {a.rows, a.cols, download(be, buf)};
 }
 
@@ -918,21 +919,17 @@ TEST_CASE("orthogonalize: an all-zero column") {
   for_each_backend([](Backend& be) {
     Matrix a = random_matrix(50, 4, 200);
     for (int64_t r = 0; r < a.rows; ++r) a.data[static_cast<size_t>(r * a.cols + 1)] = 0.0f;
-    for (float epsilon : {0.0f, 1e-8f}) {
-      CAPTURE(epsilon);
-      // Gram-Schmidt: the zero column stays 0 (not NaN); the others are orthonormal.
-      const Matrix q = orthogonalized(be, a, OrthoMethod::GramSchmidt, epsilon);
-      REQUIRE(all_finite(q));
-      for (int64_t r = 0; r < a.rows; ++r) CHECK(q.at(r, 1) == 0.0);
-      Matrix others{a.rows, 3, {}};
-      for (int64_t r = 0; r < a.rows; ++r)
-        for (int64_t c : {0, 2, 3}) others.data.push_back(q.data[static_cast<size_t>(r * a.cols + c)]);
-      CHECK(orthogonality_error(others, 3) < kOrthoTol);
-    }
-    // Householder QR still yields an orthonormal Q whose span covers A.
-    const Matrix q = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
-    CHECK(orthogonality_error(q, 4) < kOrthoTol);
-    CHECK(span_error(q, a, 4) < 1e-4);
+    for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr})
+      for (float epsilon : {0.0f, 1e-8f}) {
+        CAPTURE(static_cast<int>(method));
+        CAPTURE(epsilon);
+        // The zero column is replaced (not NaN, not 0): Q is orthonormal and its span covers A.
+        const Matrix q = orthogonalized(be, a, method, epsilon);
+        REQUIRE(all_finite(q));
+        CHECK(orthogonality_error(q, 4) < kOrthoTol);
+        CHECK(span_error(q, a, 4) < 1e-4);
+        CHECK(column_norm(q, 1) == doctest::Approx(1.0).epsilon(1e-5));
+      }
   });
 }
 
@@ -940,30 +937,80 @@ TEST_CASE("orthogonalize: rank-deficient input") {
   for_each_backend([](Backend& be) {
     Matrix a = random_matrix(60, 3, 300);
     for (int64_t r = 0; r < a.rows; ++r) a.data[static_cast<size_t>(r * 3 + 2)] = static_cast<float>(a.at(r, 0) - 2 * a.at(r, 1));
-    const Matrix qr = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
-    CHECK(orthogonality_error(qr, 3) < kOrthoTol);
-    CHECK(span_error(qr, a, 3) < 1e-4);
-    // Gram-Schmidt, as the reference: the dependent column is rounding noise,
-    // but finite, and the independent ones are orthonormal.
-    const Matrix gs = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f);
-    CHECK(all_finite(gs));
-    CHECK(orthogonality_error(gs, 2) < kOrthoTol);
-    CHECK(span_error(gs, a, 2) < 1e-4);
+    for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
+      CAPTURE(static_cast<int>(method));
+      // The dependent column (rounding noise in the reference's Gram-Schmidt) is replaced: Q is orthonormal.
+      const Matrix q = orthogonalized(be, a, method, 0.0f);
+      REQUIRE(all_finite(q));
+      CHECK(orthogonality_error(q, 3) < kOrthoTol);
+      CHECK(span_error(q, a, 3) < 1e-4);
+    }
+  });
+}
+
+// Zero, rank-1 and duplicated-column inputs, small and large scales, single and
+// batched: an orthonormal basis with both methods; the independent columns'
+// span is kept (span_error), so P^ P^T M still reproduces a rank-deficient M.
+TEST_CASE("orthogonalize: zero and rank-deficient inputs give an orthonormal basis, both methods") {
+  struct Case {
+    const char* name;
+    int64_t rows, cols;
+    std::function<float(int64_t, int64_t)> at;
+  };
+  const Matrix u = random_matrix(4096, 3, 800);
+  const std::vector<Case> cases = {
+      {"zero 64 x 1", 64, 1, [](int64_t, int64_t) { return 0.0f; }},
+      {"zero 64 x 2", 64, 2, [](int64_t, int64_t) { return 0.0f; }},
+      {"zero 48 x 4", 48, 4, [](int64_t, int64_t) { return 0.0f; }},
+      {"zero 2 x 2", 2, 2, [](int64_t, int64_t) { return 0.0f; }},
+      {"rank 1, 64 x 2", 64, 2, [&](int64_t r, int64_t c) { return float(u.at(r, 0) * (c + 1)); }},
+      {"rank 1, 64 x 4", 64, 4, [&](int64_t r, int64_t c) { return float(u.at(r, 0) * (c % 2 == 0 ? 3 : -1)); }},
+      {"rank 1, 4096 x 4, scale 1e-30", 4096, 4, [&](int64_t r, int64_t c) { return float(u.at(r, 0) * 1e-30 * (c + 1)); }},
+      {"rank 1, 4096 x 4, scale 1e30", 4096, 4, [&](int64_t r, int64_t c) { return float(u.at(r, 0) * 1e30 * (c + 1)); }},
+      {"rank 2 of 5, zero first column", 100, 5,
+       [&](int64_t r, int64_t c) { return c == 0 ? 0.0f : float(u.at(r, 1) + c * u.at(r, 2)); }},
+      {"equal columns, 37 x 2", 37, 2, [&](int64_t r, int64_t) { return float(u.at(r, 1)); }},
+      {"one nonzero row, 50 x 3", 50, 3, [](int64_t r, int64_t c) { return r == 7 ? float(c + 1) : 0.0f; }},
+  };
+  for_each_backend([&](Backend& be) {
+    for (const Case& k : cases)
+      for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
+        const std::string name = k.name;
+        CAPTURE(name);
+        CAPTURE(static_cast<int>(method));
+        Matrix a{k.rows, k.cols, {}};
+        for (int64_t r = 0; r < k.rows; ++r)
+          for (int64_t c = 0; c < k.cols; ++c) a.data.push_back(k.at(r, c));
+        const Matrix q = orthogonalized(be, a, method, 0.0f, 42);
+        REQUIRE(all_finite(q));
+        CHECK(orthogonality_error(q, k.cols) < kOrthoTol);
+        CHECK(span_error(q, a, k.cols) < 1e-4);
+        // A batch of three copies: each item orthonormal.
+        const int64_t n = k.rows * k.cols;
+        std::vector<float> three;
+        for (int i = 0; i < 3; ++i) three.insert(three.end(), a.data.begin(), a.data.end());
+        DeviceBuffer buf = upload(be, three);
+        be.orthogonalize(buf.data(), k.rows, k.cols, 3, n, method, 0.0f, 42);
+        const std::vector<float> got = download(be, buf);
+        for (int64_t i = 0; i < 3; ++i) {
+          const Matrix item{k.rows, k.cols, std::vector<float>(got.begin() + i * n, got.begin() + (i + 1) * n)};
+          CHECK(orthogonality_error(item, k.cols) < kOrthoTol);
+        }
+      }
   });
 }
 
 TEST_CASE("orthogonalize: fewer rows than columns") {
   for_each_backend([](Backend& be) {
     const Matrix a = random_matrix(3, 5, 400);
-    const Matrix qr = orthogonalized(be, a, OrthoMethod::Qr, 0.0f);
-    CHECK(orthogonality_error(qr, 3) < kOrthoTol);
-    CHECK(span_error(qr, a, 3) < 1e-4);
-    for (int64_t r = 0; r < 3; ++r)
-      for (int64_t c = 3; c < 5; ++c) CHECK(qr.at(r, c) == 0.0);
-    const Matrix gs = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f);
-    CHECK(all_finite(gs));
-    CHECK(orthogonality_error(gs, 3) < kOrthoTol);
-    CHECK(span_error(gs, a, 3) < 1e-4);
+    for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
+      CAPTURE(static_cast<int>(method));
+      const Matrix q = orthogonalized(be, a, method, 0.0f);
+      CHECK(orthogonality_error(q, 3) < kOrthoTol);
+      CHECK(span_error(q, a, 3) < 1e-4);
+      for (int64_t r = 0; r < 3; ++r)
+        for (int64_t c = 3; c < 5; ++c) CHECK(q.at(r, c) == 0.0);
+    }
   });
 }
 
@@ -992,7 +1039,7 @@ TEST_CASE("orthogonalize: strided batches leave the gaps untouched") {
         std::copy(inputs.back().data.begin(), inputs.back().data.end(), host.begin() + item * stride);
       }
       DeviceBuffer buf = upload(be, host);
-      be.orthogonalize(buf.data(), rows, cols, batch, stride, method, 0.0f);
+      be.orthogonalize(buf.data(), rows, cols, batch, stride, method, 0.0f, 0);
       const std::vector<float> got = download(be, buf);
       for (int64_t item = 0; item < batch; ++item) {
         CAPTURE(item);
@@ -1009,20 +1056,63 @@ TEST_CASE("orthogonalize: strided batches leave the gaps untouched") {
 TEST_CASE("orthogonalize: rejects bad arguments") {
   for_each_backend([](Backend& be) {
     DeviceBuffer buf = be.allocate(200);
-    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 2, kMaxOrthoCols + 1, 1, 0, OrthoMethod::Qr, 0.0f),
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 2, kMaxOrthoCols + 1, 1, 0, OrthoMethod::Qr, 0.0f, 0),
                     InvalidArgumentError);
-    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 1, 0, OrthoMethod::GramSchmidt, -1.0f), InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 1, 0, OrthoMethod::GramSchmidt, -1.0f, 0), InvalidArgumentError);
     CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 1, 0, OrthoMethod::GramSchmidt,
-                                     std::numeric_limits<float>::quiet_NaN()),
+                                     std::numeric_limits<float>::quiet_NaN(), 0),
                     InvalidArgumentError);
-    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 2, 7, OrthoMethod::Qr, 0.0f), InvalidArgumentError);
-    CHECK_THROWS_AS(be.orthogonalize(buf.data(), -4, 2, 1, 0, OrthoMethod::Qr, 0.0f), InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), 4, 2, 2, 7, OrthoMethod::Qr, 0.0f, 0), InvalidArgumentError);
+    CHECK_THROWS_AS(be.orthogonalize(buf.data(), -4, 2, 1, 0, OrthoMethod::Qr, 0.0f, 0), InvalidArgumentError);
   });
 }
 
 // ---- backend-specific ----
 
 #ifndef PSGD_TEST_COMPUTE_CUDA
+
+// The orthogonalization runs on the allreduced P and the warm Q, the same bits
+// on every rank: its replacement of degenerate columns must be too, whatever
+// kernel variant and thread count a rank runs (docs/compute.md).
+TEST_CASE("cpu: degenerate columns are replaced with the same bits by every kernel variant and thread count") {
+  const Matrix u = random_matrix(200, 2, 900);
+  std::vector<Matrix> inputs = {Matrix{64, 1, std::vector<float>(64, 0.0f)}, Matrix{64, 2, std::vector<float>(128, 0.0f)},
+                                Matrix{48, 4, std::vector<float>(192, 0.0f)}, Matrix{200, 4, {}}, Matrix{200, 2, {}}};
+  for (int64_t r = 0; r < 200; ++r)
+    for (int64_t c = 0; c < 4; ++c) inputs[3].data.push_back(static_cast<float>(u.at(r, 0) * (c + 1)));  // rank 1
+  for (int64_t r = 0; r < 200; ++r)
+    for (int64_t c = 0; c < 2; ++c) inputs[4].data.push_back(static_cast<float>(u.at(r, 1)));  // equal columns
+  const int original = cpu_blas_threads();
+  for (const Matrix& a : inputs)
+    for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
+      CAPTURE(a.rows);
+      CAPTURE(a.cols);
+      CAPTURE(static_cast<int>(method));
+      std::optional<std::vector<float>> first;
+      for (const std::string& variant : cpu_kernel_variants())
+        for (int threads : {1, 2}) {
+          CAPTURE(variant);
+          CAPTURE(threads);
+          set_cpu_blas_threads(threads);
+          auto be = make_cpu_backend(variant);
+          const Matrix q = orthogonalized(*be, a, method, 0.0f, 7);
+          CHECK(orthogonality_error(q, a.cols) < kOrthoTol);
+          if (!first) first = q.data;
+          CHECK(std::memcmp(first->data(), q.data.data(), q.data.size() * sizeof(float)) == 0);
+        }
+      // Another seed: other vectors for the degenerate columns (here every column but a rank-1 input's first).
+      auto be = make_cpu_backend();
+      const Matrix other = orthogonalized(*be, a, method, 0.0f, 8);
+      CHECK(orthogonality_error(other, a.cols) < kOrthoTol);
+      CHECK(other.data != *first);
+    }
+  // The seed changes nothing where no column is degenerate.
+  auto be = make_cpu_backend();
+  const Matrix a = random_matrix(100, 4, 901);
+  for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr})
+    CHECK(orthogonalized(*be, a, method, 0.0f, 1).data == orthogonalized(*be, a, method, 0.0f, 2).data);
+  set_cpu_blas_threads(original);
+}
 
 TEST_CASE("cpu: BLAS thread count probe, set, and PSGD_BLAS_THREADS") {
   const int original = cpu_blas_threads();

@@ -1418,6 +1418,97 @@ TEST_CASE("adaptive with rank_low == rank_high: a checkpoint saved at level 0 re
 // The initial-Q generator computes log, sin and cos itself in a fixed order
 // (glibc's libm picks FMA or non-FMA code per host, engine/random.cpp): its
 // floats must still be the Box-Muller draws glibc's functions give on this host.
+// ==== A zero gradient (issue 29) ====
+
+// A 64 x 48 matrix whose gradient is 0 in its first 5 compressed steps, then a
+// fixed rank-1 matrix g: with the factors kept at 0 by the orthogonalization,
+// every later output was 0 (and the error memory grew by g every step). Now the
+// zero steps output exactly 0 and leave no error (only the factor basis is
+// repaired), and from the first nonzero step on one power iteration
+// reproduces g (rank 1 <= r; at ranks 2 and 4 P is rank-deficient, whose
+// dependent columns Gram-Schmidt left as rounding noise that is not
+// orthogonal to the first). Alternating reproduces it over each pair of steps.
+TEST_CASE("zero gradient: a matrix whose gradient is 0 in its first compressed steps learns afterwards, every variant") {
+  struct Variant {
+    const char* name;
+    std::function<void(Config&)> edit;
+  };
+  const std::vector<Variant> variants = {
+      {"default (rank 1)", [](Config&) {}},
+      {"rank 2 (Gram-Schmidt, rank-deficient P)", [](Config& c) { c.rank = 2; }},
+      {"rank 4 (QR, rank-deficient P)", [](Config& c) { c.rank = 4; }},
+      {"same-shape batching", [](Config& c) { c.batch_same_shape = true; }},
+      {"whole bucket", [](Config& c) { c.whole_bucket = true; }},
+      {"alternating", [](Config& c) { c.alternating = true; }},
+      {"adaptive 1..4, interval 2",
+       [](Config& c) {
+         c.adaptive = true;
+         c.adaptive_interval = 2;
+       }},
+      {"warm-up: 3 steps at rank 4", [](Config& c) { c.warmup_steps = 3; }},
+      {"boost: rank 4 for 2 steps after a note at step 2", [](Config& c) { c.lr_boost_steps = 2; }},
+      {"bf16 wire", [](Config& c) { c.wire_dtype = WireDType::BFloat16; }},
+      {"bf16 wire, alternating",
+       [](Config& c) {
+         c.wire_dtype = WireDType::BFloat16;
+         c.alternating = true;
+       }},
+  };
+  constexpr int kZeroSteps = 5, kSteps = 10;
+  for (const Variant& v : variants)
+    for (bool ef : {true, false}) {
+      Config c;
+      c.rank = 1;
+      c.rank_low = 1;
+      c.rank_high = 4;
+      c.start_iter = 0;
+      c.error_feedback = ef;
+      v.edit(c);
+      const std::string variant = v.name;
+      CAPTURE(variant);
+      CAPTURE(ef);
+      auto comm = solo();
+      Reducer reducer(*comm, c);
+      const std::vector<Shape> shapes =
+          c.whole_bucket ? std::vector<Shape>{{64, 64}} : std::vector<Shape>{{64, 48}, {64, 48}, {7}};
+      reducer.add_bucket(shapes);
+      const std::vector<float> g = rank_r_bucket(engine::make_plan(shapes, c), 1, 10.0f, 29);
+      const bool bf16 = c.wire_dtype == WireDType::BFloat16;
+      const double tolerance = (bf16 ? 5e-2 : 1e-4) * max_abs(g);
+      std::vector<double> sum_in(g.size(), 0.0), sum_out(g.size(), 0.0);
+      for (int step = 0; step < kSteps; ++step) {
+        CAPTURE(step);
+        if (step == 2 && c.lr_boost_steps == 2) reducer.note_lr_change();
+        const bool zero = step < kZeroSteps;
+        std::vector<float> out = zero ? std::vector<float>(g.size(), 0.0f) : g;
+        reducer.reduce(0, out.data());
+        std::vector<float> error(g.size());
+        reducer.error_feedback(0, error.data());
+        if (zero) {
+          CHECK(max_abs(out) == 0.0);
+          CHECK(max_abs(error) == 0.0);
+          continue;
+        }
+        CHECK(max_abs(out) > 0.0);
+        double worst = 0;
+        for (size_t i = 0; i < g.size(); ++i) {
+          sum_in[i] += g[i];
+          sum_out[i] += out[i];
+          worst = std::max(worst, std::abs(sum_in[i] - sum_out[i] - (ef ? error[i] : 0.0)));
+        }
+        if (!c.alternating) {
+          CHECK(max_abs_difference(out, g) < tolerance);
+        } else if (!ef) {
+          if (step > kZeroSteps) CHECK(max_abs_difference(out, g) < tolerance);
+        } else if (step % 2 == 0) {
+          // After each P half (steps 6, 8) the outputs since step 5 equal the gradients.
+          CHECK(max_abs(error) < tolerance);
+          CHECK(worst < tolerance * (step - kZeroSteps + 1));
+        }
+      }
+    }
+}
+
 TEST_CASE("random: the fixed-order generator draws the same floats as Box-Muller through libm") {
   constexpr size_t kCount = 1 << 20;
   for (uint64_t seed : {uint64_t{0}, uint64_t{42}}) {

@@ -22,6 +22,7 @@
 #include "compute/backend.hpp"
 #include "compute/cpu/kernels.hpp"
 #include "compute/cpu/thread_pool.hpp"
+#include "compute/degenerate.hpp"
 
 namespace powersgd::compute {
 
@@ -177,15 +178,15 @@ class CpuBackend final : public Backend {
   }
 
   void orthogonalize(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride, OrthoMethod method,
-                     float epsilon) override {
+                     float epsilon, uint64_t seed) override {
     detail::check_orthogonalize_arguments(m, rows, cols, batch, stride, epsilon);
     if (rows == 0 || cols == 0 || batch == 0) return;
     for (int64_t item = 0; item < batch; ++item) {
       float* matrix = m + item * stride;
       if (method == OrthoMethod::GramSchmidt)
-        gram_schmidt(matrix, rows, cols, epsilon);
+        gram_schmidt(matrix, rows, cols, epsilon, seed, item);
       else
-        householder_qr(matrix, rows, cols);
+        householder_qr(matrix, rows, cols, seed, item);
     }
   }
 
@@ -282,40 +283,95 @@ class CpuBackend final : public Backend {
   // The reference's _orthogonalize_gram_schmidt on a column-major copy
   // (contiguous columns): column i is divided by (its norm + epsilon), then its
   // projection is removed from every later column. Sums in double, in index
-  // order; an all-zero column with epsilon 0 stays 0.
-  void gram_schmidt(float* matrix, int64_t rows, int64_t cols, float epsilon) {
+  // order. A degenerate column (degenerate.hpp) becomes 0 there, so it removes
+  // nothing from the later ones, and is replaced at the end; columns after the
+  // first `rows` become 0.
+  void gram_schmidt(float* matrix, int64_t rows, int64_t cols, float epsilon, uint64_t seed, int64_t item) {
     const auto n = static_cast<size_t>(rows);
+    const auto k = static_cast<size_t>(std::min(rows, cols));
     colmajor_.resize(static_cast<size_t>(rows * cols));
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) colmajor_[static_cast<size_t>(c * rows + r)] = matrix[r * cols + c];
-    for (int64_t i = 0; i < cols; ++i) {
-      float* q = colmajor_.data() + static_cast<size_t>(i) * n;
-      double sum = 0.0;
-      for (size_t r = 0; r < n; ++r) sum += static_cast<double>(q[r]) * q[r];
-      const float denom = static_cast<float>(std::sqrt(sum)) + epsilon;
-      if (denom == 0.0f)
+    own_.resize(k);
+    for (size_t i = 0; i < k; ++i) own_[i] = squares(colmajor_.data() + i * n, n);
+    flagged_.assign(k, 0);
+    for (size_t i = 0; i < static_cast<size_t>(cols); ++i) {
+      float* q = colmajor_.data() + i * n;
+      const double sum = i < k ? squares(q, n) : 0.0;
+      if (i >= k || degenerate::is_degenerate(sum, own_[i])) {
         std::fill_n(q, n, 0.0f);
-      else
-        for (size_t r = 0; r < n; ++r) q[r] /= denom;
-      for (int64_t j = i + 1; j < cols; ++j) {
-        float* v = colmajor_.data() + static_cast<size_t>(j) * n;
+        if (i < k) flagged_[i] = 1;
+        continue;
+      }
+      const float denom = static_cast<float>(std::sqrt(sum)) + epsilon;
+      for (size_t r = 0; r < n; ++r) q[r] /= denom;
+      for (size_t j = i + 1; j < k; ++j) {
+        float* v = colmajor_.data() + j * n;
         double projection = 0.0;
         for (size_t r = 0; r < n; ++r) projection += static_cast<double>(q[r]) * v[r];
         const auto d = static_cast<float>(projection);
         for (size_t r = 0; r < n; ++r) v[r] -= d * q[r];
       }
     }
+    replace_degenerate(colmajor_.data(), n, k, seed, item);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) matrix[r * cols + c] = colmajor_[static_cast<size_t>(c * rows + r)];
+  }
+
+  // Sum of squares in double, in index order.
+  template <typename T>
+  static double squares(const T* x, size_t n) {
+    double sum = 0.0;
+    for (size_t r = 0; r < n; ++r) sum += static_cast<double>(x[r]) * static_cast<double>(x[r]);
+    return sum;
+  }
+
+  // Each column j of q (column-major, rows x k) flagged in flagged_, in order,
+  // becomes the first candidate (degenerate.hpp) that keeps more than the
+  // tolerance of its norm after the unflagged columns (orthonormal) are
+  // projected out of it twice, normalized; it then counts as unflagged. Sums in
+  // double, in index order: the same bits on every host for the same input.
+  template <typename T>
+  void replace_degenerate(T* q, size_t rows, size_t k, uint64_t seed, int64_t item) {
+    const auto attempts = degenerate::kDraws + static_cast<int64_t>(rows);
+    for (size_t j = 0; j < k; ++j) {
+      if (flagged_[j] == 0) continue;
+      T* z = q + j * rows;
+      bool found = false;
+      for (int64_t attempt = 0; attempt < attempts && !found; ++attempt) {
+        for (size_t r = 0; r < rows; ++r)
+          z[r] = degenerate::candidate(seed, item, static_cast<int64_t>(j), attempt, static_cast<int64_t>(r));
+        const double own = squares(z, rows);
+        for (int pass = 0; pass < 2; ++pass)
+          for (size_t c = 0; c < k; ++c) {
+            if (c == j || flagged_[c] != 0) continue;
+            const T* v = q + c * rows;
+            double d = 0.0;
+            for (size_t r = 0; r < rows; ++r) d += static_cast<double>(v[r]) * static_cast<double>(z[r]);
+            const auto dt = static_cast<T>(d);
+            for (size_t r = 0; r < rows; ++r) z[r] -= dt * v[r];
+          }
+        const double left = squares(z, rows);
+        found = own > 0.0 && !degenerate::is_degenerate(left, own);
+        if (found) {
+          const double norm = std::sqrt(left);
+          for (size_t r = 0; r < rows; ++r) z[r] = static_cast<T>(static_cast<double>(z[r]) / norm);
+        }
+      }
+      if (!found) std::fill_n(z, rows, T{0});  // unreachable: some e_l keeps >= 1/rows of its norm
+      flagged_[j] = 0;
+    }
   }
 
   // Householder QR in double, LAPACK's algorithm (sgeqr2, then sorg2r) and sign
   // convention: reflector j maps column j from the diagonal down onto
   // -sign(a_jj) * its norm * e_1; a column already 0 below the diagonal gets
   // none. Q's first k = min(rows, cols) columns replace the matrix, later
-  // columns (rows < cols) become 0. Unblocked: the matrices are tall and at
-  // most 64 columns wide, and this is small next to the passes over M.
-  void householder_qr(float* matrix, int64_t rows, int64_t cols) {
+  // columns (rows < cols) become 0. Column j is degenerate (degenerate.hpp)
+  // when |R_jj|, what is left of it, is small next to its norm, ||R e_j||:
+  // then rebuild_basis. Unblocked: the matrices are tall and at most 64
+  // columns wide, and this is small next to the passes over M.
+  void householder_qr(float* matrix, int64_t rows, int64_t cols, uint64_t seed, int64_t item) {
     const auto m = static_cast<size_t>(rows), n = static_cast<size_t>(cols), k = std::min(m, n);
     a_.resize(m * n);
     for (size_t r = 0; r < m; ++r)
@@ -334,16 +390,54 @@ class CpuBackend final : public Backend {
       x[0] = beta;
       for (size_t c = j + 1; c < n; ++c) apply_reflector(a_.data() + c * m + j, x + 1, tau_[j], len);
     }
-    // Q = H_0 ... H_{k-1} applied to the first k columns of I, right to left:
-    // H_j changes only rows and columns >= j.
-    q_.assign(m * k, 0.0);
-    for (size_t c = 0; c < k; ++c) q_[c * m + c] = 1.0;
-    for (size_t j = k; j-- > 0;) {
-      if (tau_[j] == 0.0) continue;
-      for (size_t c = j; c < k; ++c) apply_reflector(q_.data() + c * m + j, a_.data() + j * m + j + 1, tau_[j], m - j);
+    bool any = false;
+    for (size_t j = 0; j < k; ++j) {
+      const double rjj = a_[j * m + j];
+      any = any || degenerate::is_degenerate(rjj * rjj, squares(a_.data() + j * m, j + 1));
+    }
+    if (any) {
+      rebuild_basis(matrix, m, n, k, seed, item);
+    } else {
+      // Q = H_0 ... H_{k-1} applied to the first k columns of I, right to left:
+      // H_j changes only rows and columns >= j.
+      q_.assign(m * k, 0.0);
+      for (size_t c = 0; c < k; ++c) q_[c * m + c] = 1.0;
+      for (size_t j = k; j-- > 0;) {
+        if (tau_[j] == 0.0) continue;
+        for (size_t c = j; c < k; ++c)
+          apply_reflector(q_.data() + c * m + j, a_.data() + j * m + j + 1, tau_[j], m - j);
+      }
     }
     for (size_t r = 0; r < m; ++r)
       for (size_t c = 0; c < n; ++c) matrix[r * n + c] = c < k ? static_cast<float>(q_[c * m + r]) : 0.0f;
+  }
+
+  // QR's basis when a column is degenerate. Q's column j is then a reflector's
+  // image of e_j that the later columns may still need (R_jl != 0), so it
+  // cannot simply be replaced: instead q_ (rows x k, column-major) is rebuilt
+  // from the row-major input by Gram-Schmidt in double, every column projected
+  // out twice ("twice is enough": orthonormal to rounding whatever the
+  // conditioning), the degenerate ones left out and replaced at the end.
+  void rebuild_basis(const float* matrix, size_t m, size_t n, size_t k, uint64_t seed, int64_t item) {
+    q_.assign(m * k, 0.0);
+    flagged_.assign(k, 0);
+    for (size_t i = 0; i < k; ++i) {
+      double* v = q_.data() + i * m;
+      for (size_t r = 0; r < m; ++r) v[r] = matrix[r * n + i];
+      const double own = dot(v, v, m);
+      for (int pass = 0; pass < 2; ++pass)
+        for (size_t c = 0; c < i; ++c)
+          if (flagged_[c] == 0) subtract_scaled(v, dot(q_.data() + c * m, v, m), q_.data() + c * m, m);
+      const double left = dot(v, v, m);
+      if (degenerate::is_degenerate(left, own)) {
+        std::fill_n(v, m, 0.0);
+        flagged_[i] = 1;
+      } else {
+        const double norm = std::sqrt(left);
+        for (size_t r = 0; r < m; ++r) v[r] /= norm;
+      }
+    }
+    replace_degenerate(q_.data(), m, k, seed, item);
   }
 
   // Matrices of at least kLarge floats (1 MiB) are written with non-temporal
@@ -397,6 +491,8 @@ class CpuBackend final : public Backend {
   // Scratch reused across calls (a backend is used from one thread at a time).
   std::vector<float> colmajor_, qt_;
   std::vector<double> a_, q_, tau_;  // the QR's column-major copy, Q, and reflector scales
+  std::vector<double> own_;          // Gram-Schmidt: the input's squared column norms
+  std::vector<char> flagged_;        // the degenerate columns still to replace
 };
 
 }  // namespace

@@ -158,14 +158,14 @@ class CudaBackend final : public Backend {
   }
 
   void orthogonalize(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride, OrthoMethod method,
-                     float epsilon) override {
+                     float epsilon, uint64_t seed) override {
     detail::check_orthogonalize_arguments(m, rows, cols, batch, stride, epsilon);
     if (rows == 0 || cols == 0 || batch == 0) return;
     activate();
     if (method == OrthoMethod::GramSchmidt)
-      cuda::launch_gram_schmidt(m, rows, cols, batch, stride, epsilon, stream_);
+      cuda::launch_gram_schmidt(m, rows, cols, batch, stride, epsilon, seed, stream_);
     else
-      householder_qr(m, rows, cols, batch, stride);
+      householder_qr(m, rows, cols, batch, stride, seed);
   }
 
   // The fused passes are compositions of the primitives above on this
@@ -259,15 +259,17 @@ class CudaBackend final : public Backend {
   void activate() { PSGD_CUDA_CHECK(cudaSetDevice(device_)); }
 
   // cuSOLVER wants column-major: transpose each item into scratch (rows x cols
-  // column-major == cols x rows row-major), geqrf + orgqr there, zero the
-  // columns beyond min(rows, cols), transpose back.
-  void householder_qr(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride) {
+  // column-major == cols x rows row-major), geqrf, flag the degenerate
+  // columns from R, orgqr (a rebuilt basis instead when a column was flagged),
+  // zero the columns beyond min(rows, cols), transpose back.
+  void householder_qr(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride, uint64_t seed) {
     PSGD_REQUIRE(detail::fits_int32(rows * cols), InvalidArgumentError, "cuda backend: QR of a ", rows, " x ", cols,
                  " matrix exceeds cuSOLVER's 32-bit sizes");
     const int im = static_cast<int>(rows), in = static_cast<int>(cols), ik = std::min(im, in);
     const size_t elements = static_cast<size_t>(rows * cols);
     auto* a = static_cast<float*>(matrix_.get(elements * sizeof(float)));
     auto* tau = static_cast<float*>(tau_.get(static_cast<size_t>(ik) * sizeof(float)));
+    auto* flags = static_cast<int*>(flags_.get(static_cast<size_t>(ik) * sizeof(int)));
     int lwork_geqrf = 0, lwork_orgqr = 0;
     PSGD_CUDA_CHECK(cusolverDnSgeqrf_bufferSize(cusolver_, im, in, a, im, &lwork_geqrf));
     PSGD_CUDA_CHECK(cusolverDnSorgqr_bufferSize(cusolver_, im, ik, ik, a, im, tau, &lwork_orgqr));
@@ -282,7 +284,9 @@ class CudaBackend final : public Backend {
       cuda::launch_transpose(a, matrix, rows, cols, stream_);
       int* item_info = info + 2 * item;
       PSGD_CUDA_CHECK(cusolverDnSgeqrf(cusolver_, im, in, a, im, tau, work, lwork, item_info));
+      cuda::launch_flag_degenerate(a, im, ik, flags, stream_);
       PSGD_CUDA_CHECK(cusolverDnSorgqr(cusolver_, im, ik, ik, a, im, tau, work, lwork, item_info + 1));
+      cuda::launch_rebuild_if_degenerate(matrix, rows, cols, a, ik, flags, seed, item, stream_);
       if (ik < in)
         PSGD_CUDA_CHECK(cudaMemsetAsync(a + static_cast<size_t>(ik) * static_cast<size_t>(im), 0,
                                         static_cast<size_t>(in - ik) * static_cast<size_t>(im) * sizeof(float), stream_));
@@ -305,7 +309,7 @@ class CudaBackend final : public Backend {
   cublasHandle_t cublas_ = nullptr;
   cusolverDnHandle_t cusolver_ = nullptr;
   void* result_ = nullptr;
-  Scratch matrix_, tau_, work_, info_;
+  Scratch matrix_, tau_, work_, info_, flags_;
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "compute/backend.hpp"
 #include "compute/cuda/check.hpp"
+#include "compute/degenerate.hpp"
 #include "compute/cuda/kernels.hpp"
 
 namespace powersgd::compute::cuda {
@@ -77,26 +78,113 @@ __global__ void scale_matrix_kernel(float* c, int64_t m, int64_t n, int64_t ldc,
   }
 }
 
+// The sum of every thread's `own` over the block, returned to every thread;
+// *slot is shared scratch. Every thread of the block must call it.
+__device__ double block_sum(double own, double* slot) {
+  if (threadIdx.x == 0) *slot = 0.0;
+  __syncthreads();
+  own = warp_sum(own);
+  if (threadIdx.x % 32 == 0) atomicAdd(slot, own);
+  __syncthreads();
+  const double total = *slot;
+  __syncthreads();  // read by all before the slot is cleared again
+  return total;
+}
+
+// The CPU backend's replace_degenerate (cpu/backend.cpp) for one block: each
+// column j < k of the rows x k matrix m (element (r, c) at m[r * rs + c * cs])
+// flagged in the shared flags[] becomes the first candidate that keeps more
+// than the tolerance of its norm once the unflagged (orthonormal) columns are
+// projected out twice, normalized. Thread t owns rows t, t + blockDim, ...
+__device__ void replace_degenerate(float* m, int64_t rows, int64_t k, int64_t rs, int64_t cs, int* flags,
+                                   double* slot, uint64_t seed, int64_t item) {
+  const int64_t attempts = degenerate::kDraws + rows;
+  for (int64_t j = 0; j < k; ++j) {
+    if (flags[j] == 0) continue;
+    bool found = false;
+    for (int64_t attempt = 0; attempt < attempts && !found; ++attempt) {
+      double own = 0.0;
+      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+        const float v = degenerate::candidate(seed, item, j, attempt, r);
+        m[r * rs + j * cs] = v;
+        own += static_cast<double>(v) * v;
+      }
+      own = block_sum(own, slot);
+      for (int pass = 0; pass < 2; ++pass)
+        for (int64_t c = 0; c < k; ++c) {
+          if (c == j || flags[c] != 0) continue;
+          double dot = 0.0;
+          for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+            dot += static_cast<double>(m[r * rs + c * cs]) * static_cast<double>(m[r * rs + j * cs]);
+          const auto d = static_cast<float>(block_sum(dot, slot));
+          for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) m[r * rs + j * cs] -= d * m[r * rs + c * cs];
+        }
+      double left = 0.0;
+      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+        const double v = m[r * rs + j * cs];
+        left += v * v;
+      }
+      left = block_sum(left, slot);
+      found = own > 0.0 && !degenerate::is_degenerate(left, own);
+      if (found) {
+        const double norm = sqrt(left);
+        for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+          m[r * rs + j * cs] = static_cast<float>(m[r * rs + j * cs] / norm);
+      }
+    }
+    if (!found)  // unreachable: some e_l keeps >= 1/rows of its norm
+      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) m[r * rs + j * cs] = 0.0f;
+    __syncthreads();  // every thread has read flags[j] before it changes
+    if (threadIdx.x == 0) flags[j] = 0;
+    __syncthreads();
+  }
+}
+
 // One block per matrix. Thread t owns rows t, t + blockDim, ...; it both
 // normalizes and updates those rows, so only the block-wide sums need barriers.
-__global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols, int64_t stride, float epsilon) {
+// A degenerate column becomes 0 (it removes nothing from the later ones) and is
+// replaced at the end; columns after the first `rows` become 0.
+__global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols, int64_t stride, float epsilon,
+                                    uint64_t seed) {
   __shared__ double sums[kMaxOrthoCols];  // one slot per column
+  __shared__ double own[kMaxOrthoCols];   // the input's squared column norms
+  __shared__ int flags[kMaxOrthoCols];
+  __shared__ double slot;
   float* m = matrices + blockIdx.x * stride;
+  const int64_t k = rows < cols ? rows : cols;
+  for (int64_t i = 0; i < k; ++i) {
+    double part = 0.0;
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+      const double v = m[r * cols + i];
+      part += v * v;
+    }
+    part = block_sum(part, &slot);
+    if (threadIdx.x == 0) {
+      own[i] = part;
+      flags[i] = 0;
+    }
+  }
   for (int64_t i = 0; i < cols; ++i) {
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sums[j] = 0.0;
     __syncthreads();
-    double own = 0.0;
+    double norm2 = 0.0;
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
       const double v = m[r * cols + i];
-      own += v * v;
+      norm2 += v * v;
     }
-    own = warp_sum(own);
-    if (threadIdx.x % 32 == 0) atomicAdd(&sums[i], own);
+    norm2 = warp_sum(norm2);
+    if (threadIdx.x % 32 == 0) atomicAdd(&sums[i], norm2);
     __syncthreads();
+    if (i >= k || degenerate::is_degenerate(sums[i], own[i])) {
+      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) m[r * cols + i] = 0.0f;
+      if (threadIdx.x == 0 && i < k) flags[i] = 1;
+      __syncthreads();  // sums[i] read by all before the next column clears it
+      continue;
+    }
     const float denom = static_cast<float>(sqrt(sums[i])) + epsilon;
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
       float& q = m[r * cols + i];
-      q = denom == 0.0f ? 0.0f : q / denom;
+      q = q / denom;
     }
     if (i + 1 == cols) break;
     for (int64_t j = i + 1; j < cols; ++j) {
@@ -113,6 +201,72 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
     }
     __syncthreads();  // sums[] is cleared for the next column
   }
+  __syncthreads();
+  replace_degenerate(m, rows, k, cols, 1, flags, &slot, seed, blockIdx.x);
+}
+
+// After geqrf: flags[j] = whether column j of the column-major R (upper
+// triangle of r, leading dimension ld) is degenerate: |R_jj| small next to
+// ||R e_j||, the input column's norm. One thread per column.
+__global__ void flag_degenerate_kernel(const float* r, int64_t ld, int64_t k, int* flags) {
+  const int64_t j = threadIdx.x;
+  if (j >= k) return;
+  double own = 0.0;
+  for (int64_t i = 0; i <= j; ++i) {
+    const double v = r[j * ld + i];
+    own += v * v;
+  }
+  const double rjj = r[j * ld + j];
+  flags[j] = degenerate::is_degenerate(rjj * rjj, own) ? 1 : 0;
+}
+
+// After orgqr, when a column was flagged: the CPU backend's rebuild_basis
+// (cpu/backend.cpp) for one block. Q's flagged column (a reflector's image of
+// e_j) may carry data the later columns need, so q (column-major, rows x k) is
+// rebuilt from the row-major input (rows x cols) by Gram-Schmidt, each column
+// projected out twice, the degenerate ones replaced at the end.
+__global__ void rebuild_basis_kernel(const float* input, int64_t rows, int64_t cols, float* q, int64_t k,
+                                     const int* flags, uint64_t seed, int64_t item) {
+  __shared__ int shared_flags[kMaxOrthoCols];
+  __shared__ int any;
+  __shared__ double slot;
+  if (threadIdx.x == 0) {
+    any = 0;
+    for (int64_t j = 0; j < k; ++j) any |= flags[j];
+  }
+  __syncthreads();
+  if (any == 0) return;  // the same branch for every thread of the block
+  for (int64_t i = 0; i < k; ++i) {
+    double own = 0.0;
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+      const float v = input[r * cols + i];
+      q[i * rows + r] = v;
+      own += static_cast<double>(v) * v;
+    }
+    own = block_sum(own, &slot);
+    for (int pass = 0; pass < 2; ++pass)
+      for (int64_t c = 0; c < i; ++c) {
+        if (shared_flags[c] != 0) continue;
+        double dot = 0.0;
+        for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+          dot += static_cast<double>(q[c * rows + r]) * static_cast<double>(q[i * rows + r]);
+        const auto d = static_cast<float>(block_sum(dot, &slot));
+        for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) q[i * rows + r] -= d * q[c * rows + r];
+      }
+    double left = 0.0;
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+      const double v = q[i * rows + r];
+      left += v * v;
+    }
+    left = block_sum(left, &slot);
+    const bool flagged = degenerate::is_degenerate(left, own);
+    const double norm = sqrt(left);
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+      q[i * rows + r] = flagged ? 0.0f : static_cast<float>(q[i * rows + r] / norm);
+    if (threadIdx.x == 0) shared_flags[i] = flagged ? 1 : 0;
+    __syncthreads();
+  }
+  replace_degenerate(q, rows, k, 1, rows, shared_flags, &slot, seed, item);
 }
 
 constexpr int kTile = 32;
@@ -177,9 +331,22 @@ void launch_scale_matrix(float* c, int64_t m, int64_t n, int64_t ldc, int64_t st
 }
 
 void launch_gram_schmidt(float* m, int64_t rows, int64_t cols, int64_t batch, int64_t stride, float epsilon,
-                         cudaStream_t stream) {
+                         uint64_t seed, cudaStream_t stream) {
   if (rows == 0 || cols == 0 || batch == 0) return;
-  gram_schmidt_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(m, rows, cols, stride, epsilon);
+  gram_schmidt_kernel<<<static_cast<unsigned>(batch), kThreads, 0, stream>>>(m, rows, cols, stride, epsilon, seed);
+  PSGD_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_flag_degenerate(const float* r, int64_t ld, int64_t k, int* flags, cudaStream_t stream) {
+  if (k == 0) return;
+  flag_degenerate_kernel<<<1, static_cast<unsigned>(kMaxOrthoCols), 0, stream>>>(r, ld, k, flags);
+  PSGD_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_rebuild_if_degenerate(const float* input, int64_t rows, int64_t cols, float* q, int64_t k,
+                                  const int* flags, uint64_t seed, int64_t item, cudaStream_t stream) {
+  if (rows == 0 || k == 0) return;
+  rebuild_basis_kernel<<<1, kThreads, 0, stream>>>(input, rows, cols, q, k, flags, seed, item);
   PSGD_CUDA_CHECK(cudaGetLastError());
 }
 
