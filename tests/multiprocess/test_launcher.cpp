@@ -873,6 +873,24 @@ TEST_SUITE("link-delay") {
     CHECK(namespaces_of(l.pid()).empty());
   }
 
+  TEST_CASE("--delay-mechanism netem on a kernel without netem: exit 1 naming tc's error, before any worker") {
+    TempDir dir;
+    const std::string marker = dir / "started";
+    Launcher l({"--emulate-hosts", "2", "-n", "2", "--link-delay", "1ms", "--delay-mechanism", "netem", "--",
+                "/bin/touch", marker});
+    Result r = l.finish(60s);
+    INFO("stderr:\n", r.err);
+    if (r.code == 0) {
+      MESSAGE("this kernel has netem: nothing to refuse");
+      return;
+    }
+    CHECK(r.code == 1);
+    CHECK(contains(r.err, "--link-delay with netem: '"));
+    CHECK(contains(r.err, "netem delay 1000us"));
+    CHECK_FALSE(fs::exists(marker));
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
   TEST_CASE("the NFQUEUE delayers: one per host, a dead one fails the job, none is left on any exit path") {
     const std::vector<std::string> nfqueue = {"--emulate-hosts", "2", "-n", "2", "--link-delay", "1ms",
                                               "--delay-mechanism", "nfqueue"};
