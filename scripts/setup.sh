@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 packages=(build-essential meson ninja-build pkg-config python3 cmake
           libgloo-dev libopenblas-dev libboost-dev doctest-dev libibverbs-dev
           libcli11-dev nlohmann-json3-dev zlib1g-dev abigail-tools
-          iproute2 openssh-server openssh-client iperf3 procps
+          iproute2 iptables libnetfilter-queue-dev openssh-server openssh-client iperf3 procps
           slurmctld slurmd slurm-client munge openmpi-bin
           clang libclang-rt-14-dev
           dataset-fashion-mnist python3-torch python3-torchvision

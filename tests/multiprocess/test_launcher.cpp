@@ -1,9 +1,10 @@
 // Tests of powersgd-run, run as a real process (posix_spawn) with
 // launcher_worker as its program. Paths come from the environment:
-// PSGD_RUN (the launcher) and LAUNCHER_WORKER. Suites: local, ssh (a real
-// sshd on 127.0.0.1, started here), emulated (network namespaces).
-// Leading arguments --require=root / --require=sshd make the binary exit 77
-// (skipped) when that is missing; the rest goes to doctest.
+// PSGD_RUN (the launcher), LAUNCHER_WORKER and PSGD_DELAY (powersgd-delay;
+// empty when not built). Suites: local, ssh (a real sshd on 127.0.0.1, started
+// here), emulated (network namespaces), link-delay (--link-delay).
+// Leading arguments --require=root / sshd / netns / delayer make the binary
+// exit 77 (skipped) when that is missing; the rest goes to doctest.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -11,6 +12,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -100,6 +102,7 @@ class Launcher {
     ::close(out[1]);
     ::close(err[1]);
     REQUIRE_MESSAGE(rc == 0, "posix_spawn ", launcher(), ": ", std::strerror(rc));
+    spawned_ = pid_;
     out_ = out[0];
     err_ = err[0];
     start_ = Clock::now();
@@ -112,8 +115,12 @@ class Launcher {
     if (out_ >= 0) ::close(out_);
     if (err_ >= 0) ::close(err_);
   }
-  pid_t pid() const { return pid_; }
-  void signal(int sig) const { REQUIRE(::kill(pid_, sig) == 0); }
+  // The launcher's pid, also after finish() reaped it (namespaces and delayers are named after it).
+  pid_t pid() const { return spawned_; }
+  void signal(int sig) const {
+    REQUIRE(pid_ > 0);
+    REQUIRE(::kill(pid_, sig) == 0);
+  }
 
   // Reads output until the launcher exits; fails (and kills it) past `limit`.
   Result finish(std::chrono::seconds limit = 60s) {
@@ -151,7 +158,8 @@ class Launcher {
   }
 
  private:
-  pid_t pid_ = -1;
+  pid_t pid_ = -1;  // -1 once reaped
+  pid_t spawned_ = -1;
   int out_ = -1, err_ = -1;
   Clock::time_point start_;
 };
@@ -219,6 +227,44 @@ std::vector<std::string> namespaces_of(pid_t launcher_pid) {
     for (const auto& entry : fs::directory_iterator("/run/netns", ignored))
       if (entry.path().filename().string().rfind(prefix, 0) == 0) names.push_back(entry.path().filename());
   return names;
+}
+
+// Whether this process may create a network namespace (in a child, which then exits).
+bool can_make_netns() {
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(::unshare(CLONE_NEWNET) == 0 ? 0 : 1);
+  int status = 0;
+  return child > 0 && ::waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// "5ms" for 5.0.
+std::string detail_ms(double ms) {
+  std::ostringstream text;
+  text << ms << "ms";
+  return text.str();
+}
+
+// powersgd-delay (tools/delay): its path, empty when it is not built.
+std::string delay_program() {
+  const char* path = std::getenv("PSGD_DELAY");
+  return path != nullptr ? path : "";
+}
+
+// The link delayers (powersgd-delay) of the launcher `launcher_pid`: they are given its namespaces' names.
+std::vector<pid_t> delayers_of(pid_t launcher_pid) {
+  std::vector<pid_t> pids;
+  const std::string prefix = "psgd-" + std::to_string(launcher_pid) + "-h";
+  std::error_code ignored;
+  for (const auto& entry : fs::directory_iterator("/proc", ignored)) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "cmdline");
+    std::string args((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (contains(args, std::string("powersgd-delay\0", 15)) && contains(args, std::string("\0", 1) + prefix) &&
+        process_alive(static_cast<pid_t>(std::stol(name))))
+      pids.push_back(static_cast<pid_t>(std::stol(name)));
+  }
+  return pids;
 }
 
 // ---- local mode ----
@@ -410,6 +456,18 @@ TEST_SUITE("local") {
         {{"-n", "1", "--env", "1X=2", "--", "/bin/touch", marker}, "--env '1X=2'"},
         {{"-n", "1", "--emulate-hosts", "2", "--", "/bin/touch", marker}, "less than --emulate-hosts 2"},
         {{"-n", "2", "--emulate-hosts", "2", "--link-rate", "fast", "--", "/bin/touch", marker}, "--link-rate 'fast'"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-delay=-5ms", "--", "/bin/touch", marker},
+         "--link-delay '-5ms' is negative"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "5", "--", "/bin/touch", marker},
+         "--link-delay '5' is not a delay: expected a number with unit ns, us, ms or s"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "5parsecs", "--", "/bin/touch", marker},
+         "--link-delay '5parsecs' is not a delay"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "11s", "--", "/bin/touch", marker},
+         "--link-delay '11s' is out of range: expected 0 to 10s"},
+        {{"-n", "2", "--link-delay", "5ms", "--", "/bin/touch", marker}, "--link-delay requires --emulate-hosts"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "5ms", "--delay-mechanism", "tc", "--", "/bin/touch",
+          marker},
+         "--delay-mechanism"},
         {{"-n", "1", "--ssh-port", "22", "--", "/bin/touch", marker}, "--ssh-port needs --hosts or --hostfile"},
         {{"-n", "1", "--log-dir", "/proc/no-logs-here", "--", "/bin/touch", marker}, "--log-dir '/proc/no-logs-here'"},
     };
@@ -422,6 +480,31 @@ TEST_SUITE("local") {
       CHECK(r.code == 2);
       CHECK(contains(r.err, c.message));
       CHECK_FALSE(fs::exists(marker));
+    }
+  }
+
+  TEST_CASE("powersgd-delay refuses a negative, unit-less, unknown-unit or absurd delay with a message") {
+    const std::string delayer = delay_program();
+    if (delayer.empty()) {
+      MESSAGE("powersgd-delay is not built (no libnetfilter-queue-dev): nothing to check");
+      return;
+    }
+    TempDir dir;
+    for (auto [value, message] : {std::pair{"-5ms", "--delay '-5ms' is negative"},
+                                  std::pair{"5", "--delay '5' is not a delay"},
+                                  std::pair{"5 fortnights", "--delay '5 fortnights' is not a delay"},
+                                  std::pair{"3600s", "--delay '3600s' is out of range"},
+                                  std::pair{"0", "--delay 0: nothing to delay"}}) {
+      CAPTURE(value);
+      const std::string err = dir / "err";
+      int status = std::system(("'" + delayer + "' '--delay=" + value + "' 2> " + err).c_str());
+      std::ifstream in(err);
+      std::stringstream text;
+      text << in.rdbuf();
+      INFO("stderr: ", text.str());
+      CHECK(WIFEXITED(status));
+      CHECK(WEXITSTATUS(status) == 2);
+      CHECK(contains(text.str(), message));
     }
   }
 
@@ -734,6 +817,144 @@ TEST_SUITE("emulated") {
   }
 }
 
+// ---- --link-delay (netem, or the NFQUEUE delayer powersgd-delay) ----
+
+struct RoundTrips {
+  double median = 0, p90 = 0, min = 0, max = 0;
+};
+
+// A ping-pong of 50 TCP round trips between two emulated hosts with `delay` one way into each.
+RoundTrips ping_pong(const std::string& delay) {
+  Launcher l(with_worker({"--emulate-hosts", "2", "-n", "2", "--timeout", "60", "--link-delay", delay},
+                         {"pingpong", "50"}));
+  Result r = l.finish(90s);
+  INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+  REQUIRE(r.code == 0);
+  RoundTrips t;
+  const std::string median = word_after(r.out, "[1] pingpong_ms median=");
+  REQUIRE(!median.empty());
+  t.median = std::stod(median);
+  t.p90 = std::stod(word_after(r.out, " p90="));
+  t.min = std::stod(word_after(r.out, " min="));
+  t.max = std::stod(word_after(r.out, " max="));
+  MESSAGE("--link-delay ", delay, ": round trip median ", t.median, " ms, p90 ", t.p90, " ms, min ", t.min,
+          " ms, max ", t.max, " ms (50 round trips)");
+  CHECK(namespaces_of(l.pid()).empty());
+  CHECK(delayers_of(l.pid()).empty());
+  return t;
+}
+
+TEST_SUITE("link-delay") {
+  // Each packet is held at least D on its way into its host, so no round trip is shorter than 2D; the upper
+  // bound leaves 5 ms for a loaded 2-core machine (the delayer runs at real-time priority, the workers do not).
+  TEST_CASE("--link-delay D: a TCP round trip between two emulated hosts takes 2D; without a delay well under 1 ms") {
+    for (double d : {5.0, 1.0}) {
+      RoundTrips t = ping_pong(detail_ms(d));
+      CHECK(t.min >= 0.95 * 2 * d);
+      CHECK(t.median <= 2 * d + 5.0);
+    }
+    RoundTrips none = ping_pong("0");
+    CHECK(none.median < 1.0);
+  }
+
+  TEST_CASE("--link-delay 5ms with --link-rate 200mbit: a TCP stream still carries about 200 Mbit/s") {
+    Launcher l(with_worker({"--emulate-hosts", "2", "--link-rate", "200mbit", "--link-delay", "5ms", "-n", "2",
+                            "--timeout", "60"},
+                           {"throughput", "4"}));
+    Result r = l.finish(90s);
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    REQUIRE(r.code == 0);
+    std::string measured = word_after(r.out, "[0] throughput_mbit=");
+    REQUIRE(!measured.empty());
+    double mbit = std::stod(measured);
+    MESSAGE("measured ", mbit, " Mbit/s over a 200 mbit link with 5 ms one way");
+    CHECK(mbit > 170.0);
+    CHECK(mbit < 220.0);
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
+  TEST_CASE("--delay-mechanism netem on a kernel without netem: exit 1 naming tc's error, before any worker") {
+    TempDir dir;
+    const std::string marker = dir / "started";
+    Launcher l({"--emulate-hosts", "2", "-n", "2", "--link-delay", "1ms", "--delay-mechanism", "netem", "--",
+                "/bin/touch", marker});
+    Result r = l.finish(60s);
+    INFO("stderr:\n", r.err);
+    if (r.code == 0) {
+      MESSAGE("this kernel has netem: nothing to refuse");
+      return;
+    }
+    CHECK(r.code == 1);
+    CHECK(contains(r.err, "--link-delay with netem: '"));
+    CHECK(contains(r.err, "netem delay 1000us"));
+    CHECK_FALSE(fs::exists(marker));
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
+  TEST_CASE("the NFQUEUE delayers: one per host, a dead one fails the job, none is left on any exit path") {
+    const std::vector<std::string> nfqueue = {"--emulate-hosts", "2", "-n", "2", "--link-delay", "1ms",
+                                              "--delay-mechanism", "nfqueue"};
+    auto with = [&](std::vector<std::string> more) {
+      std::vector<std::string> args = nfqueue;
+      args.insert(args.end(), more.begin(), more.end());
+      return args;
+    };
+    SUBCASE("a delayer killed mid-job stops the job with exit 1, naming it") {
+      TempDir dir;
+      Launcher l(with_worker(with({"--grace", "1"}), {"term", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 2, ".pid"); }, 20s));
+      auto delayers = delayers_of(l.pid());
+      REQUIRE(delayers.size() == 2);
+      REQUIRE(::kill(delayers.front(), SIGKILL) == 0);
+      Result r = l.finish(30s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == 1);
+      CHECK(contains(r.err, "the link delayer of psgd-" + std::to_string(l.pid()) + "-h"));
+      CHECK(contains(r.err, "was killed by signal 9"));
+      CHECK(all_files(dir, 2, ".term"));  // the workers were stopped with SIGTERM
+      CHECK(namespaces_of(l.pid()).empty());
+      CHECK(delayers_of(l.pid()).empty());
+    }
+    for (int sig : {SIGTERM, SIGINT}) {
+      SUBCASE(sig == SIGTERM ? "SIGTERM" : "SIGINT") {
+        TempDir dir;
+        Launcher l(with_worker(nfqueue, {"term", dir.path.string()}));
+        REQUIRE(wait_for([&] { return all_files(dir, 2, ".pid"); }, 20s));
+        CHECK(delayers_of(l.pid()).size() == 2);
+        l.signal(sig);
+        Result r = l.finish(30s);
+        CHECK(r.code == 128 + sig);
+        CHECK(namespaces_of(l.pid()).empty());
+        CHECK(delayers_of(l.pid()).empty());
+      }
+    }
+    SUBCASE("a worker's failure") {
+      Launcher l(with_worker(nfqueue, {"exit", "1", "4"}));
+      Result r = l.finish(30s);
+      CHECK(r.code == 4);
+      CHECK(namespaces_of(l.pid()).empty());
+      CHECK(delayers_of(l.pid()).empty());
+    }
+    SUBCASE("--timeout") {
+      Launcher l(with_worker(with({"--timeout", "1"}), {"exit", "9", "0"}));
+      Result r = l.finish(30s);
+      CHECK(r.code == 124);
+      CHECK(namespaces_of(l.pid()).empty());
+      CHECK(delayers_of(l.pid()).empty());
+    }
+    SUBCASE("SIGKILL of the launcher") {
+      TempDir dir;
+      Launcher l(with_worker(nfqueue, {"term", dir.path.string()}));
+      REQUIRE(wait_for([&] { return all_files(dir, 2, ".pid"); }, 20s));
+      pid_t pid = l.pid();
+      REQUIRE(delayers_of(pid).size() == 2);
+      l.signal(SIGKILL);
+      l.finish(10s);
+      CHECK(wait_for([&] { return delayers_of(pid).empty() && namespaces_of(pid).empty(); }, 5s));
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -747,6 +968,18 @@ int main(int argc, char** argv) {
     if (arg == "--require=sshd" && (::access("/usr/sbin/sshd", X_OK) != 0 || ::access("/usr/bin/ssh", X_OK) != 0 ||
                                     ::access("/usr/bin/ssh-keygen", X_OK) != 0)) {
       std::printf("skipped: needs openssh-server and openssh-client\n");
+      return 77;
+    }
+    if (arg == "--require=netns" && !can_make_netns()) {
+      std::printf("skipped: cannot create a network namespace here\n");
+      return 77;
+    }
+    if (arg == "--require=delayer" && delay_program().empty()) {
+      std::printf("skipped: powersgd-delay is not built (libnetfilter-queue-dev missing at configure time)\n");
+      return 77;
+    }
+    if (arg == "--require=delayer" && ::access("/usr/sbin/iptables", X_OK) != 0) {
+      std::printf("skipped: needs iptables (the NFQUEUE delayer's rule)\n");
       return 77;
     }
     if (arg.rfind("--require=", 0) != 0) rest.push_back(argv[i]);

@@ -133,3 +133,26 @@ TEST_CASE("worker count: -n and the slots of --hosts are bounded, the sum of slo
   REQUIRE(local.options);
   CHECK(run::place_ranks(*local.options).size() == 3);
 }
+
+TEST_CASE("--link-delay: units ns, us, ms, s and a bare 0; negative, unit-less, unknown units and absurd values are refused") {
+  using std::chrono::nanoseconds;
+  CHECK(run::parse_delay("5ms", "--link-delay") == nanoseconds(5'000'000));
+  CHECK(run::parse_delay("250us", "--link-delay") == nanoseconds(250'000));
+  CHECK(run::parse_delay("1.5ms", "--link-delay") == nanoseconds(1'500'000));
+  CHECK(run::parse_delay("10s", "--link-delay") == nanoseconds(10'000'000'000));
+  CHECK(run::parse_delay("7ns", "--link-delay") == nanoseconds(7));
+  CHECK(run::parse_delay("0", "--link-delay") == nanoseconds(0));
+  CHECK(run::parse_delay("0ms", "--link-delay") == nanoseconds(0));
+  CHECK(message_of([] { run::parse_delay("-5ms", "--link-delay"); }) ==
+        "--link-delay '-5ms' is negative: expected a one-way delay of 0 or more, e.g. 5ms");
+  CHECK(message_of([] { run::parse_delay("5", "--delay"); }) ==
+        "--delay '5' is not a delay: expected a number with unit ns, us, ms or s (e.g. 5ms, 250us), or 0");
+  for (const char* bad : {"", "ms", "5 ms", "5MS", "5min", "1e3ms", "inf", "nan", "5ms5", "..ms", "0x5ms"})
+    CHECK_THROWS_AS(run::parse_delay(bad, "--link-delay"), InvalidArgumentError);
+  CHECK(message_of([] { run::parse_delay("10.001s", "--link-delay"); }) ==
+        "--link-delay '10.001s' is out of range: expected 0 to 10s one way");
+  CHECK_THROWS_AS(run::parse_delay("99999999999999999999999s", "--link-delay"), InvalidArgumentError);
+  CHECK(run::delay_text(nanoseconds(5'000'000)) == "5 ms");
+  CHECK(run::delay_text(nanoseconds(250'000)) == "250 us");
+  CHECK(run::delay_text(nanoseconds(0)) == "0");
+}

@@ -127,9 +127,15 @@ std::vector<std::string> flatten(const EnvList& env) {
 int run_job(const Options& options, int signal_fd) {
   Guardian guardian;  // first, while the launcher has one thread
   std::unique_ptr<EmulatedCluster> cluster;
-  if (options.mode == Mode::Emulated)
-    cluster = std::make_unique<EmulatedCluster>(options.emulate_hosts, options.link_rate_bits,
-                                                [&](const std::string& name) { guardian.watch_namespace(name); });
+  if (options.mode == Mode::Emulated) {
+    cluster = std::make_unique<EmulatedCluster>(
+        options.emulate_hosts, LinkOptions{options.link_rate_bits, options.link_delay, options.delay_mechanism},
+        [&](const std::string& name) { guardian.watch_namespace(name); },
+        [&](pid_t pid) { guardian.watch_group(pid); });
+    if (!cluster->delay_method().empty())
+      std::fprintf(stderr, "powersgd-run: --link-delay %s one way into each host: %s\n",
+                   delay_text(options.link_delay).c_str(), cluster->delay_method().c_str());
+  }
 
   transport::TcpStoreServerOptions store_options;
   store_options.token = random_hex(32);
@@ -237,6 +243,7 @@ int run_job(const Options& options, int signal_fd) {
   {
     Supervisor supervisor({options.grace, options.timeout, options.log_dir, 10}, signal_fd);
     supervisor.on_spawn = [&](pid_t pid) { guardian.watch_group(pid); };
+    if (cluster) supervisor.check_helpers = [&] { return cluster->check_delayers(); };
     supervisor.start(std::move(launches));
     code = supervisor.run();
   }

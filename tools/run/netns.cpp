@@ -27,7 +27,7 @@ std::string emulation_privilege_problem() {
                         " (run powersgd-run as root, e.g. with sudo)");
 }
 
-std::string find_tool(const std::string& name) {
+std::string look_up_tool(const std::string& name) {
   std::string dirs = "/usr/sbin:/sbin:/usr/bin:/bin";
   if (const char* path = std::getenv("PATH")) dirs = std::string(path) + ":" + dirs;
   std::stringstream in(dirs);
@@ -35,16 +35,22 @@ std::string find_tool(const std::string& name) {
     std::string candidate = dir + "/" + name;
     if (!dir.empty() && access(candidate.c_str(), X_OK) == 0) return candidate;
   }
-  PSGD_THROW(UnsupportedError, "--emulate-hosts needs iproute2's '", name, "', which is not installed");
+  return {};
+}
+
+std::string find_tool(const std::string& name) {
+  std::string path = look_up_tool(name);
+  if (path.empty()) PSGD_THROW(UnsupportedError, "--emulate-hosts needs iproute2's '", name, "', which is not installed");
+  return path;
 }
 
 std::string EmulatedCluster::host_address(int host) { return detail::concat("10.77.0.", host + 1); }
 std::string EmulatedCluster::bridge_address() { return "10.77.0.254"; }
 
-void EmulatedCluster::run_tool(const std::string& tool, const std::vector<std::string>& args) {
+void EmulatedCluster::run_tool(const std::string& tool, const std::vector<std::string>& args, int netns_fd) {
   std::vector<std::string> argv{tool};
   argv.insert(argv.end(), args.begin(), args.end());
-  auto result = run_command(argv);
+  auto result = run_command(argv, netns_fd);
   if (result.code != 0) {
     std::string line;
     for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
@@ -60,8 +66,9 @@ void EmulatedCluster::add_namespace(const std::string& name,
   names_.push_back(name);
 }
 
-EmulatedCluster::EmulatedCluster(int hosts, uint64_t rate_bits,
-                                 const std::function<void(const std::string&)>& before_create) {
+EmulatedCluster::EmulatedCluster(int hosts, const LinkOptions& links,
+                                 const std::function<void(const std::string&)>& before_create,
+                                 const std::function<void(pid_t)>& on_spawn) {
   ip_ = find_tool("ip");
   tc_ = find_tool("tc");
   std::string prefix = detail::concat("psgd-", ::getpid(), "-");
@@ -72,11 +79,22 @@ EmulatedCluster::EmulatedCluster(int hosts, uint64_t rate_bits,
   };
   // tbf reaches its rate only with a bucket of at least ~1 ms of traffic and
   // 128 KiB (shared/notes/cluster-emulation.md); latency bounds its queue.
-  uint64_t burst = std::max<uint64_t>(128 * 1024, rate_bits / 8 / 1000);
-  auto shape = [&](const std::string& ns, const std::string& dev) {
-    tc({"-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", detail::concat(rate_bits, "bit"), "burst",
-        detail::concat(burst), "latency", "50ms"});
+  uint64_t burst = std::max<uint64_t>(128 * 1024, links.rate_bits / 8 / 1000);
+  auto shape = [&](const std::string& ns, const std::string& dev, const std::vector<std::string>& where) {
+    std::vector<std::string> args{"-n", ns, "qdisc", "add", "dev", dev};
+    args.insert(args.end(), where.begin(), where.end());
+    args.insert(args.end(), {"tbf", "rate", detail::concat(links.rate_bits, "bit"), "burst", detail::concat(burst),
+                             "latency", "50ms"});
+    tc(args);
   };
+  // The delay is netem's on each bridge port (the traffic into the host) where the kernel has it: the first
+  // port tries it, and its failure (no sch_netem, as on the machines of cluster-emulation.md) chooses the
+  // NFQUEUE delayer for every host. netem holds up to ~10 s of 1 Gbit/s traffic; tbf is its child, so the
+  // rate applies to what leaves the delay.
+  const bool delayed = links.delay.count() > 0;
+  bool netem = false, nfqueue = delayed && links.mechanism == DelayMechanism::Nfqueue;
+  std::string netem_problem = nfqueue ? "not tried (--delay-mechanism nfqueue)" : "";
+  const std::string netem_delay = detail::concat(std::max<int64_t>(1, (links.delay.count() + 500) / 1000), "us");
   try {
     add_namespace(br, before_create);
     bridge_fd_ = open_ns(br);
@@ -95,18 +113,65 @@ EmulatedCluster::EmulatedCluster(int hosts, uint64_t rate_bits,
       ip({"-n", ns, "link", "set", kInterface, "up"});
       ip({"-n", br, "link", "set", port, "master", "br0"});
       ip({"-n", br, "link", "set", port, "up"});
-      if (rate_bits > 0) {
-        shape(ns, kInterface);  // host -> bridge
-        shape(br, port);        // bridge -> host
+      if (delayed && !nfqueue) {
+        std::vector<std::string> argv{tc_, "-n", br, "qdisc", "add", "dev", port, "root", "handle", "1:",
+                                      "netem", "delay", netem_delay, "limit", "1000000"};
+        auto result = run_command(argv);
+        if (result.code == 0) {
+          netem = true;
+        } else if (netem || links.mechanism == DelayMechanism::Netem) {
+          std::string line;
+          for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
+          PSGD_THROW(UnsupportedError, "--link-delay with netem: '", line, "' failed with exit code ", result.code,
+                     ": ", result.output);
+        } else {
+          nfqueue = true;
+          netem_problem = result.output;
+          while (!netem_problem.empty() && netem_problem.back() == '\n') netem_problem.pop_back();
+        }
+      }
+      if (links.rate_bits > 0) {
+        shape(ns, kInterface, {"root"});                                         // host -> bridge
+        shape(br, port, netem ? std::vector<std::string>{"parent", "1:1", "handle", "10:"}
+                              : std::vector<std::string>{"root"});             // bridge -> host
       }
     }
+    if (netem) delay_method_ = "netem on each host's bridge port";
+    if (nfqueue) start_delayers(links.delay, netem_problem, on_spawn);
   } catch (...) {
     remove();
     throw;
   }
 }
 
+void EmulatedCluster::start_delayers(std::chrono::nanoseconds delay, const std::string& netem_problem,
+                                     const std::function<void(pid_t)>& on_spawn) {
+  const std::string program = find_delayer(), iptables = look_up_tool("iptables");
+  if (program.empty() || iptables.empty()) {
+    std::string missing = program.empty() ? delayer_problem() : "";
+    if (iptables.empty())
+      missing += detail::concat(missing.empty() ? "" : "; ", "iptables is not installed (Debian package iptables)");
+    PSGD_THROW(UnsupportedError, "--link-delay ", delay_text(delay),
+               " needs netem or the NFQUEUE delayer, and neither is available here: netem: ", netem_problem,
+               "; NFQUEUE: ", missing);
+  }
+  for (int h = 0; h < hosts(); ++h) {
+    const std::string& ns = names_.at(static_cast<size_t>(h) + 1);
+    delayers_.start(program, ns, host_netns_fd(h), delay, on_spawn);
+    // Inbound (PREROUTING): held packets then cost the receiver nothing, where
+    // holding them on the way out holds the sender's socket memory and TCP's
+    // small queues throttle it (cluster-emulation.md). --queue-bypass: a
+    // queue without its delayer passes packets, never drops them.
+    run_tool(iptables, {"-t", "raw", "-A", "PREROUTING", "-i", kInterface, "-j", "NFQUEUE", "--queue-num", "0",
+                        "--queue-bypass"},
+             host_netns_fd(h));
+  }
+  delay_method_ = detail::concat("powersgd-delay (NFQUEUE) in each host's namespace; netem: ", netem_problem);
+}
+
 void EmulatedCluster::remove() noexcept {
+  // A delayer keeps its namespace alive: they go first. Their iptables rules go with the namespaces.
+  delayers_.stop();
   host_fds_.clear();
   bridge_fd_.reset();
   // Hosts first: deleting a host namespace also deletes its veth pair.

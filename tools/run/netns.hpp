@@ -1,20 +1,26 @@
 // The emulated cluster: one network namespace per emulated host, joined by a
 // Linux bridge that lives in a namespace of its own, each host's link shaped
-// with tbf. Built with iproute2's `ip` and `tc`; needs CAP_NET_ADMIN and
-// CAP_SYS_ADMIN (ip netns mounts under /run/netns). Design: docs/launcher.md.
+// with tbf and delayed (netem, else the NFQUEUE delayer: link_delay.hpp).
+// Built with iproute2's `ip` and `tc`; needs CAP_NET_ADMIN and CAP_SYS_ADMIN
+// (ip netns mounts under /run/netns). Design: docs/launcher.md.
 //
 // Layout (P = launcher pid):
-//   psgd-P-h<i>: eth0 = 10.77.0.<i+1>/24 (+ lo), tbf on eth0 egress
-//   psgd-P-br:   br0  = 10.77.0.254/24, ports h<i> (the peers of each eth0), tbf on each h<i> egress
+//   psgd-P-h<i>: eth0 = 10.77.0.<i+1>/24 (+ lo), tbf on eth0 egress;
+//                with a delay and no netem: iptables raw PREROUTING -i eth0 -> NFQUEUE 0, powersgd-delay
+//   psgd-P-br:   br0  = 10.77.0.254/24, ports h<i> (the peers of each eth0), on each h<i> egress
+//                tbf, or netem (the delay) with tbf as its child
 // Nothing is created in the launcher's own namespace, so the addresses exist
 // only inside these namespaces and other jobs' clusters do not collide.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "link_delay.hpp"
+#include "options.hpp"
 #include "process.hpp"
 
 namespace powersgd::run {
@@ -22,22 +28,40 @@ namespace powersgd::run {
 // Empty when this process may create namespaces, else a message saying what is missing.
 std::string emulation_privilege_problem();
 
-// Path of an iproute2 tool ("ip", "tc"): PATH, then /usr/sbin and /sbin. Throws UnsupportedError.
+// Path of a system tool ("ip", "tc", "iptables"): PATH, then /usr/sbin and /sbin; empty when missing.
+std::string look_up_tool(const std::string& name);
+// The same for iproute2's tools, which the emulated cluster cannot do without. Throws UnsupportedError.
 std::string find_tool(const std::string& name);
+
+// What each host's link gets.
+struct LinkOptions {
+  uint64_t rate_bits = 0;                   // 0: unshaped
+  std::chrono::nanoseconds delay{0};        // one way, on the traffic into each host; 0: none
+  DelayMechanism mechanism = DelayMechanism::Auto;
+};
 
 class EmulatedCluster {
  public:
-  // Creates the namespaces and links; on failure removes what it created and
-  // throws IoError with the failing command and its output. rate_bits 0: unshaped.
-  // before_create(name) runs before each namespace is created (the watchdog's hook).
-  EmulatedCluster(int hosts, uint64_t rate_bits, const std::function<void(const std::string&)>& before_create);
+  // Creates the namespaces and links, and starts the link delayers when the
+  // delay needs them; on failure removes what it created and throws IoError
+  // with the failing command and its output (UnsupportedError when the delay
+  // has no mechanism here). before_create(name) runs before each namespace is
+  // created, on_spawn(pid) after each delayer process starts (the watchdog's hooks).
+  EmulatedCluster(int hosts, const LinkOptions& links, const std::function<void(const std::string&)>& before_create,
+                  const std::function<void(pid_t)>& on_spawn);
   ~EmulatedCluster() { remove(); }
   EmulatedCluster(const EmulatedCluster&) = delete;
   EmulatedCluster& operator=(const EmulatedCluster&) = delete;
 
-  // Deletes every namespace this object created (idempotent, never throws;
-  // problems are printed to stderr). Call after the workers are gone.
+  // Stops the delayers, then deletes every namespace this object created
+  // (idempotent, never throws; problems are printed to stderr). Call after
+  // the workers are gone.
   void remove() noexcept;
+
+  // A message when a link delayer has died (LinkDelayers::check); empty otherwise.
+  std::string check_delayers() { return delayers_.check(); }
+  // How the delay is applied, for the launcher's one line about it; empty without a delay.
+  const std::string& delay_method() const { return delay_method_; }
 
   int hosts() const { return static_cast<int>(host_fds_.size()); }
   int host_netns_fd(int host) const { return host_fds_.at(static_cast<size_t>(host)).get(); }
@@ -50,15 +74,20 @@ class EmulatedCluster {
   const std::string& ip_tool() const { return ip_; }
 
  private:
-  static void run_tool(const std::string& tool, const std::vector<std::string>& args);  // throws IoError
+  // Throws IoError; netns_fd >= 0: runs inside that namespace.
+  static void run_tool(const std::string& tool, const std::vector<std::string>& args, int netns_fd = -1);
   void ip(const std::vector<std::string>& args) { run_tool(ip_, args); }
   void tc(const std::vector<std::string>& args) { run_tool(tc_, args); }
   void add_namespace(const std::string& name, const std::function<void(const std::string&)>& before_create);
+  void start_delayers(std::chrono::nanoseconds delay, const std::string& netem_problem,
+                      const std::function<void(pid_t)>& on_spawn);
 
   std::string ip_, tc_;
   std::vector<std::string> names_;
   Fd bridge_fd_;
   std::vector<Fd> host_fds_;
+  LinkDelayers delayers_;
+  std::string delay_method_;
 };
 
 }  // namespace powersgd::run

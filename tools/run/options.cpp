@@ -46,10 +46,13 @@ MODES
     Creates network namespaces psgd-<pid>-h0 ... (the emulated hosts, addresses 10.77.0.1 ...) and
     psgd-<pid>-br, which holds a bridge joining them (address 10.77.0.254) and the store. Each host's
     link is shaped with tbf to RATE in both directions (units bit, kbit, mbit, gbit, tbit; decimal;
-    without --link-rate links are not shaped). Workers are spread evenly (host i gets a contiguous
-    block of ranks) and get PSGD_ADDR set to their host's address. The namespaces are removed on every
-    exit: normal end, failure, --timeout, SIGINT, SIGTERM, and (by a watchdog process) also when the
-    launcher itself is killed.
+    without --link-rate links are not shaped). --link-delay DELAY (ns, us, ms, s; e.g. 5ms) delays
+    the traffic into each host by DELAY, so a round trip between two hosts takes 2 x DELAY: with netem
+    where the kernel has it, else with powersgd-delay (an NFQUEUE delayer, one per host namespace,
+    fed by an iptables rule; needs iptables); --delay-mechanism netem|nfqueue chooses one. Workers are
+    spread evenly (host i gets a contiguous block of ranks) and get PSGD_ADDR set to their host's
+    address. The namespaces and delayers are removed on every exit: normal end, failure, --timeout,
+    SIGINT, SIGTERM, and (by a watchdog process) also when the launcher itself is killed.
 
 ENVIRONMENT GIVEN TO EACH WORKER
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   its place in the job
@@ -82,7 +85,8 @@ EXIT STATUS
   124       the job ran past --timeout
   128+S     the launcher got signal S (130 SIGINT, 143 SIGTERM, 129 SIGHUP) and stopped the job
   2         bad command line or unusable setup; nothing was started
-  1         the launcher failed while starting the job (e.g. namespace setup)
+  1         the launcher failed while starting the job (e.g. namespace setup), or a link delayer
+            died during the job
 )";
 
 int parse_positive_int(const std::string& text, const std::string& what) {
@@ -214,6 +218,43 @@ uint64_t parse_rate(const std::string& text) {
   return static_cast<uint64_t>(bits);
 }
 
+std::chrono::nanoseconds parse_delay(const std::string& text, const std::string& what) {
+  size_t digits = 0;
+  while (digits < text.size() && (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.'))
+    ++digits;
+  const std::string number_text = text.substr(0, digits), unit = text.substr(digits);
+  double number = 0;
+  auto [end, ec] = std::from_chars(number_text.data(), number_text.data() + number_text.size(), number);
+  const bool parsed = !number_text.empty() && ec == std::errc() && end == number_text.data() + number_text.size();
+  double scale = 0;  // nanoseconds per unit
+  if (unit == "ns") scale = 1;
+  else if (unit == "us") scale = 1e3;
+  else if (unit == "ms") scale = 1e6;
+  else if (unit == "s") scale = 1e9;
+  else if (unit.empty() && parsed && number == 0) scale = 1;  // "0" needs no unit
+  if (!text.empty() && text.front() == '-')
+    PSGD_THROW(InvalidArgumentError, what, " '", text, "' is negative: expected a one-way delay of 0 or more, e.g. 5ms");
+  if (!parsed || scale == 0)
+    PSGD_THROW(InvalidArgumentError, what, " '", text,
+               "' is not a delay: expected a number with unit ns, us, ms or s (e.g. 5ms, 250us), or 0");
+  const double ns = number * scale;
+  if (ns > static_cast<double>(std::chrono::nanoseconds(kMaxDelay).count()))
+    PSGD_THROW(InvalidArgumentError, what, " '", text, "' is out of range: expected 0 to ", kMaxDelay.count(),
+               "s one way");
+  return std::chrono::nanoseconds(std::llround(ns));
+}
+
+std::string delay_text(std::chrono::nanoseconds delay) {
+  const auto ns = static_cast<double>(delay.count());
+  char buffer[48];
+  if (delay.count() == 0) return "0";
+  if (ns >= 1e9) std::snprintf(buffer, sizeof buffer, "%g s", ns / 1e9);
+  else if (ns >= 1e6) std::snprintf(buffer, sizeof buffer, "%g ms", ns / 1e6);
+  else if (ns >= 1e3) std::snprintf(buffer, sizeof buffer, "%g us", ns / 1e3);
+  else std::snprintf(buffer, sizeof buffer, "%g ns", ns);
+  return buffer;
+}
+
 std::string resolve_program(const std::string& program) {
   auto check = [&](const std::string& path) -> int {
     struct stat st {};
@@ -285,7 +326,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.allow_extras();
 
   Options o;
-  std::string hosts, hostfile, ssh_command, link_rate;
+  std::string hosts, hostfile, ssh_command, link_rate, link_delay, delay_mechanism;
   double grace = 5, timeout = 0;
   std::vector<std::string> env_items;
   bool print_env = false, version = false;
@@ -310,6 +351,16 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--link-rate", link_rate, "Emulated cluster: each host's link rate, e.g. 1gbit")
       ->type_name("RATE")
       ->needs(emulate_opt);
+  auto* delay_opt = app.add_option("--link-delay", link_delay,
+                 "Emulated cluster: one-way delay added to the traffic into each host, e.g. 5ms, 250us")
+      ->type_name("DELAY")
+      ->needs(emulate_opt);
+  app.add_option("--delay-mechanism", delay_mechanism,
+                 "How --link-delay is applied: auto (netem where the kernel has it, else the NFQUEUE delayer), "
+                 "netem or nfqueue")
+      ->type_name("auto|netem|nfqueue")
+      ->check(CLI::IsMember({"auto", "netem", "nfqueue"}))
+      ->needs(delay_opt);
   emulate_opt->excludes(hosts_opt)->excludes(hostfile_opt);
   app.add_option("--env", env_items, "Set K=V in every worker's environment (repeatable)")
       ->type_name("K=V")
@@ -401,6 +452,9 @@ ParseResult parse_command_line(int argc, char** argv) {
           PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is less than --emulate-hosts ", o.emulate_hosts,
                      ": expected at least one worker per emulated host");
         if (!link_rate.empty()) o.link_rate_bits = parse_rate(link_rate);
+        if (app.count("--link-delay") > 0) o.link_delay = parse_delay(link_delay, "--link-delay");
+        if (delay_mechanism == "netem") o.delay_mechanism = DelayMechanism::Netem;
+        if (delay_mechanism == "nfqueue") o.delay_mechanism = DelayMechanism::Nfqueue;
       }
     }
     if (o.mode != Mode::Ssh) o.command[0] = resolve_program(o.command[0]);

@@ -106,9 +106,10 @@ Child spawn(const SpawnSpec& spec) {
   return child;
 }
 
-CommandResult run_command(const std::vector<std::string>& argv) {
+CommandResult run_command(const std::vector<std::string>& argv, int netns_fd) {
   SpawnSpec spec;
   spec.argv = argv;
+  spec.netns_fd = netns_fd;
   for (char** e = environ; *e != nullptr; ++e) spec.env.emplace_back(*e);
   Child child = spawn(spec);
   CommandResult result;

@@ -35,12 +35,13 @@ struct Child {
 Child spawn(const SpawnSpec& spec);
 
 // Runs a helper command to completion (stdin /dev/null), returning its exit code
-// (128+signal when killed) and its combined output. Throws IoError when it cannot start.
+// (128+signal when killed) and its combined output; netns_fd >= 0: inside that
+// network namespace. Throws IoError when it cannot start.
 struct CommandResult {
   int code = 0;
   std::string output;
 };
-CommandResult run_command(const std::vector<std::string>& argv);
+CommandResult run_command(const std::vector<std::string>& argv, int netns_fd = -1);
 
 // Exit code in the shell's convention: the code, or 128+signal.
 int exit_code_of(int wait_status);

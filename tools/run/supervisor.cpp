@@ -222,6 +222,14 @@ int Supervisor::run() {
       if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second, false);
     if (ready > 0 && fds[0].revents != 0) handle_signals();
     reap();
+    if (check_helpers && !stopping_ && running_count() > 0) {
+      if (std::string failure = check_helpers(); !failure.empty()) {
+        exit_code_ = 1;
+        say(detail::concat(failure, "; stopping ", running_count(), " workers (SIGTERM, SIGKILL after --grace ",
+                           seconds_text(options_.grace), " s)"));
+        stop(SIGTERM);
+      }
+    }
 
     now = Clock::now();
     if (options_.timeout.count() > 0 && !stopping_ && now >= deadline && running_count() > 0) {

@@ -41,13 +41,18 @@ class Supervisor {
 
   // Called with each worker's pid (= process group) right after it starts.
   std::function<void(pid_t)> on_spawn;
+  // Called after every wake-up while the job runs: a non-empty message (a
+  // helper process of the job died, e.g. a link delayer) stops the job as a
+  // failure, exit code 1.
+  std::function<std::string()> check_helpers;
 
   // Starts every worker, in rank order. Throws IoError when one cannot start
   // (the ones already started are killed by the destructor).
   void start(std::vector<WorkerLaunch> launches);
 
   // Runs until every worker has exited; returns the launcher's exit code
-  // (0, the failed worker's code, 124 on timeout, 128+signal on a signal).
+  // (0, the failed worker's code, 124 on timeout, 128+signal on a signal,
+  // 1 when check_helpers reported a failure).
   int run();
 
  private:

@@ -11,15 +11,19 @@
 //   term DIR              write DIR/rank-R.pid, wait for SIGTERM, then write DIR/rank-R.term and exit 0
 //   throughput SECONDS    rank 0 receives, rank 1 sends over TCP between their PSGD_ADDRs for SECONDS;
 //                         rank 0 prints throughput_mbit=X measured after a 0.5 s warm-up
+//   pingpong COUNT        rank 1 sends 64 bytes over TCP (TCP_NODELAY) to rank 0, which sends them back,
+//                         3 + COUNT times; rank 1 prints pingpong_ms median=X p90=Y min=Z max=W of the last COUNT
 //   allreduce DIR         join a Communicator, write DIR/rank-R.running after the first allreduce, then
 //                         allreduce 1 MiB in a loop for up to 120 s; on failure print "allreduce failed:
 //                         CODE: MESSAGE" and exit 3 (PSGD_TIMEOUT_MS bounds each collective)
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -159,24 +163,47 @@ int mode_term(char** argv) {
   return 0;
 }
 
-int mode_throughput(char** argv) {
-  const auto duration = std::chrono::duration<double>(std::atof(argv[2]));
-  auto store = connect_store();
+// Rank 0 listens on PSGD_ADDR, publishes the endpoint in the store and returns the one connection it accepts.
+int accept_published(powersgd::transport::Store& store) {
   sockaddr_in address{};
   address.sin_family = AF_INET;
   if (::inet_pton(AF_INET, var("PSGD_ADDR").c_str(), &address.sin_addr) != 1) die("PSGD_ADDR is not an IPv4 address");
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) die("socket failed");
+  socklen_t length = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 1) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0)
+    die(std::string("cannot listen: ") + std::strerror(errno));
+  std::string endpoint = var("PSGD_ADDR") + ":" + std::to_string(ntohs(address.sin_port));
+  store.set("receiver", std::vector<char>(endpoint.begin(), endpoint.end()));
+  int conn = ::accept(fd, nullptr, nullptr);
+  if (conn < 0) die("accept failed");
+  ::close(fd);
+  return conn;
+}
+
+// Rank 1 connects to the endpoint rank 0 published.
+int connect_published(powersgd::transport::Store& store) {
+  auto endpoint_bytes = store.get("receiver");
+  std::string endpoint(endpoint_bytes.begin(), endpoint_bytes.end());
+  auto colon = endpoint.rfind(':');
+  sockaddr_in peer{};
+  peer.sin_family = AF_INET;
+  peer.sin_port = htons(static_cast<uint16_t>(std::atoi(endpoint.substr(colon + 1).c_str())));
+  ::inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &peer.sin_addr);
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) die("socket failed");
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&peer), sizeof peer) != 0)
+    die("cannot connect to " + endpoint + ": " + std::strerror(errno));
+  return fd;
+}
+
+int mode_throughput(char** argv) {
+  const auto duration = std::chrono::duration<double>(std::atof(argv[2]));
+  auto store = connect_store();
   std::vector<char> buffer(1 << 16);
   if (rank() == 0) {
-    socklen_t length = sizeof address;
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 1) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0)
-      die(std::string("cannot listen: ") + std::strerror(errno));
-    std::string endpoint = var("PSGD_ADDR") + ":" + std::to_string(ntohs(address.sin_port));
-    store->set("receiver", std::vector<char>(endpoint.begin(), endpoint.end()));
-    int conn = ::accept(fd, nullptr, nullptr);
-    if (conn < 0) die("accept failed");
+    int conn = accept_published(*store);
     auto start = Clock::now();
     auto warm = start + 500ms;
     uint64_t counted = 0;
@@ -197,20 +224,52 @@ int mode_throughput(char** argv) {
                 static_cast<unsigned long long>(counted), seconds);
     ::close(conn);
   } else if (rank() == 1) {
-    auto endpoint_bytes = store->get("receiver");
-    std::string endpoint(endpoint_bytes.begin(), endpoint_bytes.end());
-    auto colon = endpoint.rfind(':');
-    sockaddr_in peer{};
-    peer.sin_family = AF_INET;
-    peer.sin_port = htons(static_cast<uint16_t>(std::atoi(endpoint.substr(colon + 1).c_str())));
-    ::inet_pton(AF_INET, endpoint.substr(0, colon).c_str(), &peer.sin_addr);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&peer), sizeof peer) != 0)
-      die("cannot connect to " + endpoint + ": " + std::strerror(errno));
+    int fd = connect_published(*store);
     auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(duration);
     while (Clock::now() < end)
       if (::write(fd, buffer.data(), buffer.size()) < 0) die(std::string("send failed: ") + std::strerror(errno));
+    ::close(fd);
+  }
+  return 0;
+}
+
+void exchange(int fd, bool send_first, std::vector<char>& message) {
+  auto transfer = [&](bool sending) {
+    for (size_t done = 0; done < message.size();) {
+      ssize_t n = sending ? ::write(fd, message.data() + done, message.size() - done)
+                          : ::read(fd, message.data() + done, message.size() - done);
+      if (n <= 0) die(std::string("ping-pong ") + (sending ? "send" : "receive") + " failed: " +
+                      (n == 0 ? "connection closed" : std::strerror(errno)));
+      done += static_cast<size_t>(n);
+    }
+  };
+  transfer(send_first);
+  transfer(!send_first);
+}
+
+int mode_pingpong(char** argv) {
+  constexpr int kWarmUp = 3;
+  const int count = std::atoi(argv[2]);
+  if (count < 1) die("pingpong COUNT: expected a positive count");
+  auto store = connect_store();
+  std::vector<char> message(64, 'p');
+  if (rank() > 1) return 0;
+  int fd = rank() == 0 ? accept_published(*store) : connect_published(*store);
+  int on = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
+  std::vector<double> ms;
+  for (int i = 0; i < kWarmUp + count; ++i) {
+    auto start = Clock::now();
+    exchange(fd, rank() == 1, message);  // rank 1 sends, rank 0 echoes
+    if (i >= kWarmUp) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
   }
   ::close(fd);
+  if (rank() == 1) {
+    std::sort(ms.begin(), ms.end());
+    auto at = [&](double q) { return ms[static_cast<size_t>(q * static_cast<double>(ms.size() - 1) + 0.5)]; };
+    std::printf("pingpong_ms median=%.3f p90=%.3f min=%.3f max=%.3f count=%zu\n", at(0.5), at(0.9), ms.front(),
+                ms.back(), ms.size());
+  }
   return 0;
 }
 
@@ -249,6 +308,7 @@ int main(int argc, char** argv) {
     if (mode == "pids" && argc == 3) return mode_pids(argv);
     if (mode == "term" && argc == 3) return mode_term(argv);
     if (mode == "throughput" && argc == 3) return mode_throughput(argv);
+    if (mode == "pingpong" && argc == 3) return mode_pingpong(argv);
     if (mode == "allreduce" && argc == 3) return mode_allreduce(argv);
   } catch (const std::exception& e) {
     die(e.what());

@@ -1,0 +1,89 @@
+#!/bin/sh
+# PowerSGD at a distance (issue 28): the example trainer on emulated clusters of
+# HOSTS hosts (one rank each, links shaped to RATE, --link-delay one way into
+# each host), once per configuration: full allreduce (--no-compression),
+# PowerSGD with the default config, and --alternating (one collective per
+# step). Configurations alternate within each round, ROUNDS rounds; the table
+# gives the median time per step and the ratios. Needs root.
+# Usage: bench/scaling.sh [BUILD_DIR] [RATE] [ROUNDS]
+#   e.g. bench/scaling.sh build 1gbit 3
+# Environment (defaults in brackets):
+#   HOSTS ["4 8 16"]  DELAYS ["0 1ms 5ms 25ms"]
+#   MODEL [wide]      the trainer's model for up to 8 hosts (784-1024-1024-10, 1.9M parameters)
+#   MODEL_16 [mlp]    for more than 8 hosts, where 16 processes on 2 cores would measure only the cores
+#   TRAIN_LIMIT [8192] BATCH [256]: TRAIN_LIMIT / BATCH steps per epoch (the global batch is split over
+#                     ranks); the trainer prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
+#   RANK [2]          PowerSGD rank
+# Time: the trainer's own "epoch 1: ... N s" (its first step to the end of the
+# epoch's test pass of 500 images; start-up and data loading excluded), rank 0,
+# divided by the steps.
+set -eu
+BUILD=${1:-build}
+RATE=${2:-1gbit}
+ROUNDS=${3:-3}
+HOSTS=${HOSTS:-4 8 16}
+DELAYS=${DELAYS:-0 1ms 5ms 25ms}
+MODEL=${MODEL:-wide}
+MODEL_16=${MODEL_16:-mlp}
+TRAIN_LIMIT=${TRAIN_LIMIT:-8192}
+BATCH=${BATCH:-256}
+RANK=${RANK:-2}
+# shellcheck source=bench/emulated_preamble.sh
+. "$(dirname "$0")/emulated_preamble.sh"
+emulated_preamble scaling.sh
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+steps=$(( (TRAIN_LIMIT + BATCH - 1) / BATCH ))
+
+run() {  # hosts model delay config round trainer-options...
+  hosts=$1 model=$2 delay=$3 config=$4 round=$5
+  shift 5
+  log="$tmp/run.log"
+  # shellcheck disable=SC2086  # trainer options without blanks
+  "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 1800 \
+    --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 -- "$TRAIN" --model "$model" --rank "$RANK" \
+    --start-iter 0 --epochs 1 --train-limit "$TRAIN_LIMIT" --test-limit 500 --batch "$BATCH" "$@" > "$log" 2>&1 || {
+    echo "scaling.sh: $config on $hosts hosts at $delay (round $round) failed; its output:" >&2
+    cat "$log" >&2
+    exit 1
+  }
+  seconds=$(sed -n 's/^\(\[0\] \)\{0,1\}epoch [0-9]*: .*, \([0-9.]*\) s, lr .*/\2/p' "$log" | tail -1)
+  [ -n "$seconds" ] || { echo "scaling.sh: no epoch line for $config on $hosts hosts at $delay" >&2; cat "$log" >&2; exit 1; }
+  echo "$hosts $model $delay $config $round $seconds $(cut -d' ' -f1 /proc/loadavg)" >> "$tmp/times"
+  echo "  $hosts hosts, $delay, $config, round $round: $seconds s (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+}
+
+echo "== bench/scaling.sh: links $RATE, $ROUNDS round(s), $steps steps per epoch (--train-limit $TRAIN_LIMIT," \
+  "--batch $BATCH), PowerSGD rank $RANK; $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1 /proc/loadavg)"
+for hosts in $HOSTS; do
+  model=$MODEL
+  [ "$hosts" -le 8 ] || model=$MODEL_16
+  for delay in $DELAYS; do
+    for round in $(seq "$ROUNDS"); do
+      run "$hosts" "$model" "$delay" allreduce "$round" --no-compression
+      run "$hosts" "$model" "$delay" powersgd "$round"
+      run "$hosts" "$model" "$delay" alternating "$round" --alternating
+    done
+  done
+done
+
+/usr/bin/python3 - "$tmp/times" "$steps" <<'PY'
+import collections, statistics, sys
+steps = int(sys.argv[2])
+times = collections.defaultdict(list)
+order = []
+for hosts, model, delay, config, _round, seconds, _load in (line.split() for line in open(sys.argv[1])):
+    key = (int(hosts), model, delay)
+    if key not in order:
+        order.append(key)
+    times[key + (config,)].append(float(seconds) * 1000 / steps)
+ms = {k: statistics.median(v) for k, v in times.items()}
+print("| hosts | model | one-way delay | full allreduce (ms/step) | PowerSGD (ms/step) | alternating (ms/step) "
+      "| allreduce / PowerSGD | allreduce / alternating | PowerSGD / its step without delay |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for hosts, model, delay in order:
+    a, p, alt = (ms[(hosts, model, delay, c)] for c in ("allreduce", "powersgd", "alternating"))
+    base = ms.get((hosts, model, "0", "powersgd"))
+    own = f"{p / base:.2f}x" if base else "-"
+    print(f"| {hosts} | {model} | {delay} | {a:.1f} | {p:.1f} | {alt:.1f} | {a / p:.2f}x | {a / alt:.2f}x | {own} |")
+PY
