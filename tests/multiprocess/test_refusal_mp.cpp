@@ -181,6 +181,39 @@ TEST_CASE("refusal: a call refused on every rank has finished its collectives wh
   }
 }
 
+// The same calls on every rank, yet only the last one is in the middle of a step:
+// its second reduce of bucket 0 was refused there (it does not count), while the
+// others' bucket 1 failed with its reason (that counts). Before: the last rank's
+// save_job refused locally while the others waited out the timeout in its gather.
+TEST_CASE("refusal: save_job and load_job refused on one rank only fail every rank at once") {
+  auto comm = connect("refusal-job-one-rank");
+  const int me = comm->rank(), last = comm->size() - 1;
+  const std::string job_file = "/tmp/psgd-test-refusal-one-" + std::string(std::getenv("PSGD_STORE_PORT")) + ".job";
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  Reducer r(*comm, c);
+  r.add_bucket(kBucket0);
+  r.add_bucket(kBucket1);
+  std::vector<float> g0 = gradients(r.bucket_size(0), me, 0, 7), g1 = gradients(r.bucket_size(1), me, 0, 8);
+  r.reduce(0, g0.data());
+  const Outcome twice = outcome_of([&] { r.reduce(me == last ? 0 : 1, me == last ? g0.data() : g1.data()); });
+  CHECK(twice.code == static_cast<int>(ErrorCode::InvalidArgument));
+  CHECK(r.iteration() == (me == last ? 0 : 1));
+  for (const bool save : {true, false}) {
+    CAPTURE(save);
+    const Outcome o = outcome_of([&] { save ? r.save_job(job_file) : r.load_job(job_file); });
+    INFO(o.message);
+    CHECK(o.code == static_cast<int>(ErrorCode::InvalidArgument));
+    CHECK(o.seconds < kFailTogetherSeconds);
+    CHECK(contains(o.message, save ? "save_job in the middle of step 0" : "load_job in the middle of step 0"));
+    if (me != last) CHECK(contains(o.message, std::string(save ? "save_job" : "load_job") + " failed on rank " +
+                                                  std::to_string(last)));
+    sum_one(*comm);
+  }
+  CHECK_FALSE(std::filesystem::exists(job_file));
+}
+
 // Before: the refusing rank's poisoned announce carried no divergence hash while
 // the other ranks' announces consumed theirs, so the next reduction compared a
 // hash with none: "replicas diverged in step -1, bucket 0 ..." on every rank
