@@ -4,7 +4,10 @@
  * message (thread-local, valid until the next failing call on this thread).
  * Null pointer arguments return PSGD_ERR_INVALID_ARGUMENT naming the parameter.
  * Objects are used from one thread at a time. Calls marked "Collective" must be
- * made by every rank in the same order.
+ * made by every rank in the same order. A collective call refused on one rank (an
+ * argument out of range, a null pointer) fails on every rank at once, the others
+ * naming that rank and its reason, and returns only once its collectives are
+ * done: the communicator stays usable for the next call (docs/errors.md).
  *
  * ABI (docs/abi.md): a binary built against an older header keeps working with a later libpowersgd.so.0.
  * The rule for every struct the caller allocates (psgd_config, psgd_stats, psgd_store_callbacks), now and to come:
@@ -165,7 +168,8 @@ PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
 typedef struct psgd_reduce_handle psgd_reduce_handle;
 /* Starts the in-place reduction of a bucket, as psgd_reducer_reduce, and returns at once with *out set.
    `data` must stay valid and untouched until psgd_reduce_handle_wait returned. Errors found at the start (a
-   bad index, a bucket reduced twice in a step) are returned here and *out stays null; errors of the reduction
+   bad index, a bucket reduced twice in a step, a null out) are returned here, once the other ranks' matching
+   reduction failed with them, and *out stays null; errors of the reduction
    itself (a peer lost, NaN/Inf, a timeout) are returned by psgd_reduce_handle_wait. Collective: every rank
    starts the same buckets in the same order. */
 PSGD_API psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* data, psgd_reduce_handle** out);

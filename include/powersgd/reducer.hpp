@@ -175,6 +175,10 @@ class PSGD_API ReduceHandle {
   std::shared_ptr<Completion> state_;
 };
 
+namespace detail {
+struct RefusedCalls;  // the C API's refusals (src/engine/refused_calls.hpp)
+}
+
 class PSGD_API Reducer {
  public:
   // Validates config and creates the compute backend. Not collective. Destroy
@@ -223,10 +227,12 @@ class PSGD_API Reducer {
   // ("step 3: rank 1 reduces bucket 1 (32 floats) where rank 0 reduces bucket
   // 0 (128 floats)"), nothing changed. A call refused on this rank (bad index,
   // null data, wrong size, a bucket twice, reduce_all not at a step boundary)
-  // throws here and fails the matching reduction of every other rank with its
-  // reason (docs/errors.md). A call while another thread is inside a call of
-  // this Reducer is an InvalidArgumentError and submits nothing; reduce()
-  // counts as inside until it returns.
+  // fails the matching reduction of every other rank with its reason and
+  // throws here once that reduction's collectives are done (reduce_async's
+  // too): a refused call leaves no collective in flight (docs/errors.md). A
+  // call while another thread is inside a call of this Reducer is an
+  // InvalidArgumentError and submits nothing; reduce() counts as inside until
+  // it returns.
   // Size-checked: the span's size must be bucket_size(bucket)
   // (InvalidArgumentError naming both). The pointer forms are unchecked: `data`
   // must hold bucket_size(bucket) floats.
@@ -293,13 +299,15 @@ class PSGD_API Reducer {
   // memory, the step count and the warm-start state. Refused on every rank, with
   // the state unchanged everywhere: a missing, truncated or corrupted file
   // (IoError), another configuration or layout, or a per-rank file
-  // (MismatchError). The averaged update depends on the error memories only
+  // (MismatchError); a call refused on one rank (in the middle of a step) fails
+  // every rank at once. The averaged update depends on the error memories only
   // through their mean, so with the same mean gradients the resumed run's
   // outputs equal the uninterrupted run's (to rounding). Format: docs/engine.md.
   void save_job(const std::string& path) const;
   void load_job(const std::string& path);
 
  private:
+  friend struct detail::RefusedCalls;
   class Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -15,6 +15,7 @@
 #include "capi/handles.hpp"
 #include "capi/on_store.hpp"
 #include "common/check.hpp"
+#include "engine/refused_calls.hpp"
 #include "powersgd/comm.hpp"
 #include "powersgd/powersgd.h"
 #include "powersgd/reducer.hpp"
@@ -256,21 +257,26 @@ psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const i
                                     int* bucket_index) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(r);
-    PSGD_C_NOT_NULL(bucket_index);
-    PSGD_REQUIRE(num_tensors == 0 || ndims != nullptr, InvalidArgumentError, "argument 'ndims' is null with ",
-                 num_tensors, " tensors");
-    std::vector<powersgd::Shape> shapes(num_tensors);
-    size_t total_dims = 0;
-    for (size_t i = 0; i < num_tensors; ++i) {
-      PSGD_REQUIRE(ndims[i] >= 0 && ndims[i] <= 64, InvalidArgumentError, "ndims[", i, "] = ", ndims[i],
-                   ": expected 0 to 64");
-      total_dims += static_cast<size_t>(ndims[i]);
-    }
-    PSGD_REQUIRE(total_dims == 0 || dims != nullptr, InvalidArgumentError, "argument 'dims' is null with ",
-                 total_dims, " dimensions in ndims");
-    size_t next = 0;
-    for (size_t i = 0; i < num_tensors; ++i)
-      for (int d = 0; d < ndims[i]; ++d) shapes[i].push_back(dims[next++]);
+    std::vector<powersgd::Shape> shapes;
+    // Refused here, the bucket is refused collectively all the same: every rank fails at once.
+    if (const auto refused = powersgd::detail::exception_of([&] {
+          PSGD_C_NOT_NULL(bucket_index);
+          PSGD_REQUIRE(num_tensors == 0 || ndims != nullptr, InvalidArgumentError, "argument 'ndims' is null with ",
+                       num_tensors, " tensors");
+          shapes.resize(num_tensors);
+          size_t total_dims = 0;
+          for (size_t i = 0; i < num_tensors; ++i) {
+            PSGD_REQUIRE(ndims[i] >= 0 && ndims[i] <= 64, InvalidArgumentError, "ndims[", i, "] = ", ndims[i],
+                         ": expected 0 to 64");
+            total_dims += static_cast<size_t>(ndims[i]);
+          }
+          PSGD_REQUIRE(total_dims == 0 || dims != nullptr, InvalidArgumentError, "argument 'dims' is null with ",
+                       total_dims, " dimensions in ndims");
+          size_t next = 0;
+          for (size_t i = 0; i < num_tensors; ++i)
+            for (int d = 0; d < ndims[i]; ++d) shapes[i].push_back(dims[next++]);
+        }))
+      powersgd::detail::RefusedCalls::add_bucket(*r->reducer, refused);
     *bucket_index = r->reducer->add_bucket(shapes);
   });
 }
@@ -379,10 +385,12 @@ psgd_status psgd_reducer_load(psgd_reducer* r, const char* path) {
   });
 }
 
+// A null path on one rank fails save_job / load_job on every rank (collectively), as their own refusals do.
 psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(r);
-    PSGD_C_NOT_NULL(path);
+    if (const auto refused = powersgd::detail::exception_of([&] { PSGD_C_NOT_NULL(path); }))
+      powersgd::detail::RefusedCalls::save_job(*r->reducer, refused);
     r->reducer->save_job(path);
   });
 }
@@ -390,7 +398,8 @@ psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path) {
 psgd_status psgd_reducer_load_job(psgd_reducer* r, const char* path) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(r);
-    PSGD_C_NOT_NULL(path);
+    if (const auto refused = powersgd::detail::exception_of([&] { PSGD_C_NOT_NULL(path); }))
+      powersgd::detail::RefusedCalls::load_job(*r->reducer, refused);
     r->reducer->load_job(path);
   });
 }
@@ -472,15 +481,22 @@ std::unique_ptr<psgd_comm> create_beside_torch(powersgd::CommOptions options) {
   return handle;
 }
 
+// reduce_async's own checks: *out null on failure; a null `out` fails the matching reduction on every rank, as a
+// null data does.
+void refuse_null_handle(psgd_reducer* r, int bucket_index, psgd_reduce_handle** out) {
+  if (out != nullptr) *out = nullptr;
+  PSGD_C_NOT_NULL(r);
+  if (const auto refused = powersgd::detail::exception_of([&] { PSGD_C_NOT_NULL(out); }))
+    powersgd::detail::RefusedCalls::reduce_async(*r->reducer, bucket_index, refused);
+}
+
 }  // namespace
 
 extern "C" {
 
 psgd_status psgd_reducer_reduce_async(psgd_reducer* r, int bucket_index, float* data, psgd_reduce_handle** out) {
   return guarded(__func__, [&] {
-    PSGD_C_NOT_NULL(out);
-    *out = nullptr;
-    PSGD_C_NOT_NULL(r);
+    refuse_null_handle(r, bucket_index, out);
     auto handle = std::make_unique<psgd_reduce_handle>();  // the reducer refuses a null data on every rank
     handle->handle = r->reducer->reduce_async(bucket_index, data);
     *out = handle.release();
@@ -576,9 +592,7 @@ psgd_status psgd_reducer_reduce_n(psgd_reducer* r, int bucket_index, float* data
 psgd_status psgd_reducer_reduce_async_n(psgd_reducer* r, int bucket_index, float* data, size_t count,
                                         psgd_reduce_handle** out) {
   return guarded(__func__, [&] {
-    PSGD_C_NOT_NULL(out);
-    *out = nullptr;
-    PSGD_C_NOT_NULL(r);
+    refuse_null_handle(r, bucket_index, out);
     auto handle = std::make_unique<psgd_reduce_handle>();
     handle->handle = data == nullptr ? r->reducer->reduce_async(bucket_index, data)
                                      : r->reducer->reduce_async(bucket_index, std::span<float>(data, count));

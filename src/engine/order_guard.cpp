@@ -207,6 +207,7 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
   std::vector<uint64_t>& mine = mine_;
   mine.assign(kValueCount, 0);
   loaded_ = loaded;
+  carried_.clear();
   if (!r.poisoned) {
     // What decides the sizes and the meaning of the data collectives (the state
     // check_state compared once, now before every reduction).
@@ -225,12 +226,12 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
     for (int b : r.buckets) {
       numel += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.numel);
       notes += buckets_[static_cast<size_t>(b)]->note_pending ? 1 : 0;
-      Pending& p = pending_[static_cast<size_t>(b)];
+      const Pending& p = pending_[static_cast<size_t>(b)];
       if (p.step < 0) continue;
       check.add(b);
       check.add(p.hash);
       check_step = std::max(check_step, p.step);
-      p = Pending{};
+      carried_.push_back(b);  // pending until compared (compared())
     }
     mine[Step] = static_cast<uint64_t>(r.iteration);
     mine[Identity] = r.buckets.size() == 1 ? static_cast<uint64_t>(r.buckets[0]) : kAllBuckets | r.buckets.size();
@@ -263,8 +264,16 @@ void OrderGuard::finish(const Reduction& r) {
   announced_ = Work();
   announced.wait();
   stats_.guard_seconds += seconds_since(start);
-  if (sums_[2 * kChunks] == 0.0 && all_agree(sums_, comm_.size())) return;
+  if (sums_[2 * kChunks] == 0.0 && all_agree(sums_, comm_.size())) {
+    compared();
+    return;
+  }
   raise(r, mine_, loaded_);
+}
+
+void OrderGuard::compared() {
+  for (int b : carried_) pending_[static_cast<size_t>(b)] = Pending{};
+  carried_.clear();
 }
 
 void OrderGuard::settle() noexcept {
@@ -380,6 +389,7 @@ void OrderGuard::raise(const Reduction& r, const std::vector<uint64_t>& mine, bo
     const std::string advice =
         "; the ranks no longer apply the same update. Restore every rank from one checkpoint (docs/engine.md, "
         "\"Order guard and divergence detector\")";
+    compared();  // reported once
     // With three or more ranks, a group smaller than every other is the replica that drifted.
     if (ordered.size() >= 2 && ordered[0].size() < ordered[1].size()) {
       std::vector<size_t> rest;

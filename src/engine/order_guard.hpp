@@ -18,7 +18,11 @@
 // bucket (after step t with (t + 1) % interval == 0) each rank hashes the
 // bucket's output and its warm-start P and Q; the bucket's next reduction
 // carries the hash in its announce, so replicas that drifted apart get a
-// MismatchError on every rank naming the ranks, the step and the bucket.
+// MismatchError on every rank naming the ranks, the step and the bucket. A hash
+// stays pending until an announce compared it: one that agreed, or reported the
+// divergence. A poisoned announce carries none, and one that failed for another
+// reason (a refusal, another bucket) leaves it to the bucket's next announce,
+// so a refusal raises no false alarm and delays no real one.
 #pragma once
 
 #include <cstdint>
@@ -94,6 +98,8 @@ class OrderGuard {
   };
 
   uint64_t first_collective_count(const Reduction& reduction) const;
+  // The announce in flight compared the pending hashes it carried: they are consumed.
+  void compared();
   [[noreturn]] void raise(const Reduction& reduction, const std::vector<uint64_t>& mine, bool loaded);
 
   const Config& config_;
@@ -103,6 +109,7 @@ class OrderGuard {
   const Arenas& arenas_;
   Stats& stats_;
   std::vector<Pending> pending_;    // per bucket
+  std::vector<int> carried_;        // the buckets whose pending hash the announce in flight carries
   // The announce in flight between begin and finish.
   std::vector<uint64_t> mine_;
   bool loaded_ = false;

@@ -27,6 +27,7 @@
 #include "engine/plan.hpp"
 #include "engine/policy.hpp"
 #include "engine/rank_reports.hpp"
+#include "engine/refused_calls.hpp"
 #include "engine/step_runner.hpp"
 #include "engine/steps.hpp"
 
@@ -95,7 +96,8 @@ class Reducer::Impl final : public detail::CommUser {
                  "(psgd_reducer_destroy before psgd_comm_destroy)");
   }
 
-  int add_bucket(std::span<const Shape> shapes) {
+  // `refused`: the call was refused before it got here (the C API's own checks).
+  int add_bucket(std::span<const Shape> shapes, std::exception_ptr refused = nullptr) {
     const OneCaller one(user_mutex_, "add_bucket");
     require_comm();
     const int index = num_buckets();
@@ -104,23 +106,27 @@ class Reducer::Impl final : public detail::CommUser {
     std::vector<int> ranks;
     std::vector<engine::BucketPlan> levels;
     uint64_t layout = 0;
-    std::exception_ptr refused;
-    try {
-      PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
-                   "buckets before reducing; bucket ", buckets_.size(), " refused");
-      ranks = engine::rank_levels(config_);
-      for (int rank : ranks) levels.push_back(engine::make_plan(shapes, config_, rank));
-      layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
-    } catch (...) {
-      refused = std::current_exception();
+    if (refused == nullptr) {
+      try {
+        PSGD_REQUIRE(!started_, InvalidArgumentError, "add_bucket after the first reduce (or load): declare all ",
+                     "buckets before reducing; bucket ", buckets_.size(), " refused");
+        ranks = engine::rank_levels(config_);
+        for (int rank : ranks) levels.push_back(engine::make_plan(shapes, config_, rank));
+        layout = engine::extend_layout_fingerprint(layout_fingerprint_, index, shapes);
+      } catch (...) {
+        refused = std::current_exception();
+      }
     }
-    const auto reports = engine::gather_reports(
-        comm_, refused != nullptr ? engine::report_failure(refused)
-                                  : engine::report_values({engine::reducer_fingerprint(layout, config_)}));
-    engine::throw_if_any_failed(reports, refused, detail::concat("add_bucket of bucket ", index));
-    for (size_t r = 1; r < reports.size(); ++r)
-      if (reports[r].values[0] != reports[0].values[0])
-        engine::raise_layout_mismatch(comm_, config_, index, shapes, reports);  // every rank takes this branch
+    // On the worker: after the reductions in flight (a refused add_bucket after reduce_async).
+    call([&] {
+      const auto reports = engine::gather_reports(
+          comm_, refused != nullptr ? engine::report_failure(refused)
+                                    : engine::report_values({engine::reducer_fingerprint(layout, config_)}));
+      engine::throw_if_any_failed(reports, refused, detail::concat("add_bucket of bucket ", index));
+      for (size_t r = 1; r < reports.size(); ++r)
+        if (reports[r].values[0] != reports[0].values[0])
+          engine::raise_layout_mismatch(comm_, config_, index, shapes, reports);  // every rank takes this branch
+    });
     layout_fingerprint_ = layout;
     auto bucket = std::make_unique<BucketState>();
     bucket->levels = std::move(levels);
@@ -155,9 +161,10 @@ class Reducer::Impl final : public detail::CommUser {
     submit(b, data, count)->wait();
   }
 
-  std::shared_ptr<Completion> reduce_async(int b, float* data, size_t count) {
+  // `refused`: as add_bucket's.
+  std::shared_ptr<Completion> reduce_async(int b, float* data, size_t count, std::exception_ptr refused = nullptr) {
     const OneCaller one(user_mutex_, "reduce_async");
-    return submit(b, data, count);
+    return submit(b, data, count, refused);
   }
 
   // counts: each buffer's elements, or empty (unchecked).
@@ -177,16 +184,14 @@ class Reducer::Impl final : public detail::CommUser {
       }
     } catch (...) {
       // At a step boundary the refused step counts as done, as on the other ranks.
-      poison(std::move(reduction), std::current_exception(), steps_.at_boundary(), true);
-      throw;
+      refuse(std::move(reduction), std::current_exception(), steps_.at_boundary(), true);
     }
     start();
     reduction->data.assign(data.begin(), data.end());
     try {
       steps_.record(*reduction, config_.start_iter, true);
     } catch (...) {
-      poison(std::move(reduction), std::current_exception(), false, true);
-      throw;
+      refuse(std::move(reduction), std::current_exception(), false, true);
     }
     worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
   }
@@ -290,12 +295,14 @@ class Reducer::Impl final : public detail::CommUser {
     steps_.restart_at(contents.iteration);
   }
 
-  void save_job(const std::string& path) {
+  // `refused`: as add_bucket's.
+  void save_job(const std::string& path, std::exception_ptr refused = nullptr) {
     const OneCaller one(user_mutex_, "save_job");
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save_job before any add_bucket: nothing to checkpoint");
-    steps_.require_boundary("save_job");
-    start();
+    if (refused == nullptr) refused = detail::exception_of([&] { steps_.require_boundary("save_job"); });
+    if (refused == nullptr) start();
     call([&] {
+      agree_on_refusal(refused, "save_job");
       engine::CheckpointContents contents;
       std::exception_ptr local;
       try {
@@ -324,12 +331,14 @@ class Reducer::Impl final : public detail::CommUser {
     });
   }
 
-  void load_job(const std::string& path) {
+  // `refused`: as add_bucket's.
+  void load_job(const std::string& path, std::exception_ptr refused = nullptr) {
     const OneCaller one(user_mutex_, "load_job");
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load_job before any add_bucket: declare the buckets first");
-    steps_.require_boundary("load_job");
+    if (refused == nullptr) refused = detail::exception_of([&] { steps_.require_boundary("load_job"); });
     engine::CheckpointContents contents;
     call([&] {
+      agree_on_refusal(refused, "load_job");
       const std::vector<char> file = engine::read_on_rank0(comm_, path);
       std::exception_ptr local;
       try {
@@ -378,47 +387,66 @@ class Reducer::Impl final : public detail::CommUser {
   };
 
   // One bucket's reduction. A refused call (a bad index, null data, a wrong
-  // size, a bucket reduced twice) throws here and submits a poisoned reduction,
-  // so every other rank fails with this rank's reason instead of waiting or
-  // pairing its reduction with this rank's next one.
-  std::shared_ptr<Completion> submit(int b, float* data, size_t count) {
+  // size, a bucket reduced twice, or `refused` before it got here) submits a
+  // poisoned reduction and throws (refuse), so every other rank fails with
+  // this rank's reason instead of waiting or pairing its reduction with this
+  // rank's next one.
+  std::shared_ptr<Completion> submit(int b, float* data, size_t count, std::exception_ptr refused = nullptr) {
     auto reduction = std::make_shared<Reduction>();
     reduction->buckets = {b};
     const bool valid = b >= 0 && b < num_buckets();
     try {
+      if (refused != nullptr) std::rethrow_exception(refused);
       checked(b);
       PSGD_REQUIRE(data != nullptr, InvalidArgumentError, "reduce of bucket ", b, ": data is null");
       PSGD_REQUIRE(count == kUnchecked || count == bucket_size(b), InvalidArgumentError, "reduce of bucket ", b,
                    ": the buffer has ", count, " elements, the bucket has ", bucket_size(b));
     } catch (...) {
       // A valid bucket not yet reduced in this step counts as reduced, as on the other ranks.
-      poison(std::move(reduction), std::current_exception(), valid && !steps_.reduced(b), false);
-      throw;
+      refuse(std::move(reduction), std::current_exception(), valid && !steps_.reduced(b), false);
     }
     start();
     reduction->data = {data};
     try {
       steps_.record(*reduction, config_.start_iter, false);
     } catch (...) {
-      poison(std::move(reduction), std::current_exception(), false, false);
-      throw;
+      refuse(std::move(reduction), std::current_exception(), false, false);
     }
     return worker_.submit(WorkerTask{std::move(reduction), nullptr});
   }
 
-  // Submits `reduction` carrying `error` (order_guard.hpp); `record`: it counts
-  // in the step bookkeeping. Nothing to poison before any bucket (no rank can reduce then).
-  void poison(std::shared_ptr<Reduction> reduction, std::exception_ptr error, bool record, bool whole_step) {
-    if (buckets_.empty()) return;
-    start();
-    reduction->poisoned = error;
-    reduction->prepared = true;  // the runner's lookahead leaves it alone
-    reduction->data.clear();
-    if (record)
-      steps_.record(*reduction, config_.start_iter, whole_step);
-    else
-      reduction->iteration = steps_.submitted_steps();
-    worker_.submit(WorkerTask{std::move(reduction), nullptr});  // its error is this call's, thrown by the caller
+  // Submits `reduction` carrying `error` (order_guard.hpp), waits until it is
+  // done and throws `error`: a refused call, reduce_async's included (it
+  // returns no handle to wait for), has finished its collectives when it
+  // throws, so the caller's next collective on the communicator cannot race
+  // them. `record`: it counts in the step bookkeeping. Nothing to poison before
+  // any bucket (no rank can reduce then).
+  [[noreturn]] void refuse(std::shared_ptr<Reduction> reduction, std::exception_ptr error, bool record,
+                           bool whole_step) {
+    if (!buckets_.empty()) {
+      start();
+      reduction->poisoned = error;
+      reduction->prepared = true;  // the runner's lookahead leaves it alone
+      reduction->data.clear();
+      if (record)
+        steps_.record(*reduction, config_.start_iter, whole_step);
+      else
+        reduction->iteration = steps_.submitted_steps();
+      try {
+        worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
+      } catch (...) {  // this rank's outcome is `error` (a broken communicator fails the next call)
+      }
+    }
+    std::rethrow_exception(error);
+  }
+
+  // Worker thread, first in a collective call whose refusal on one rank must
+  // fail every rank (save_job, load_job): one gather of reports; throws on every
+  // rank when any refused (`refused` on the refusing rank).
+  void agree_on_refusal(std::exception_ptr refused, const char* what) {
+    const auto reports =
+        engine::gather_reports(comm_, refused != nullptr ? engine::report_failure(refused) : engine::RankReport{});
+    engine::throw_if_any_failed(reports, refused, what, "nothing saved or loaded on any rank");
   }
 
   const BucketState& checked(int b) const {
@@ -646,5 +674,22 @@ void Reducer::save(const std::string& path) const { impl_->save(path); }
 void Reducer::load(const std::string& path) { impl_->load(path); }
 void Reducer::save_job(const std::string& path) const { impl_->save_job(path); }
 void Reducer::load_job(const std::string& path) { impl_->load_job(path); }
+
+void detail::RefusedCalls::add_bucket(Reducer& reducer, std::exception_ptr error) {
+  reducer.impl_->add_bucket({}, error);
+  PSGD_ASSERT(false, "a refused add_bucket returned");
+}
+void detail::RefusedCalls::reduce_async(Reducer& reducer, int bucket, std::exception_ptr error) {
+  reducer.impl_->reduce_async(bucket, nullptr, Reducer::Impl::kUnchecked, error);
+  PSGD_ASSERT(false, "a refused reduce_async returned");
+}
+void detail::RefusedCalls::save_job(const Reducer& reducer, std::exception_ptr error) {
+  reducer.impl_->save_job("", error);
+  PSGD_ASSERT(false, "a refused save_job returned");
+}
+void detail::RefusedCalls::load_job(Reducer& reducer, std::exception_ptr error) {
+  reducer.impl_->load_job("", error);
+  PSGD_ASSERT(false, "a refused load_job returned");
+}
 
 }  // namespace powersgd

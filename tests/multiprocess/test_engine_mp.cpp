@@ -28,6 +28,8 @@
 
 using namespace powersgd;
 using powersgd::test::error_of;
+using powersgd::test::Outcome;
+using powersgd::test::outcome_of;
 using powersgd::test::Reference;
 using powersgd::test::config_for;
 using powersgd::test::gradients;
@@ -757,25 +759,6 @@ TEST_CASE("in flight: many buckets async, 500 steps, results exact") {
 }
 
 namespace {
-
-// The error code and message fn throws (code 0 and "" when it throws none), and how long it took.
-struct Outcome {
-  int code = 0;
-  std::string message;
-  double seconds = 0;
-};
-Outcome outcome_of(const std::function<void()>& fn) {
-  const auto start = std::chrono::steady_clock::now();
-  Outcome o;
-  try {
-    fn();
-  } catch (const Error& e) {
-    o.code = static_cast<int>(e.code());
-    o.message = e.what();
-  }
-  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return o;
-}
 
 // A failure on one rank must reach every rank at once, not after PSGD_TIMEOUT_MS
 // (300 s by default): 1 s is the guarantee; the bound leaves room for a loaded machine.

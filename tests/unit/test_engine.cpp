@@ -843,19 +843,18 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
 
   psgd_reduce_handle* h = reinterpret_cast<psgd_reduce_handle*>(&c);  // must be reset to null on failure
   std::vector<float> g = gradients(sizes[0], 0, 0);
-  CHECK(psgd_reducer_reduce_async(async, 0, g.data(), nullptr) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(std::string(psgd_last_error()).find("'out'") != std::string::npos);
   CHECK(psgd_reducer_reduce_async(nullptr, 0, g.data(), &h) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(h == nullptr);
-  {
-    // A null data counts as the bucket's (failed) reduction, as on other ranks (docs/errors.md): on a
-    // reducer of its own, so `async` and `sync` stay in step.
+  // A null data, or a null out, counts as the bucket's (failed) reduction, as on other ranks
+  // (docs/errors.md): on a reducer of its own, so `async` and `sync` stay in step.
+  for (const bool null_out : {false, true}) {
     psgd_reducer* other = nullptr;
     REQUIRE(psgd_reducer_create(comm, &c, &other) == PSGD_OK);
     int index = -1;
     REQUIRE(psgd_reducer_add_bucket(other, 2, ndims, dims, &index) == PSGD_OK);
-    CHECK(psgd_reducer_reduce_async(other, 0, nullptr, &h) == PSGD_ERR_INVALID_ARGUMENT);
-    CHECK(std::string(psgd_last_error()).find("data is null") != std::string::npos);
+    CHECK(psgd_reducer_reduce_async(other, 0, null_out ? g.data() : nullptr, null_out ? nullptr : &h) ==
+          PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(psgd_last_error()).find(null_out ? "'out'" : "data is null") != std::string::npos);
     CHECK(h == nullptr);
     CHECK(psgd_reducer_iteration(other) == 1);
     psgd_reducer_destroy(other);
