@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs every test suite: a warnings-as-errors build runs all suites
 # (unit, multiprocess, cuda: CUDA tests skip without a GPU), then an
-# address+undefined sanitizer build runs the unit suite and a thread sanitizer
+# address+undefined sanitizer build (with libstdc++'s _GLIBCXX_ASSERTIONS) runs the unit suite and a thread sanitizer
 # build runs the store and communicator tests, and each libFuzzer target runs
 # for 60 s in a clang build (scripts/fuzz.sh; one result per target). Ends with
 # "N passed, N failed, N skipped".
@@ -30,7 +30,10 @@ run_build() {  # name, meson test args, meson setup args...
 run_build build -- -Dwerror=true -Dbuildtype=debugoptimized
 if [ $quick -eq 0 ]; then
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-  run_build build-asan "--suite unit" -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled
+  # _GLIBCXX_ASSERTIONS: libstdc++'s checks (an empty optional dereferenced, an index out of range) abort,
+  # as under Fedora's and RHEL's default hardening, where the sanitizers alone may read on silently.
+  run_build build-asan "--suite unit" -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled \
+    -Dcpp_args=-D_GLIBCXX_ASSERTIONS
   export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
   run_build build-tsan "--suite tsan" -Dwerror=true -Db_sanitize=thread -Dcuda=disabled
   if command -v clang++ >/dev/null 2>&1; then

@@ -1,5 +1,7 @@
 #include "compute/backend.hpp"
 
+#include <atomic>
+
 #include "common/check.hpp"
 
 namespace powersgd::compute {
@@ -17,8 +19,17 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   return *this;
 }
 
+namespace {
+std::atomic<size_t> g_allocated_floats{0};
+}  // namespace
+
+size_t allocated_floats() { return g_allocated_floats.load(std::memory_order_relaxed); }
+
 void DeviceBuffer::reset() {
-  if (backend_ != nullptr && data_ != nullptr) backend_->deallocate_raw(data_);
+  if (backend_ != nullptr && data_ != nullptr) {
+    backend_->deallocate_raw(data_);
+    g_allocated_floats.fetch_sub(size_, std::memory_order_relaxed);
+  }
   backend_ = nullptr;
   data_ = nullptr;
   size_ = 0;
@@ -26,7 +37,9 @@ void DeviceBuffer::reset() {
 
 DeviceBuffer Backend::allocate(size_t count) {
   if (count == 0) return DeviceBuffer(this, nullptr, 0);
-  return DeviceBuffer(this, allocate_raw(count), count);
+  DeviceBuffer buffer(this, allocate_raw(count), count);
+  g_allocated_floats.fetch_add(count, std::memory_order_relaxed);
+  return buffer;
 }
 
 std::unique_ptr<Backend> make_backend(DeviceKind kind, int device_index) {

@@ -57,6 +57,11 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
+// Floats allocated through Backend::allocate and not yet freed, every backend
+// of the process together: a gauge of the engine's memory for tests and
+// benchmarks. Any thread.
+size_t allocated_floats();
+
 class Backend {
  public:
   virtual ~Backend() = default;

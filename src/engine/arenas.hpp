@@ -73,23 +73,36 @@ struct Segment {
 };
 
 struct Arenas {
-  // Allocates every bucket's buffers and the arenas, and sets each bucket's offsets.
+  // Allocates every bucket's buffers and the arenas, and sets each bucket's
+  // offsets. The arenas' slots fit each bucket's first `levels` rank levels
+  // (policy.hpp, levels_before_note).
   void allocate(compute::Backend& backend, std::vector<std::unique_ptr<BucketState>>& buckets, bool error_feedback,
-                bool alternating);
+                bool alternating, size_t levels);
+  // Lays the arenas out again so that each bucket's slots fit its first
+  // `levels` levels (nothing when they already do), moving every bucket's warm
+  // P and Q (its current level's) to its new offsets; the per-step arenas start
+  // empty, so no reduction may be prepared in them. A pure function of the
+  // buckets' plans: every rank lays out the same, and the state keeps its bits.
+  void fit_levels(compute::Backend& backend, std::vector<std::unique_ptr<BucketState>>& buckets, size_t levels);
+  // Floats held by the arenas and the buckets' buffers (the engine's memory, staging excluded).
+  size_t floats(const std::vector<std::unique_ptr<BucketState>>& buckets) const;
 
   Segment unc_segment(int64_t offset, int64_t count) { return segment(unc, unc_host, offset, count); }
   Segment q_segment(int64_t offset, int64_t count) { return segment(q_work, q_host, offset, count); }
   Segment plain_segment(BucketState& s) const;
 
   bool host_accessible = true;
+  size_t levels = 0;  // each bucket's slots fit its levels[0, levels)
   compute::DeviceBuffer unc;      // packed tensors, flags and P (alternating: P or Q) of this step, every bucket
   compute::DeviceBuffer q_work;   // this step's Q of every bucket (alternating: the orthonormalized Q of a P half)
   compute::DeviceBuffer p_state;  // warm-start P and Q, kept between steps
   compute::DeviceBuffer q_state;
   compute::DeviceBuffer p_work;   // alternating: the orthonormalized P of a Q half
   std::vector<float> unc_host, q_host;
+  bool alternating_ = false;
 
  private:
+  void lay_out(compute::Backend& backend, std::vector<std::unique_ptr<BucketState>>& buckets, size_t levels);
   Segment segment(compute::DeviceBuffer& arena, std::vector<float>& host, int64_t offset, int64_t count) const;
 };
 

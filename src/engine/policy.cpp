@@ -1,6 +1,9 @@
 #include "engine/policy.hpp"
 
 #include <algorithm>
+#include <exception>
+
+#include "engine/job_checkpoint.hpp"
 
 namespace powersgd::engine {
 
@@ -9,6 +12,23 @@ std::vector<int> rank_levels(const Config& config) {
   const bool may_boost = config.warmup_steps > 0 || config.lr_boost_steps > 0;
   if (may_boost && config.rank_high > config.rank) return {config.rank, config.rank_high};
   return {config.rank};
+}
+
+size_t levels_before_note(const Config& config) {
+  return config.adaptive || config.warmup_steps > 0 ? rank_levels(config).size() : 1;
+}
+
+void lay_out_for_note(const Config& config, Communicator& comm, compute::Backend& backend, Arenas& arenas,
+                      std::vector<std::unique_ptr<BucketState>>& buckets) {
+  const size_t all = rank_levels(config).size();
+  if (config.lr_boost_steps == 0 || levels_before_note(config) == all) return;
+  std::exception_ptr local;
+  try {
+    arenas.fit_levels(backend, buckets, all);
+  } catch (...) {
+    local = std::current_exception();
+  }
+  agree_on_outcome(comm, local, "laying out the buffers of rank_high for a learning-rate note");
 }
 
 LevelChoice choose_level(const Config& config, const BucketState& s) {

@@ -460,7 +460,10 @@ class Reducer::Impl final : public detail::CommUser {
     if (started_) return;
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "reduce before any add_bucket");
     started_ = true;
-    call([this] { arenas_.allocate(*backend_, buckets_, config_.error_feedback, config_.alternating); });
+    call([this] {
+      arenas_.allocate(*backend_, buckets_, config_.error_feedback, config_.alternating,
+                       engine::levels_before_note(config_));
+    });
   }
 
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
@@ -476,6 +479,7 @@ class Reducer::Impl final : public detail::CommUser {
         // The note changes the buckets' levels, and so what prepare computes:
         // only once every rank announced it (the lookahead left this reduction alone).
         agreed();
+        engine::lay_out_for_note(config_, comm_, *backend_, arenas_, buckets_);
         apply_note(reduction);
         runner_->run(reduction);
       } else {
@@ -556,6 +560,9 @@ class Reducer::Impl final : public detail::CommUser {
 
   // Worker thread: the inverse of gather (contents checked by decode_checkpoint).
   void apply(const engine::CheckpointContents& c) {
+    size_t levels = 1;  // a file saved mid-boost needs the high level's buffers (lay_out_for_note)
+    for (const auto& b : c.buckets) levels = std::max<size_t>(levels, b.level + 1);
+    arenas_.fit_levels(*backend_, buckets_, levels);
     for (size_t i = 0; i < buckets_.size(); ++i) {
       BucketState& s = *buckets_[i];
       const engine::CheckpointBucket& b = c.buckets[i];

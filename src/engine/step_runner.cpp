@@ -606,6 +606,7 @@ bool StepRunner::commit_adaptive(const Reduction& job, size_t i) {
 // the generator (draw `draws`, then draws + 1), so every rank gets the same bits.
 // Local work only: no collective.
 void StepRunner::switch_level(BucketState& s, int b, size_t level) {
+  PSGD_ASSERT(level < arenas_.levels, "bucket ", b, " switches to rank level ", level, ", whose buffers are not laid out");
   const BucketPlan& from = s.plan;
   const BucketPlan& to = s.levels[level];
   std::vector<float> error;

@@ -141,6 +141,17 @@ TEST_CASE("rendezvous: Slurm gives the host, the port and a run id") {
     CHECK(resolve_rendezvous(e, slurm_membership(1)).port == 12006);
     e.slurm_step_resv_ports = "12x";
     CHECK(has(error_of([&] { resolve_rendezvous(e, slurm_membership(1)); }), "SLURM_STEP_RESV_PORTS=12x"));
+    // The whole value and what was expected, not the empty field before '-' (was "SLURM_STEP_RESV_PORTS= is
+    // not a TCP port").
+    for (const char* bad : {"-5", ",12001", "0-3", "70000", ""}) {
+      e.slurm_step_resv_ports = bad;
+      CHECK(error_of([&] { resolve_rendezvous(e, slurm_membership(1)); }) ==
+            std::string("environment variable SLURM_STEP_RESV_PORTS=") + bad +
+                " is not a list of TCP ports: expected a port (1 to 65535), a range N-M or a list N,M,... whose "
+                "first port is the store's");
+    }
+    e.slurm_step_resv_ports = "12001,12005";
+    CHECK(resolve_rendezvous(e, slurm_membership(1)).port == 12001);
   }
   SUBCASE("the job's node list when the step has none") {
     LaunchEnv e = slurm_task(2);
@@ -195,6 +206,29 @@ TEST_CASE("rendezvous: Slurm gives the host, the port and a run id") {
     // A batch script's single task (--ntasks=1) is a world of one.
     e.slurm_ntasks = "1";
     CHECK(error_of([&] { resolve_rendezvous(e, Membership{"SLURM_PROCID", "SLURM_NTASKS", 0, 1}); }).empty());
+  }
+  SUBCASE("a world of one in the batch script with only one of MASTER_ADDR/MASTER_PORT") {
+    // SLURM_STEP_ID was dereferenced while unset (undefined behaviour; an abort under _GLIBCXX_ASSERTIONS).
+    const Membership one{"SLURM_PROCID", "SLURM_NTASKS", 0, 1};
+    LaunchEnv e = slurm_task(0);
+    e.slurm_ntasks = "1";
+    e.slurm_step_id.reset();
+    e.master_addr = "node01";
+    CHECK(error_of([&] { resolve_rendezvous(e, one); }) ==
+          "Slurm: SLURM_STEP_ID unset (not a task of a job step, e.g. the batch script) and MASTER_PORT unset: "
+          "cannot derive the store's port; set MASTER_PORT to a free port, or unset MASTER_ADDR (a world of one "
+          "then uses a private store)");
+    e.slurm_step_resv_ports = "12001";  // a port given another way: no step needed
+    Rendezvous r = resolve_rendezvous(e, one);
+    CHECK(r.port == 12001);
+    CHECK(r.run_id == "slurm-1234.batch");
+    e.slurm_step_resv_ports.reset();
+    e.master_addr.reset();
+    e.master_port = "29500";
+    r = resolve_rendezvous(e, one);
+    CHECK(r.addr == "node01");
+    CHECK(r.port == 29500);
+    CHECK(r.run_id == "slurm-1234.batch");
   }
   SUBCASE("no node list") {
     LaunchEnv e = slurm_task(1);

@@ -156,3 +156,39 @@ TEST_CASE("--link-delay: units ns, us, ms, s and a bare 0; negative, unit-less, 
   CHECK(run::delay_text(nanoseconds(250'000)) == "250 us");
   CHECK(run::delay_text(nanoseconds(0)) == "0");
 }
+
+// Found by fuzz_launcher_options: a host named twice had its slots summed in int
+// (1960000000 + 980000000 overflowed: UBSan aborted; a release build went on with
+// a negative slot count and powersgd-run died of SIGSEGV).
+TEST_CASE("a host named twice: its slots are summed without overflow, a sum above INT_MAX is refused") {
+  CHECK(message_of([] { run::parse_host_list("127.0.0.1:1960000000,127.0.0.1:980000000"); }) ==
+        "--hosts entry '127.0.0.1:980000000': host '127.0.0.1' named again, its slots 1960000000 + 980000000 = "
+        "2940000000 are out of range: expected at most 2147483647 slots per host");
+  CHECK(message_of([] { run::parse_host_list("a:2147483647,a"); }).find("2147483647 + 1 = 2147483648") !=
+        std::string::npos);
+  const auto merged = run::parse_host_list("a:2147483646,b:3,a");
+  REQUIRE(merged.size() == 2);
+  CHECK(merged[0].slots == 2147483647);
+  CHECK(merged[1].slots == 3);
+  CHECK(message_of([] { run::parse_host_list("a:3000000000"); }) ==
+        "--hosts entry 'a:3000000000': slot count '3000000000' is out of range: expected 1 to 2147483647");
+  CHECK(message_of([] { run::parse_host_list("a:-3000000000"); }).find("is not a positive integer") !=
+        std::string::npos);
+
+  TempDir dir;
+  const fs::path hostfile = dir.path / "hosts";
+  std::ofstream(hostfile) << "node1 slots=1960000000\n# again\nnode1 980000000\n";
+  CHECK(message_of([&] { run::parse_hostfile(hostfile.string()); }) ==
+        "hostfile " + hostfile.string() +
+            " line 3: host 'node1' named again, its slots 1960000000 + 980000000 = 2940000000 are out of range: "
+            "expected at most 2147483647 slots per host");
+
+  // The command line of the issue: refused (exit 2) instead of a crash.
+  std::vector<std::string> words{"powersgd-run", "--hosts", "127.0.0.1:1960000000,127.0.0.1:980000000", "--", "true"};
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  const auto parsed = run::parse_command_line(static_cast<int>(words.size()), argv.data());
+  CHECK_FALSE(parsed.options);
+  CHECK(parsed.exit_code == 2);
+}

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "compute/backend.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
@@ -211,6 +212,72 @@ TEST_CASE("policy: a checkpoint mid-boost resumes bit-identically, decisions inc
     CHECK(engine::read_checkpoint_file(a_end) == engine::read_checkpoint_file(b_end));
     for (const auto& p : {path, a_end, b_end}) std::remove(p.c_str());
   }
+}
+
+TEST_CASE("policy: a fixed rank that never notes holds buffers for its rank only; a note lays out rank_high") {
+  // The defaults' shape: a fixed rank below rank_high, lr_boost_steps > 0, no warm-up, not adaptive.
+  Config c;
+  c.rank = 1;
+  c.rank_high = 3;
+  c.start_iter = 0;
+  c.lr_boost_steps = 2;
+  Config rank_only = c;
+  rank_only.lr_boost_steps = 0;  // levels {rank}: what the rank alone needs
+  Config eager = c;
+  eager.warmup_steps = 1;  // the high level in reach from the start: laid out at the first reduce
+  auto comm = solo();
+  // The engine's floats (compute::allocated_floats) held by a reducer after `steps` steps.
+  const auto floats_after = [&](const Config& config, int steps, const std::vector<int>& notes) {
+    const size_t before = compute::allocated_floats();
+    Reducer reducer(*comm, config);
+    reducer.add_bucket(kShapes);
+    reducer.add_bucket({{16, 20}});
+    run(reducer, 0, steps, notes);
+    return compute::allocated_floats() - before;
+  };
+  const size_t lazy = floats_after(c, 3, {});
+  CHECK(lazy == floats_after(rank_only, 3, {}));
+  CHECK(lazy < floats_after(eager, 3, {}));
+  CHECK(floats_after(c, 3, {1}) == floats_after(eager, 3, {}));  // a note before step 1 lays rank_high out
+
+  // The buffers laid out at the note carry the warm state bit for bit: `a` grows at its note, `e` had the
+  // high level's buffers before it (laid out by loading a file saved mid-boost, then resumed at a's state).
+  const std::string mid = temp_path("lazy-mid"), at3 = temp_path("lazy-3"), a_end = at3 + ".a", e_end = at3 + ".e";
+  Reducer boosted(*comm, c);
+  boosted.add_bucket(kShapes);
+  boosted.add_bucket({{16, 20}});
+  run(boosted, 0, 2, {1});
+  REQUIRE(boosted.bucket_rank(0) == 3);
+  boosted.save(mid);
+  Reducer a(*comm, c), e(*comm, c);
+  for (Reducer* r : {&a, &e}) {
+    r->add_bucket(kShapes);
+    r->add_bucket({{16, 20}});
+  }
+  run(a, 0, 3, {});
+  a.save(at3);
+  e.load(mid);
+  e.load(at3);
+  std::vector<std::vector<float>> outputs[2];
+  for (int i = 0; i < 2; ++i) {
+    Reducer& r = i == 0 ? a : e;
+    for (int step = 3; step < 8; ++step) {
+      if (step == 4) r.note_lr_change();
+      std::vector<float> x = gradients(r.bucket_size(0), 0, step % 3);
+      std::vector<float> y = gradients(r.bucket_size(1), 1, step % 3);
+      std::vector<std::span<float>> data = {x, y};
+      r.reduce_all(data);
+      outputs[i].push_back(x);
+      outputs[i].push_back(y);
+      if (step == 4) CHECK(r.bucket_rank(0) == 3);  // the boost in force
+    }
+  }
+  CHECK(a.bucket_rank(0) == 1);  // boost over (steps 4 and 5)
+  CHECK(outputs[0] == outputs[1]);
+  a.save(a_end);
+  e.save(e_end);
+  CHECK(engine::read_checkpoint_file(a_end) == engine::read_checkpoint_file(e_end));
+  for (const auto& p : {mid, at3, a_end, e_end}) std::remove(p.c_str());
 }
 
 TEST_CASE("policy: the C API's config fields, note and decision log") {

@@ -38,6 +38,7 @@ struct Settings {
   bool alternating = false;
   bool adaptive = false;
   int rank_low = 1;
+  int rank_high = 0;  // 0: --rank (no second level: the policy never boosts)
   int64_t adaptive_interval = 100;
   int64_t divergence_check_interval = Config{}.divergence_check_interval;
   std::string device = "cpu";
@@ -191,13 +192,14 @@ void run(const Settings& settings) {
   config.alternating = settings.alternating;
   config.adaptive = settings.adaptive;
   config.rank_low = settings.rank_low;
-  config.rank_high = settings.rank;
+  config.rank_high = settings.rank_high > 0 ? settings.rank_high : settings.rank;
   config.adaptive_interval = settings.adaptive_interval;
   config.divergence_check_interval = settings.divergence_check_interval;
   config.device = settings.device == "cpu" ? Device::Cpu : Device::Cuda;
   config.wire_dtype = settings.wire_dtype == "bf16"   ? WireDType::BFloat16
                       : settings.wire_dtype == "fp16" ? WireDType::Float16
                                                       : WireDType::Float32;
+  const size_t floats_before = compute::allocated_floats();  // the engine's buffers: what the reducer adds
   Reducer reducer(*comm, config);
   const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
   for (const auto& b : buckets) reducer.add_bucket(b);
@@ -252,6 +254,8 @@ void run(const Settings& settings) {
     }
     if (step >= settings.warmup) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
+  size_t engine_floats = compute::allocated_floats() - floats_before;
+  for (const auto& d : device_data) engine_floats -= d.size();
   const double step_s = median(times);
   // The fastest step: on a shared machine, what the code does when it is not preempted
   // (the STREAM figure beside it is a best of 5 too).
@@ -309,6 +313,8 @@ void run(const Settings& settings) {
                         {"bytes_per_step", bytes_per_step},
                         {"wire_dtype", settings.wire_dtype},
                         {"current_rank", stats.current_rank},
+                        {"rank_high", config.rank_high},
+                        {"engine_bytes", engine_floats * sizeof(float)},
                         {"device", settings.device},
                         {"backend", reducer.backend_name()},
                         {"ranks", world},
@@ -338,6 +344,8 @@ void run(const Settings& settings) {
                 "decompress %.3f s\n",
                 stats.compression_rate(), stats.total_relative_error, stats.compress_seconds,
                 stats.communicate_seconds, stats.decompress_seconds);
+    std::printf("engine buffers %.1f MiB on rank 0 (arenas and per-bucket buffers; rank_high %d)\n",
+                static_cast<double>(engine_floats * sizeof(float)) / (1 << 20), config.rank_high);
     std::printf("order guard %.3f ms per step on rank 0, %.3f ms on the rank that waited least (announce, waiting "
                 "included); divergence detector (interval %lld) %.3f ms per step on rank 0 (hashing)\n",
                 guard_ms, guard_min_ms, static_cast<long long>(settings.divergence_check_interval), check_ms);
@@ -393,6 +401,8 @@ void add_engine_command(CLI::App& app) {
   cmd->add_flag("--alternating", settings->alternating, "One collective per step (alternating P and Q halves)");
   cmd->add_flag("--adaptive", settings->adaptive, "Adaptive rank between --rank-low and --rank");
   cmd->add_option("--rank-low", settings->rank_low, "Adaptive: the low rank")->capture_default_str();
+  cmd->add_option("--rank-high", settings->rank_high,
+                  "Config::rank_high (default: --rank; above it a fixed rank's notes could boost to it)");
   cmd->add_option("--adaptive-interval", settings->adaptive_interval, "Adaptive: compressed steps per decision")
       ->capture_default_str();
   cmd->add_option("--divergence-check-interval", settings->divergence_check_interval,

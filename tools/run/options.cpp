@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "common/check.hpp"
@@ -89,19 +90,28 @@ EXIT STATUS
             died during the job
 )";
 
+constexpr int kMaxSlots = std::numeric_limits<int>::max();
+
 int parse_positive_int(const std::string& text, const std::string& what) {
   int value = 0;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec == std::errc::result_out_of_range && end == text.data() + text.size() && text.front() != '-')
+    PSGD_THROW(InvalidArgumentError, what, " '", text, "' is out of range: expected 1 to ", kMaxSlots);
   if (ec != std::errc() || end != text.data() + text.size() || value < 1)
     PSGD_THROW(InvalidArgumentError, what, " '", text, "' is not a positive integer");
   return value;
 }
 
-void add_host(std::vector<Host>& hosts, Host host) {
+// `where` names the entry (for the error message).
+void add_host(std::vector<Host>& hosts, Host host, const std::string& where) {
   // The same host named twice is one host with the slots of both (as mpirun does).
   for (auto& h : hosts)
     if (h.name == host.name) {
-      h.slots += host.slots;
+      const int64_t sum = int64_t{h.slots} + host.slots;  // each is an int, their sum may not be
+      if (sum > kMaxSlots)
+        PSGD_THROW(InvalidArgumentError, where, ": host '", host.name, "' named again, its slots ", h.slots, " + ",
+                   host.slots, " = ", sum, " are out of range: expected at most ", kMaxSlots, " slots per host");
+      h.slots = static_cast<int>(sum);
       return;
     }
   hosts.push_back(std::move(host));
@@ -161,7 +171,7 @@ std::vector<Host> parse_host_list(const std::string& list) {
     validate_host_name(host.name, detail::concat("--hosts entry '", item, "'"));
     if (!slots.empty() || item.back() == ':')
       host.slots = parse_positive_int(slots, detail::concat("--hosts entry '", item, "': slot count"));
-    add_host(hosts, std::move(host));
+    add_host(hosts, std::move(host), detail::concat("--hosts entry '", item, "'"));
   }
   if (hosts.empty()) PSGD_THROW(InvalidArgumentError, "--hosts is empty: expected host[:slots],...");
   return hosts;
@@ -171,7 +181,7 @@ std::vector<Host> parse_hostfile(const std::string& path) {
   std::ifstream in(path);
   if (!in) PSGD_THROW_ERRNO(InvalidArgumentError, errno, "cannot read hostfile '", path, "'");
   std::vector<Host> hosts;
-  int number = 0;
+  int64_t number = 0;  // a line count of a file of any size: no int to overflow
   for (std::string line; std::getline(in, line);) {
     ++number;
     line = line.substr(0, line.find('#'));
@@ -186,7 +196,7 @@ std::vector<Host> parse_hostfile(const std::string& path) {
       if (slots.rfind("slots=", 0) == 0) slots = slots.substr(6);
       host.slots = parse_positive_int(slots, detail::concat(where, ": slot count"));
     }
-    add_host(hosts, std::move(host));
+    add_host(hosts, std::move(host), where);
   }
   if (in.bad()) PSGD_THROW_ERRNO(InvalidArgumentError, errno, "cannot read hostfile '", path, "'");
   if (hosts.empty()) PSGD_THROW(InvalidArgumentError, "hostfile '", path, "' names no host");

@@ -152,10 +152,19 @@ void derive_from_slurm(const LaunchEnv& env, const Membership& m, Rendezvous& r,
     if (env.slurm_step_resv_ports) {
       // "12000", "12000-12003" or "12000,12005": the first port is the store's.
       const std::string& ports = *env.slurm_step_resv_ports;
-      std::string first = ports.substr(0, ports.find_first_of("-,"));
-      r.port = parse_port(first, "SLURM_STEP_RESV_PORTS");
+      auto first = to_u64(std::string_view(ports).substr(0, ports.find_first_of("-,")));
+      PSGD_REQUIRE(first && *first >= 1 && *first <= 65535, InvalidArgumentError,
+                   "environment variable SLURM_STEP_RESV_PORTS=", ports,
+                   " is not a list of TCP ports: expected a port (1 to 65535), a range N-M or a list N,M,... "
+                   "whose first port is the store's");
+      r.port = static_cast<uint16_t>(*first);
       port_origin = detail::concat("first of SLURM_STEP_RESV_PORTS=", ports);
     } else {
+      // A world of one in the batch script (no step) with MASTER_ADDR alone: no step id to derive from.
+      PSGD_REQUIRE(env.slurm_step_id.has_value(), InvalidArgumentError,
+                   "Slurm: SLURM_STEP_ID unset (not a task of a job step, e.g. the batch script) and MASTER_PORT "
+                   "unset: cannot derive the store's port; set MASTER_PORT to a free port, or unset MASTER_ADDR "
+                   "(a world of one then uses a private store)");
       auto job = to_u64(*env.slurm_job_id);
       auto step = to_u64(*env.slurm_step_id);
       PSGD_REQUIRE(job && step, InvalidArgumentError, "Slurm: ", shown("SLURM_JOB_ID", env.slurm_job_id), " and ",
@@ -166,7 +175,8 @@ void derive_from_slurm(const LaunchEnv& env, const Membership& m, Rendezvous& r,
                                    " (srun --resv-ports=1 reserves one instead)");
     }
   }
-  r.run_id = detail::concat("slurm-", *env.slurm_job_id, ".", *env.slurm_step_id);
+  // Without a step (the batch script's world of one) the run is the job's batch step, as sacct names it.
+  r.run_id = detail::concat("slurm-", *env.slurm_job_id, ".", env.slurm_step_id ? *env.slurm_step_id : "batch");
 }
 
 // Open MPI: only one node is known from the environment alone.
