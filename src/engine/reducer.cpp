@@ -126,23 +126,21 @@ class Reducer::Impl final : public detail::CommUser {
       if (reports[r].values[0] != reports[0].values[0])
         engine::raise_layout_mismatch(comm_, config_, index, shapes, reports);  // every rank takes this branch
     layout_fingerprint_ = layout;
-    auto bucket = std::make_unique<BucketState>();
-    bucket->levels = std::move(levels);
-    bucket->level_ranks = ranks;
+    auto bucket = std::make_unique<BucketState>(std::vector<Shape>(shapes.begin(), shapes.end()), std::move(levels),
+                                                ranks);
     bucket->rule_level = ranks.size() - 1;  // the adaptive rule starts high (its first window)
     const engine::LevelChoice first = engine::choose_level(config_, *bucket);
     bucket->level = first.level;
     bucket->reason = first.reason;
     bucket->plan = bucket->levels[first.level];
     bucket->current_rank = ranks[first.level];
-    bucket->shapes.assign(shapes.begin(), shapes.end());
     buckets_.push_back(std::move(bucket));
     steps_.add_bucket();
     return index;
   }
 
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
-  size_t bucket_size(int b) const { return static_cast<size_t>(checked(b).plan.numel); }
+  size_t bucket_size(int b) const { return static_cast<size_t>(checked(b).numel); }
   std::span<const Shape> bucket_shapes(int b) const { return checked(b).shapes; }
   int bucket_rank(int b) {
     const BucketState& s = checked(b);
@@ -221,17 +219,16 @@ class Reducer::Impl final : public detail::CommUser {
   void error_feedback(int b, float* out, size_t count) {
     const BucketState& s = checked(b);
     PSGD_REQUIRE(out != nullptr, InvalidArgumentError, "error_feedback of bucket ", b, ": out is null");
-    PSGD_REQUIRE(count == kUnchecked || count == static_cast<size_t>(s.plan.numel), InvalidArgumentError,
-                 "error_feedback of bucket ", b, ": the buffer has ", count, " elements, the bucket has ",
-                 s.plan.numel);
+    PSGD_REQUIRE(count == kUnchecked || count == static_cast<size_t>(s.numel), InvalidArgumentError,
+                 "error_feedback of bucket ", b, ": the buffer has ", count, " elements, the bucket has ", s.numel);
     call([&] {
       if (s.nerr.empty()) {
-        std::fill(out, out + s.plan.numel, 0.0f);
+        std::fill(out, out + s.numel, 0.0f);
         return;
       }
       // The bucket's elements; a whole bucket's padding error stays internal.
       const std::vector<float> error = engine::read_error(*backend_, s);
-      std::copy_n(error.begin(), s.plan.numel, out);
+      std::copy_n(error.begin(), s.numel, out);
     });
   }
 
@@ -351,14 +348,16 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
  private:
-  // What a checkpoint of this reducer holds per bucket.
+  // What a checkpoint of this reducer holds per bucket. From the fields fixed at
+  // add_bucket only (load calls it on the user thread, reductions may be in flight).
   std::vector<engine::CheckpointBucketShape> checkpoint_shapes() const {
     std::vector<engine::CheckpointBucketShape> expected;
     for (const auto& s : buckets_) {
+      const engine::BucketPlan& any_level = s->levels.front();  // the error memory's size is every level's
       engine::CheckpointBucketShape shape;
-      shape.numel = static_cast<uint64_t>(s->plan.numel);
-      shape.error = config_.error_feedback ? engine::error_memory_size(s->plan) : 0;
-      shape.error_without_padding = config_.error_feedback && s->plan.whole ? static_cast<size_t>(s->plan.numel) : 0;
+      shape.numel = static_cast<uint64_t>(s->numel);
+      shape.error = config_.error_feedback ? engine::error_memory_size(any_level) : 0;
+      shape.error_without_padding = config_.error_feedback && any_level.whole ? static_cast<size_t>(s->numel) : 0;
       for (size_t l = 0; l < s->levels.size(); ++l)
         shape.levels.push_back({s->level_ranks[l], static_cast<size_t>(s->levels[l].p_numel),
                                 static_cast<size_t>(s->levels[l].q_numel)});
