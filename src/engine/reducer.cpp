@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "common/check.hpp"
+#include "common/comm_turns.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
 #include "common/serial_worker.hpp"
@@ -58,7 +59,8 @@ ReduceTimes ReduceHandle::times() const {
 
 class Reducer::Impl final : public detail::CommUser {
  public:
-  Impl(Communicator& comm, const Config& config) : comm_(comm), config_(config) {
+  Impl(Communicator& comm, const Config& config)
+      : comm_(comm), turns_(detail::comm_turns(&comm)), config_(config) {
     config_.validate();
     // The finite flags (kFailedFlag) and the order guard's sums are exact below 4096 ranks.
     PSGD_REQUIRE(comm_.size() <= engine::kMaxWorldSize, InvalidArgumentError, "a world of ", comm_.size(),
@@ -88,7 +90,7 @@ class Reducer::Impl final : public detail::CommUser {
   // worker, in order); every task after this one is refused (require_comm).
   void communicator_destroyed() noexcept override {
     try {
-      worker_.submit(WorkerTask{nullptr, [this] { comm_destroyed_ = true; }})->wait();
+      worker_.submit(WorkerTask{nullptr, [this] { comm_destroyed_ = true; }, {}})->wait();
     } catch (...) {  // a refused task sets nothing; the flag is then already set
     }
   }
@@ -118,6 +120,9 @@ class Reducer::Impl final : public detail::CommUser {
     } catch (...) {
       refused = std::current_exception();
     }
+    // Collective on this thread: after the collectives of every call made before it (other reducers' too).
+    const detail::CommTurns::Turn turn = turns_->take();
+    turn.wait();
     const auto reports = engine::gather_reports(
         comm_, refused != nullptr ? engine::report_failure(refused)
                                   : engine::report_values({engine::reducer_fingerprint(layout, config_)}));
@@ -190,7 +195,7 @@ class Reducer::Impl final : public detail::CommUser {
       poison(std::move(reduction), std::current_exception(), false, true);
       throw;
     }
-    worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
+    worker_.submit(WorkerTask{std::move(reduction), nullptr, turns_->take()})->wait();
   }
 
   void note_lr_change() {
@@ -296,7 +301,7 @@ class Reducer::Impl final : public detail::CommUser {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save_job before any add_bucket: nothing to checkpoint");
     steps_.require_boundary("save_job");
     start();
-    call([&] {
+    collective_call([&] {
       engine::CheckpointContents contents;
       std::exception_ptr local;
       try {
@@ -330,7 +335,7 @@ class Reducer::Impl final : public detail::CommUser {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load_job before any add_bucket: declare the buckets first");
     steps_.require_boundary("load_job");
     engine::CheckpointContents contents;
-    call([&] {
+    collective_call([&] {
       const std::vector<char> file = engine::read_on_rank0(comm_, path);
       std::exception_ptr local;
       try {
@@ -406,7 +411,7 @@ class Reducer::Impl final : public detail::CommUser {
       poison(std::move(reduction), std::current_exception(), false, false);
       throw;
     }
-    return worker_.submit(WorkerTask{std::move(reduction), nullptr});
+    return worker_.submit(WorkerTask{std::move(reduction), nullptr, turns_->take()});
   }
 
   // Submits `reduction` carrying `error` (order_guard.hpp); `record`: it counts
@@ -421,7 +426,8 @@ class Reducer::Impl final : public detail::CommUser {
       steps_.record(*reduction, config_.start_iter, whole_step);
     else
       reduction->iteration = steps_.submitted_steps();
-    worker_.submit(WorkerTask{std::move(reduction), nullptr});  // its error is this call's, thrown by the caller
+    // Its error is this call's, thrown by the caller.
+    worker_.submit(WorkerTask{std::move(reduction), nullptr, turns_->take()});
   }
 
   const BucketState& checked(int b) const {
@@ -564,6 +570,9 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   Communicator& comm_;
+  // The order of the collectives of this communicator's reducers (comm_turns.hpp): every task that issues
+  // collectives takes a turn when it is submitted, in the user's call order, and waits for it on the worker.
+  const std::shared_ptr<detail::CommTurns> turns_;
   std::atomic<bool> comm_destroyed_{false};  // set on the worker by communicator_destroyed
   Config config_;
   std::unique_ptr<compute::Backend> backend_;  // before every buffer: destroyed after them
@@ -587,20 +596,30 @@ class Reducer::Impl final : public detail::CommUser {
   std::unique_ptr<engine::StepRunner> runner_;
 
   // One entry of the worker's queue: a reduction, or a call that reads or
-  // changes worker-owned state for the user thread.
+  // changes worker-owned state for the user thread; `turn`: its place among the
+  // communicator's collectives, when it issues any (a reduction, a collective call).
   struct WorkerTask {
     std::shared_ptr<Reduction> reduction;
     std::function<void()> call;
+    detail::CommTurns::Turn turn;
   };
   // Runs fn on the worker after everything queued before it; rethrows its exception.
-  void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn)})->wait(); }
+  void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn), {}})->wait(); }
+  // The same for a call that issues collectives: in its turn among the communicator's users.
+  void collective_call(std::function<void()> fn) {
+    worker_.submit(WorkerTask{nullptr, std::move(fn), turns_->take()})->wait();
+  }
   // The reduction queued after the running one (the step runner's lookahead); null when a call is next.
   std::shared_ptr<Reduction> next_reduction() const {
     // Only the pointer: the task's std::function is not copied on this per-reduction path.
     return worker_.peek_next([](const WorkerTask& task) { return task.reduction; }).value_or(nullptr);
   }
   SerialWorker<WorkerTask> worker_{"reducer", [this](WorkerTask& task) {
+                                     // Released when the task ends, run or refused (a cancelled task's
+                                     // turn goes with the task).
+                                     const detail::CommTurns::Turn turn = std::move(task.turn);
                                      require_comm();
+                                     turn.wait();
                                      if (task.call)
                                        task.call();
                                      else
