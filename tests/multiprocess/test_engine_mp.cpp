@@ -91,6 +91,20 @@ std::vector<double> mean_of(const std::vector<std::vector<float>>& all) {
 
 const std::vector<Shape> kShapes = {{32, 24}, {32}, {16, 8, 3, 3}, {}, {5, 6}, {40, 10}};
 
+// Buckets of `data` whose outputs are not their exact `means` (to 1e-4 relative); each named in a MESSAGE.
+int inexact_buckets(const std::vector<std::vector<float>>& data, const std::vector<std::vector<double>>& means,
+                    const std::string& what) {
+  int wrong = 0;
+  for (size_t b = 0; b < data.size(); ++b)
+    for (size_t i = 0; i < data[b].size(); ++i)
+      if (std::abs(data[b][i] - means[b][i]) > 1e-4 * (1 + std::abs(means[b][i]))) {
+        ++wrong;
+        MESSAGE(what, " bucket ", b, " element ", i, ": got ", data[b][i], ", mean ", means[b][i]);
+        break;
+      }
+  return wrong;
+}
+
 // Resident set size of this process in KiB (/proc/self/status VmRSS).
 long resident_kib() {
   FILE* f = std::fopen("/proc/self/status", "r");
@@ -744,13 +758,7 @@ TEST_CASE("in flight: many buckets async, 500 steps, results exact") {
       }
       for (auto& h : handles) h.wait();
     }
-    for (size_t b = 0; b < plans.size(); ++b)
-      for (size_t i = 0; i < data[b].size(); ++i)
-        if (std::abs(data[b][i] - means[b][i]) > 1e-4 * (1 + std::abs(means[b][i]))) {
-          ++wrong;
-          MESSAGE("step ", step, " bucket ", b, " element ", i, ": got ", data[b][i], ", mean ", means[b][i]);
-          break;
-        }
+    wrong += inexact_buckets(data, means, "step " + std::to_string(step));
   }
   CHECK(wrong == 0);
   CHECK(reducer.iteration() == 500);
@@ -824,14 +832,8 @@ TEST_CASE("two reducers: calls interleaved on one communicator are reduced in ca
     }
     for (auto& h : handles) h.wait();
     for (size_t mi = 0; mi < active; ++mi)
-      for (size_t b = 0; b < models[mi].data.size(); ++b)
-        for (size_t i = 0; i < models[mi].data[b].size(); ++i)
-          if (std::abs(models[mi].data[b][i] - models[mi].means[b][i]) > 1e-4 * (1 + std::abs(models[mi].means[b][i]))) {
-            ++wrong;
-            MESSAGE("step ", step, " model ", mi, " bucket ", b, " element ", i, ": got ", models[mi].data[b][i],
-                    ", mean ", models[mi].means[b][i]);
-            break;
-          }
+      wrong += inexact_buckets(models[mi].data, models[mi].means,
+                               "step " + std::to_string(step) + " model " + std::to_string(mi));
   }
   CHECK(wrong == 0);
   CHECK(models[0].reducer->iteration() == steps);
