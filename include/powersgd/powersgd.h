@@ -115,7 +115,10 @@ static inline psgd_config psgd_config_default(void) {
 }
 
 typedef struct psgd_reducer psgd_reducer;
-/* The reducer keeps a reference to comm: destroy it before comm. */
+/* The reducer keeps a reference to comm: destroy it before comm. Several reducers may share comm: the
+   collectives of their calls run in the order the calls were made (a reduce_async of one while another's
+   reductions are in flight included), the same on every rank when the calls are made in the same order from
+   one thread; reducers used from different threads need a psgd_comm each (docs/engine.md). */
 PSGD_API psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out);
 /* Declares the next bucket: num_tensors tensors, tensor i has ndims[i] dimensions, all dimensions concatenated
    in dims; they lie contiguously in that order. *bucket_index receives 0, 1, 2, ... Collective. */

@@ -11,8 +11,15 @@
 // Threading: a Reducer is used from one user thread at a time (a second
 // thread's call is refused with InvalidArgumentError). It owns one
 // worker thread that does all compute (through the compute backend) and issues
-// the collectives, in submission order, on the communicator. While a reduce is
-// in flight, do not issue other collectives on the same communicator.
+// the collectives, in submission order, on the communicator. Several Reducers
+// may share a communicator (two models in one process): the collectives of
+// their calls (reduce, reduce_async, reduce_all, add_bucket, save_job,
+// load_job) run in the order the calls were made, whichever worker is faster
+// (docs/engine.md, "Several reducers on one communicator"). That order is the
+// same on every rank when the calls are: call the Reducers that share a
+// communicator from one thread; Reducers used from different threads need a
+// communicator each. While a reduction is in flight, do not issue other
+// collectives on the same communicator yourself.
 //
 // Memory: `data` pointers are backend memory: host memory for Device::Cpu, CUDA
 // device memory for Device::Cuda. Pointers passed to reduce_async / reduce_all

@@ -29,8 +29,11 @@ group's members (psgd_comm_init_on_store with the group's id), rendezvousing und
 ranks; a group this process is not in, or anything torch.distributed does not know as a group, is a
 ValueError at construction.
 
-One PowerSGDState per process group at a time: its engine reducer and the process's engine communicator for
-the group are used from the thread that runs backward().
+Several PowerSGDStates (several DDP models, e.g. a GAN's generator and discriminator) may serve one process
+group: each has its own engine reducer, and they share the process's engine communicator for the group, on
+which the engine runs their collectives in the order the hooks start their reductions (docs/engine.md,
+"Several reducers on one communicator"). That order is the same on every rank because every hook runs on
+the thread that runs backward(); call a state's methods from that thread too.
 """
 import ctypes
 import datetime

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "compute/backend.hpp"
@@ -16,13 +17,26 @@ namespace powersgd::engine {
 
 // One bucket: its plan, its device buffers and its slice of every arena.
 struct BucketState {
-  BucketPlan plan;  // the current level's: levels[level]
-  // One plan per rank level: {config.rank}, with adaptive {rank_low, rank_high},
-  // with a fixed rank that the policy may boost {rank, rank_high} (policy.hpp).
-  std::vector<BucketPlan> levels;
-  std::vector<int> level_ranks;
+  // levels: one plan per rank level, level_ranks their ranks: {config.rank}, with adaptive {rank_low,
+  // rank_high}, with a fixed rank that the policy may boost {rank, rank_high} (policy.hpp).
+  BucketState(std::vector<Shape> shapes_, std::vector<BucketPlan> levels_, std::vector<int> level_ranks_)
+      : shapes(std::move(shapes_)),
+        numel(levels_.front().numel),
+        levels(std::move(levels_)),
+        level_ranks(std::move(level_ranks_)) {}
+
+  // Fixed at add_bucket: the user thread reads these while reductions run on
+  // the worker (bucket_size, bucket_shapes, the size checks of reduce,
+  // reduce_all and error_feedback, a checkpoint's expected layout), so nothing
+  // writes them after (const). Every level has the bucket's numel.
+  const std::vector<Shape> shapes;
+  const int64_t numel;
+  const std::vector<BucketPlan> levels;
+  const std::vector<int> level_ranks;
+  // From here on the worker's once reductions run. plan: the current level's,
+  // levels[level]; the level switch (step_runner.cpp) assigns it.
+  BucketPlan plan;
   size_t level = 0;
-  std::vector<Shape> shapes;
   // Work buffer (layout in plan.hpp) plus one float: the finite flag of plain steps.
   compute::DeviceBuffer in;
   // Negated error-feedback memory, in the work buffer's layout (error = in - out;

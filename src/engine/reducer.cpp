@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "common/check.hpp"
+#include "common/comm_turns.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
 #include "common/serial_worker.hpp"
@@ -59,7 +60,8 @@ ReduceTimes ReduceHandle::times() const {
 
 class Reducer::Impl final : public detail::CommUser {
  public:
-  Impl(Communicator& comm, const Config& config) : comm_(comm), config_(config) {
+  Impl(Communicator& comm, const Config& config)
+      : comm_(comm), turns_(detail::comm_turns(&comm)), config_(config) {
     config_.validate();
     // The finite flags (kFailedFlag) and the order guard's sums are exact below 4096 ranks.
     PSGD_REQUIRE(comm_.size() <= engine::kMaxWorldSize, InvalidArgumentError, "a world of ", comm_.size(),
@@ -85,7 +87,7 @@ class Reducer::Impl final : public detail::CommUser {
   // worker, in order); every task after this one is refused (require_comm).
   void communicator_destroyed() noexcept override {
     try {
-      worker_.submit(WorkerTask{nullptr, [this] { comm_destroyed_ = true; }})->wait();
+      worker_.submit(WorkerTask{nullptr, [this] { comm_destroyed_ = true; }, {}})->wait();
     } catch (...) {  // a refused task sets nothing; the flag is then already set
     }
   }
@@ -117,8 +119,9 @@ class Reducer::Impl final : public detail::CommUser {
         refused = std::current_exception();
       }
     }
-    // On the worker: after the reductions in flight (a refused add_bucket after reduce_async).
-    call([&] {
+    // On the worker, in its turn among the communicator's users: after the reductions in flight (a refused
+    // add_bucket after reduce_async) and after every call made before it, other reducers' too.
+    collective_call([&] {
       const auto reports = engine::gather_reports(
           comm_, refused != nullptr ? engine::report_failure(refused)
                                     : engine::report_values({engine::reducer_fingerprint(layout, config_)}));
@@ -128,23 +131,21 @@ class Reducer::Impl final : public detail::CommUser {
           engine::raise_layout_mismatch(comm_, config_, index, shapes, reports);  // every rank takes this branch
     });
     layout_fingerprint_ = layout;
-    auto bucket = std::make_unique<BucketState>();
-    bucket->levels = std::move(levels);
-    bucket->level_ranks = ranks;
+    auto bucket = std::make_unique<BucketState>(std::vector<Shape>(shapes.begin(), shapes.end()), std::move(levels),
+                                                ranks);
     bucket->rule_level = ranks.size() - 1;  // the adaptive rule starts high (its first window)
     const engine::LevelChoice first = engine::choose_level(config_, *bucket);
     bucket->level = first.level;
     bucket->reason = first.reason;
     bucket->plan = bucket->levels[first.level];
     bucket->current_rank = ranks[first.level];
-    bucket->shapes.assign(shapes.begin(), shapes.end());
     buckets_.push_back(std::move(bucket));
     steps_.add_bucket();
     return index;
   }
 
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
-  size_t bucket_size(int b) const { return static_cast<size_t>(checked(b).plan.numel); }
+  size_t bucket_size(int b) const { return static_cast<size_t>(checked(b).numel); }
   std::span<const Shape> bucket_shapes(int b) const { return checked(b).shapes; }
   int bucket_rank(int b) {
     const BucketState& s = checked(b);
@@ -193,7 +194,7 @@ class Reducer::Impl final : public detail::CommUser {
     } catch (...) {
       refuse(std::move(reduction), std::current_exception(), false, true);
     }
-    worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
+    worker_.submit(WorkerTask{std::move(reduction), nullptr, turns_->take()})->wait();
   }
 
   void note_lr_change() {
@@ -222,17 +223,16 @@ class Reducer::Impl final : public detail::CommUser {
   void error_feedback(int b, float* out, size_t count) {
     const BucketState& s = checked(b);
     PSGD_REQUIRE(out != nullptr, InvalidArgumentError, "error_feedback of bucket ", b, ": out is null");
-    PSGD_REQUIRE(count == kUnchecked || count == static_cast<size_t>(s.plan.numel), InvalidArgumentError,
-                 "error_feedback of bucket ", b, ": the buffer has ", count, " elements, the bucket has ",
-                 s.plan.numel);
+    PSGD_REQUIRE(count == kUnchecked || count == static_cast<size_t>(s.numel), InvalidArgumentError,
+                 "error_feedback of bucket ", b, ": the buffer has ", count, " elements, the bucket has ", s.numel);
     call([&] {
       if (s.nerr.empty()) {
-        std::fill(out, out + s.plan.numel, 0.0f);
+        std::fill(out, out + s.numel, 0.0f);
         return;
       }
       // The bucket's elements; a whole bucket's padding error stays internal.
       const std::vector<float> error = engine::read_error(*backend_, s);
-      std::copy_n(error.begin(), s.plan.numel, out);
+      std::copy_n(error.begin(), s.numel, out);
     });
   }
 
@@ -301,7 +301,7 @@ class Reducer::Impl final : public detail::CommUser {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save_job before any add_bucket: nothing to checkpoint");
     if (refused == nullptr) refused = detail::exception_of([&] { steps_.require_boundary("save_job"); });
     if (refused == nullptr) start();
-    call([&] {
+    collective_call([&] {
       agree_on_refusal(refused, "save_job");
       engine::CheckpointContents contents;
       std::exception_ptr local;
@@ -337,7 +337,7 @@ class Reducer::Impl final : public detail::CommUser {
     PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load_job before any add_bucket: declare the buckets first");
     if (refused == nullptr) refused = detail::exception_of([&] { steps_.require_boundary("load_job"); });
     engine::CheckpointContents contents;
-    call([&] {
+    collective_call([&] {
       agree_on_refusal(refused, "load_job");
       const std::vector<char> file = engine::read_on_rank0(comm_, path);
       std::exception_ptr local;
@@ -356,14 +356,16 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
  private:
-  // What a checkpoint of this reducer holds per bucket.
+  // What a checkpoint of this reducer holds per bucket. From the fields fixed at
+  // add_bucket only (load calls it on the user thread, reductions may be in flight).
   std::vector<engine::CheckpointBucketShape> checkpoint_shapes() const {
     std::vector<engine::CheckpointBucketShape> expected;
     for (const auto& s : buckets_) {
+      const engine::BucketPlan& any_level = s->levels.front();  // the error memory's size is every level's
       engine::CheckpointBucketShape shape;
-      shape.numel = static_cast<uint64_t>(s->plan.numel);
-      shape.error = config_.error_feedback ? engine::error_memory_size(s->plan) : 0;
-      shape.error_without_padding = config_.error_feedback && s->plan.whole ? static_cast<size_t>(s->plan.numel) : 0;
+      shape.numel = static_cast<uint64_t>(s->numel);
+      shape.error = config_.error_feedback ? engine::error_memory_size(any_level) : 0;
+      shape.error_without_padding = config_.error_feedback && any_level.whole ? static_cast<size_t>(s->numel) : 0;
       for (size_t l = 0; l < s->levels.size(); ++l)
         shape.levels.push_back({s->level_ranks[l], static_cast<size_t>(s->levels[l].p_numel),
                                 static_cast<size_t>(s->levels[l].q_numel)});
@@ -412,7 +414,7 @@ class Reducer::Impl final : public detail::CommUser {
     } catch (...) {
       refuse(std::move(reduction), std::current_exception(), false, false);
     }
-    return worker_.submit(WorkerTask{std::move(reduction), nullptr});
+    return worker_.submit(WorkerTask{std::move(reduction), nullptr, turns_->take()});
   }
 
   // Submits `reduction` carrying `error` (order_guard.hpp), waits until it is
@@ -433,7 +435,7 @@ class Reducer::Impl final : public detail::CommUser {
       else
         reduction->iteration = steps_.submitted_steps();
       try {
-        worker_.submit(WorkerTask{std::move(reduction), nullptr})->wait();
+        worker_.submit(WorkerTask{std::move(reduction), nullptr, turns_->take()})->wait();
       } catch (...) {  // this rank's outcome is `error` (a broken communicator fails the next call)
       }
     }
@@ -596,6 +598,9 @@ class Reducer::Impl final : public detail::CommUser {
   }
 
   Communicator& comm_;
+  // The order of the collectives of this communicator's reducers (comm_turns.hpp): every task that issues
+  // collectives takes a turn when it is submitted, in the user's call order, and waits for it on the worker.
+  const std::shared_ptr<detail::CommTurns> turns_;
   std::atomic<bool> comm_destroyed_{false};  // set on the worker by communicator_destroyed
   Config config_;
   std::unique_ptr<compute::Backend> backend_;  // before every buffer: destroyed after them
@@ -619,20 +624,30 @@ class Reducer::Impl final : public detail::CommUser {
   std::unique_ptr<engine::StepRunner> runner_;
 
   // One entry of the worker's queue: a reduction, or a call that reads or
-  // changes worker-owned state for the user thread.
+  // changes worker-owned state for the user thread; `turn`: its place among the
+  // communicator's collectives, when it issues any (a reduction, a collective call).
   struct WorkerTask {
     std::shared_ptr<Reduction> reduction;
     std::function<void()> call;
+    detail::CommTurns::Turn turn;
   };
   // Runs fn on the worker after everything queued before it; rethrows its exception.
-  void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn)})->wait(); }
+  void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn), {}})->wait(); }
+  // The same for a call that issues collectives: in its turn among the communicator's users.
+  void collective_call(std::function<void()> fn) {
+    worker_.submit(WorkerTask{nullptr, std::move(fn), turns_->take()})->wait();
+  }
   // The reduction queued after the running one (the step runner's lookahead); null when a call is next.
   std::shared_ptr<Reduction> next_reduction() const {
     // Only the pointer: the task's std::function is not copied on this per-reduction path.
     return worker_.peek_next([](const WorkerTask& task) { return task.reduction; }).value_or(nullptr);
   }
   SerialWorker<WorkerTask> worker_{"reducer", [this](WorkerTask& task) {
+                                     // Released when the task ends, run or refused (a cancelled task's
+                                     // turn goes with the task).
+                                     const detail::CommTurns::Turn turn = std::move(task.turn);
                                      require_comm();
+                                     turn.wait();
                                      if (task.call)
                                        task.call();
                                      else

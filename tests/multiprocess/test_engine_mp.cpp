@@ -93,6 +93,20 @@ std::vector<double> mean_of(const std::vector<std::vector<float>>& all) {
 
 const std::vector<Shape> kShapes = {{32, 24}, {32}, {16, 8, 3, 3}, {}, {5, 6}, {40, 10}};
 
+// Buckets of `data` whose outputs are not their exact `means` (to 1e-4 relative); each named in a MESSAGE.
+int inexact_buckets(const std::vector<std::vector<float>>& data, const std::vector<std::vector<double>>& means,
+                    const std::string& what) {
+  int wrong = 0;
+  for (size_t b = 0; b < data.size(); ++b)
+    for (size_t i = 0; i < data[b].size(); ++i)
+      if (std::abs(data[b][i] - means[b][i]) > 1e-4 * (1 + std::abs(means[b][i]))) {
+        ++wrong;
+        MESSAGE(what, " bucket ", b, " element ", i, ": got ", data[b][i], ", mean ", means[b][i]);
+        break;
+      }
+  return wrong;
+}
+
 // Resident set size of this process in KiB (/proc/self/status VmRSS).
 long resident_kib() {
   FILE* f = std::fopen("/proc/self/status", "r");
@@ -746,16 +760,87 @@ TEST_CASE("in flight: many buckets async, 500 steps, results exact") {
       }
       for (auto& h : handles) h.wait();
     }
-    for (size_t b = 0; b < plans.size(); ++b)
-      for (size_t i = 0; i < data[b].size(); ++i)
-        if (std::abs(data[b][i] - means[b][i]) > 1e-4 * (1 + std::abs(means[b][i]))) {
-          ++wrong;
-          MESSAGE("step ", step, " bucket ", b, " element ", i, ": got ", data[b][i], ", mean ", means[b][i]);
-          break;
-        }
+    wrong += inexact_buckets(data, means, "step " + std::to_string(step));
   }
   CHECK(wrong == 0);
   CHECK(reducer.iteration() == 500);
+}
+
+// Several reducers on one communicator (two models in one process, e.g. a GAN's generator and
+// discriminator), their calls interleaved on one thread: reduce_async of one while the other's reductions
+// are in flight, a blocking reduce_all of one, and a third reducer's add_bucket (collective) while the
+// others' reductions are in flight. Each reducer issues its collectives from its own worker thread; the
+// communicator runs them in the calls' order on every rank (comm_turns.hpp), so every output is the exact
+// mean. Without that order they reached the communicator in an order that depended on timing: the order
+// guard's MismatchError, one reducer's collective paired with another's (wrong sums), or Gloo's abort.
+TEST_CASE("two reducers: calls interleaved on one communicator are reduced in call order, exact") {
+  auto comm = connect("engine-two-reducers");
+  const int world = comm->size();
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  struct Model {
+    std::vector<std::vector<Shape>> buckets;
+    std::unique_ptr<Reducer> reducer;
+    std::vector<engine::BucketPlan> plans;
+    std::vector<std::vector<float>> data;
+    std::vector<std::vector<double>> means;
+  };
+  std::vector<Model> models(3);
+  models[0].buckets = {{{32, 24}, {24}}, {{40, 8}}, {{16, 16}}};
+  models[1].buckets = {{{24, 16}}, {{8, 8, 3, 3}, {7}}, {{30, 10}}, {{5}}};
+  models[2].buckets = {{{20, 20}}, {{12, 6}, {6}}};
+  const auto declare = [&](Model& m) {
+    m.reducer = std::make_unique<Reducer>(*comm, c);
+    for (const auto& shapes : m.buckets) {
+      m.reducer->add_bucket(shapes);
+      m.plans.push_back(engine::make_plan(shapes, c));
+    }
+  };
+  declare(models[0]);
+  declare(models[1]);
+  const int steps = 40, late_step = 10;
+  int wrong = 0;
+  for (int step = 0; step < steps; ++step) {
+    const size_t active = step < late_step ? 2 : 3;
+    for (size_t mi = 0; mi < active; ++mi) {
+      Model& m = models[mi];
+      m.data.clear();
+      m.means.clear();
+      for (size_t b = 0; b < m.plans.size(); ++b) {
+        std::vector<std::vector<float>> all;
+        for (int w = 0; w < world; ++w) all.push_back(low_rank(m.plans[b], 2, w, world, step, mi * 100 + b));
+        m.means.push_back(mean_of(all));
+        m.data.push_back(all[static_cast<size_t>(comm->rank())]);
+      }
+    }
+    std::vector<ReduceHandle> handles;
+    // Bucket by bucket, alternating between the models (the same on every rank).
+    for (size_t k = 0; k < 4; ++k)
+      for (size_t mi = 0; mi < active; ++mi) {
+        Model& m = models[mi];
+        if (mi == 1 && step % 5 == 4) continue;  // model 1 reduces this step with reduce_all, below
+        if (k < m.plans.size())
+          handles.push_back(m.reducer->reduce_async(static_cast<int>(k), std::span<float>(m.data[k])));
+      }
+    if (step % 5 == 4) {
+      std::vector<std::span<float>> all;
+      for (auto& d : models[1].data) all.emplace_back(d);
+      models[1].reducer->reduce_all(all);
+    }
+    if (step == late_step - 1) {
+      declare(models[2]);  // collective, while models 0 and 1 have reductions in flight
+      CHECK(models[2].reducer->num_buckets() == 2);
+    }
+    for (auto& h : handles) h.wait();
+    for (size_t mi = 0; mi < active; ++mi)
+      wrong += inexact_buckets(models[mi].data, models[mi].means,
+                               "step " + std::to_string(step) + " model " + std::to_string(mi));
+  }
+  CHECK(wrong == 0);
+  CHECK(models[0].reducer->iteration() == steps);
+  CHECK(models[1].reducer->iteration() == steps);
+  CHECK(models[2].reducer->iteration() == steps - late_step);
 }
 
 namespace {

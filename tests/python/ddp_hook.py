@@ -30,6 +30,9 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
   lr-watch          PowerSGDState(lr_watch=optimizer): each StepLR decay is exactly one note_lr_change on every
                     rank, which boosts every bucket to rank_high for lr_boost_steps steps (the decision log, equal on
                     both ranks); warmup_steps/lr_boost_steps are validated
+  two-models        two DDP models in one process group, each with its own PowerSGDState (one inside the
+                    other's forward, so their hooks and engine reductions interleave in one backward): every
+                    parameter equal on all ranks, bitwise, and DDP allreduce's to 1e-5 (exact low-rank setting)
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
   unused-branch     a branch unused (find_unused_parameters=True), or scaled by 0.0, in the first compressed
@@ -1033,6 +1036,67 @@ def case_unused_branch():
             state.close()
 
 
+class Sandwich(nn.Module):
+    """`first`, another DDP model, then `last`. The inner model is kept outside the module tree (DDP of this
+    model leaves its parameters alone). Backward computes `last`'s gradients (DDP's first bucket: 1 MiB, it
+    holds `last` alone), then the inner model's (its hook runs, and waits for its reductions, while this
+    model's first bucket is in flight), then `first`'s (this model's last bucket)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.first = nn.Linear(16, 64, bias=False)
+        self.last = nn.Linear(512, 512)
+        self.inner = (inner,)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.inner[0](torch.relu(self.first(x)))))
+
+
+def case_two_models():
+    steps = 10
+    torch.manual_seed(7)
+    inner_reference = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 512))
+    outer_reference = Sandwich(None)
+    inner_ours, outer_ours = copy.deepcopy(inner_reference), copy.deepcopy(outer_reference)
+    generator = torch.Generator().manual_seed(70 + rank())
+    inputs = [torch.randn(1, 16, generator=generator) for _ in range(steps)]
+    targets = [torch.randn(1, 512, generator=generator) for _ in range(steps)]
+
+    def run(inner, outer, hooked):
+        inner_ddp = ddp(inner)
+        outer.inner = (inner_ddp,)
+        outer_ddp = ddp(outer)
+        states = []
+        if hooked:
+            # One sample per rank: each weight's mean gradient has rank <= world, reproduced at that rank.
+            for model in (outer_ddp, inner_ddp):
+                states.append(pst.PowerSGDState(process_group=None, matrix_approximation_rank=world(),
+                                                start_powerSGD_iter=3, use_error_feedback=False))
+                model.register_comm_hook(states[-1], pst.powerSGD_hook)
+        optimizer = torch.optim.SGD(list(outer.parameters()) + list(inner.parameters()), lr=0.05)
+        for x, y in zip(inputs, targets):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(outer_ddp(x), y).backward()
+            optimizer.step()
+        return states
+
+    run(inner_reference, outer_reference, hooked=False)
+    states = run(inner_ours, outer_ours, hooked=True)
+    for state in states:
+        rate, before, after = state.compression_stats()
+        assert before > 0 and after < before, "nothing was compressed (%s)" % ((rate, before, after),)
+    for name, ours, reference in (("outer", outer_ours, outer_reference), ("inner", inner_ours, inner_reference)):
+        flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world())]
+        dist.all_gather(gathered, flat)
+        for other in gathered:
+            assert torch.equal(other, flat), "two-models: the %s model's parameters differ between ranks" % name
+        difference = check_close("two-models/" + name, ours, reference, 1e-5)
+        if rank() == 0:
+            print("two-models: %s model, largest parameter difference from DDP allreduce %.2g over %d steps"
+                  % (name, difference, steps))
+
+
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
@@ -1055,6 +1119,7 @@ CASES = {
     "checkpoint-resume": case_checkpoint_resume,
     "lr-watch": case_lr_watch,
     "unused-branch": case_unused_branch,
+    "two-models": case_two_models,
 }
 # Cases that take a directory argument.
 DIRECTORY_CASES = ("checkpoint-save", "checkpoint-resume")

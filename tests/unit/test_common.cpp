@@ -1,5 +1,5 @@
 // src/common: the serial worker (order, errors, shutdown with pending work,
-// peek), file descriptors (Fd, write_all, close_descriptors_from) and the
+// peek), a communicator's turns (comm_turns.hpp), file descriptors (Fd, write_all, close_descriptors_from) and the
 // system-call checking family. Also runs under ThreadSanitizer (suite tsan).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -14,11 +14,14 @@
 #include <chrono>
 #include <csignal>
 #include <future>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/comm_turns.hpp"
 #include "common/fd.hpp"
 #include "common/serial_worker.hpp"
 
@@ -192,6 +195,52 @@ TEST_CASE("serial worker: submissions from many threads each run exactly once") 
     });
   for (auto& t : threads) t.join();
   CHECK(sum.load() == 4 * 5050);
+}
+
+TEST_CASE("comm turns: two workers issue in the order the turns were taken, whatever their timing") {
+  // Two reducers' workers on one communicator: turns taken in program order (a, b, a, b, ...) on this thread,
+  // each item waiting for its turn on its worker; worker b is fast, worker a slow, yet the log is in turn order.
+  const int dummy_comm = 0;
+  std::shared_ptr<powersgd::detail::CommTurns> turns = powersgd::detail::comm_turns(&dummy_comm);
+  CHECK(powersgd::detail::comm_turns(&dummy_comm) == turns);  // shared by the communicator's users
+  std::mutex log_mutex;
+  std::vector<int> log;
+  using Turn = powersgd::detail::CommTurns::Turn;
+  struct Item {
+    int id;
+    Turn turn;
+  };
+  const auto make_worker = [&](const char* name, std::chrono::microseconds delay) {
+    return std::make_unique<SerialWorker<Item>>(name, [&, delay](Item& item) {
+      std::this_thread::sleep_for(delay);
+      item.turn.wait();
+      {
+        std::lock_guard lock(log_mutex);
+        log.push_back(item.id);
+      }
+      item.turn.release();
+    });
+  };
+  auto a = make_worker("a", 300us);
+  auto b = make_worker("b", 0us);
+  std::vector<std::shared_ptr<Completion>> done;
+  for (int i = 0; i < 40; ++i) {
+    auto& worker = i % 2 == 0 ? *a : *b;
+    done.push_back(worker.submit(Item{i, turns->take()}));
+  }
+  for (auto& d : done) d->wait();
+  std::vector<int> expected(40);
+  for (int i = 0; i < 40; ++i) expected[static_cast<size_t>(i)] = i;
+  CHECK(log == expected);
+
+  // A turn given up before it came (work refused or cancelled) is skipped; a default Turn never waits.
+  Turn first = turns->take(), skipped = turns->take(), third = turns->take();
+  skipped.release();
+  first.release();
+  third.wait();  // would block forever if the skipped turn were still owed
+  third.release();
+  Turn none;
+  none.wait();
 }
 
 TEST_CASE("Fd: owns, moves and closes its descriptor") {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <set>
 #include <span>
 #include <string>
 #include <thread>
@@ -339,6 +341,50 @@ TEST_CASE("async and fused: many buckets in flight equal one at a time, bit for 
   }
   CHECK(async.iteration() == 8);
   CHECK(fused.iteration() == 8);
+}
+
+// Run under ThreadSanitizer by the tsan suite (engine-threads, tests/unit/meson.build): the user thread's
+// reads of a bucket's size in bucket_size, reduce_async, reduce_all and error_feedback, with a reduction in
+// flight whose bucket switches rank level on the worker (a learning-rate note: the high level for one step,
+// then back). Each read follows a switch the user thread has not synchronized with (no wait in between).
+TEST_CASE("threads: the user thread reads bucket sizes while the worker switches the bucket's level") {
+  auto comm = solo();
+  Config c;
+  c.start_iter = 0;
+  c.rank = 1;
+  c.rank_high = 2;
+  c.lr_boost_steps = 1;
+  Reducer r(*comm, c);
+  r.add_bucket(std::vector<Shape>{{32, 24}});
+  const size_t n = r.bucket_size(0);
+  std::vector<std::vector<float>> grads;
+  std::vector<float> error(n);
+  std::vector<ReduceHandle> handles;
+  const auto noted_step_in_flight = [&] {
+    r.note_lr_change();
+    grads.push_back(gradients(n, 0, static_cast<int64_t>(grads.size())));
+    handles.push_back(r.reduce_async(0, std::span<float>(grads.back())));
+    // Long enough for the worker to run the step (and its two switches) first; the race is there either way.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  };
+  noted_step_in_flight();
+  CHECK(r.bucket_size(0) == n);
+  noted_step_in_flight();
+  r.error_feedback(0, std::span<float>(error));
+  noted_step_in_flight();
+  grads.push_back(gradients(n, 0, static_cast<int64_t>(grads.size())));
+  handles.push_back(r.reduce_async(0, std::span<float>(grads.back())));
+  noted_step_in_flight();
+  grads.push_back(gradients(n, 0, static_cast<int64_t>(grads.size())));
+  std::vector<std::span<float>> all = {std::span<float>(grads.back())};
+  r.reduce_all(all);
+  for (auto& h : handles) h.wait();
+  CHECK(r.iteration() == 6);
+  CHECK(r.bucket_rank(0) == 1);
+  std::set<int64_t> noted;  // the steps a note switched the bucket to the high level in
+  for (const RankDecision& d : r.decisions())
+    if (d.reason == RankReason::LrNote) noted.insert(d.step);
+  CHECK(noted == std::set<int64_t>{0, 1, 2, 4});
 }
 
 TEST_CASE("stats: element counts as the reference, bytes sent, relative error") {
