@@ -51,7 +51,7 @@ double host_squared_sum(const float* x, int64_t count) {
 void StepRunner::lookahead(const Reduction& current) {
   const std::shared_ptr<Reduction> next = next_();
   if (next == nullptr || next->prepared) return;
-  // A pending note changes the bucket's level once its announce agreed (reducer.cpp).
+  // A pending note changes the bucket's level once its announce agreed (reducer_worker.cpp).
   for (int a : next->buckets)
     if (bucket(a).note_pending) return;
   for (int a : next->buckets)
