@@ -368,6 +368,36 @@ TEST_SUITE("local") {
     CHECK(contains(r.err, "stdout| about to die"));
   }
 
+  TEST_CASE("the first failure is the one reported: a SIGKILL, not the peer's exit 1 it causes in the same wake-up") {
+    // Rank 1 dies by SIGKILL; rank 0 exits 1 from the broken connection while the launcher is stopped, so the
+    // launcher finds both exits at once, rank 0 first in rank order (the race a loaded machine runs into).
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      Result r = run(with_worker({"-n", "2"}, {"aftermath"}));
+      INFO("attempt ", attempt, " stderr:\n", r.err);
+      CHECK(r.code == 137);
+      CHECK(contains(r.out, "[0] rank 0: connection to rank 1 lost"));
+      auto first = r.err.find("powersgd-run: rank ");
+      REQUIRE(first != std::string::npos);
+      CHECK(r.err.compare(first, 26, "powersgd-run: rank 1 (pid ") == 0);
+      CHECK(contains(r.err, "was killed by signal 9 (SIGKILL; exit code 137)\n"));  // no other worker left to stop
+      CHECK(contains(r.err, "stdout| rank 1 dies"));
+      CHECK(contains(r.err, ") exited with code 1 in the same wake-up (not counted as the cause)"));
+    }
+  }
+
+  TEST_CASE("a worker killed by a signal the launcher did not send while the job stops is reported, not blamed") {
+    Result r = run(with_worker({"-n", "2"}, {"aborting", "0", "4"}));
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 4);
+    CHECK(contains(r.err, "exited with code 4; stopping the other 1 worker"));
+    CHECK(contains(r.err, "was killed by signal 6 (SIGABRT; exit code 134) while the job was stopping\n"));
+    // The launcher's own SIGTERM and SIGKILL are no news.
+    Result quiet = run(with_worker({"-n", "3", "--grace", "1"}, {"stubborn", "1", "3"}));
+    INFO("stderr:\n", quiet.err);
+    CHECK(quiet.code == 3);
+    CHECK_FALSE(contains(quiet.err, "while the job was stopping"));
+  }
+
   TEST_CASE("--timeout stops the job with 124") {
     Result r = run(with_worker({"-n", "2", "--timeout", "1", "--grace", "1"}, {"exit", "5", "0"}));
     INFO("stderr:\n", r.err);

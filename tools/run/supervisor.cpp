@@ -42,6 +42,11 @@ std::string describe_exit(int wait_status) {
   return detail::concat("exited with code ", exit_code_of(wait_status));
 }
 
+// Which of the failures found in one wake-up caused the others (lower first). A worker killed by a
+// signal (SIGKILL, SIGSEGV, the OOM killer...) did not react to a peer; one that exited non-zero, or died
+// of SIGPIPE, typically did, from the broken connection to the one that died. Among equals, rank order.
+int cause_order(int wait_status) { return WIFSIGNALED(wait_status) && WTERMSIG(wait_status) != SIGPIPE ? 0 : 1; }
+
 }  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, int signal_fd) : options_(std::move(options)), signal_fd_(signal_fd) {}
@@ -137,11 +142,12 @@ void Supervisor::signal_all(int signal) {
 
 void Supervisor::stop(int signal) {
   stopping_ = true;
+  sent_signal_ = signal;
   kill_at_ = Clock::now() + options_.grace;
   signal_all(signal);
 }
 
-void Supervisor::worker_exited(Worker& w, int wait_status) {
+void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
   w.running = false;
   w.stdin_w.reset();  // ssh workers: closes the remote side's liveness channel
   // Everything the worker wrote before exiting is in the pipes now; a child it
@@ -151,10 +157,20 @@ void Supervisor::worker_exited(Worker& w, int wait_status) {
   close_stream(w, w.out);
   close_stream(w, w.err);
   int code = exit_code_of(wait_status);
-  if (code == 0 || stopping_) return;
+  if (code == 0) return;
+  const std::string who = detail::concat("rank ", w.rank, " (pid ", w.pid, " on ", w.where, ") ");
+  if (stopping_) {
+    // Not the cause, but not silent either when found with the cause, or when killed by a signal that the
+    // launcher did not send (a failure of its own, come while the job was stopping).
+    const int sig = WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0;
+    const bool foreign_signal = sig != 0 && sig != SIGPIPE && sig != sent_signal_ && !(killed_ && sig == SIGKILL);
+    if (same_wake_up) say(who + describe_exit(wait_status) + " in the same wake-up (not counted as the cause)");
+    else if (foreign_signal) say(who + describe_exit(wait_status) + " while the job was stopping");
+    return;
+  }
   exit_code_ = code;
   int others = running_count();
-  say(detail::concat("rank ", w.rank, " (pid ", w.pid, " on ", w.where, ") ", describe_exit(wait_status),
+  say(detail::concat(who, describe_exit(wait_status),
                      others > 0 ? detail::concat("; stopping the other ", others, " worker", others == 1 ? "" : "s",
                                                  " (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
                                                  " s)")
@@ -169,12 +185,22 @@ void Supervisor::worker_exited(Worker& w, int wait_status) {
 }
 
 void Supervisor::reap() {
+  // Every exit this wake-up finds is collected before any is handled: when several are ready, rank order
+  // is not the order in which they happened (docs/launcher.md, "Failure, timeout and signals").
+  std::vector<std::pair<Worker*, int>> exited;
   for (auto& w : workers_) {
     if (!w.running) continue;
     int status = 0;
     pid_t pid = PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, &status, WNOHANG));
-    if (pid == w.pid) worker_exited(w, status);
+    if (pid == w.pid) {
+      w.running = false;  // neither counted among the others to stop nor signalled: the pid is free again
+      exited.emplace_back(&w, status);
+    }
   }
+  std::stable_sort(exited.begin(), exited.end(),
+                   [](const auto& a, const auto& b) { return cause_order(a.second) < cause_order(b.second); });
+  const bool was_stopping = stopping_;
+  for (auto& [w, status] : exited) worker_exited(*w, status, !was_stopping && stopping_);
 }
 
 void Supervisor::handle_signals() {

@@ -78,7 +78,8 @@ class Supervisor {
   void close_stream(Worker& w, Stream& s);
   void handle_signals();
   void reap();
-  void worker_exited(Worker& w, int wait_status);
+  // same_wake_up: the job started stopping because of another exit found in this same wake-up.
+  void worker_exited(Worker& w, int wait_status, bool same_wake_up);
   void stop(int signal);
   void signal_all(int signal);
   int running_count() const;
@@ -88,6 +89,7 @@ class Supervisor {
   std::vector<Worker> workers_;
   bool stopping_ = false;
   bool killed_ = false;
+  int sent_signal_ = 0;  // the signal stop() sent to every worker
   int exit_code_ = 0;  // set by the first reason to stop
   Clock::time_point kill_at_{};
 };
