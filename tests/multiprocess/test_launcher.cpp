@@ -442,6 +442,56 @@ TEST_SUITE("local") {
     }, 5s));
   }
 
+  TEST_CASE("an unrelated process group that gets a finished worker's pid is not signalled (issue 32, item 1)") {
+    // Rank 0 exits long before the job ends; a new group leader is then given rank 0's pid where the kernel
+    // allows it (ns_last_pid, root only). The launcher keeps exited workers as zombies until it has signalled
+    // their groups for the last time, so the pid cannot be reused; before, the new group died by SIGKILL.
+    TempDir dir;
+    Launcher l(with_worker({"-n", "2"}, {"term", dir.path.string()}));
+    REQUIRE(wait_for([&] { return all_files(dir, 2, ".pid"); }, 20s));
+    auto pids = read_pids(dir, 2, ".pid");
+    REQUIRE(pids.size() == 2);
+    const pid_t old_pid = pids[0];
+    REQUIRE(::kill(old_pid, SIGTERM) == 0);
+    REQUIRE(wait_for([&] { return !process_alive(old_pid); }, 10s));
+    const fs::path proc_entry = "/proc/" + std::to_string(old_pid);
+    wait_for([&] { return !fs::exists(proc_entry); }, 1s);  // the old launcher reaped it at once
+    const bool held_as_zombie = fs::exists(proc_entry);
+    pid_t other = -1;
+    for (int attempt = 0; attempt < (held_as_zombie ? 3 : 100) && other != old_pid; ++attempt) {
+      if (other > 0) {
+        ::kill(other, SIGKILL);
+        ::waitpid(other, nullptr, 0);
+      }
+      std::ofstream last("/proc/sys/kernel/ns_last_pid");
+      if (!(last << old_pid - 1 << std::flush)) {
+        MESSAGE("cannot write /proc/sys/kernel/ns_last_pid (not root): pid reuse not forced");
+        other = -1;
+        break;
+      }
+      other = ::fork();
+      REQUIRE(other >= 0);
+      if (other == 0) {
+        ::setsid();
+        ::execl("/bin/sleep", "sleep", "30", static_cast<char*>(nullptr));
+        ::_exit(127);
+      }
+    }
+    const bool reused = other == old_pid;
+    if (other > 0) REQUIRE(wait_for([&] { return ::getpgid(other) == other; }, 5s));
+    REQUIRE(::kill(pids[1], SIGTERM) == 0);
+    Result r = l.finish(30s);
+    INFO("stderr:\n", r.err, "\nrank 0's pid held as a zombie: ", held_as_zombie, "; given to a new group: ", reused);
+    CHECK(r.code == 0);
+    CHECK((held_as_zombie || reused));
+    CHECK_FALSE((held_as_zombie && reused));
+    if (other > 0) {
+      CHECK(process_alive(other));  // not killed by the launcher's last SIGKILL to -pid
+      ::kill(other, SIGKILL);
+      ::waitpid(other, nullptr, 0);
+    }
+  }
+
   TEST_CASE("all workers exiting 0 gives 0") {
     Result r = run(with_worker({"-n", "4"}, {"output"}));
     CHECK(r.code == 0);

@@ -53,9 +53,10 @@ Supervisor::Supervisor(SupervisorOptions options, int signal_fd) : options_(std:
 
 Supervisor::~Supervisor() {
   for (auto& w : workers_) {
-    if (!w.running) continue;
+    if (w.reaped) continue;
+    // Until it is reaped the leader (running, or a zombie) holds its pid: the group is still this worker's.
     ::kill(-w.pid, SIGKILL);
-    ::kill(w.pid, SIGKILL);
+    if (w.running) ::kill(w.pid, SIGKILL);
     int status = 0;
     while (::waitpid(w.pid, &status, 0) < 0 && errno == EINTR) {
     }
@@ -190,11 +191,13 @@ void Supervisor::reap() {
   std::vector<std::pair<Worker*, int>> exited;
   for (auto& w : workers_) {
     if (!w.running) continue;
-    int status = 0;
-    pid_t pid = PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, &status, WNOHANG));
-    if (pid == w.pid) {
-      w.running = false;  // neither counted among the others to stop nor signalled: the pid is free again
-      exited.emplace_back(&w, status);
+    // WNOWAIT: the worker stays a zombie until run() ends, so its pid (= process group id) cannot be
+    // given to an unrelated process while the launcher may still signal the group.
+    siginfo_t info{};
+    PSGD_CHECK_SYS_RETRY(::waitid(P_PID, static_cast<id_t>(w.pid), &info, WEXITED | WNOHANG | WNOWAIT));
+    if (info.si_pid == w.pid) {
+      w.running = false;  // neither counted among the others to stop nor signalled again
+      exited.emplace_back(&w, info.si_code == CLD_EXITED ? W_EXITCODE(info.si_status, 0) : W_EXITCODE(0, info.si_status));
     }
   }
   std::stable_sort(exited.begin(), exited.end(),
@@ -275,8 +278,14 @@ int Supervisor::run() {
       signal_all(SIGKILL);
     }
   }
-  // Children that workers left behind in their process groups go with them.
-  for (const auto& w : workers_) ::kill(-w.pid, SIGKILL);
+  // Children that workers left behind in their process groups go with them; each group is signalled while
+  // its leader, a zombie, still holds the pid, and only then reaped.
+  for (auto& w : workers_) {
+    ::kill(-w.pid, SIGKILL);
+    PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, nullptr, 0));
+    w.reaped = true;
+    if (on_reap) on_reap(w.pid);
+  }
   return exit_code_;
 }
 

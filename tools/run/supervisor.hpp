@@ -41,6 +41,9 @@ class Supervisor {
 
   // Called with each worker's pid (= process group) right after it starts.
   std::function<void(pid_t)> on_spawn;
+  // Called with each worker's pid once it is reaped and its group signalled for the last time: the pid may
+  // belong to an unrelated process from then on.
+  std::function<void(pid_t)> on_reap;
   // Called after every wake-up while the job runs: a non-empty message (a
   // helper process of the job died, e.g. a link delayer) stops the job as a
   // failure, exit code 1.
@@ -66,7 +69,8 @@ class Supervisor {
     int rank = 0;
     std::string where;
     pid_t pid = -1;
-    bool running = false;
+    bool running = false;  // false once exited; it stays a zombie (see reap()) until run() ends
+    bool reaped = false;
     Fd stdin_w;
     Stream out, err;
     std::deque<std::string> last;  // ring of the last lines, both streams
