@@ -45,6 +45,7 @@ namespace {
       std::string line = buffer.substr(0, nl);
       if (line == "released") ::_exit(0);
       if (line.rfind("group ", 0) == 0) groups.push_back(static_cast<pid_t>(std::stol(line.substr(6))));
+      if (line.rfind("ungroup ", 0) == 0) std::erase(groups, static_cast<pid_t>(std::stol(line.substr(8))));
       if (line.rfind("netns ", 0) == 0) namespaces.push_back(line.substr(6));
     }
   }
@@ -81,6 +82,7 @@ void Guardian::send(const std::string& message) {
 }
 
 void Guardian::watch_group(pid_t pgid) { send(detail::concat("group ", pgid, "\n")); }
+void Guardian::unwatch_group(pid_t pgid) { send(detail::concat("ungroup ", pgid, "\n")); }
 void Guardian::watch_namespace(const std::string& name) { send("netns " + name + "\n"); }
 
 void Guardian::release() noexcept {

@@ -2,7 +2,8 @@
 // launcher if the launcher dies without doing so itself (SIGKILL, crash).
 // The launcher tells it, through a pipe, each worker process group and each
 // network namespace it creates; when the pipe reaches EOF without a "released"
-// message, the watchdog sends SIGKILL to those process groups and deletes
+// message, the watchdog sends SIGKILL to those process groups (less the ones
+// the launcher has reaped and unwatched) and deletes
 // those namespaces, then exits. It ignores SIGINT, SIGTERM and SIGHUP and
 // leads its own process group, so a Ctrl-C meant for the job does not reach it.
 #pragma once
@@ -25,6 +26,8 @@ class Guardian {
   Guardian& operator=(const Guardian&) = delete;
 
   void watch_group(pid_t pgid);
+  // The group's leader is reaped (its pid may be reused): the watchdog no longer signals that group.
+  void unwatch_group(pid_t pgid);
   void watch_namespace(const std::string& name);  // before it is created
   // The launcher has cleaned up itself: the watchdog exits without acting; waits for it.
   void release() noexcept;

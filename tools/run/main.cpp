@@ -243,6 +243,7 @@ int run_job(const Options& options, int signal_fd) {
   {
     Supervisor supervisor({options.grace, options.timeout, options.log_dir, 10}, signal_fd);
     supervisor.on_spawn = [&](pid_t pid) { guardian.watch_group(pid); };
+    supervisor.on_reap = [&](pid_t pid) { guardian.unwatch_group(pid); };
     if (cluster) supervisor.check_helpers = [&] { return cluster->check_delayers(); };
     supervisor.start(std::move(launches));
     code = supervisor.run();

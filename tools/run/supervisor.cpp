@@ -42,15 +42,21 @@ std::string describe_exit(int wait_status) {
   return detail::concat("exited with code ", exit_code_of(wait_status));
 }
 
+// Which of the failures found in one wake-up caused the others (lower first). A worker killed by a
+// signal (SIGKILL, SIGSEGV, the OOM killer...) did not react to a peer; one that exited non-zero, or died
+// of SIGPIPE, typically did, from the broken connection to the one that died. Among equals, rank order.
+int cause_order(int wait_status) { return WIFSIGNALED(wait_status) && WTERMSIG(wait_status) != SIGPIPE ? 0 : 1; }
+
 }  // namespace
 
 Supervisor::Supervisor(SupervisorOptions options, int signal_fd) : options_(std::move(options)), signal_fd_(signal_fd) {}
 
 Supervisor::~Supervisor() {
   for (auto& w : workers_) {
-    if (!w.running) continue;
+    if (w.reaped) continue;
+    // Until it is reaped the leader (running, or a zombie) holds its pid: the group is still this worker's.
     ::kill(-w.pid, SIGKILL);
-    ::kill(w.pid, SIGKILL);
+    if (w.running) ::kill(w.pid, SIGKILL);
     int status = 0;
     while (::waitpid(w.pid, &status, 0) < 0 && errno == EINTR) {
     }
@@ -137,11 +143,12 @@ void Supervisor::signal_all(int signal) {
 
 void Supervisor::stop(int signal) {
   stopping_ = true;
+  sent_signal_ = signal;
   kill_at_ = Clock::now() + options_.grace;
   signal_all(signal);
 }
 
-void Supervisor::worker_exited(Worker& w, int wait_status) {
+void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
   w.running = false;
   w.stdin_w.reset();  // ssh workers: closes the remote side's liveness channel
   // Everything the worker wrote before exiting is in the pipes now; a child it
@@ -151,10 +158,20 @@ void Supervisor::worker_exited(Worker& w, int wait_status) {
   close_stream(w, w.out);
   close_stream(w, w.err);
   int code = exit_code_of(wait_status);
-  if (code == 0 || stopping_) return;
+  if (code == 0) return;
+  const std::string who = detail::concat("rank ", w.rank, " (pid ", w.pid, " on ", w.where, ") ");
+  if (stopping_) {
+    // Not the cause, but not silent either when found with the cause, or when killed by a signal that the
+    // launcher did not send (a failure of its own, come while the job was stopping).
+    const int sig = WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0;
+    const bool foreign_signal = sig != 0 && sig != SIGPIPE && sig != sent_signal_ && !(killed_ && sig == SIGKILL);
+    if (same_wake_up) say(who + describe_exit(wait_status) + " in the same wake-up (not counted as the cause)");
+    else if (foreign_signal) say(who + describe_exit(wait_status) + " while the job was stopping");
+    return;
+  }
   exit_code_ = code;
   int others = running_count();
-  say(detail::concat("rank ", w.rank, " (pid ", w.pid, " on ", w.where, ") ", describe_exit(wait_status),
+  say(detail::concat(who, describe_exit(wait_status),
                      others > 0 ? detail::concat("; stopping the other ", others, " worker", others == 1 ? "" : "s",
                                                  " (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
                                                  " s)")
@@ -169,12 +186,24 @@ void Supervisor::worker_exited(Worker& w, int wait_status) {
 }
 
 void Supervisor::reap() {
+  // Every exit this wake-up finds is collected before any is handled: when several are ready, rank order
+  // is not the order in which they happened (docs/launcher.md, "Failure, timeout and signals").
+  std::vector<std::pair<Worker*, int>> exited;
   for (auto& w : workers_) {
     if (!w.running) continue;
-    int status = 0;
-    pid_t pid = PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, &status, WNOHANG));
-    if (pid == w.pid) worker_exited(w, status);
+    // WNOWAIT: the worker stays a zombie until run() ends, so its pid (= process group id) cannot be
+    // given to an unrelated process while the launcher may still signal the group.
+    siginfo_t info{};
+    PSGD_CHECK_SYS_RETRY(::waitid(P_PID, static_cast<id_t>(w.pid), &info, WEXITED | WNOHANG | WNOWAIT));
+    if (info.si_pid == w.pid) {
+      w.running = false;  // neither counted among the others to stop nor signalled again
+      exited.emplace_back(&w, info.si_code == CLD_EXITED ? W_EXITCODE(info.si_status, 0) : W_EXITCODE(0, info.si_status));
+    }
   }
+  std::stable_sort(exited.begin(), exited.end(),
+                   [](const auto& a, const auto& b) { return cause_order(a.second) < cause_order(b.second); });
+  const bool was_stopping = stopping_;
+  for (auto& [w, status] : exited) worker_exited(*w, status, !was_stopping && stopping_);
 }
 
 void Supervisor::handle_signals() {
@@ -249,8 +278,14 @@ int Supervisor::run() {
       signal_all(SIGKILL);
     }
   }
-  // Children that workers left behind in their process groups go with them.
-  for (const auto& w : workers_) ::kill(-w.pid, SIGKILL);
+  // Children that workers left behind in their process groups go with them; each group is signalled while
+  // its leader, a zombie, still holds the pid, and only then reaped.
+  for (auto& w : workers_) {
+    ::kill(-w.pid, SIGKILL);
+    PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, nullptr, 0));
+    w.reaped = true;
+    if (on_reap) on_reap(w.pid);
+  }
   return exit_code_;
 }
 

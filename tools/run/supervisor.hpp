@@ -41,6 +41,9 @@ class Supervisor {
 
   // Called with each worker's pid (= process group) right after it starts.
   std::function<void(pid_t)> on_spawn;
+  // Called with each worker's pid once it is reaped and its group signalled for the last time: the pid may
+  // belong to an unrelated process from then on.
+  std::function<void(pid_t)> on_reap;
   // Called after every wake-up while the job runs: a non-empty message (a
   // helper process of the job died, e.g. a link delayer) stops the job as a
   // failure, exit code 1.
@@ -66,7 +69,8 @@ class Supervisor {
     int rank = 0;
     std::string where;
     pid_t pid = -1;
-    bool running = false;
+    bool running = false;  // false once exited; it stays a zombie (see reap()) until run() ends
+    bool reaped = false;
     Fd stdin_w;
     Stream out, err;
     std::deque<std::string> last;  // ring of the last lines, both streams
@@ -78,7 +82,8 @@ class Supervisor {
   void close_stream(Worker& w, Stream& s);
   void handle_signals();
   void reap();
-  void worker_exited(Worker& w, int wait_status);
+  // same_wake_up: the job started stopping because of another exit found in this same wake-up.
+  void worker_exited(Worker& w, int wait_status, bool same_wake_up);
   void stop(int signal);
   void signal_all(int signal);
   int running_count() const;
@@ -88,6 +93,7 @@ class Supervisor {
   std::vector<Worker> workers_;
   bool stopping_ = false;
   bool killed_ = false;
+  int sent_signal_ = 0;  // the signal stop() sent to every worker
   int exit_code_ = 0;  // set by the first reason to stop
   Clock::time_point kill_at_{};
 };

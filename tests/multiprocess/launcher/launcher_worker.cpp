@@ -6,7 +6,12 @@
 //   output                lines on stdout and stderr, then a last line without '\n'
 //   exit RANK CODE        rank RANK exits with CODE after 200 ms; the others sleep 60 s
 //   stubborn RANK CODE    like exit, but the others ignore SIGTERM
+//   aborting RANK CODE    like exit, but the others die by SIGABRT at SIGTERM
 //   sigkill RANK          rank RANK kills itself with SIGKILL after 200 ms; the others sleep 60 s
+//   aftermath             rank 1 kills itself with SIGKILL; rank 0 notices the broken connection and exits 1
+//                         at once. Meanwhile the launcher is stopped (SIGSTOP from rank 1 just before it dies)
+//                         and continued (SIGCONT from rank 0's helper) once both are gone, so that it finds both
+//                         exits in one wake-up, as a launcher descheduled on a loaded machine does
 //   pids DIR              start a child, write "PID CHILDPID" to DIR/rank-R.pids, sleep 60 s
 //   term DIR              write DIR/rank-R.pid, wait for SIGTERM, then write DIR/rank-R.term and exit 0
 //   throughput SECONDS    rank 0 receives, rank 1 sends over TCP between their PSGD_ADDRs for SECONDS;
@@ -19,7 +24,9 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -107,13 +114,14 @@ int mode_output() {
   return 0;
 }
 
-int mode_exit(char** argv, bool stubborn) {
+int mode_exit(char** argv, bool stubborn, bool aborting = false) {
   if (rank() == std::atoi(argv[2])) {
     sleep_for(200ms);
     std::printf("rank %d exits with %s\n", rank(), argv[3]);
     return std::atoi(argv[3]);
   }
   if (stubborn) ::signal(SIGTERM, SIG_IGN);
+  if (aborting) ::signal(SIGTERM, [](int) { ::abort(); });
   sleep_for(60s);
   return 0;
 }
@@ -163,18 +171,19 @@ int mode_term(char** argv) {
   return 0;
 }
 
-// Rank 0 listens on PSGD_ADDR, publishes the endpoint in the store and returns the one connection it accepts.
+// Rank 0 listens on PSGD_ADDR (127.0.0.1 where the launcher sets none: local jobs), publishes the endpoint in the store and returns the one connection it accepts.
 int accept_published(powersgd::transport::Store& store) {
   sockaddr_in address{};
   address.sin_family = AF_INET;
-  if (::inet_pton(AF_INET, var("PSGD_ADDR").c_str(), &address.sin_addr) != 1) die("PSGD_ADDR is not an IPv4 address");
+  const std::string host = var("PSGD_ADDR").empty() ? "127.0.0.1" : var("PSGD_ADDR");
+  if (::inet_pton(AF_INET, host.c_str(), &address.sin_addr) != 1) die("PSGD_ADDR is not an IPv4 address");
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) die("socket failed");
   socklen_t length = sizeof address;
   if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd, 1) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0)
     die(std::string("cannot listen: ") + std::strerror(errno));
-  std::string endpoint = var("PSGD_ADDR") + ":" + std::to_string(ntohs(address.sin_port));
+  std::string endpoint = host + ":" + std::to_string(ntohs(address.sin_port));
   store.set("receiver", std::vector<char>(endpoint.begin(), endpoint.end()));
   int conn = ::accept(fd, nullptr, nullptr);
   if (conn < 0) die("accept failed");
@@ -196,6 +205,65 @@ int connect_published(powersgd::transport::Store& store) {
   if (::connect(fd, reinterpret_cast<sockaddr*>(&peer), sizeof peer) != 0)
     die("cannot connect to " + endpoint + ": " + std::strerror(errno));
   return fd;
+}
+
+// Reads or writes exactly size bytes; false on EOF or error.
+bool transfer_exactly(int fd, void* data, size_t size, bool sending) {
+  auto* bytes = static_cast<char*>(data);
+  for (size_t done = 0; done < size;) {
+    ssize_t n = sending ? ::write(fd, bytes + done, size - done) : ::read(fd, bytes + done, size - done);
+    if (n == 0) errno = 0;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+int mode_aftermath() {
+  auto store = connect_store();
+  pid_t launcher = ::getppid();
+  if (rank() == 1) {
+    int fd = connect_published(*store);
+    pid_t me = ::getpid();
+    char ready = 0;
+    if (!transfer_exactly(fd, &me, sizeof me, true) || !transfer_exactly(fd, &ready, 1, false))
+      die("aftermath: no handshake with rank 0");
+    std::printf("rank 1 dies\n");
+    std::fflush(stdout);
+    ::kill(launcher, SIGSTOP);
+    ::raise(SIGKILL);
+  }
+  if (rank() != 0) {
+    sleep_for(60s);
+    return 0;
+  }
+  int fd = accept_published(*store);
+  pid_t peer = 0;
+  if (!transfer_exactly(fd, &peer, sizeof peer, false)) die("aftermath: no pid from rank 1");
+  // glibc 2.36's <sys/pidfd.h> lacks extern "C" for C++: the system call directly.
+  auto pidfd_open = [](pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); };
+  int watched[2] = {pidfd_open(::getpid()), pidfd_open(peer)};
+  if (watched[0] < 0 || watched[1] < 0) die(std::string("pidfd_open failed: ") + std::strerror(errno));
+  pid_t helper = ::fork();
+  if (helper < 0) die("fork failed");
+  if (helper == 0) {  // continues the launcher once rank 0 and rank 1 have both exited (10 s at most)
+    pollfd fds[2] = {{watched[0], POLLIN, 0}, {watched[1], POLLIN, 0}};
+    const auto end = Clock::now() + 10s;
+    while (Clock::now() < end && (fds[0].fd >= 0 || fds[1].fd >= 0)) {
+      if (::poll(fds, 2, 100) > 0)
+        for (auto& f : fds)
+          if (f.revents != 0) f.fd = -1;
+    }
+    ::kill(launcher, SIGCONT);
+    ::_exit(0);
+  }
+  char ready = 1;
+  if (!transfer_exactly(fd, &ready, 1, true)) die("aftermath: rank 1 went away before the handshake");
+  char byte = 0;
+  transfer_exactly(fd, &byte, 1, false);  // returns at rank 1's death
+  std::printf("rank 0: connection to rank 1 lost\n");
+  std::fflush(stdout);
+  return 1;
 }
 
 int mode_throughput(char** argv) {
@@ -234,17 +302,10 @@ int mode_throughput(char** argv) {
 }
 
 void exchange(int fd, bool send_first, std::vector<char>& message) {
-  auto transfer = [&](bool sending) {
-    for (size_t done = 0; done < message.size();) {
-      ssize_t n = sending ? ::write(fd, message.data() + done, message.size() - done)
-                          : ::read(fd, message.data() + done, message.size() - done);
-      if (n <= 0) die(std::string("ping-pong ") + (sending ? "send" : "receive") + " failed: " +
-                      (n == 0 ? "connection closed" : std::strerror(errno)));
-      done += static_cast<size_t>(n);
-    }
-  };
-  transfer(send_first);
-  transfer(!send_first);
+  for (bool sending : {send_first, !send_first})
+    if (!transfer_exactly(fd, message.data(), message.size(), sending))
+      die(std::string("ping-pong ") + (sending ? "send" : "receive") + " failed: " +
+          (errno == 0 ? "connection closed" : std::strerror(errno)));
 }
 
 int mode_pingpong(char** argv) {
@@ -304,7 +365,9 @@ int main(int argc, char** argv) {
     if (mode == "env") return mode_env(argc, argv);
     if (mode == "output") return mode_output();
     if ((mode == "exit" || mode == "stubborn") && argc == 4) return mode_exit(argv, mode == "stubborn");
+    if (mode == "aborting" && argc == 4) return mode_exit(argv, false, true);
     if (mode == "sigkill" && argc == 3) return mode_sigkill(argv);
+    if (mode == "aftermath" && argc == 2) return mode_aftermath();
     if (mode == "pids" && argc == 3) return mode_pids(argv);
     if (mode == "term" && argc == 3) return mode_term(argv);
     if (mode == "throughput" && argc == 3) return mode_throughput(argv);
