@@ -202,6 +202,14 @@ uint64_t OrderGuard::first_collective_count(const Reduction& r) const {
   return count;
 }
 
+void add_warm_state(Fnv& h, const BucketState& s) {
+  h.add(s.q_initialized);
+  h.add(s.draws);
+  h.add(s.current_rank);  // the adaptive level and the alternating half decide the sizes too
+  h.add(s.compressed_steps);
+  h.add(s.boost_left);  // the rank policy's state decides the next levels
+}
+
 void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
   pending_.resize(buckets_.size());
   std::vector<uint64_t>& mine = mine_;
@@ -216,11 +224,7 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
     int64_t check_step = -1;
     for (const auto& s : buckets_) {
       warm_buckets += s->q_initialized ? 1 : 0;
-      warm.add(s->q_initialized);
-      warm.add(s->draws);
-      warm.add(s->current_rank);  // the adaptive level and the alternating half decide the sizes too
-      warm.add(s->compressed_steps);
-      warm.add(s->boost_left);  // the rank policy's state decides the next levels
+      add_warm_state(warm, *s);
     }
     uint64_t notes = 0;
     for (int b : r.buckets) {

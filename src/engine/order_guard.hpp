@@ -33,6 +33,7 @@
 
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
+#include "engine/fingerprint.hpp"
 #include "engine/rank_reports.hpp"
 #include "engine/step_runner.hpp"
 #include "powersgd/reducer.hpp"
@@ -62,6 +63,12 @@ bool all_agree(const double* sums, int world);
 // [8,8] on rank 0" or "config.rank 2 on rank 1, 1 on rank 0".
 [[noreturn]] void raise_layout_mismatch(Communicator& comm, const Config& config, int index,
                                         std::span<const Shape> shapes, const std::vector<RankReport>& fingerprints);
+
+// Adds to `h` the bucket state that decides the sizes and the meaning of the
+// bucket's next data collectives (warm start, the adaptive level and the
+// alternating half, the rank policy): identical on every rank that is in step.
+// The guard compares it before every reduction; save_job before averaging.
+void add_warm_state(Fnv& h, const BucketState& s);
 
 class OrderGuard {
  public:

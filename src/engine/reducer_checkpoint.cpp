@@ -12,6 +12,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine/fingerprint.hpp"
 #include "engine/job_checkpoint.hpp"
+#include "engine/order_guard.hpp"
 #include "engine/reducer_impl.hpp"
 #include "engine/refused_calls.hpp"
 
@@ -63,13 +64,9 @@ void Reducer::Impl::save_job(const std::string& path, std::exception_ptr refused
     // The mean is only meaningful over ranks at the same step with the same warm-start state.
     engine::Fnv state;
     state.add(contents.iteration);
-    for (const auto& b : contents.buckets) {
-      state.add(b.q_initialized);
-      state.add(b.draws);
-      state.add(b.rank);
-      state.add(b.compressed_steps);
-      state.add(b.boost_left);
-      state.add(b.note_pending);
+    for (const auto& s : buckets_) {
+      engine::add_warm_state(state, *s);
+      state.add(s->note_pending);
     }
     comm_.check_same(state.value(), detail::concat("save_job: the step count (this rank: ", contents.iteration,
                                                     ") and warm-start state"));

@@ -806,20 +806,29 @@ TEST_SUITE("ssh") {
 
 // ---- emulated cluster ----
 
+// Rank 0's measured TCP throughput (Mbit/s) between two emulated hosts, 4 s of
+// stream; `link` are the launcher's link options. Checks that the job succeeded
+// and that its namespaces are gone after it.
+double emulated_throughput(std::vector<std::string> link) {
+  std::vector<std::string> options = {"--emulate-hosts", "2", "-n", "2", "--timeout", "60"};
+  options.insert(options.end(), link.begin(), link.end());
+  Launcher l(with_worker(options, {"throughput", "4"}));
+  Result r = l.finish(90s);
+  INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+  REQUIRE(r.code == 0);
+  std::string measured = word_after(r.out, "[0] throughput_mbit=");
+  REQUIRE(!measured.empty());
+  CHECK(namespaces_of(l.pid()).empty());
+  return std::stod(measured);
+}
+
+
 TEST_SUITE("emulated") {
   TEST_CASE("a 200 mbit link measures within 10% of its rate, and the namespaces are gone after the job") {
-    Launcher l(with_worker({"--emulate-hosts", "2", "--link-rate", "200mbit", "-n", "2", "--timeout", "60"},
-                           {"throughput", "4"}));
-    Result r = l.finish(90s);
-    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
-    REQUIRE(r.code == 0);
-    std::string measured = word_after(r.out, "[0] throughput_mbit=");
-    REQUIRE(!measured.empty());
-    double mbit = std::stod(measured);
+    double mbit = emulated_throughput({"--link-rate", "200mbit"});
     MESSAGE("measured ", mbit, " Mbit/s over a 200 mbit link");
     CHECK(mbit > 180.0);
     CHECK(mbit < 220.0);
-    CHECK(namespaces_of(l.pid()).empty());
   }
 
   TEST_CASE("workers run in their host's namespace with PSGD_ADDR and reach the store in the bridge namespace") {
@@ -938,19 +947,10 @@ TEST_SUITE("link-delay") {
   }
 
   TEST_CASE("--link-delay 5ms with --link-rate 200mbit: a TCP stream still carries about 200 Mbit/s") {
-    Launcher l(with_worker({"--emulate-hosts", "2", "--link-rate", "200mbit", "--link-delay", "5ms", "-n", "2",
-                            "--timeout", "60"},
-                           {"throughput", "4"}));
-    Result r = l.finish(90s);
-    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
-    REQUIRE(r.code == 0);
-    std::string measured = word_after(r.out, "[0] throughput_mbit=");
-    REQUIRE(!measured.empty());
-    double mbit = std::stod(measured);
+    double mbit = emulated_throughput({"--link-rate", "200mbit", "--link-delay", "5ms"});
     MESSAGE("measured ", mbit, " Mbit/s over a 200 mbit link with 5 ms one way");
     CHECK(mbit > 170.0);
     CHECK(mbit < 220.0);
-    CHECK(namespaces_of(l.pid()).empty());
   }
 
   TEST_CASE("--delay-mechanism netem on a kernel without netem: exit 1 naming tc's error, before any worker") {
