@@ -45,7 +45,9 @@ constexpr Variable kVariables[] = {
     {"TORCHELASTIC_RUN_ID", "", "Set by torchrun: its RANK is its own, never warned about as inherited from a "
                                 "batch script."},
     // Library settings.
-    {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client. Empty: no authentication."},
+    {"PSGD_TOKEN", "", "Job token (shared secret) the store requires of every client; on a caller's store "
+                       "(torch.distributed's) the job's keys carry a prefix derived from it. Empty: no "
+                       "authentication."},
     {"PSGD_STORE_HOSTED", "", "Set to 1 by powersgd-run: the store runs in the launcher, rank 0 must not host one."},
     {"PSGD_STORE_ADDR", "", "Set by powersgd-run: the address of its store, the rendezvous when "
                            "PSGD_STORE_HOSTED=1 (MASTER_ADDR is torch.distributed's there)."},

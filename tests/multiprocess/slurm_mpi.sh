@@ -96,6 +96,8 @@ check_run "$dir/srun" "(Slurm); rendezvous localhost:1[0-9]* (host: first host o
 cat >"$dir/job.sh" <<EOF
 #!/bin/sh
 #SBATCH -n 4
+# The token line of docs/launcher.md's job.sh: srun hands it to both steps' tasks.
+export PSGD_TOKEN=\$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 srun -K --overlap --resv-ports=0 -n 4 $trainer ${args[*]} >$dir/step-a 2>&1 &
 srun -K --overlap --resv-ports=0 -n 4 $trainer ${args[*]} >$dir/step-b 2>&1 &
 wait

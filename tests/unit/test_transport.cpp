@@ -1,21 +1,28 @@
 // transport/comm's pure parts: peer attribution from canned Gloo messages and
 // canned /proc/net/tcp tables, the fingerprint comparison, the data types, and
-// the address lookup on loopback names (numeric or "localhost": no DNS query).
+// the address lookup on loopback names (numeric or "localhost": no DNS query),
+// and the keys a communicator of one writes to a caller's store (loopback).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include "support/doctest_main.hpp"
 
+#include <stdlib.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "comm/address.hpp"
+#include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
 #include "comm/fingerprint.hpp"
+#include "comm/options.hpp"
 #include "comm/peer_attribution.hpp"
 #include "powersgd/comm.hpp"
+#include "store/store.hpp"
 
 using namespace powersgd;
 using namespace powersgd::transport;
@@ -50,7 +57,63 @@ PeerTable canned_peers() {
   return peers;
 }
 
+// A caller's store (as torch.distributed's is to powersgd.torch) of one process
+// that remembers every key written to it.
+class RecordingStore final : public Store {
+ public:
+  void set(const std::string& key, const std::vector<char>& data) override {
+    written.push_back(key);
+    values[key] = data;
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto it = values.find(key);
+    REQUIRE_MESSAGE(it != values.end(), "get of a key never set: ", key);
+    return it->second;
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+    for (const auto& key : keys) REQUIRE_MESSAGE(values.count(key) == 1, "wait for a key never set: ", key);
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    written.push_back(key);
+    int64_t value = (values.count(key) == 1 ? std::stoll(std::string(values[key].begin(), values[key].end())) : 0) +
+                    delta;
+    std::string text = std::to_string(value);
+    values[key] = std::vector<char>(text.begin(), text.end());
+    return value;
+  }
+  bool check(const std::vector<std::string>& keys) override {
+    for (const auto& key : keys)
+      if (values.count(key) == 0) return false;
+    return true;
+  }
+  bool remove(const std::string& key) override { return values.erase(key) == 1; }
+
+  std::vector<std::string> written;
+  std::map<std::string, std::vector<char>> values;
+};
+
 }  // namespace
+
+TEST_CASE("on a caller's store, PSGD_TOKEN gives every key of the job the token's prefix") {
+  ::setenv("PSGD_TOKEN", "s3cret-token", 1);
+  CommOptions options;
+  options.rank = 0;
+  options.world_size = 1;
+  options.run_id = "run7";
+  apply_env_settings(options);  // as psgd_comm_init_on_store does
+  ::unsetenv("PSGD_TOKEN");
+  options.address = "127.0.0.1";
+  auto store = std::make_unique<RecordingStore>();
+  RecordingStore* recorded = store.get();
+  auto comm = GlooCommunicator::create_on_store(options, std::move(store), "the test's store");
+  const std::string prefix = "powersgd/" + job_key_prefix("s3cret-token") + "/run7/";
+  REQUIRE(!recorded->written.empty());
+  for (const auto& key : recorded->written) {
+    INFO("key ", key);
+    CHECK(key.rfind(prefix, 0) == 0);
+    CHECK(key.find("s3cret") == std::string::npos);
+  }
+}
 
 TEST_CASE("parse_tcp_table keeps established IPv4 connections: local port -> remote port") {
   ConnectionTable connections = canned_connections();

@@ -34,6 +34,14 @@ std::unique_ptr<Communicator> Communicator::create(const CommOptions& options) {
 }  // namespace powersgd
 
 namespace powersgd::transport {
+namespace {
+
+constexpr const char* kTokenFix =
+    "set PSGD_TOKEN to the same secret on every rank (in a batch script, before srun or mpirun: export "
+    "PSGD_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')), or use powersgd-run, which does "
+    "(docs/reliability.md, \"What the token protects\")";
+
+}  // namespace
 
 const char* to_string(Algorithm algorithm) {
   switch (algorithm) {
@@ -101,11 +109,24 @@ void GlooCommunicator::connect() {
     if (!loopback && options_.token.empty())
       PSGD_LOG(Warn, "the rendezvous store on ", server.bind_address, ":", options_.store_port,
                " accepts any client that can reach it (it could redirect this job's traffic or stall its "
-               "rendezvous): set PSGD_TOKEN to the same secret on every rank, or use powersgd-run, which does");
+               "rendezvous): ", kTokenFix);
   }
   if (store_ == nullptr) {
     store_ = connect_tcp_store(options_.store_addr, options_.store_port, options_.token, options_.timeout);
     store_name_ = options_.store_addr + ":" + std::to_string(options_.store_port);
+    // Every rank says so, not only the one hosting the store: under srun or mpirun (no launcher to make a token)
+    // each task's log is where its user looks.
+    if (!options_.host_store && options_.token.empty() && !is_loopback(options_.store_addr, kMasterAddr))
+      PSGD_LOG(Warn, "this rank's rendezvous store ", store_name_,
+               " asks no token of its clients (whoever reaches it could answer this rank with other peers' "
+               "addresses or stall its rendezvous): ", kTokenFix);
+  } else if (options_.token.empty() && options_.transport == TransportKind::Tcp && !options_.address.empty() &&
+             !is_loopback(options_.address, kMasterAddr)) {
+    // The caller's store (torch.distributed's TCPStore) authenticates nobody: without a token the job's keys
+    // are predictable, with one they carry a prefix derived from it.
+    PSGD_LOG(Warn, "the rendezvous keys in ", store_name_, " are predictable without PSGD_TOKEN (",
+             options_.address, " is not loopback; a process that reaches the store could announce false "
+             "addresses for this job's ranks): ", kTokenFix);
   }
   store_->set_timeout(options_.timeout);
 

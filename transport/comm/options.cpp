@@ -72,7 +72,6 @@ CommOptions CommOptions::from_env() {
                "PSGD_STORE_HOSTED='", *hosted, "' is invalid: expected 0 or 1");
   o.host_store = o.rank == 0 && !(hosted && *hosted == "1");
 
-  o.token = env::get_or_default("PSGD_TOKEN");
   o.run_id = env::get_or_default("PSGD_RUN_ID");
   // A job whose derived port another job's store holds must not join that job's group.
   if (o.run_id.empty()) o.run_id = rendezvous.run_id;
@@ -88,6 +87,8 @@ CommOptions CommOptions::from_env() {
 namespace powersgd::transport {
 
 void apply_env_settings(CommOptions& o) {
+  // On every path, the caller's store too (torch.distributed's): the job's keys carry the token's prefix.
+  o.token = env::get_or_default("PSGD_TOKEN");
   std::string transport = env::get_or_default("PSGD_TRANSPORT");
   if (transport == "tcp")
     o.transport = TransportKind::Tcp;

@@ -7,7 +7,7 @@
 
 namespace powersgd::transport {
 
-// Sets transport, iface, address (PSGD_IFACE / PSGD_ADDR as given; no
+// Sets token (PSGD_TOKEN), transport, iface, address (PSGD_IFACE / PSGD_ADDR as given; no
 // default), ib_*, timeout and ring_threshold_bytes from the environment
 // (docs/env.md). Throws InvalidArgumentError naming a bad variable.
 void apply_env_settings(CommOptions& options);
