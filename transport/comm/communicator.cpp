@@ -41,6 +41,15 @@ constexpr const char* kTokenFix =
     "PSGD_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')), or use powersgd-run, which does "
     "(docs/reliability.md, \"What the token protects\")";
 
+// Whether the transport's local address is loopback; one that does not resolve is not (Gloo reports it).
+bool is_loopback_address(const std::string& address) {
+  try {
+    return is_loopback(address, HostRole{"PSGD_ADDR"});
+  } catch (const IoError&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 const char* to_string(Algorithm algorithm) {
@@ -121,7 +130,7 @@ void GlooCommunicator::connect() {
                " asks no token of its clients (whoever reaches it could answer this rank with other peers' "
                "addresses or stall its rendezvous): ", kTokenFix);
   } else if (options_.token.empty() && options_.transport == TransportKind::Tcp && !options_.address.empty() &&
-             !is_loopback(options_.address, kMasterAddr)) {
+             !is_loopback_address(options_.address)) {
     // The caller's store (torch.distributed's TCPStore) authenticates nobody: without a token the job's keys
     // are predictable, with one they carry a prefix derived from it.
     PSGD_LOG(Warn, "the rendezvous keys in ", store_name_, " are predictable without PSGD_TOKEN (",
