@@ -365,6 +365,8 @@ std::vector<char> read_checkpoint_file(const std::string& path) {
   Fd fd(PSGD_CHECK_SYS_CTX(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "cannot open checkpoint ", path));
   struct stat st {};
   PSGD_CHECK_SYS_CTX(::fstat(fd.get(), &st), "reading checkpoint ", path);
+  PSGD_REQUIRE(S_ISREG(st.st_mode), IoError, "cannot read checkpoint ", path, ": ",
+               S_ISDIR(st.st_mode) ? "a directory" : "not a regular file", ", expected a checkpoint file");
   std::vector<char> bytes(static_cast<size_t>(st.st_size));
   size_t total = 0;
   while (total < bytes.size()) {

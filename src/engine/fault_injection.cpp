@@ -31,7 +31,9 @@ bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step)
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
   if (fault_at(fault, point, step))
     PSGD_THROW(IoError, "injected fault (engine::arm_fault, test only) in ",
-               point == FaultPoint::Prepare ? "prepare" : "the compute between the P and Q collectives", " of step ",
+               point == FaultPoint::Prepare    ? "prepare of step "
+               : point == FaultPoint::Allocate ? "the buffers' allocation, attempt "
+                                               : "the compute between the P and Q collectives of step ",
                step);
 }
 

@@ -16,11 +16,14 @@ enum class FaultPoint {
   Between,  // local compute between the P and the Q collectives (compressed steps)
   Output,   // not a failure: flips the lowest bit of the first output element of the
             // step's first bucket on this rank (a replica that drifted; the divergence detector's test)
+  Allocate,  // the buffers' allocation at the first reduce, save or load (a device or host out of
+             // memory): its attempt number `step` (0: the first) throws
 };
 
 struct Fault {
   FaultPoint point = FaultPoint::Prepare;
-  int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError (Output: is perturbed)
+  int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError (Output: is perturbed;
+                     // Allocate: the attempt)
 };
 
 // Arms `fault` for the next Reducer this process constructs. Thread-safe.

@@ -50,7 +50,7 @@ void Reducer::Impl::save_job(const std::string& path, std::exception_ptr refused
   const OneCaller one(user_mutex_, "save_job");
   PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "save_job before any add_bucket: nothing to checkpoint");
   if (refused == nullptr) refused = detail::exception_of([&] { steps_.require_boundary("save_job"); });
-  if (refused == nullptr) start();
+  if (refused == nullptr) refused = detail::exception_of([&] { start(); });
   collective_call([&] {
     agree_on_refusal(refused, "save_job");
     engine::CheckpointContents contents;
@@ -81,6 +81,8 @@ void Reducer::Impl::load_job(const std::string& path, std::exception_ptr refused
   const OneCaller one(user_mutex_, "load_job");
   PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load_job before any add_bucket: declare the buckets first");
   if (refused == nullptr) refused = detail::exception_of([&] { steps_.require_boundary("load_job"); });
+  // Before the collective: applied only where every rank has its buffers.
+  if (refused == nullptr) refused = detail::exception_of([&] { start(); });
   engine::CheckpointContents contents;
   collective_call([&] {
     agree_on_refusal(refused, "load_job");
@@ -95,7 +97,6 @@ void Reducer::Impl::load_job(const std::string& path, std::exception_ptr refused
     // Applied only when every rank parsed and checked it: a refusal leaves every rank's state as it was.
     engine::agree_on_outcome(comm_, local, "load_job of " + path);
   });
-  start();
   call([&] { apply(contents); });
   steps_.restart_at(contents.iteration);
 }

@@ -31,6 +31,7 @@
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
 #include "engine/checkpoint.hpp"
+#include "engine/fault_injection.hpp"
 #include "engine/fingerprint.hpp"
 #include "engine/order_guard.hpp"
 #include "engine/policy.hpp"
@@ -139,7 +140,9 @@ class Reducer::Impl final : public detail::CommUser {
     return *buckets_[static_cast<size_t>(b)];
   }
 
-  // First reduce (or load): allocate every buffer; the layout is final from here on.
+  // First reduce, save or load: the layout is final from here on; allocates every buffer unless this rank
+  // has them. Local: a failed allocation throws here and is tried again by the next call, so a caller that
+  // issues collectives turns it into a refusal every rank takes part in (refuse, agree_on_refusal).
   void start();
 
   // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
@@ -170,7 +173,13 @@ class Reducer::Impl final : public detail::CommUser {
 
   // User thread only.
   uint64_t layout_fingerprint_ = 0;
+  // started_: the layout is final (no add_bucket), on every rank alike from its first reduce, save or load,
+  // refused or not. allocated_: this rank's buffers exist; an allocation that failed is tried again by the
+  // next call (start()).
   bool started_ = false;
+  bool allocated_ = false;
+  std::optional<engine::Fault> fault_;  // test only (fault_injection.hpp): read on the worker at an allocation
+  int64_t allocation_attempts_ = 0;     // worker
   engine::StepTracker steps_;
   std::mutex user_mutex_;  // OneCaller
 

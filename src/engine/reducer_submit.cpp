@@ -90,7 +90,11 @@ void Reducer::Impl::reduce_all(std::span<float* const> data, std::span<const siz
     // At a step boundary the refused step counts as done, as on the other ranks.
     refuse(std::move(reduction), std::current_exception(), steps_.at_boundary(), true);
   }
-  start();
+  try {
+    start();
+  } catch (...) {  // this rank's buffers could not be allocated: a refusal of this rank alone
+    refuse(std::move(reduction), std::current_exception(), steps_.at_boundary(), true);
+  }
   reduction->data.assign(data.begin(), data.end());
   try {
     steps_.record(*reduction, config_.start_iter, true);
@@ -114,7 +118,11 @@ std::shared_ptr<Completion> Reducer::Impl::submit(int b, float* data, size_t cou
     // A valid bucket not yet reduced in this step counts as reduced, as on the other ranks.
     refuse(std::move(reduction), std::current_exception(), valid && !steps_.reduced(b), false);
   }
-  start();
+  try {
+    start();
+  } catch (...) {  // this rank's buffers could not be allocated: a refusal of this rank alone
+    refuse(std::move(reduction), std::current_exception(), true, false);
+  }
   reduction->data = {data};
   try {
     steps_.record(*reduction, config_.start_iter, false);
@@ -127,7 +135,9 @@ std::shared_ptr<Completion> Reducer::Impl::submit(int b, float* data, size_t cou
 void Reducer::Impl::refuse(std::shared_ptr<Reduction> reduction, std::exception_ptr error, bool record,
                             bool whole_step) {
   if (!buckets_.empty()) {
-    start();
+    // The layout is final here as on the ranks whose call went on; a poisoned announce needs no buffers
+    // (this rank's are allocated by its next call).
+    started_ = true;
     reduction->poisoned = error;
     reduction->prepared = true;  // the runner's lookahead leaves it alone
     reduction->data.clear();

@@ -6,19 +6,22 @@
 #include <algorithm>
 #include <vector>
 
+#include "engine/fault_injection.hpp"
 #include "engine/policy.hpp"
 #include "engine/reducer_impl.hpp"
 
 namespace powersgd {
 
 void Reducer::Impl::start() {
-  if (started_) return;
+  if (allocated_) return;
   PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "reduce before any add_bucket");
   started_ = true;
   call([this] {
+    engine::maybe_inject(fault_, engine::FaultPoint::Allocate, allocation_attempts_++);
     arenas_.allocate(*backend_, buckets_, config_.error_feedback, config_.alternating,
                      engine::levels_before_note(config_));
   });
+  allocated_ = true;
 }
 
 void Reducer::Impl::run(Reduction& reduction) {

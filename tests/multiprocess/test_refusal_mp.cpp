@@ -4,7 +4,8 @@
 // other ranks' (before: Gloo aborted the process); it raises no false divergence
 // alarm and does not hide a real one; a call the C API refuses before the
 // Reducer (a null path, ndims out of range) fails every rank at once (before:
-// the others waited out PSGD_TIMEOUT_MS). Every rank runs this binary under
+// the others waited out PSGD_TIMEOUT_MS); an allocation that fails on one rank
+// at its first call is such a refusal too. Every rank runs this binary under
 // powersgd-run with one case selected:
 //   powersgd-run -n 3 --timeout 300 -- test_refusal_mp -tc='refusal: a call refused*'
 // Without WORLD_SIZE in the environment the binary exits 77 (skipped).
@@ -212,6 +213,98 @@ TEST_CASE("refusal: save_job and load_job refused on one rank only fail every ra
     sum_one(*comm);
   }
   CHECK_FALSE(std::filesystem::exists(job_file));
+}
+
+// An allocation that fails on one rank (out of memory) at the first call that needs the buffers. Before: each
+// rank allocated at its first reduce, save or load alone; the failing rank threw without taking part in the
+// announce the others sent, so its next collective met theirs and Gloo aborted the process (SIGABRT,
+// pair.cc "op.preamble.length <= op.nbytes. 32 vs 0"), or the others waited out the timeout (save_job); and
+// the reducer counted itself started, so a retried reduce ran on buffers never allocated (SIGSEGV).
+TEST_CASE("refusal: an allocation that fails on one rank fails every rank at once; the next call allocates") {
+  auto comm = connect("refusal-allocation");
+  const int me = comm->rank();
+  const std::string job_file =
+      "/tmp/psgd-test-refusal-alloc-" + std::string(std::getenv("PSGD_STORE_PORT")) + ".job";
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  constexpr int kSteps = 4;
+  {
+    Reducer saver(*comm, c);  // a job checkpoint of the same layout for load_job, two steps in
+    saver.add_bucket(kBucket0);
+    saver.add_bucket(kBucket1);
+    for (int step = 0; step < 2; ++step)
+      for (int b = 0; b < 2; ++b) {
+        std::vector<float> g = gradients(saver.bucket_size(b), me, step, 3);
+        saver.reduce(b, g.data());
+      }
+    saver.save_job(job_file);
+  }
+  const char* const kinds[] = {"reduce", "reduce_async", "reduce_all", "save_job", "load_job"};
+  for (int kind = 0; kind < 5; ++kind) {
+    CAPTURE(kinds[kind]);
+    // Outputs of the steps after the first call: [0] its allocation failed on rank 1, [1] rank 1 passed a null
+    // buffer instead (a refusal that counts as the reduction, as documented): the same afterwards, bit for bit.
+    std::vector<std::vector<float>> outputs[2];
+    for (int injected = 1; injected >= 0; --injected) {
+      CAPTURE(injected);
+      if (injected == 1 && me == 1) engine::arm_fault({engine::FaultPoint::Allocate, 0});
+      Reducer r(*comm, c);  // takes the armed fault
+      r.add_bucket(kBucket0);
+      r.add_bucket(kBucket1);
+      std::vector<float> g0 = gradients(r.bucket_size(0), me, 0, 1), g1 = gradients(r.bucket_size(1), me, 0, 2);
+      const auto data0 = g0;
+      const bool null_buffer = injected == 0 && me == 1;
+      if (injected == 0 && kind >= 3) continue;  // save_job and load_job: no such refusal to compare with
+      const Outcome o = outcome_of([&] {
+        float* data = null_buffer ? nullptr : g0.data();
+        if (kind == 0) r.reduce(0, data);
+        if (kind == 1) r.reduce_async(0, data).wait();
+        if (kind == 2) {
+          std::vector<float*> all{data, g1.data()};
+          r.reduce_all(std::span<float* const>(all));
+        }
+        if (kind == 3) r.save_job(job_file + ".new");
+        if (kind == 4) r.load_job(job_file);
+      });
+      INFO(o.message);
+      CHECK(o.code != 0);
+      CHECK(o.seconds < kFailTogetherSeconds);
+      if (injected == 1) CHECK(contains(o.message, "injected fault"));
+      if (injected == 1 && me != 1) CHECK(contains(o.message, "rank 1"));
+      sum_one(*comm);  // at once: the failed call's collectives are done
+      CHECK(g0 == data0);
+      if (kind == 3 || kind == 4) {
+        // Nothing saved or loaded anywhere; the same call again allocates and succeeds on every rank.
+        CHECK(r.iteration() == 0);
+        if (kind == 3) CHECK_FALSE(std::filesystem::exists(job_file + ".new"));
+        if (kind == 3) r.save_job(job_file + ".new");
+        if (kind == 4) r.load_job(job_file);
+        CHECK(r.iteration() == (kind == 4 ? 2 : 0));
+      } else if (kind != 2) {
+        r.reduce(1, g1.data());  // closes step 0: the failed reduce counted as bucket 0's
+      }
+      CHECK(r.iteration() == (kind == 4 ? 2 : kind == 3 ? 0 : 1));
+      for (int step = 0; step < kSteps; ++step)
+        for (int b = 0; b < 2; ++b) {
+          std::vector<float> g = gradients(r.bucket_size(b), me, r.iteration(), 5 + static_cast<uint64_t>(b));
+          r.reduce(b, g.data());
+          outputs[injected].push_back(g);
+        }
+      // Replicas: rank 0's outputs on every rank.
+      for (const auto& out : outputs[injected]) {
+        std::vector<float> first = out;
+        comm->broadcast(first.data(), first.size() * sizeof(float), 0);
+        CHECK(first == out);
+      }
+    }
+    if (kind < 3) CHECK(outputs[0] == outputs[1]);
+  }
+  comm->barrier();
+  if (me == 0) {
+    std::filesystem::remove(job_file);
+    std::filesystem::remove(job_file + ".new");
+  }
 }
 
 // Before: the refusing rank's poisoned announce carried no divergence hash while

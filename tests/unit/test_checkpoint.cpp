@@ -344,6 +344,10 @@ TEST_CASE("checkpoint file: written atomically, read back whole; a missing file 
   CHECK(contains(error_of([&] { read_checkpoint_file(path); }), "cannot open checkpoint " + path));
   CHECK(contains(error_of([&] { write_checkpoint_file("/nonexistent-dir/x", file); }),
                  "cannot create a temporary file for checkpoint /nonexistent-dir/x"));
+  // Before: "reading checkpoint /tmp: n failed at ../src/engine/checkpoint.cpp:373: Is a directory".
+  CHECK_THROWS_AS(read_checkpoint_file("/tmp"), IoError);
+  CHECK(error_of([&] { read_checkpoint_file("/tmp"); }) ==
+        "cannot read checkpoint /tmp: a directory, expected a checkpoint file");
 }
 
 TEST_CASE("checkpoint file: concurrent savers to one path never fail and never leave a torn or temporary file") {
