@@ -99,7 +99,9 @@ bin=$work/venv/bin
 for program in powersgd-run powersgd-bench powersgd-halve train-fashion-mnist; do
   [ -x "$bin/$program" ] || { echo "pip_venv: the wheel put no $program in $bin: $(ls "$bin" | tr '\n' ' ')"; exit 1; }
 done
-"$bin/powersgd-run" --help | grep -q -- '-n' || { echo "pip_venv: powersgd-run --help printed no usage"; exit 1; }
+# (Into a file, not a pipe: grep -q would leave at the first match and SIGPIPE the rest of the help.)
+"$bin/powersgd-run" --help >"$work/run-help.txt"
+grep -q -- '-n' "$work/run-help.txt" || { echo "pip_venv: powersgd-run --help printed no usage"; exit 1; }
 "$bin/powersgd-bench" --help >/dev/null
 PATH=$bin:$PATH timeout 300 powersgd-run -n 2 --timeout 240 -- train-fashion-mnist --data "$data" --epochs 1 \
   --train-limit 512 --test-limit 128 --batch 64 --start-iter 2 | tee "$work/run.log"
