@@ -13,7 +13,7 @@
 #   ROUNDS       run every config and batch size this many times, interleaved (round 1 of each, then round 2,
 #                ...), and end with the medians per config and their step-time ratio to DDP's allreduce
 #                (default 1)
-# The end-to-end comparison of issue 10 (README, "Use it from PyTorch"):
+# The end-to-end comparison of issue 10 (docs/benchmarks.md, "PyTorch DDP, ResNet-18 on 4 emulated hosts"):
 #   LAUNCH_ARGS="--emulate-hosts 4 --link-rate 1gbit" CONFIGS="allreduce@25 torch@one ours@25 torch@25" \
 #     BATCH_SIZES="16 2" STEPS=25 RESULTS_TSV=/tmp/ddp.tsv bench/torch_ddp_hooks.sh build 4 25 240
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# packaging suite: what an embedder does with powersgd (README, "Install and embed"), on this build installed
+# packaging suite: what an embedder does with powersgd (docs/install.md), on this build installed
 # with `meson install --destdir` into a temporary root (so the packages must be relocatable).
 #   embed.sh MODE SOURCE_DIR BUILD_DIR
 # MODE:

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# packaging suite: `pip install .` as a PyTorch user runs it (README, "Install and embed"). A fresh venv
+# packaging suite: `pip install .` as a PyTorch user runs it (docs/install.md). A fresh venv
 # that sees the system's packages (Debian's torch and meson-python), pip offline with Debian's build backend
 # (--no-build-isolation --no-index), from a copy of the source tree; then, from a directory outside any source
 # tree and with neither PYTHONPATH nor LD_LIBRARY_PATH: the wheel is tagged for the platform, `import
 # powersgd.torch` loads the libpowersgd inside the installed package, powersgd.__version__ is the library's
-# psgd_version(), and examples/torch_ddp.py trains one short epoch under torchrun (2 ranks, loopback).
+# psgd_version(), and examples/torch_ddp.py trains one short epoch under torchrun (2 ranks, loopback); the
+# programs the wheel puts in the venv's bin (powersgd-run, powersgd-bench, powersgd-halve, train-fashion-mnist)
+# run from there: `powersgd-run --help`, a 2-worker training run of the C++ trainer and of the DDP example (the
+# venv's python by its path), and powersgd-halve's curve on a tiny job.
 # Debian's python3 with python3-venv, python3-pip, python3-mesonpy and python3-torch.
 #   pip_venv.sh SOURCE_DIR BUILD_DIR
 # Exit 77 (skipped) without python3-venv, python3-pip, python3-mesonpy, python3-torch or dataset-fashion-mnist.
@@ -89,3 +92,26 @@ PY
 OMP_NUM_THREADS=1 timeout 300 "$venv_python" "$source_dir/tests/python/torchrun_env.py" --torchrun \
   "$work/run/torch_ddp.py" --epochs 1 --train-limit 2000 --data "$data" | tee "$work/train.log"
 grep -q "accuracy" "$work/train.log" || { echo "pip_venv: the example printed no accuracy line"; exit 1; }
+
+# The programs in the venv's bin (pip's scripts directory), as a pip user finds them on PATH: no build tree,
+# no LD_LIBRARY_PATH; train-fashion-mnist finds the libpowersgd inside the installed package.
+bin=$work/venv/bin
+for program in powersgd-run powersgd-bench powersgd-halve train-fashion-mnist; do
+  [ -x "$bin/$program" ] || { echo "pip_venv: the wheel put no $program in $bin: $(ls "$bin" | tr '\n' ' ')"; exit 1; }
+done
+# (Into a file, not a pipe: grep -q would leave at the first match and SIGPIPE the rest of the help.)
+"$bin/powersgd-run" --help >"$work/run-help.txt"
+grep -q -- '-n' "$work/run-help.txt" || { echo "pip_venv: powersgd-run --help printed no usage"; exit 1; }
+"$bin/powersgd-bench" --help >/dev/null
+PATH=$bin:$PATH timeout 300 powersgd-run -n 2 --timeout 240 -- train-fashion-mnist --data "$data" --epochs 1 \
+  --train-limit 512 --test-limit 128 --batch 64 --start-iter 2 | tee "$work/run.log"
+grep -q "test accuracy" "$work/run.log" || { echo "pip_venv: powersgd-run -n 2 -- train-fashion-mnist printed no accuracy"; exit 1; }
+# The DDP example under the venv's powersgd-run, started as a pip user writes it: the venv's python by its
+# path (a link to the system's interpreter, which finds the venv, and so powersgd, only through that link).
+OMP_NUM_THREADS=1 timeout 300 "$bin/powersgd-run" -n 2 --timeout 240 -- "$bin/python" "$work/run/torch_ddp.py" \
+  --epochs 1 --train-limit 1000 --data "$data" | tee "$work/ddp-run.log"
+grep -q "accuracy" "$work/ddp-run.log" || { echo "pip_venv: torch_ddp.py under powersgd-run printed no accuracy"; exit 1; }
+# powersgd-halve finds powersgd-run and train-fashion-mnist beside itself.
+timeout 300 "$bin/powersgd-halve" --workers 2 --epochs 1 --start-rank 2 --tolerance 100 --timeout 120 -- --data "$data" \
+  --train-limit 512 --test-limit 128 --batch 64 --start-iter 2 | tee "$work/halve.log"
+echo "pip_venv: powersgd-run, powersgd-bench, powersgd-halve and train-fashion-mnist ran from $bin"

@@ -278,11 +278,12 @@ std::string resolve_program(const std::string& program) {
     int err = check(program);
     if (err == ENOENT) PSGD_THROW(InvalidArgumentError, "program '", program, "' does not exist");
     if (err != 0) PSGD_THROW(InvalidArgumentError, "program '", program, "' is not an executable file");
-    char* real = realpath(program.c_str(), nullptr);
-    if (real == nullptr) PSGD_THROW_ERRNO(InvalidArgumentError, errno, "program '", program, "'");
-    std::string path(real);
-    std::free(real);
-    return path;
+    // Absolute, but links left as they are: a venv's bin/python is a link to the system's interpreter and
+    // finds its venv only when started through the link.
+    std::error_code error;
+    const std::filesystem::path path = std::filesystem::absolute(program, error);
+    if (error) PSGD_THROW(InvalidArgumentError, "program '", program, "': ", error.message());
+    return path.string();
   }
   const char* path_env = std::getenv("PATH");
   std::stringstream dirs(path_env != nullptr ? path_env : "/usr/local/bin:/usr/bin:/bin");
