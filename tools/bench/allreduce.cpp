@@ -36,6 +36,7 @@ struct Variant {
 const std::map<std::string, Variant> kVariants = {
     {"ring", {Algorithm::Ring, GlooApi::New}},
     {"bcube", {Algorithm::Bcube, GlooApi::New}},
+    {"direct", {Algorithm::Direct, GlooApi::New}},
     {"halving-doubling", {Algorithm::HalvingDoubling, GlooApi::Legacy}},
     {"ring-legacy", {Algorithm::Ring, GlooApi::Legacy}},
 };
