@@ -14,6 +14,10 @@
 #   TRAIN_LIMIT [8192] BATCH [256]: TRAIN_LIMIT / BATCH steps per epoch (the global batch is split over
 #                     ranks); the trainer prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
 #   RANK [2]          PowerSGD rank
+#   CONFIGS ["allreduce powersgd alternating"]: also powersgd-bcube (PowerSGD with
+#                     PSGD_DIRECT_MAX_BYTES=0: bcube for every small allreduce, as before the
+#                     direct algorithm) and powersgd-before (PowerSGD with the trainer BEFORE, e.g.
+#                     one copied from an older build with its libpowersgd beside it in ../src)
 # Time: the trainer's own "epoch 1: ... N s" (its first step to the end of the
 # epoch's test pass of 500 images; start-up and data loading excluded), rank 0,
 # divided by the steps.
@@ -28,6 +32,8 @@ MODEL_16=${MODEL_16:-mlp}
 TRAIN_LIMIT=${TRAIN_LIMIT:-8192}
 BATCH=${BATCH:-256}
 RANK=${RANK:-2}
+CONFIGS=${CONFIGS:-allreduce powersgd alternating}
+BEFORE=${BEFORE:-}
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
 emulated_preamble scaling.sh
@@ -39,9 +45,17 @@ run() {  # hosts model delay config round trainer-options...
   hosts=$1 model=$2 delay=$3 config=$4 round=$5
   shift 5
   log="$tmp/run.log"
+  train=$TRAIN direct=
+  case $config in
+    allreduce) set -- "$@" --no-compression ;;
+    alternating) set -- "$@" --alternating ;;
+    powersgd-bcube) direct=0 ;;
+    powersgd-before) train=$BEFORE; [ -x "$train" ] || { echo "scaling.sh: BEFORE='$BEFORE' is no trainer" >&2; exit 2; } ;;
+  esac
   # shellcheck disable=SC2086  # trainer options without blanks
   "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 1800 \
-    --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 -- "$TRAIN" --model "$model" --rank "$RANK" \
+    --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} \
+    -- "$train" --model "$model" --rank "$RANK" \
     --start-iter 0 --epochs 1 --train-limit "$TRAIN_LIMIT" --test-limit 500 --batch "$BATCH" "$@" > "$log" 2>&1 || {
     echo "scaling.sh: $config on $hosts hosts at $delay (round $round) failed; its output:" >&2
     cat "$log" >&2
@@ -49,8 +63,11 @@ run() {  # hosts model delay config round trainer-options...
   }
   seconds=$(sed -n 's/^\(\[0\] \)\{0,1\}epoch [0-9]*: .*, \([0-9.]*\) s, lr .*/\2/p' "$log" | tail -1)
   [ -n "$seconds" ] || { echo "scaling.sh: no epoch line for $config on $hosts hosts at $delay" >&2; cat "$log" >&2; exit 1; }
-  echo "$hosts $model $delay $config $round $seconds $(cut -d' ' -f1 /proc/loadavg)" >> "$tmp/times"
-  echo "  $hosts hosts, $delay, $config, round $round: $seconds s (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+  # Trainers before the count print no rounds: "-".
+  rounds=$(sed -n 's/^\(\[0\] \)\{0,1\}epoch [0-9]*: .*, \([0-9.]*\) communication rounds per step$/\2/p' "$log" | tail -1)
+  echo "$hosts $model $delay $config $round $seconds ${rounds:--} $(cut -d' ' -f1 /proc/loadavg)" >> "$tmp/times"
+  echo "  $hosts hosts, $delay, $config, round $round: $seconds s, ${rounds:--} rounds per step" \
+    "(load $(cut -d' ' -f1 /proc/loadavg))" >&2
 }
 
 echo "== bench/scaling.sh: links $RATE, $ROUNDS round(s), $steps steps per epoch (--train-limit $TRAIN_LIMIT," \
@@ -60,30 +77,37 @@ for hosts in $HOSTS; do
   [ "$hosts" -le 8 ] || model=$MODEL_16
   for delay in $DELAYS; do
     for round in $(seq "$ROUNDS"); do
-      run "$hosts" "$model" "$delay" allreduce "$round" --no-compression
-      run "$hosts" "$model" "$delay" powersgd "$round"
-      run "$hosts" "$model" "$delay" alternating "$round" --alternating
+      for config in $CONFIGS; do run "$hosts" "$model" "$delay" "$config" "$round"; done
     done
   done
 done
 
-/usr/bin/python3 - "$tmp/times" "$steps" <<'PY'
+/usr/bin/python3 - "$tmp/times" "$steps" "$CONFIGS" <<'PY'
 import collections, statistics, sys
 steps = int(sys.argv[2])
+configs = sys.argv[3].split()
 times = collections.defaultdict(list)
+rounds = {}
 order = []
-for hosts, model, delay, config, _round, seconds, _load in (line.split() for line in open(sys.argv[1])):
+for hosts, model, delay, config, _round, seconds, r, _load in (line.split() for line in open(sys.argv[1])):
     key = (int(hosts), model, delay)
     if key not in order:
         order.append(key)
     times[key + (config,)].append(float(seconds) * 1000 / steps)
+    rounds[key + (config,)] = r
 ms = {k: statistics.median(v) for k, v in times.items()}
-print("| hosts | model | one-way delay | full allreduce (ms/step) | PowerSGD (ms/step) | alternating (ms/step) "
-      "| allreduce / PowerSGD | allreduce / alternating | PowerSGD / its step without delay |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+ratios = [c for c in configs if c != "allreduce"] if "allreduce" in configs else []
+head = ["hosts", "model", "one-way delay"] + [f"{c} (ms/step, rounds/step)" for c in configs]
+head += [f"allreduce / {c}" for c in ratios]
+head += ["PowerSGD / its step without delay"] if "powersgd" in configs else []
+print("| " + " | ".join(head) + " |")
+print("|" + " --- |" * len(head))
 for hosts, model, delay in order:
-    a, p, alt = (ms[(hosts, model, delay, c)] for c in ("allreduce", "powersgd", "alternating"))
-    base = ms.get((hosts, model, "0", "powersgd"))
-    own = f"{p / base:.2f}x" if base else "-"
-    print(f"| {hosts} | {model} | {delay} | {a:.1f} | {p:.1f} | {alt:.1f} | {a / p:.2f}x | {a / alt:.2f}x | {own} |")
+    k = (hosts, model, delay)
+    cells = [str(hosts), model, delay] + [f"{ms[k + (c,)]:.1f} ({rounds[k + (c,)]})" for c in configs]
+    cells += [f"{ms[k + ('allreduce',)] / ms[k + (c,)]:.2f}x" for c in ratios]
+    if "powersgd" in configs:
+        base = ms.get((hosts, model, "0", "powersgd"))
+        cells.append(f"{ms[k + ('powersgd',)] / base:.2f}x" if base else "-")
+    print("| " + " | ".join(cells) + " |")
 PY

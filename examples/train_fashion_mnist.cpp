@@ -384,6 +384,9 @@ int main(int argc, char** argv) {
       // At the epoch's first step (a job resumed later in the epoch has the note in its reducer checkpoint).
       if (lr_notes && !no_compression && epoch_lr < previous_lr && global_step == int64_t(epoch) * steps_per_epoch)
         reducer.note_lr_change();
+      // Communication rounds of the epoch's steps (Communicator::communication_rounds), per step.
+      const uint64_t rounds_before = comm->communication_rounds();
+      const int64_t steps_before = global_step;
       for (int step = int(global_step - int64_t(epoch) * steps_per_epoch); step < steps_per_epoch; ++step) {
         if (global_step == crash_at_step && me == crash_rank && !(checkpoints && checkpoints->due(global_step)))
           ::raise(SIGKILL);  // a real crash, mid-epoch (test of resuming)
@@ -421,6 +424,8 @@ int main(int argc, char** argv) {
       const size_t test_end = test.count * size_t(me + 1) / size_t(world);
       int test_correct = model->evaluate(&test.images[test_begin * 784], &test.labels[test_begin],
                                          int(test_end - test_begin)).second;
+      const double rounds_per_step = global_step == steps_before ? 0.0
+          : double(comm->communication_rounds() - rounds_before) / double(global_step - steps_before);
       double totals[3] = {loss_sum, double(correct), double(test_correct)};
       comm->allreduce(totals, 3, powersgd::DataType::Float64);
       double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -433,10 +438,10 @@ int main(int argc, char** argv) {
           ranks += (b == 0 ? ", bucket ranks " : "/") + std::to_string(stats.current_rank[b]);
         // "%.1f s" is the time since training began; the bytes are this epoch's gradient payload of rank 0.
         std::printf("epoch %d: train loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, %.1f s, lr %g, "
-                    "%llu bytes sent per rank%s\n",
+                    "%llu bytes sent per rank%s, %.1f communication rounds per step\n",
                     epoch + 1, totals[0] / samples, 100.0 * totals[1] / samples,
                     100.0 * totals[2] / double(test.count), seconds, double(epoch_lr),
-                    static_cast<unsigned long long>(bytes_so_far - bytes_before_epoch), ranks.c_str());
+                    static_cast<unsigned long long>(bytes_so_far - bytes_before_epoch), ranks.c_str(), rounds_per_step);
         std::fflush(stdout);
       }
       bytes_before_epoch = bytes_so_far;

@@ -116,6 +116,16 @@ class PSGD_API Communicator {
   // Collective: throws MismatchError naming `what` and the first rank whose
   // fingerprint differs from rank 0's. Used to check layouts and configurations.
   virtual void check_same(uint64_t fingerprint, const std::string& what) = 0;
+
+  // Sequential communication rounds of the collectives this communicator ran so
+  // far: each collective adds the number of message exchanges its algorithm
+  // makes one after the other (each waits for the one before, so each costs at
+  // least one one-way network delay): 1 for the direct allreduce, 2 (size - 1)
+  // for the ring, 2 log2(size) for bcube (docs/transport.md, "Rounds"). The
+  // collectives run one at a time, so the difference over a training step is
+  // the rounds on the step's critical path. 0 for a Communicator not made by
+  // create().
+  uint64_t communication_rounds() const;
 };
 
 }  // namespace powersgd

@@ -63,8 +63,13 @@ constexpr Variable kVariables[] = {
                       "address this host uses to reach MASTER_ADDR."},
     {"PSGD_TIMEOUT_MS", "300000", "Timeout of rendezvous and of every collective, in milliseconds."},
     {"PSGD_RING_THRESHOLD_BYTES", "8388608",
-     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones bcube (tcp) or "
-     "halving-doubling (ibverbs). Must be equal on every rank. Measured crossover: docs/transport.md."},
+     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones direct or bcube (tcp, "
+     "see PSGD_DIRECT_MAX_BYTES) or halving-doubling (ibverbs). Must be equal on every rank. Measured crossover: "
+     "docs/transport.md."},
+    {"PSGD_DIRECT_MAX_BYTES", "262144",
+     "Allreduce messages below the ring threshold whose copies from all other ranks add up to at most this "
+     "many bytes ((world size - 1) * message bytes) use the direct algorithm, one round (tcp; 0: never). "
+     "Must be equal on every rank. Measured: docs/scaling.md."},
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
     {"PSGD_IB_PORT", "1", "ibverbs port number."},
     {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},

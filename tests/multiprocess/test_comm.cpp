@@ -125,7 +125,9 @@ TEST_CASE("allreduce: every dtype and size, chosen algorithm") {
   for (DataType type : kTypes)
     for (size_t count : kCounts) {
       size_t bytes = count * size_of(type);
-      CHECK(comm->choose(bytes) == (bytes >= comm->options().ring_threshold_bytes ? Algorithm::Ring : Algorithm::Bcube));
+      const Algorithm small =
+          bytes * static_cast<size_t>(comm->size() - 1) <= comm->direct_max_bytes() ? Algorithm::Direct : Algorithm::Bcube;
+      CHECK(comm->choose(bytes) == (bytes >= comm->options().ring_threshold_bytes ? Algorithm::Ring : small));
       check_allreduce(*comm, type, count, Algorithm::Auto);
     }
 }
@@ -139,13 +141,61 @@ TEST_CASE("allreduce: ring and bcube forced at every size") {
 
 TEST_CASE("threshold: PSGD_RING_THRESHOLD_BYTES moves the switch") {
   setenv("PSGD_RING_THRESHOLD_BYTES", "4096", 1);
+  setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);  // below the ring threshold: bcube
   auto comm = connect("threshold");
   unsetenv("PSGD_RING_THRESHOLD_BYTES");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
   CHECK(comm->options().ring_threshold_bytes == 4096);
   CHECK(comm->choose(4095) == Algorithm::Bcube);
   CHECK(comm->choose(4096) == Algorithm::Ring);
   check_allreduce(*comm, DataType::Float32, 1023, Algorithm::Auto);
   check_allreduce(*comm, DataType::Float32, 1024, Algorithm::Auto);
+}
+
+TEST_CASE("direct: one round, the same bits on every rank, chosen below PSGD_DIRECT_MAX_BYTES") {
+  setenv("PSGD_DIRECT_MAX_BYTES", "4096", 1);
+  auto comm = connect("direct");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  const size_t others = static_cast<size_t>(comm->size() - 1);
+  CHECK(comm->direct_max_bytes() == 4096);
+  CHECK(comm->choose(4096 / others) == Algorithm::Direct);
+  CHECK(comm->choose(4096 / others + 1) == Algorithm::Bcube);
+  for (DataType type : kTypes)
+    for (size_t count : kCounts) check_allreduce(*comm, type, count, Algorithm::Direct);
+  // Sums that round: every rank gets the same bits (each adds the contributions in rank order).
+  std::vector<float> x(1001);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 1.0f / static_cast<float>(3 + i + 7 * static_cast<size_t>(comm->rank()));
+  comm->allreduce_async(x.data(), x.size(), DataType::Float32, Algorithm::Direct).wait();
+  std::vector<float> all(x.size() * static_cast<size_t>(comm->size()));
+  comm->allgather(x.data(), all.data(), x.size() * sizeof(float));
+  for (int r = 1; r < comm->size(); ++r)
+    CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * x.size(), x.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("rounds: each collective adds its algorithm's sequential rounds") {
+  auto comm = connect("rounds");
+  const auto n = static_cast<uint64_t>(comm->size());
+  uint64_t log2n = 0;
+  while ((uint64_t{1} << log2n) < n) ++log2n;
+  uint64_t bcube = 0;  // Gloo's radix-2 bcube: a step per factor 2 of n and one for the rest, each way
+  for (uint64_t m = n; m > 1; m = m % 2 == 0 ? m / 2 : 1) ++bcube;
+  bcube *= 2;
+  std::vector<float> data(1000, 1.0f);
+  const auto rounds_of = [&](auto&& collective) {
+    const uint64_t before = comm->communication_rounds();
+    collective();
+    return comm->communication_rounds() - before;
+  };
+  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 10, DataType::Float32, Algorithm::Direct).wait(); }) == 1);
+  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 10, DataType::Float32, Algorithm::Bcube).wait(); }) == bcube);
+  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 10, DataType::Float32, Algorithm::Ring).wait(); }) ==
+        2 * (n - 1));
+  CHECK(rounds_of([&] { comm->allreduce(data.data(), 10, DataType::Float32); }) == 1);  // auto: direct
+  CHECK(rounds_of([&] { comm->broadcast(data.data(), 16, 0); }) == log2n);
+  std::vector<float> all(n);
+  CHECK(rounds_of([&] { comm->allgather(data.data(), all.data(), sizeof(float)); }) == n - 1);
+  CHECK(rounds_of([&] { comm->barrier(); }) == log2n);
+  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 0, DataType::Float32).wait(); }) == 0);  // nothing sent
 }
 
 TEST_CASE("legacy api: halving-doubling, ring-chunked, broadcast, allgather, barrier") {

@@ -309,6 +309,42 @@ TEST_CASE("stats: counts and bytes follow the formula") {
   CHECK(s.relative_error[1] < 1.0);
 }
 
+TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communicator::communication_rounds)") {
+  // One after the other per reduction: the order guard's announce, then the
+  // plain collective (a step before start_iter) or P and then Q (compressed).
+  // All are small: the direct algorithm, one round each by default; with
+  // PSGD_DIRECT_MAX_BYTES=0 Gloo's bcube, on 2 or 3 ranks one exchange each
+  // way (2 rounds).
+  for (const bool direct : {true, false}) {
+    if (!direct) setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
+    auto comm = connect(direct ? "engine-rounds" : "engine-rounds-bcube");
+    unsetenv("PSGD_DIRECT_MAX_BYTES");
+    REQUIRE(comm->size() <= 3);
+    const uint64_t per_collective = direct ? 1 : 2;
+    Config c;
+    c.rank = 2;
+    c.start_iter = 1;
+    Reducer reducer(*comm, c);
+    reducer.add_bucket(kShapes);
+    reducer.add_bucket({{64, 64}});
+    for (int step = 0; step < 4; ++step)
+      for (int b = 0; b < 2; ++b) {
+        auto g = gradients(reducer.bucket_size(b), comm->rank(), step);
+        const uint64_t before = comm->communication_rounds();
+        reducer.reduce(b, g.data());
+        INFO("step ", step, " bucket ", b, " direct ", direct);
+        CHECK(comm->communication_rounds() - before == (step == 0 ? 2 : 3) * per_collective);
+      }
+    // reduce_all: one announce, one P and one Q collective for both buckets.
+    std::vector<std::vector<float>> g{gradients(reducer.bucket_size(0), comm->rank(), 4),
+                                      gradients(reducer.bucket_size(1), comm->rank(), 4)};
+    const std::vector<float*> data{g[0].data(), g[1].data()};
+    const uint64_t before = comm->communication_rounds();
+    reducer.reduce_all(std::span<float* const>(data));
+    CHECK(comm->communication_rounds() - before == 3 * per_collective);
+  }
+}
+
 TEST_CASE("checkpoint: a resumed run equals an uninterrupted one bit for bit") {
   auto comm = connect("engine-checkpoint");
   Config c;

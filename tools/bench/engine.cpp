@@ -225,6 +225,7 @@ void run(const Settings& settings) {
   for (size_t b = 0; b < host.size(); ++b) data.push_back(device ? device_data[b].data() : host[b].data());
 
   std::vector<double> times;
+  uint64_t rounds = 0;  // communication rounds within the timed steps (Communicator::communication_rounds)
   uint64_t bytes_before = 0;  // bytes_sent when the timed steps begin
   double guard_before = 0, check_before = 0;  // guard_seconds and check_seconds then
   for (int step = 0; step < settings.warmup + settings.steps; ++step) {
@@ -242,6 +243,7 @@ void run(const Settings& settings) {
     }
     if (device) device->synchronize();
     comm->barrier();
+    const uint64_t rounds_at_start = comm->communication_rounds();
     const auto start = Clock::now();
     if (settings.mode == "fused") {
       reducer.reduce_all(data);
@@ -252,7 +254,10 @@ void run(const Settings& settings) {
     } else {
       for (int b = reducer.num_buckets() - 1; b >= 0; --b) reducer.reduce(b, data[static_cast<size_t>(b)]);
     }
-    if (step >= settings.warmup) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    if (step >= settings.warmup) {
+      times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      rounds += comm->communication_rounds() - rounds_at_start;
+    }
   }
   size_t engine_floats = compute::allocated_floats() - floats_before;
   for (const auto& d : device_data) engine_floats -= d.size();
@@ -325,6 +330,7 @@ void run(const Settings& settings) {
                         {"relative_error", stats.total_relative_error},
                         {"divergence_check_interval", settings.divergence_check_interval},
                         {"guard_ms_per_step", guard_ms},
+                        {"rounds_per_step", static_cast<double>(rounds) / settings.steps},
                         {"guard_ms_per_step_least_rank", guard_min_ms},
                         {"check_ms_per_step", check_ms},
                         {"seconds", {{"compress", stats.compress_seconds},
@@ -349,6 +355,8 @@ void run(const Settings& settings) {
     std::printf("order guard %.3f ms per step on rank 0, %.3f ms on the rank that waited least (announce, waiting "
                 "included); divergence detector (interval %lld) %.3f ms per step on rank 0 (hashing)\n",
                 guard_ms, guard_min_ms, static_cast<long long>(settings.divergence_check_interval), check_ms);
+    std::printf("communication rounds per step: %.1f (one after the other; each at least one one-way delay)\n",
+                static_cast<double>(rounds) / settings.steps);
   }
   if (world == 1 && config.device == Device::Cpu) {
     // The bound at the bandwidth of as many threads as the backend's kernels use

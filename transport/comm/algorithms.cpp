@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <vector>
 
 #include "comm/dtype.hpp"
@@ -57,6 +58,16 @@ void set_output(gloo::AllreduceOptions& opts, void* data, size_t count, DataType
   }
 }
 
+// Gloo's bcube (radix 2) on n ranks: one reduce-scatter step per factor of n's
+// factorization into 2s and a remainder (computeGroupSizePerStep), then as many
+// allgather steps.
+uint64_t bcube_rounds(int n) {
+  uint64_t steps = 0;
+  for (; n % 2 == 0; n /= 2) ++steps;
+  if (n > 1) ++steps;
+  return 2 * steps;
+}
+
 class NewStyleAlgorithms final : public CollectiveAlgorithms {
  public:
   explicit NewStyleAlgorithms(std::chrono::milliseconds timeout) : timeout_(timeout) {}
@@ -80,6 +91,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
                  DataType type, Algorithm algorithm) override {
+    if (algorithm == Algorithm::Direct) return direct_allreduce(context, tag, data, count, type);
     gloo::AllreduceOptions opts(context);
     opts.setAlgorithm(algorithm == Algorithm::Ring ? gloo::AllreduceOptions::Algorithm::RING
                                                    : gloo::AllreduceOptions::Algorithm::BCUBE);
@@ -114,7 +126,34 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     gloo::barrier(opts);
   }
 
+  uint64_t allreduce_rounds(Algorithm algorithm, int n) const override {
+    if (algorithm == Algorithm::Direct) return 1;
+    return algorithm == Algorithm::Ring ? ring_allreduce_rounds(n) : bcube_rounds(n);
+  }
+  uint64_t broadcast_rounds(int n) const override { return ceil_log2(n); }  // a binomial tree
+  uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
+  uint64_t barrier_rounds(int n) const override { return ceil_log2(n); }  // dissemination
+
  private:
+  // One round: every rank sends its buffer to every other at once (an alltoall
+  // of size() copies), then sums the size() contributions in rank order, the
+  // same additions in the same order on every rank: bitwise the same sums.
+  void direct_allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
+                        DataType type) {
+    const size_t n = static_cast<size_t>(context->size);
+    const size_t bytes = count * size_of(type);
+    std::vector<uint8_t> in(n * bytes), out(n * bytes);
+    for (size_t r = 0; r < n; ++r) std::memcpy(in.data() + r * bytes, data, bytes);
+    gloo::AlltoallOptions opts(context);
+    opts.setInput(in.data(), in.size());
+    opts.setOutput(out.data(), out.size());
+    configure(opts, tag);
+    gloo::alltoall(opts);
+    const GlooReduce sum = new_style_sum(type);
+    std::memcpy(data, out.data(), bytes);
+    for (size_t r = 1; r < n; ++r) sum(data, data, out.data() + r * bytes, count);
+  }
+
   template <typename Options>
   void configure(Options& opts, uint32_t tag) const {
     opts.setTag(tag);
@@ -162,6 +201,8 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   GlooApi api() const override { return GlooApi::Legacy; }
   Algorithm small_message_algorithm() const override { return Algorithm::HalvingDoubling; }
   void require_supported(Algorithm algorithm) const override {
+    PSGD_REQUIRE(algorithm != Algorithm::Direct, InvalidArgumentError,
+                 "allreduce: direct needs Gloo's new API (not available on ibverbs)");
     PSGD_REQUIRE(algorithm != Algorithm::Bcube, InvalidArgumentError,
                  "allreduce: bcube needs Gloo's new API (not available on ibverbs)");
   }
@@ -202,9 +243,28 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
     FlushedBarrier<gloo::BarrierAllToOne>(context).run();
   }
+
+  uint64_t allreduce_rounds(Algorithm algorithm, int n) const override {
+    if (algorithm == Algorithm::Ring) return ring_allreduce_rounds(n);
+    // Halving-doubling: log2 of the largest power of two p <= n steps each way, and
+    // with n > p one step before and one after to fold the other n - p ranks in.
+    const uint64_t log_p = ceil_log2(n + 1) - 1;
+    return 2 * log_p + ((uint64_t{1} << log_p) == static_cast<uint64_t>(n) ? 0 : 2);
+  }
+  uint64_t broadcast_rounds(int) const override { return 1; }  // the root sends to every rank at once
+  uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
+  uint64_t barrier_rounds(int) const override { return 2; }  // all to one, one to all
 };
 
 }  // namespace
+
+uint64_t ring_allreduce_rounds(int n) { return 2 * static_cast<uint64_t>(n - 1); }
+
+uint64_t ceil_log2(int n) {
+  uint64_t log = 0;
+  while ((uint64_t{1} << log) < static_cast<uint64_t>(n)) ++log;
+  return log;
+}
 
 std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout) {
   if (api == GlooApi::Legacy) return std::make_unique<LegacyAlgorithms>();

@@ -42,7 +42,21 @@ class CollectiveAlgorithms {
   virtual void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const void* in, void* out,
                          size_t bytes) = 0;
   virtual void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;
+
+  // Sequential communication rounds of each collective on `n` ranks: the
+  // message exchanges one after the other, each of which waits for the one
+  // before (so each costs at least one one-way delay of the network). What
+  // Communicator::communication_rounds() adds up (docs/transport.md, "Rounds").
+  virtual uint64_t allreduce_rounds(Algorithm algorithm, int n) const = 0;
+  virtual uint64_t broadcast_rounds(int n) const = 0;
+  virtual uint64_t allgather_rounds(int n) const = 0;
+  virtual uint64_t barrier_rounds(int n) const = 0;
 };
+
+// Rounds of the algorithms both APIs share: ring allreduce (reduce-scatter,
+// then allgather: 2 (n - 1)), the ring allgather (n - 1), and ceil(log2 n).
+uint64_t ring_allreduce_rounds(int n);
+uint64_t ceil_log2(int n);
 
 // `timeout` bounds each new-style collective (the legacy classes use the
 // context's timeout, set before the pairs connected).

@@ -10,6 +10,7 @@
 #include "comm/algorithms.hpp"
 #include "comm/device.hpp"
 #include "comm/fingerprint.hpp"
+#include "comm/options.hpp"
 #include "common/check.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
@@ -29,6 +30,11 @@ bool Work::done() const {
 
 std::unique_ptr<Communicator> Communicator::create(const CommOptions& options) {
   return transport::GlooCommunicator::create(options);
+}
+
+uint64_t Communicator::communication_rounds() const {
+  const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(this);
+  return gloo != nullptr ? gloo->rounds() : 0;
 }
 
 }  // namespace powersgd
@@ -62,6 +68,8 @@ const char* to_string(Algorithm algorithm) {
       return "bcube";
     case Algorithm::HalvingDoubling:
       return "halving-doubling";
+    case Algorithm::Direct:
+      return "direct";
   }
   return "?";
 }
@@ -69,6 +77,7 @@ const char* to_string(Algorithm algorithm) {
 GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : options_(options), api_(api) {
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
   algorithms_ = make_algorithms(api_, options_.timeout);
+  direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
 }
 
 std::unique_ptr<GlooCommunicator> GlooCommunicator::create(const CommOptions& options, GlooApi api) {
@@ -178,7 +187,7 @@ void GlooCommunicator::check_fingerprint() {
   for (int peer = 0; peer < n; ++peer)
     if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
   peers_ = exchange_fingerprints(
-      options_, api_, pair_addresses,
+      options_, api_, direct_max_bytes_, pair_addresses,
       [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }, &established_connections);
 }
 
@@ -193,6 +202,9 @@ GlooCommunicator::~GlooCommunicator() {
 
 Algorithm GlooCommunicator::choose(size_t bytes) const {
   if (bytes >= options_.ring_threshold_bytes) return Algorithm::Ring;
+  // Every rank receives (size - 1) * bytes: one round where that is cheap (docs/transport.md, "Rounds").
+  const auto others = static_cast<size_t>(options_.world_size - 1);
+  if (others > 0 && bytes <= direct_max_bytes_ / others) return Algorithm::Direct;
   return algorithms_->small_message_algorithm();
 }
 
@@ -271,6 +283,7 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
   std::string name = detail::concat("allreduce(", count, " x ", to_string(type), ", ", to_string(algorithm), ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (count == 0 || context->size == 1) return;
+    add_rounds(algorithms_->allreduce_rounds(algorithm, context->size));
     algorithms_->allreduce(context, tag, data, count, type, algorithm);
   });
 }
@@ -282,6 +295,7 @@ Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root) {
   std::string name = detail::concat("broadcast(", bytes, " bytes, root ", root, ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (bytes == 0 || context->size == 1) return;
+    add_rounds(algorithms_->broadcast_rounds(context->size));
     algorithms_->broadcast(context, tag, data, bytes, root);
   });
 }
@@ -298,6 +312,7 @@ Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes) 
                     std::memmove(out, in, bytes);
                     return;
                   }
+                  add_rounds(algorithms_->allgather_rounds(context->size));
                   algorithms_->allgather(context, tag, in, out, bytes);
                 });
 }
@@ -305,6 +320,7 @@ Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes) 
 Work GlooCommunicator::barrier_async() {
   return submit("barrier", [this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (context->size == 1) return;
+    add_rounds(algorithms_->barrier_rounds(context->size));
     algorithms_->barrier(context, tag);
   });
 }

@@ -6,6 +6,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/device.h>
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 #include <vector>
@@ -23,9 +24,13 @@ namespace powersgd::transport {
 // context never mixes both (mixing gave 40-90 ms latencies).
 enum class GlooApi { New, Legacy };
 
-// Allreduce algorithms. Auto: ring at or above ring_threshold_bytes, below it
-// bcube (new API) or halving-doubling (legacy API).
-enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling };
+// Allreduce algorithms. Auto: ring at or above ring_threshold_bytes; below it,
+// with the new API, direct where every rank receives at most
+// direct_max_bytes() in all ((size - 1) * bytes), else bcube; with the legacy
+// API halving-doubling. Direct (new API only): one round, every rank sends
+// its whole buffer to every other (Gloo's alltoall) and each sums the size()
+// contributions in rank order, so every rank computes the same bits.
+enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling, Direct };
 const char* to_string(Algorithm algorithm);
 
 class CollectiveAlgorithms;
@@ -56,9 +61,13 @@ class GlooCommunicator final : public Communicator {
   Work allgather_async(const void* in, void* out, size_t bytes) override;
   Work barrier_async() override;
   void check_same(uint64_t fingerprint, const std::string& what) override;
+  uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
 
   // The algorithm Auto picks for a message of `bytes`.
   Algorithm choose(size_t bytes) const;
+  // Auto picks Direct for a message of `bytes` when (size() - 1) * bytes is at
+  // most this (PSGD_DIRECT_MAX_BYTES; 0: never; new API only).
+  size_t direct_max_bytes() const { return direct_max_bytes_; }
 
  private:
   // Runs on the communication thread with the context (the only thread that
@@ -76,10 +85,14 @@ class GlooCommunicator final : public Communicator {
   // The communication thread's body for one operation: fails at once when the
   // group is broken; translates Gloo's errors, breaking the group on a PeerError.
   void execute(Op& op);
+  void add_rounds(uint64_t rounds) { rounds_.fetch_add(rounds, std::memory_order_relaxed); }
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
 
   CommOptions options_;
   GlooApi api_;
+  size_t direct_max_bytes_ = 0;
+  // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.
+  std::atomic<uint64_t> rounds_{0};
   std::unique_ptr<CollectiveAlgorithms> algorithms_;
   std::unique_ptr<TcpStoreServer> server_;
   std::unique_ptr<Store> store_;

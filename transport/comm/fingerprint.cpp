@@ -11,13 +11,14 @@
 
 namespace powersgd::transport {
 
-Fingerprint make_fingerprint(const CommOptions& options, GlooApi api) {
+Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes) {
   Fingerprint header{};
   std::snprintf(header.version, sizeof(header.version), "%s", PSGD_VERSION);
   header.world_size = options.world_size;
   header.transport = static_cast<int32_t>(options.transport);
   header.api = static_cast<int32_t>(api);
   header.ring_threshold_bytes = options.ring_threshold_bytes;
+  header.direct_max_bytes = direct_max_bytes;
   return header;
 }
 
@@ -35,12 +36,13 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     field("transport", ref.transport == 0 ? "tcp" : "ibverbs", f.transport == 0 ? "tcp" : "ibverbs");
     field("gloo api", ref.api == 0 ? "new" : "legacy", f.api == 0 ? "new" : "legacy");
     field("PSGD_RING_THRESHOLD_BYTES", ref.ring_threshold_bytes, f.ring_threshold_bytes);
+    field("PSGD_DIRECT_MAX_BYTES", ref.direct_max_bytes, f.direct_max_bytes);
     PSGD_REQUIRE(diff.empty(), MismatchError, "process group configuration mismatch: rank ", r, " has ", diff,
                  "; every rank must use the same powersgd version and PSGD_* settings");
   }
 }
 
-PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api,
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes,
                                 const std::vector<std::string>& pair_addresses,
                                 const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
                                 const std::function<ConnectionTable()>& connections) {
@@ -49,7 +51,7 @@ PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api,
   PSGD_ASSERT(pair_addresses.size() == n, pair_addresses.size(), " pair addresses for ", n, " ranks");
   const size_t record = sizeof(Fingerprint) + n * sizeof(uint16_t);
   std::vector<uint8_t> mine(record, 0);
-  Fingerprint header = make_fingerprint(options, api);
+  Fingerprint header = make_fingerprint(options, api, direct_max_bytes);
   for (size_t peer = 0; peer < n; ++peer) {
     if (peer == rank) continue;
     auto [ip, port] = split_pair_address(pair_addresses[peer]);

@@ -24,11 +24,12 @@ struct Fingerprint {
   int32_t api;
   int32_t reserved;
   uint64_t ring_threshold_bytes;
+  uint64_t direct_max_bytes;
   char ip[48];
 };
 
 // This rank's settings (ip empty).
-Fingerprint make_fingerprint(const CommOptions& options, GlooApi api);
+Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes = 0);
 
 // Throws MismatchError naming the first rank that differs from rank 0 and every
 // field it differs in.
@@ -40,7 +41,7 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all);
 // established connections (established_connections()). Checks that every rank
 // has the same fingerprint (MismatchError), and returns what each rank's pair
 // towards this rank looks like from here.
-PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api,
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes,
                                 const std::vector<std::string>& pair_addresses,
                                 const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
                                 const std::function<ConnectionTable()>& connections);

@@ -111,4 +111,8 @@ void apply_env_settings(CommOptions& o) {
       static_cast<size_t>(env::get_int("PSGD_RING_THRESHOLD_BYTES", 0, std::numeric_limits<int64_t>::max()));
 }
 
+size_t direct_max_bytes_from_env() {
+  return static_cast<size_t>(env::get_int("PSGD_DIRECT_MAX_BYTES", 0, std::numeric_limits<int64_t>::max()));
+}
+
 }  // namespace powersgd::transport

@@ -12,4 +12,9 @@ namespace powersgd::transport {
 // (docs/env.md). Throws InvalidArgumentError naming a bad variable.
 void apply_env_settings(CommOptions& options);
 
+// PSGD_DIRECT_MAX_BYTES (docs/env.md): the most bytes a rank may receive in one
+// direct allreduce (GlooCommunicator::choose). Not in CommOptions, whose layout
+// is the C++ ABI's (docs/abi.md); compared between ranks at creation like it.
+size_t direct_max_bytes_from_env();
+
 }  // namespace powersgd::transport

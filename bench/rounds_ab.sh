@@ -1,0 +1,74 @@
+#!/bin/sh
+# The direct algorithm's before/after (issue 28): powersgd-bench engine (the
+# reduction alone, no training compute) on emulated clusters of HOSTS hosts
+# (one rank each, links shaped to RATE, --link-delay one way into each host),
+# with PSGD_DIRECT_MAX_BYTES=0 (bcube for every allreduce below the ring
+# threshold: the algorithms before the direct one) and with the default,
+# alternated within each round, ROUNDS rounds. The table gives per side the
+# median over rounds of the slowest rank's median step (ms) and the
+# communication rounds per step (Communicator::communication_rounds), and the
+# median of the per-round ratios bcube / direct. Needs root.
+# Usage: bench/rounds_ab.sh [BUILD_DIR] [RATE] [ROUNDS]
+# Environment (defaults in brackets): HOSTS ["4 8"]  DELAYS ["0 5ms"]
+#   SHAPES [data/models/resnet18.shapes]  BUCKET_MB [25]  STEPS [10]  RANK [2]
+#   EXTRA [""] more powersgd-bench engine arguments (e.g. "--alternating")
+#   SIDES ["bcube direct"]: a side ending in -idle0 also sets net.ipv4.tcp_slow_start_after_idle=0 in
+#         each emulated host (a per-namespace sysctl: TCP keeps its window across idle gaps)
+set -eu
+BUILD=${1:-build}
+RATE=${2:-1gbit}
+ROUNDS=${3:-3}
+HOSTS=${HOSTS:-4 8}
+DELAYS=${DELAYS:-0 5ms}
+SHAPES=${SHAPES:-data/models/resnet18.shapes}
+BUCKET_MB=${BUCKET_MB:-25}
+STEPS=${STEPS:-10}
+RANK=${RANK:-2}
+EXTRA=${EXTRA:-}
+# shellcheck source=bench/emulated_preamble.sh
+. "$(dirname "$0")/emulated_preamble.sh"
+emulated_preamble rounds_ab.sh
+BENCH="$BUILD/tools/bench/powersgd-bench"
+[ -x "$BENCH" ] || { echo "rounds_ab.sh: $BENCH not found (build first: ninja -C $BUILD)" >&2; exit 2; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+echo "== bench/rounds_ab.sh: links $RATE, $ROUNDS round(s), $(basename "$SHAPES"), buckets $BUCKET_MB MiB," \
+  "rank $RANK, $STEPS steps ${EXTRA:+($EXTRA) }; $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1 /proc/loadavg)"
+SIDES=${SIDES:-bcube direct}
+for hosts in $HOSTS; do
+  for delay in $DELAYS; do
+    for round in $(seq "$ROUNDS"); do
+      for side in $SIDES; do
+        direct=; case $side in bcube*) direct=0 ;; esac
+        idle=; case $side in *-idle0) idle=0 ;; esac
+        json="$tmp/$hosts-$delay-$side-$round.json"
+        # shellcheck disable=SC2086  # EXTRA: arguments without blanks
+        "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 900 \
+          --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} \
+          -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
+          "$BENCH" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
+          --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {
+          echo "rounds_ab.sh: $side on $hosts hosts at $delay failed:" >&2; cat "$tmp/log" >&2; exit 1; }
+        echo "  $hosts hosts, $delay, $side, round $round (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+      done
+    done
+  done
+done
+/usr/bin/python3 - "$tmp" "$HOSTS" "$DELAYS" "$ROUNDS" "$SIDES" <<'PY'
+import json, os, statistics, sys
+tmp, hosts, delays, rounds = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4])
+sides = sys.argv[5].split()
+def load(h, d, side, r):
+    doc = json.load(open(os.path.join(tmp, f"{h}-{d}-{side}-{r}.json")))
+    return doc["step_ms_max"], doc["rounds_per_step"]
+first = sides[0]
+print("| hosts | one-way delay | " + " | ".join(f"{x} (ms/step) | rounds/step" for x in sides) + " | "
+      + " | ".join(f"{first} / {x} (median of rounds)" for x in sides[1:]) + " |")
+print("|" + " --- |" * (2 + 2 * len(sides) + len(sides) - 1))
+for h in hosts:
+    for d in delays:
+        runs = {x: [load(h, d, x, r) for r in range(1, rounds + 1)] for x in sides}
+        cells = [f"{statistics.median(v[0] for v in runs[x]):.1f} | {runs[x][0][1]:g}" for x in sides]
+        cells += [f"{statistics.median(a[0] / b[0] for a, b in zip(runs[first], runs[x])):.2f}x" for x in sides[1:]]
+        print(f"| {h} | {d} | " + " | ".join(cells) + " |")
+PY
