@@ -43,6 +43,21 @@ def load(directory, split):
     return ((images.float() / 255.0 - 0.2860) / 0.3530).unsqueeze(1), labels.long()
 
 
+def shards(directory, train_limit, batch_size):
+    """This rank's shard of the training and test images (every world-th from its rank on), and the steps
+    per epoch of batch_size images, the same on every rank (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_x, train_y = load(directory, "train")
+    test_x, test_y = load(directory, "t10k")
+    if train_limit:
+        train_x, train_y = train_x[:train_limit], train_y[:train_limit]
+    train_x, train_y = train_x[rank::world], train_y[rank::world]
+    test_x, test_y = test_x[rank::world], test_y[rank::world]
+    steps = torch.tensor([len(train_x) // batch_size])  # equal on every rank up to one batch: the minimum
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    return train_x, train_y, test_x, test_y, int(steps.item())
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -89,16 +104,7 @@ def main():
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    train_x, train_y = load(args.data, "train")
-    test_x, test_y = load(args.data, "t10k")
-    if args.train_limit:
-        train_x, train_y = train_x[:args.train_limit], train_y[:args.train_limit]
-    train_x, train_y = train_x[rank::world], train_y[rank::world]
-    test_x, test_y = test_x[rank::world], test_y[rank::world]
-    steps = len(train_x) // args.batch_size  # equal on every rank up to one batch: use the minimum
-    steps_t = torch.tensor([steps])
-    dist.all_reduce(steps_t, op=dist.ReduceOp.MIN)
-    steps = int(steps_t.item())
+    train_x, train_y, test_x, test_y, steps = shards(args.data, args.train_limit, args.batch_size)
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = nn.parallel.DistributedDataParallel(SmallCNN())

@@ -150,6 +150,12 @@ PSGD_API psgd_status psgd_reducer_save(const psgd_reducer* r, const char* path);
 /* Not collective, but due on every rank before the next reduce, from checkpoints of one step: the next reduce
    checks that and returns PSGD_ERR_MISMATCH on every rank, naming the first differing rank, if not. */
 PSGD_API psgd_status psgd_reducer_load(psgd_reducer* r, const char* path);
+/* Appended in 0.2 (issue 30): loads a per-rank checkpoint (psgd_reducer_save) saved by any rank of a group of
+   any size as the state every rank shares: step count, warm-start factors, rank policy; this rank's error
+   memory becomes zero (another rank's residual is not this rank's). For one file read by every rank (PyTorch's
+   "save on rank 0"). Refusals as psgd_reducer_load (PSGD_ERR_IO, PSGD_ERR_MISMATCH for another configuration
+   or layout, or a job file); not collective, but due on every rank from the same file before the next reduce. */
+PSGD_API psgd_status psgd_reducer_load_shared(psgd_reducer* r, const char* path);
 /* Job checkpoint, resumable on any world size (docs/engine.md). Collective, at a step boundary. save_job: the
    ranks average their error memories and rank 0 alone writes `path` (step count, configuration and layout,
    warm-start state, the mean error memory); every rank returns once the file is durable, and rank 0's write

@@ -294,6 +294,14 @@ class PSGD_API Reducer {
   // the next reduce checks that, see reduce).
   void save(const std::string& path) const;
   void load(const std::string& path);
+  // Loads a per-rank checkpoint saved by any rank of a group of any size, as the
+  // state every rank shares: the step count, the warm-start factors and the rank
+  // policy's state (equal on every rank of the saving job), with this rank's
+  // error memory set to zero (error memory is a rank's own residual: another
+  // rank's is not this one's). Refusals as load(). Not collective, but due on
+  // every rank, from the same file, before the next reduce (which checks it).
+  // For one checkpoint file read by every rank (PyTorch's "save on rank 0").
+  void load_shared(const std::string& path);
 
   // Job checkpoint: the whole job's state in one file, resumable on any world
   // size. Collective, at a step boundary (waits for in-flight reductions).

@@ -135,6 +135,7 @@ def _load():
         "psgd_reducer_load": (status, [handle, ctypes.c_char_p]),
         "psgd_reducer_save_job": (status, [handle, ctypes.c_char_p]),
         "psgd_reducer_load_job": (status, [handle, ctypes.c_char_p]),
+        "psgd_reducer_load_shared": (status, [handle, ctypes.c_char_p]),
         "psgd_reducer_bucket_size": (status, [handle, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
         "psgd_reducer_error_feedback_n": (status, [handle, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]),
         "psgd_store_value_set": (status, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]),

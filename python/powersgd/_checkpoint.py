@@ -2,15 +2,22 @@
 "Checkpoints").
 
 A state_dict holds plain values only (ints, floats, bytes, dicts, tuples): iter, next_stats_report, the
-configuration, and once the hook has declared DDP's buckets to the engine, under "engine":
+configuration, the group's members (None: the whole job), and once the hook has declared DDP's buckets to the
+engine, under "engine":
 - the declared layout (bucket index -> gradient shapes), the declared buckets' parameters as keys (a
   parameter's place in DDP's buckets of a process's first iteration, which DDP computes from the model alone),
   the order the buckets were reduced in, the iteration of the declaration and which hook declared them;
-- "job": the engine's job checkpoint (psgd_reducer_save_job: the mean error memory over the ranks, warm start,
-  step count), the same bytes on every rank; it resumes on any world size;
-- "rank_data": this rank's own checkpoint (psgd_reducer_save: its own error memory), with "rank" and
-  "world_size"; when every rank of the resumed group holds its own rank's data from a group of the same size,
-  the ranks load these instead and the resumed run is bitwise the uninterrupted one.
+- "rank_data": this rank's own checkpoint (psgd_reducer_save: its own error memory, warm start, step count),
+  with "rank" and "world_size". Local: state_dict() issues no collective.
+- "job", in job_state_dict()'s only (collective): the engine's job checkpoint (psgd_reducer_save_job: the mean
+  error memory over the ranks, warm start, step count), the same bytes on every rank.
+Before the declaration, "layout" holds DDP's final layout when this process has seen it (the same three
+entries), so that a process resumed shortly before compression starts declares it at once.
+
+Loading (the choice agreed by one allreduce): every rank holds its own rank's data from a group of the same
+size -> each loads its own (bitwise the uninterrupted run); else every rank holds a job checkpoint -> the mean
+error memory (psgd_reducer_load_job); else -> the data's shared state, error memory zero
+(psgd_reducer_load_shared: rank 0's file on every rank).
 
 Resuming: DDP rebuilds its buckets after its first iteration (the second with static_graph), so a fresh DDP's
 buckets differ from the declared ones for up to DECLARATION_ITER iterations. The engine's per-bucket state
@@ -37,8 +44,13 @@ CONFIG_FIELDS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compre
                  "divergence_check_interval")
 # CONFIG_FIELDS added since VERSION 1's first release, with the value a dict without them meant.
 _ADDED_FIELDS = {"divergence_check_interval": 100}
-VERSION = 1
-_MISMATCH = 4
+VERSION = 2
+# The first iteration of a process in which DDP's bucket layout is known final (powersgd.torch.DECLARATION_ITER):
+# DDP may rebuild its buckets before iteration 1 (2 with static_graph), so the layout seen in iteration 2 is final.
+DECLARATION_ITER = 3
+# Version 1 (before issue 30) always held "job"; it loads as a job_state_dict().
+READABLE_VERSIONS = (1, 2)
+MISMATCH = 4
 
 
 def record_keys(state, bucket, index):
@@ -76,39 +88,58 @@ def _broadcast_bytes(comm, data):
     return buffer.raw[:size.value]
 
 
-def state_dict(state):
+def _layout_entry(state):
+    """DDP's final layout as this process saw it (before any declaration), or None where it has not."""
+    if state._local_iter >= DECLARATION_ITER:
+        return {"declared": dict(state._previous_layout), "declared_keys": dict(state._previous_layout_keys),
+                "declared_order": tuple(state._previous_order)}
+    return state._restored_layout
+
+
+def state_dict(state, job=False):
     if state._layout:
-        raise RuntimeError("PowerSGDState.state_dict() inside an iteration (%d of DDP's buckets reduced): call it "
-                           "between iterations, e.g. after optimizer.step()" % len(state._layout))
+        raise RuntimeError("PowerSGDState.%s() inside an iteration (%d of DDP's buckets reduced): call it between "
+                           "iterations, e.g. after optimizer.step()" % ("job_state_dict" if job else "state_dict",
+                                                                        len(state._layout)))
     if state._failure is not None:
         raise state._failure
     result = {"version": VERSION, "iter": state.iter, "next_stats_report": state.next_stats_report,
               "config": {name: getattr(state, name) for name in CONFIG_FIELDS}, "engine": None,
-              "note_pending": bool(state._note_pending)}
+              "note_pending": bool(state._note_pending),
+              "group": None if state._group is None else tuple(state._group.members)}
     if state._reducer is not None:
         comm = state._comm
         rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
         directory = _temporary_dir()
         try:
-            job = os.path.join(directory, "job.ckpt")
             own = os.path.join(directory, "rank.ckpt")
-            _capi.check(_capi.lib.psgd_reducer_save_job(state._reducer, job.encode()))
-            job_data = _broadcast_bytes(comm, _read(job) if rank == 0 else None)
             _capi.check(_capi.lib.psgd_reducer_save(state._reducer, own.encode()))
             rank_data = _read(own)
+            if job:
+                path = os.path.join(directory, "job.ckpt")
+                _capi.check(_capi.lib.psgd_reducer_save_job(state._reducer, path.encode()))
+                job_data = _broadcast_bytes(comm, _read(path) if rank == 0 else None)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         result["engine"] = {"declared": dict(state._declared), "declared_keys": dict(state._declared_keys),
                             "declared_order": tuple(state._declared_order), "declared_at": state._declared_at,
-                            "whole_bucket": bool(state._whole_bucket), "job": job_data, "rank": rank,
-                            "world_size": world, "rank_data": rank_data}
+                            "whole_bucket": bool(state._whole_bucket), "rank": rank, "world_size": world,
+                            "rank_data": rank_data}
+        if job:
+            result["engine"]["job"] = job_data
     elif state._restored is not None:
         result["engine"] = state._restored  # loaded, not applied yet: passed on as it came
+        if job and "job" not in state._restored:
+            raise RuntimeError("PowerSGDState.job_state_dict(): the state loaded from a state_dict() is not applied "
+                               "yet (it is at the next compressed iteration's first bucket); take the job "
+                               "checkpoint after one iteration")
+    else:
+        result["layout"] = _layout_entry(state)
     return result
 
 
 def load_state_dict(state, loaded):
-    if not isinstance(loaded, dict) or loaded.get("version") != VERSION:
+    if not isinstance(loaded, dict) or loaded.get("version") not in READABLE_VERSIONS:
         raise ValueError("PowerSGDState.load_state_dict: expected a dict from PowerSGDState.state_dict() (version "
                          "%d), got %s" % (VERSION, type(loaded).__name__ if not isinstance(loaded, dict)
                                           else "version %r" % (loaded.get("version"),)))
@@ -127,13 +158,15 @@ def load_state_dict(state, loaded):
     state.next_stats_report = int(loaded["next_stats_report"])
     # A note_lr_change() made before the engine reducer existed (after it, the engine's checkpoint has it).
     state._note_pending = bool(loaded.get("note_pending", False))
+    state._agreed = False  # compared over the group again at the next hook call
     engine = loaded.get("engine")
     state._restored = None
+    state._restored_layout = loaded.get("layout") if engine is None else None
     if engine is None:
         return
     if state._reducer is not None:
         if engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket):
-            raise PowerSGDError(_MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
+            raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
                                 "this state declared, %s (%s)" % (engine["declared"], _hook_name(engine),
                                                                   state._declared, state._hook_name(
                                                                       state._whole_bucket)))
@@ -150,24 +183,26 @@ def _hook_name(engine):
 
 
 def _load_engine(state, comm, engine):
-    """Collective: the engine's state from the checkpoint: every rank's own data where every rank has it
-    (same group size, its own rank's), else the job checkpoint. The choice is agreed by an allreduce."""
+    """Collective: the engine's state from the checkpoint: every rank's own data where every rank has it (same
+    group size, its own rank's): bitwise the saved run; else the job checkpoint where every rank has one (the
+    ranks' mean error memory); else the data's shared state with error memory zero (one rank's state_dict() on
+    every rank: another rank's error memory is not this rank's own residual, and the same one on W ranks would
+    add it W times). The choice is agreed by one allreduce."""
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
     own = engine.get("rank_data") is not None and engine["rank"] == rank and engine["world_size"] == world
-    flag = ctypes.c_float(1.0 if own else 0.0)
-    _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, ctypes.byref(flag), 1))
-    per_rank = flag.value == world
+    flags = (ctypes.c_float * 2)(1.0 if own else 0.0, 1.0 if engine.get("job") is not None else 0.0)
+    _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, flags, 2))
+    kind = "rank" if flags[0] == world else "job" if flags[1] == world else "shared"
     directory = _temporary_dir()
     try:
         path = os.path.join(directory, "state.ckpt")
-        _write(path, engine["rank_data"] if per_rank else engine["job"])
-        if per_rank:
-            _capi.check(_capi.lib.psgd_reducer_load(state._reducer, path.encode()))
-        else:
-            _capi.check(_capi.lib.psgd_reducer_load_job(state._reducer, path.encode()))
+        _write(path, engine["job"] if kind == "job" else engine["rank_data"])
+        load = {"rank": _capi.lib.psgd_reducer_load, "job": _capi.lib.psgd_reducer_load_job,
+                "shared": _capi.lib.psgd_reducer_load_shared}[kind]
+        _capi.check(load(state._reducer, path.encode()))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    state._resumed_from = "rank" if per_rank else "job"
+    state._resumed_from = kind
 
 
 def declare_restored(state, whole_bucket):
@@ -177,7 +212,7 @@ def declare_restored(state, whole_bucket):
     state._restored = None
     try:
         if bool(engine["whole_bucket"]) != bool(whole_bucket):
-            raise PowerSGDError(_MISMATCH, "the checkpoint was saved by %s; this state now serves %s"
+            raise PowerSGDError(MISMATCH, "the checkpoint was saved by %s; this state now serves %s"
                                 % (_hook_name(engine), state._hook_name(whole_bucket)))
         declared = dict(engine["declared"])
         state._create_reducer(declared, whole_bucket, engine["declared_at"])
@@ -193,10 +228,11 @@ def declare_restored(state, whole_bucket):
     state._after_declare()
 
 
-def defer(state, bucket, buffer, final):
+def defer(state, bucket, buffer, final, prepare):
     """A bucket of an iteration whose layout may not be the declared one yet: kept until the iteration's last
-    bucket, then the iteration is reduced through the declared buckets (_reduce_deferred). `final`: DDP's
-    layout of this iteration is final (it must be the declared one)."""
+    bucket; there prepare() (which declares the buckets where needed), then the iteration is reduced through
+    the declared buckets (_reduce_deferred). `final`: DDP's layout of this iteration is final (it must be the
+    declared one)."""
     future = torch.futures.Future()
     if state._failure is not None:
         future.set_exception(state._failure)
@@ -204,6 +240,8 @@ def defer(state, bucket, buffer, final):
         state._deferred.append((future, buffer, bucket.parameters(), bucket.gradients()))
     if bucket.is_last():
         deferred, state._deferred = state._deferred, []
+        if state._failure is None:
+            prepare()
         if state._failure is None:
             _reduce_deferred(state, deferred, final)
         for item in deferred:
@@ -222,14 +260,19 @@ def _reduce_deferred(state, deferred, final):
             keys = state._declared_keys[index]
             missing = [key for key in keys if key not in gradients]
             if missing or len(gradients) != sum(len(k) for k in state._declared_keys.values()):
-                raise PowerSGDError(_MISMATCH, "DDP's buckets of this iteration hold other parameters than the "
+                raise PowerSGDError(MISMATCH, "DDP's buckets of this iteration hold other parameters than the "
                                     "checkpoint's declared buckets (bucket %d's parameters %s not found among %s): "
                                     "resume the same model with the same DDP options" % (index, missing,
                                                                                          sorted(gradients)))
+            shapes = [tuple(gradients[key].shape) for key in keys]
+            if shapes != [tuple(shape) for shape in state._declared[index]]:
+                raise PowerSGDError(MISMATCH, "DDP's parameters of declared bucket %d have the shapes %s, declared "
+                                    "%s: resume the same model with the same DDP options" % (
+                                        index, shapes, list(state._declared[index])))
             work = torch.cat([gradients[key].reshape(-1).to(torch.float32) for key in keys])
             handle = ctypes.c_void_p()
-            _capi.check(_capi.lib.psgd_reducer_reduce_async(state._reducer, index,
-                                                            ctypes.c_void_p(work.data_ptr()), ctypes.byref(handle)))
+            _capi.check(_capi.lib.psgd_reducer_reduce_async_n(state._reducer, index, work.data_ptr(), work.numel(),
+                                                              ctypes.byref(handle)))
             status = _capi.lib.psgd_reduce_handle_wait(handle)
             message = _capi.last_error() if status != 0 else ""
             _capi.lib.psgd_reduce_handle_free(handle)
@@ -242,7 +285,7 @@ def _reduce_deferred(state, deferred, final):
                 offset += view.numel()
         if final and state._layout_keys != state._declared_keys:
             # DDP's layout is final from here on: it must be the declared one, parameters included.
-            raise PowerSGDError(_MISMATCH, "DDP's buckets after its rebuild, %s, are not the checkpoint's "
+            raise PowerSGDError(MISMATCH, "DDP's buckets after its rebuild, %s, are not the checkpoint's "
                                 "declared buckets %s: resume the same model with the same DDP options"
                                 % (state._layout_keys, state._declared_keys))
     except PowerSGDError as e:

@@ -6,14 +6,19 @@ torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.
     ddp_model.register_comm_hook(state, powerSGD_hook)
 
 What happens per DDP bucket and iteration (details: docs/torch.md):
-- Until DDP's bucket layout is final, the hook is PyTorch's averaged allreduce (default_hooks.allreduce_hook
-  on the state's process group). DDP rebuilds its buckets once, before the forward pass of iteration 1
-  (iteration 2 with static_graph=True), or never (find_unused_parameters=True without static_graph); so the
-  layout seen in iteration 2 is final in every mode.
-- In iteration DECLARATION_ITER (3) the hook declares iteration 2's layout to the engine (one engine bucket per DDP
-  bucket, keyed by bucket.index()) and from then on starts each bucket's reduction asynchronously on the
-  engine's worker thread, in place on DDP's bucket; the step's last hook call (bucket.is_last()) waits for
-  them (no GIL held) and completes their futures. The engine compresses from DDP iteration max(start_powerSGD_iter, DECLARATION_ITER).
+- DDP rebuilds its buckets once, before the forward pass of iteration 1 (iteration 2 with static_graph=True),
+  or never (find_unused_parameters=True without static_graph); so the layout seen in iteration 2 is final in
+  every mode.
+- Compression starts at DDP iteration start_powerSGD_iter, as PyTorch's (which needs start_powerSGD_iter > 1
+  with error feedback or warm start; so does this one). Until then the hook is torch's allreduce_hook. At
+  iteration start_powerSGD_iter the hook declares DDP's layout to the engine (one engine bucket per DDP bucket,
+  keyed by bucket.index()): at its first bucket from the last iteration's layout when that is final (from this
+  process's iteration DECLARATION_ITER = 3 on), else at its last bucket from its own layout (iteration 2: final;
+  reduced synchronously once). From then on each bucket's reduction starts asynchronously on the engine's
+  worker thread, in place on DDP's bucket; the step's last hook call (bucket.is_last()) waits for them (no GIL
+  held) and completes their futures.
+- The first hook call of a process compares the state's arguments and iter over the process group (one
+  all_gather_object): a difference fails every rank at once, naming the argument and each rank's value.
 - A layout that changes after the declaration, a lost peer, NaN/Inf gradients, a mismatch between ranks:
   the future fails with PowerSGDError (a RuntimeError) naming the failure, which DDP raises from backward().
 
@@ -22,7 +27,8 @@ second store or port. torch.distributed.init_process_group() works under torchru
 (which gives torch MASTER_ADDR/MASTER_PORT of its own); init_process_group() below adds the interface torch's
 Gloo needs in powersgd-run's emulated cluster.
 
-Checkpoints: state_dict() / load_state_dict() and pickling (_checkpoint.py; collective once declared).
+Checkpoints: state_dict() / load_state_dict() and pickling are local (this rank's own state, no collective);
+job_state_dict() is the collective checkpoint with the ranks' mean error memory (_checkpoint.py).
 
 process_group is honoured: with a group other than the whole job, the engine's communicator is one of the
 group's members (psgd_comm_init_on_store with the group's id), rendezvousing under a key of the group's
@@ -61,8 +67,9 @@ __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "init_proc
 # The engine's PSGD_TIMEOUT_MS accepts 1 ms to 24 h (transport/comm/options.cpp).
 _MAX_TIMEOUT_MS = 24 * 3600 * 1000
 
-# The DDP iteration in which the hook declares the buckets: the one after the last that DDP may rebuild them in.
-DECLARATION_ITER = 3
+# The first iteration of a process in which a declaration at its first bucket can use the last iteration's layout:
+# DDP's layout is final from iteration 2 of a process on (_checkpoint.DECLARATION_ITER).
+DECLARATION_ITER = _checkpoint.DECLARATION_ITER
 
 # PSGD_TORCH_TIMING (_timing.py): read at import, so a bad value is an error here, not a rank-local failure
 # inside a collective declaration.
@@ -199,7 +206,7 @@ def _bool(name, value):
 def _integer(name, value, low, high, expected):
     """`value` as an int in [low, high] (high None: no limit); TypeError or ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError("PowerSGDState: %s = %r: expected an integer, %s" % (name, value, expected))
+        raise TypeError("PowerSGDState: %s = %r: expected %s" % (name, value, expected))
     if value < low or (high is not None and value > high):
         raise ValueError("PowerSGDState: %s = %r: expected %s" % (name, value, expected))
     return int(value)
@@ -231,19 +238,33 @@ def _set_field(config, argument, value):
     setattr(config, field, value)
 
 
+def _user_terms(message):
+    """The engine's message with psgd_config's fields (config.start_iter, config.rank) named as PowerSGDState's
+    arguments (start_powerSGD_iter, matrix_approximation_rank)."""
+    return re.sub(r"config\.(\w+)", lambda m: _ARGUMENT_OF_FIELD.get(m.group(1), m.group(1)), message)
+
+
 def _validate(config):
     """psgd_config_validate (the engine's ranges and rules): ValueError with the engine's message, naming the
     PowerSGDState arguments instead of psgd_config's fields."""
     if _capi.lib.psgd_config_validate(ctypes.byref(config)) != 0:
         message = _capi.last_error().split(": ", 1)[-1]  # without "psgd_config_validate: "
-        message = re.sub(r"config\.(\w+)", lambda m: _ARGUMENT_OF_FIELD.get(m.group(1), m.group(1)), message)
-        raise ValueError("PowerSGDState: " + message)
+        raise ValueError("PowerSGDState: " + _user_terms(message))
+
+
+def _check_schedule(start, error_feedback, warm_start):
+    """PyTorch's rule: the per-bucket error memory and warm-start factors cannot follow DDP's rebuild of its
+    buckets after the first iterations, so compression with either starts at iteration 2 or later."""
+    if (error_feedback or warm_start) and start <= 1:
+        raise ValueError("PowerSGDState: start_powerSGD_iter = %d: expected > 1 with use_error_feedback or "
+                         "warm_start (as PyTorch's: DDP rebuilds its buckets after iteration 0, and the error "
+                         "memory and warm-start factors of a bucket cannot follow it)" % start)
 
 
 class PowerSGDState:
     """PyTorch's PowerSGDState, by name, signature and defaults; the arguments mean what they mean there
-    (docs/torch.md lists the differences: compression starts no earlier than DECLARATION_ITER, the rank is at
-    most 64). Keyword-only extras configure the engine's adaptive rank, alternating, the factors' type on the
+    (docs/torch.md lists the differences: the rank is at most 64, a layout change after the declaration
+    fails). Keyword-only extras configure the engine's adaptive rank, alternating, the factors' type on the
     wire, wire_dtype="f32"|"bf16"|"fp16", and its divergence detector, divergence_check_interval (docs/engine.md).
     Every argument is validated here, by the engine's own validation (psgd_config_validate): TypeError or
     ValueError naming it."""
@@ -329,7 +350,11 @@ class PowerSGDState:
         self._declared_order = None
         self._declared_at = None    # iter at the declaration: the engine's start_iter is relative to it
         self._restored = None       # a loaded engine checkpoint, applied at the next iteration's first bucket
-        self._deferred = []         # resumed, DDP's layout not final yet: this iteration's buckets
+        self._restored_layout = None  # a loaded final layout (saved before compression started), declared when due
+        self._deferred = []         # DDP's layout not final yet in this process: this iteration's buckets
+        self._provisional = False   # declared from a layout DDP may still rebuild (start_powerSGD_iter 0 or 1)
+        self._retired = (0, 0, 0)   # numel before, after, bytes of reducers replaced by a redeclaration
+        self._agreed = False        # the arguments and iter compared over the group (first hook call)
 
     _timer = None  # a _timing.StepTimer while the reduction's timing is recorded (enable_timing, PSGD_TORCH_TIMING)
 
@@ -355,6 +380,7 @@ class PowerSGDState:
             raise ValueError("PowerSGDState: wire_dtype = %r: expected 'f32', 'bf16' or 'fp16'" % (self.wire_dtype,))
         c.wire_dtype = _capi.WIRE_DTYPES[self.wire_dtype]
         _validate(c)
+        _check_schedule(c.start_iter, c.error_feedback, c.warm_start)
         return c
 
     # ---- statistics ----
@@ -363,12 +389,13 @@ class PowerSGDState:
         """(compress_rate, numel_before_compression, numel_after_compression), cumulative over compressed
         steps, as the reference's compression_stats()."""
         s = self._stats()
-        return s.compression_rate, s.numel_before, s.numel_after
+        before, after = s.numel_before + self._retired[0], s.numel_after + self._retired[1]
+        return (before / after if after else 0.0), before, after
 
     def bytes_sent(self):
         """Payload bytes this rank passed to collectives for gradients: torch's allreduce before the
         declaration, the engine's collectives after it."""
-        return self._plain_bytes + self._stats().bytes_sent
+        return self._plain_bytes + self._retired[2] + self._stats().bytes_sent
 
     def _stats(self):
         s = _capi.Stats()
@@ -414,24 +441,34 @@ class PowerSGDState:
             raise TypeError("powersgd.torch: bucket %d holds %s gradients on %s: expected float32, float64, "
                             "float16 or bfloat16 on the CPU" % (index, buffer.dtype, buffer.device))
         first = not self._layout
+        if first and not self._agreed and self._failure is None:
+            self._agree()
         self._layout[index] = tuple(tuple(g.shape) for g in bucket.gradients())
         if self._local_iter < DECLARATION_ITER:
             _checkpoint.record_keys(self, bucket, index)
-            if self._restored is not None and len(self._layout) == 1 and self._failure is None:
-                _checkpoint.declare_restored(self, whole_bucket)
-        if self._reducer is None and self._failure is None and self._local_iter >= DECLARATION_ITER:
-            self._declare(whole_bucket)
+        due = self.iter >= self.start_powerSGD_iter
+        if first and due and self._reducer is None and self._failure is None:
+            self._declare_at_first_bucket(whole_bucket)
         if first and self._watched_lrs is not None:
             lrs = [g["lr"] for g in self.lr_watch.param_groups]
             if any(now < before for now, before in zip(lrs, self._watched_lrs)):
                 self.note_lr_change()
             self._watched_lrs = lrs
         last = bucket.is_last()
-        if self._local_iter < DECLARATION_ITER and self._reducer is not None:
-            future = _checkpoint.defer(self, bucket, buffer, final=self._local_iter == DECLARATION_ITER - 1)
-        elif self._reducer is None and self._failure is None:
+        if self._failure is not None:
+            future = self._failed_future(self._failure)
+        elif not due or (self._reducer is None and self._local_iter < DECLARATION_ITER - 1
+                         and (self.use_error_feedback or self.warm_start)):
+            # Before start_powerSGD_iter; or due, but DDP may still rebuild its buckets in this process and no
+            # final layout is known (iter restored by hand, or a checkpoint saved in its process's first
+            # iterations): error memory and warm start need the final layout, declared in iteration 2.
             future = allreduce_hook(self.process_group, bucket)
             self._plain_bytes += buffer.numel() * buffer.element_size()
+        elif self._local_iter < DECLARATION_ITER:
+            # DDP's layout may not be final in this process yet: the iteration is reduced at its last bucket,
+            # through the declared buckets (declared there from this iteration's layout if there are none).
+            future = _checkpoint.defer(self, bucket, buffer, final=self._local_iter == DECLARATION_ITER - 1,
+                                       prepare=lambda: self._prepare_deferred(whole_bucket))
         else:
             timer = self._timer if self._failure is None else None
             if timer is not None:
@@ -498,7 +535,10 @@ class PowerSGDState:
             _capi.check(_capi.lib.psgd_reducer_note_lr_change(self._reducer))
 
     def decisions(self):
-        """The engine's decision log since the last call: dicts {step, bucket, rank, reason}."""
+        """The engine's decision log since the last call: dicts {iteration, step, bucket, rank, reason}: from DDP
+        iteration `iteration` on (self.iter's count), bucket `bucket` compresses at `rank` because of `reason`;
+        `step` is the same moment in the engine's count of its reductions, iteration - start_powerSGD_iter
+        (the engine reducer is created at start_powerSGD_iter)."""
         out = []
         if self._reducer is None:
             return out
@@ -510,7 +550,8 @@ class PowerSGDState:
             _capi.check(_capi.lib.psgd_reducer_decisions(self._reducer, steps, buckets, ranks, reasons, capacity,
                                                          ctypes.byref(count)))
             for i in range(count.value):
-                out.append({"step": steps[i], "bucket": buckets[i], "rank": ranks[i],
+                out.append({"iteration": steps[i] + self._declared_at, "step": steps[i], "bucket": buckets[i],
+                            "rank": ranks[i],
                             "reason": _capi.lib.psgd_rank_reason_name(reasons[i]).decode()})
         return out
 
@@ -521,34 +562,83 @@ class PowerSGDState:
         if self._local_iter <= DECLARATION_ITER:
             self._previous_layout_keys, self._layout_keys = self._layout_keys, {}
             self._previous_order, self._order = self._order, []
-        if self.iter == max(self.start_powerSGD_iter, DECLARATION_ITER):
+        if self.iter == self.start_powerSGD_iter:
             logger.info("Start to apply PowerSGD after %d iterations.", self.iter)
 
     def _maybe_report(self):
         """PyTorch's _report_compression_stats: in a compressed iteration, at its last bucket, every
         compression_stats_logging_frequency iterations from the first. Logged once the iteration's reductions
         completed (_complete_step), so the figures include them."""
-        if self.iter >= max(self.start_powerSGD_iter, DECLARATION_ITER) and self.iter >= self.next_stats_report:
+        if self.iter >= self.start_powerSGD_iter and self.iter >= self.next_stats_report:
             rate, before, after = self.compression_stats()
             logger.info("Compression stats: iter %d, total before compression %d, total after compression "
                         "%d, rate %s", self.iter, before, after, rate)
             self.next_stats_report = self.iter + self.compression_stats_logging_frequency
 
-    def _declare(self, whole_bucket):
-        """Collective: creates the engine reducer and declares the last iteration's buckets."""
-        layout = self._previous_layout
+    def _agree(self):
+        """Collective, at the first hook call of this process: every rank of the group must hold the same
+        arguments and iter, or the engine would be declared in different iterations (one rank's allreduce
+        against another's engine: a hang until the timeout). A difference fails every rank, naming it in
+        PowerSGDState's terms."""
+        self._agreed = True
+        mine = dict({name: getattr(self, name) for name in _checkpoint.CONFIG_FIELDS}, iter=self.iter)
+        everyone = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        differing = []
+        for name, value in mine.items():
+            values = [other[name] for other in everyone]
+            if any(v != value for v in values):
+                ranks = {}
+                for r, v in enumerate(values):
+                    ranks.setdefault(repr(v), []).append(r)
+                differing.append("%s = %s" % (name, ", ".join("%s on rank%s %s" % (v, "s" if len(r) > 1 else "",
+                                                                                   ", ".join(map(str, r)))
+                                                              for v, r in ranks.items())))
+        if differing:
+            self._failure = PowerSGDError(_checkpoint.MISMATCH, "the ranks of the process group hold different "
+                                          "PowerSGDStates: %s; construct it with the same arguments on every rank "
+                                          "(and load the same checkpoint)" % "; ".join(differing))
+
+    def _declare_at_first_bucket(self, whole_bucket):
+        """Compression is due and there is no reducer: at the first bucket, from a loaded checkpoint, from the
+        last iteration's layout where that is final, or from a loaded final layout; else (DDP's layout of this
+        process not final yet) at this iteration's last bucket (_prepare_deferred)."""
+        if self._restored is not None:
+            _checkpoint.declare_restored(self, whole_bucket)
+        elif self._local_iter >= DECLARATION_ITER:
+            self._declare(self._previous_layout, self._previous_layout_keys, self._previous_order, whole_bucket)
+        elif self._restored_layout is not None:
+            layout, self._restored_layout = self._restored_layout, None
+            self._declare(layout["declared"], layout["declared_keys"], layout["declared_order"], whole_bucket)
+
+    def _prepare_deferred(self, whole_bucket):
+        """At the last bucket of a compressed iteration in which DDP's layout may not be final (the process's
+        first DECLARATION_ITER): declares this iteration's layout where none is declared; declares it again
+        where DDP rebuilt its buckets since a provisional declaration (in iteration 0 or 1: error feedback and
+        warm start off, so the replaced reducer carries nothing a step needs)."""
+        if self._reducer is not None and self._provisional and self._layout_keys != self._declared_keys:
+            s = self._stats()
+            self._retired = (self._retired[0] + s.numel_before, self._retired[1] + s.numel_after,
+                             self._retired[2] + s.bytes_sent)
+            self.close()
+        if self._reducer is None:
+            self._declare(self._layout, self._layout_keys, self._order, whole_bucket)
+            self._provisional = self._local_iter < DECLARATION_ITER - 1
+
+    def _declare(self, layout, keys, order, whole_bucket):
+        """Collective: creates the engine reducer and declares `layout` (bucket index -> shapes) with its
+        parameters' keys and reduction order (checkpoints)."""
         try:
             if sorted(layout) != list(range(len(layout))):
                 raise PowerSGDError(1, "DDP's bucket indices %s in iteration %d are not 0 to %d"
                                     % (sorted(layout), self.iter - 1, len(layout) - 1))
-            config = self._engine_config(whole_bucket)
             self._create_reducer(layout, whole_bucket, self.iter)
         except PowerSGDError as e:
             self._failure = e
             return
-        self._declared = layout
+        self._declared = dict(layout)
         self._whole_bucket = whole_bucket
-        self._declared_keys, self._declared_order = self._previous_layout_keys, self._previous_order
+        self._declared_keys, self._declared_order = dict(keys), tuple(order)
         self._declared_at = self.iter
         self._after_declare()
 
@@ -560,12 +650,15 @@ class PowerSGDState:
 
     def _create_reducer(self, layout, whole_bucket, declared_at):
         """Collective: the engine reducer with `layout` (bucket index -> shapes), compressing from
-        start_powerSGD_iter counted from `declared_at`."""
+        start_powerSGD_iter counted from `declared_at` (at once for a reducer created when compression is due;
+        a checkpoint of an earlier version may have declared earlier)."""
         config = self._engine_config(whole_bucket)
         config.start_iter = max(0, int(self.start_powerSGD_iter) - declared_at)
         comm = _engine_comm(self._group, _group_timeout(self.process_group))
         reducer = ctypes.c_void_p()
-        _capi.check(_capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer)))
+        status = _capi.lib.psgd_reducer_create(comm, ctypes.byref(config), ctypes.byref(reducer))
+        if status != 0:
+            raise PowerSGDError(status, _user_terms(_capi.last_error()))
         self._reducer = reducer
         self._comm = comm
         for index in range(len(layout)):
@@ -580,30 +673,40 @@ class PowerSGDState:
     # ---- checkpoints (python/powersgd/_checkpoint.py) ----
 
     def state_dict(self):
-        """The state as a dict of plain values (torch.save, pickle): iter, the configuration and, once the
-        hook declared DDP's buckets, the engine's checkpoint: error memory and warm start, as a job checkpoint
-        (any world size) and this rank's own (bitwise resume on the same rank and world size). Collective
-        after the declaration: every rank of the group calls it, between iterations."""
+        """The state as a dict of plain values (torch.save, pickle): iter, the configuration and, once the hook
+        declared DDP's buckets, this rank's own engine checkpoint (error memory, warm start, step count). Local
+        and cheap, as PyTorch's: no collective, so `if rank == 0: torch.save(...)` works. Loaded on the rank
+        that saved it (same group size): the run continues bitwise; loaded on other ranks (rank 0's file on
+        every rank): the warm start and step count, and error memory zero (docs/torch.md, "Checkpoints").
+        Between iterations."""
         return _checkpoint.state_dict(self)
 
+    def job_state_dict(self):
+        """state_dict() plus the job checkpoint: the ranks' mean error memory, which every rank takes when the
+        dict is loaded where not every rank has its own (another world size, or one rank's file on every rank).
+        Collective: every rank of the group calls it, between iterations (a rank calling it alone waits for the
+        others until the group's timeout, then fails)."""
+        return _checkpoint.state_dict(self, job=True)
+
     def load_state_dict(self, state_dict):
-        """Restores a state_dict(): iter and the configuration now; the engine's state now when the engine
-        reducer exists (collective), else at the first bucket of the next iteration, which declares the
-        checkpoint's buckets. A fresh DDP's first iterations (before DDP rebuilt its buckets) are reduced
-        through the declared buckets, so the resumed run continues the saved one."""
+        """Restores a state_dict() or job_state_dict(): iter and the configuration now; the engine's state now
+        when the engine reducer exists (collective), else at the first bucket of the next compressed
+        iteration, which declares the checkpoint's buckets. A fresh DDP's first iterations (before DDP rebuilt
+        its buckets) are reduced through the declared buckets, so the resumed run continues the saved one."""
         _checkpoint.load_state_dict(self, state_dict)
 
     def __getstate__(self):
-        """Pickling (torch.save(state)): state_dict(), without the process group (as PyTorch's, which logs
-        that it is not serializable); collective after the declaration, like state_dict()."""
-        logger.warning("NOTE: Process group is not serializable and excluded from a saved state.")
+        """Pickling (torch.save(state)): state_dict() (local), without the process group (as PyTorch's, which
+        logs that on every save: this one does not; a subgroup's members are kept to warn at loading)."""
         return self.state_dict()
 
     def __setstate__(self, state):
-        """Unpickling: the default process group (as PyTorch's), then load_state_dict(state)."""
-        logger.warning("NOTE: Process group will be set to a default group (i.e. the world size). If a "
-                       "different group is desired, please set `self.process_group` after PowerSGD state is "
-                       "loaded.")
+        """Unpickling: the default process group (as PyTorch's), then load_state_dict(state). Warns when the
+        saved state served another group than the whole job."""
+        if state.get("group") is not None:
+            logger.warning("NOTE: the saved PowerSGDState served the process group of global ranks %s; it is set "
+                           "to the default group (every rank): set `process_group` after loading if a group is "
+                           "desired", list(state["group"]))
         self.process_group = None
         self._group = None
         self.iter = 0
@@ -633,7 +736,7 @@ class PowerSGDState:
             self._failure = PowerSGDError(4, "DDP's bucket %d changed after powersgd declared the layout in "
                                           "iteration %d: it holds gradients of shapes %s, declared %s; the "
                                           "engine's per-bucket state (error feedback, warm start) cannot "
-                                          "follow a layout change" % (index, DECLARATION_ITER,
+                                          "follow a layout change" % (index, self._declared_at,
                                                                        list(self._layout[index]), declared))
             return self._failed_future(self._failure)
         if not buffer.is_contiguous():

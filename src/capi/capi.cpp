@@ -385,6 +385,14 @@ psgd_status psgd_reducer_load(psgd_reducer* r, const char* path) {
   });
 }
 
+psgd_status psgd_reducer_load_shared(psgd_reducer* r, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(path);
+    r->reducer->load_shared(path);
+  });
+}
+
 // A null path on one rank fails save_job / load_job on every rank (collectively), as their own refusals do.
 psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path) {
   return guarded(__func__, [&] {

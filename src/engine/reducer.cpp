@@ -165,6 +165,7 @@ uint64_t Reducer::fingerprint() const { return impl_->fingerprint(); }
 std::string Reducer::backend_name() const { return impl_->backend_name(); }
 void Reducer::save(const std::string& path) const { impl_->save(path); }
 void Reducer::load(const std::string& path) { impl_->load(path); }
+void Reducer::load_shared(const std::string& path) { impl_->load(path, /*shared=*/true); }
 void Reducer::save_job(const std::string& path) const { impl_->save_job(path); }
 void Reducer::load_job(const std::string& path) { impl_->load_job(path); }
 

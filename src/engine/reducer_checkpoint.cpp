@@ -26,8 +26,8 @@ void Reducer::Impl::save(const std::string& path) {
   call([&] { engine::write_checkpoint_file(path, engine::encode_checkpoint(gather())); });
 }
 
-void Reducer::Impl::load(const std::string& path) {
-  const OneCaller one(user_mutex_, "load");
+void Reducer::Impl::load(const std::string& path, bool shared) {
+  const OneCaller one(user_mutex_, shared ? "load_shared" : "load");
   require_comm();
   PSGD_REQUIRE(!buckets_.empty(), InvalidArgumentError, "load before any add_bucket: declare the buckets first");
   steps_.require_boundary("load");
@@ -35,11 +35,16 @@ void Reducer::Impl::load(const std::string& path) {
                                                                   layout_fingerprint_, checkpoint_shapes());
   // A per-rank checkpoint holds this rank's own error memory: resuming from
   // another rank's file would apply one rank's error W times and lose the rest.
-  PSGD_REQUIRE(contents.rank == comm_.rank() && contents.world_size == comm_.size(), MismatchError, "checkpoint ",
+  PSGD_REQUIRE(shared || (contents.rank == comm_.rank() && contents.world_size == comm_.size()), MismatchError,
+               "checkpoint ",
                path, " was saved by rank ", contents.rank, " of ", contents.world_size, "; this is rank ",
                comm_.rank(), " of ", comm_.size(),
                ": a per-rank checkpoint resumes on the same rank of the same world size (save one file per rank, "
                "e.g. step.rank<RANK>.ckpt)");
+  // Shared: only what every rank of the saving job held alike; the error memory
+  // starts from zero as at the first compressed step (docs/engine.md).
+  if (shared)
+    for (auto& b : contents.buckets) std::fill(b.error.begin(), b.error.end(), 0.0f);
   // Everything parsed and checked: apply.
   start();
   call([&] { apply(contents); });

@@ -88,7 +88,7 @@ class Reducer::Impl final : public detail::CommUser {
   std::string backend_name();
 
   void save(const std::string& path);
-  void load(const std::string& path);
+  void load(const std::string& path, bool shared = false);  // shared: Reducer::load_shared
   // `refused`: as add_bucket's.
   void save_job(const std::string& path, std::exception_ptr refused = nullptr);
   // `refused`: as add_bucket's.

@@ -7,7 +7,8 @@
    (SIGKILL on every rank: the launcher exits non-zero, which is expected).
 2. 3 ranks, `checkpoint-resume DIR`: each rank resumes its own file; parameters bitwise equal to step 1's
    uninterrupted run; a fresh state with only `iter` restored trains on.
-3. 2 ranks, `checkpoint-resume DIR`: both resume rank 0's file (job checkpoint: mean error memory).
+3. 2 ranks, `checkpoint-resume DIR`: both resume the job checkpoint rank 0 saved (mean error memory); rank 0's own
+   file on both: error memory zero.
 Exit 0 when all pass, 77 when torch is missing, else 1. Each job is bounded by the launcher's --timeout.
 """
 import importlib.util

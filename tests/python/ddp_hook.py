@@ -5,7 +5,7 @@
 Cases (PyTorch's own parity check for comm hooks, ported to CPU):
   parity-plain      start_powerSGD_iter beyond the run: parameters equal DDP allreduce's to 1e-5
   parity-exact      the mean gradient has rank <= r (batch of 1 per rank, 2 ranks, r = 2), compressed from
-                    iteration 3 with error feedback: parameters equal DDP allreduce's to 1e-5; the same with
+                    iteration 2 with error feedback: parameters equal DDP allreduce's to 1e-5; the same with
                     gradient_as_bucket_view, static_graph, find_unused_parameters (an unused layer)
   low-rank          rank 1 with error feedback on a regression task: the loss curve follows allreduce's
   many-buckets      a model in 12+ DDP buckets trains (loss falls), compressed, parameters equal on all ranks
@@ -35,6 +35,17 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     parameter equal on all ranks, bitwise, and DDP allreduce's to 1e-5 (exact low-rank setting)
   errors            NaN gradients and a bucket layout changing after the declaration fail from the future /
                     backward() with PowerSGDError naming the failure, on every rank, without hanging
+  checkpoint-rank0  PyTorch's tutorial pattern: rank 0 alone saves (model, optimizer, PowerSGDState) at once;
+                    every rank resumes from that file (error memory zero, warm start and counters continued);
+                    job_state_dict() (collective) gives the ranks' mean error memory
+  schedule          compression starts at start_powerSGD_iter (2) with DDP's default, static_graph and
+                    gradient_as_bucket_view; a resume from a checkpoint taken before compression starts is bitwise
+                    the uninterrupted run; decisions() reports DDP's iteration
+  user-terms        TypeError says 'an integer' once; arguments differing between ranks fail every rank, named as
+                    PowerSGDState's with each rank's value; pickling logs nothing; an engine error is not printed
+                    on stderr besides the exception
+  supported         docs/torch.md's "What is supported" states each claim; a GAN (two states) trains; DDP refuses
+                    a bfloat16 model
   unused-branch     a branch unused (find_unused_parameters=True), or scaled by 0.0, in the first compressed
                     steps and used from step 6: its gradient is nonzero afterwards and comparable to DDP
                     allreduce's (it stayed 0 for good when the zero step froze the warm-start factor)
@@ -156,9 +167,10 @@ def case_parity_exact():
     # PowerSGD is exact only while the ranks' error memories cancel in their mean; rounding leaves a tiny
     # mean error outside the rank-r span, and the algorithm amplifies it geometrically (about 2.5x per step
     # here; the reference algorithm in float64 numpy does the same from 1e-15, see docs/torch.md). So with
-    # error feedback the check covers the first 4 compressed steps, where the drift is still below 1e-5.
-    for error_feedback, warm_start, steps in [(False, True, STEPS), (False, False, STEPS), (True, True, 7),
-                                              (True, False, 7)]:
+    # error feedback the check covers the first 4 compressed steps (iterations 2 to 5), where the drift is
+    # still below 1e-5.
+    for error_feedback, warm_start, steps in [(False, True, STEPS), (False, False, STEPS), (True, True, 6),
+                                              (True, False, 6)]:
         options = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=error_feedback,
                        warm_start=warm_start)
         for variant, ddp_options in variants.items():
@@ -353,11 +365,15 @@ class FakeBucket:
     """The five methods of dist.GradBucket that the hook calls, over a tensor this test controls (and
     parameters of the gradients' shapes, which the hook names for checkpoints)."""
 
+    parameters_of = {}
+
     def __init__(self, index, shapes, last, dtype=torch.float32):
         self._index, self._last = index, last
         self._buffer = torch.ones(sum(torch.Size(s).numel() for s in shapes), dtype=dtype)
         self._shapes = shapes
-        self._parameters = [torch.zeros(s) for s in shapes]
+        # The same parameters for the same bucket in every iteration, as DDP's (the hook names them).
+        key = (index, tuple(tuple(s) for s in shapes))
+        self._parameters = FakeBucket.parameters_of.setdefault(key, [torch.zeros(s) for s in shapes])
 
     def parameters(self):
         return self._parameters
@@ -397,7 +413,8 @@ def case_errors():
         print("errors: NaN gradients ->", message.splitlines()[0][:200])
 
     # A layout that changes after the declaration (buckets driven by hand through the hook's interface).
-    state = pst.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=0)
+    state = pst.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                              start_powerSGD_iter=pst.DECLARATION_ITER)
     layout = [[(8, 4), (8,)], [(6, 6)]]
     for iteration in range(pst.DECLARATION_ITER + 1):
         futures = [pst.powerSGD_hook(state, FakeBucket(i, shapes, i == len(layout) - 1))
@@ -414,7 +431,7 @@ def case_errors():
         print("errors: layout change ->", message[:200])
 
     # One state serves one hook.
-    state = pst.PowerSGDState(process_group=None, start_powerSGD_iter=0)
+    state = pst.PowerSGDState(process_group=None, start_powerSGD_iter=pst.DECLARATION_ITER)
     for iteration in range(pst.DECLARATION_ITER):
         pst.powerSGD_hook(state, FakeBucket(0, [(8, 8)], True)).wait()
     pst.powerSGD_hook(state, FakeBucket(0, [(8, 8)], True)).wait()
@@ -513,7 +530,20 @@ def case_validation():
         else:
             raise AssertionError("PowerSGDState(%s) accepted" % options)
     # The extremes: accepted by both.
-    good = [dict(matrix_approximation_rank=64), dict(matrix_approximation_rank=1), dict(start_powerSGD_iter=0),
+    # PyTorch's rule (a PowerSGDState rule, not the engine's): start_powerSGD_iter > 1 with error feedback or
+    # warm start, which cannot follow DDP's rebuild of its buckets after iteration 0.
+    for options in (dict(start_powerSGD_iter=0), dict(start_powerSGD_iter=1, use_error_feedback=False),
+                    dict(start_powerSGD_iter=1, warm_start=False)):
+        try:
+            pst.PowerSGDState(None, **options)
+        except ValueError as e:
+            expected = "start_powerSGD_iter = %d: expected > 1 with use_error_feedback or warm_start" % (
+                options["start_powerSGD_iter"])
+            assert expected in str(e), str(e)
+        else:
+            raise AssertionError("PowerSGDState(%s) accepted" % options)
+    good = [dict(matrix_approximation_rank=64), dict(matrix_approximation_rank=1), dict(start_powerSGD_iter=2),
+            dict(start_powerSGD_iter=0, use_error_feedback=False, warm_start=False),
             dict(min_compression_rate=0), dict(orthogonalization_epsilon=0), dict(random_seed=2**64 - 1),
             dict(adaptive=True, rank_low=64, rank_high=64, adaptive_interval=1, adaptive_threshold=0),
             dict(alternating=True), dict(use_error_feedback=False, warm_start=False), dict(divergence_check_interval=0)]
@@ -555,7 +585,7 @@ class Records(logging.Handler):
 
 def step_bytes(options, steps, shapes=((64, 64),)):
     """Drives the hook by hand over one bucket for `steps` compressed steps; the engine's bytes of the last."""
-    state = pst.PowerSGDState(None, start_powerSGD_iter=0, **options)
+    state = pst.PowerSGDState(None, start_powerSGD_iter=pst.DECLARATION_ITER, **options)
     for _ in range(pst.DECLARATION_ITER + steps):
         bucket = FakeBucket(0, list(shapes), True)
         torch.manual_seed(rank())
@@ -664,7 +694,7 @@ def case_bfloat16():
     # model), so the hook gets bfloat16 buckets by hand: two states, one fed float32 buckets, one the same
     # values in bfloat16 (exact: they are bfloat16 values) from the compressed steps on; the engine computes
     # the same float32 result for both, which the second returns rounded to bfloat16.
-    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=0)
+    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=pst.DECLARATION_ITER)
     shapes = [(32, 16), (16,)]
     plain, converted = pst.PowerSGDState(None, **options), pst.PowerSGDState(None, **options)
     generator = torch.Generator().manual_seed(70 + rank())
@@ -753,7 +783,7 @@ def case_timing():
 
     # A step that fails at its last bucket (a changed layout) after its first was submitted: its futures fail,
     # it is not recorded, and the earlier steps' record stays.
-    state = pst.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=0)
+    state = pst.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=pst.DECLARATION_ITER)
     state.enable_timing()
     shapes = [[(16, 8)], [(8, 4), (4,)]]
     for step in range(pst.DECLARATION_ITER + 3):
@@ -789,10 +819,10 @@ def ckpt_model():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-def ckpt_ddp(module):
+def ckpt_ddp(module, **options):
     # Small buckets: DDP's first iteration has one bucket, its rebuilt layout two (read at construction).
     dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
-    return ddp(module, bucket_cap_mb=0.004)
+    return ddp(module, bucket_cap_mb=0.004, **options)
 
 
 def ckpt_data():
@@ -800,8 +830,8 @@ def ckpt_data():
     return data(4, CKPT_TOTAL, seed=5)
 
 
-def ckpt_train(model, optimizer, state, first, last):
-    inputs, targets = ckpt_data()
+def train_steps(model, optimizer, inputs, targets, first, last):
+    """Steps first to last - 1 of the batches; returns their losses (this rank's batch)."""
     losses = []
     for step in range(first, last):
         optimizer.zero_grad()
@@ -809,6 +839,11 @@ def ckpt_train(model, optimizer, state, first, last):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    return losses
+
+
+def ckpt_train(model, optimizer, state, first, last):
+    losses = train_steps(model, optimizer, *ckpt_data(), first, last)
     assert state.iter == last, (state.iter, last)
     return losses
 
@@ -854,6 +889,10 @@ def case_checkpoint_save(directory):
     torch.save(error_memories(state), "%s/memory-rank%d.pt" % (directory, rank()))
     torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "powersgd": state},
                "%s/ckpt-rank%d.pt" % (directory, rank()))
+    job = state.job_state_dict()  # collective: the ranks' mean error memory; rank 0 saves it
+    if rank() == 0:
+        torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "powersgd": job},
+                   "%s/ckpt-job.pt" % directory)
     torch.save(state.compression_stats(), "%s/stats-rank%d.pt" % (directory, rank()))
     dist.barrier()
     if rank() == 0:
@@ -862,7 +901,8 @@ def case_checkpoint_save(directory):
 
 
 def ckpt_resume(path, register=True):
-    """A fresh model, DDP and optimizer from the checkpoint at `path`; the unpickled PowerSGDState as hook."""
+    """A fresh model, DDP and optimizer from the checkpoint at `path`; the unpickled PowerSGDState (or one
+    loaded from the job_state_dict() saved there) as hook."""
     saved = torch.load(path)
     module = ckpt_model()
     module.load_state_dict(saved["model"])
@@ -870,6 +910,9 @@ def ckpt_resume(path, register=True):
     optimizer = ckpt_optimizer(model)
     optimizer.load_state_dict(saved["optimizer"])
     state = saved["powersgd"]
+    if isinstance(state, dict):
+        state, sd = pst.PowerSGDState(None, **CKPT_OPTIONS), state
+        state.load_state_dict(sd)
     assert isinstance(state, pst.PowerSGDState) and state.iter == CKPT_STEP, state.iter
     if register:
         model.register_comm_hook(state, pst.powerSGD_hook)
@@ -903,7 +946,7 @@ def case_checkpoint_resume(directory):
                   "steps; iter alone restored: %d steps trained" % (CKPT_TOTAL - CKPT_STEP, CKPT_TOTAL - CKPT_STEP))
         return
     assert world() == 2
-    module, model, optimizer, state = ckpt_resume("%s/ckpt-rank0.pt" % directory)
+    module, model, optimizer, state = ckpt_resume("%s/ckpt-job.pt" % directory)
     saved_stats = torch.load("%s/stats-rank0.pt" % directory)
     losses = ckpt_train(model, optimizer, state, CKPT_STEP, CKPT_TOTAL)
     assert state._resumed_from == "job", state._resumed_from
@@ -918,16 +961,22 @@ def case_checkpoint_resume(directory):
         dist.all_gather(gathered[2 * i:2 * i + 2], p.detach())
         assert torch.equal(gathered[2 * i], gathered[2 * i + 1]), "parameters differ between the ranks"
     # The error memory the job checkpoint gives every rank: the mean of the 3 saving ranks' own.
-    state.load_state_dict(torch.load("%s/ckpt-rank0.pt" % directory)["powersgd"].state_dict())
+    state.load_state_dict(torch.load("%s/ckpt-job.pt" % directory)["powersgd"])
+    assert state._resumed_from == "job", state._resumed_from
     saved = [torch.load("%s/memory-rank%d.pt" % (directory, r)) for r in range(3)]
     for index, memory in enumerate(error_memories(state)):
         mean = sum(s[index].double() for s in saved) / 3
         difference = (memory.double() - mean).abs().max().item()
         assert difference <= 1e-6, (index, difference)
         assert mean.abs().max().item() > 1e-3, "the saved error memory is zero: nothing compared"
+    # Rank 0's own pickled state on both ranks: its warm start and step count, error memory zero.
+    state.load_state_dict(torch.load("%s/ckpt-rank0.pt" % directory)["powersgd"].state_dict())
+    assert state._resumed_from == "shared", state._resumed_from
+    assert all(memory.abs().max().item() == 0 for memory in error_memories(state))
     if rank() == 0:
-        print("checkpoint-resume/2: %d steps on 2 ranks from the 3 ranks' checkpoint; error memory = the saved "
-              "ranks' mean; compression counters continued" % (CKPT_TOTAL - CKPT_STEP))
+        print("checkpoint-resume/2: %d steps on 2 ranks from the 3 ranks' job checkpoint; error memory = the saved "
+              "ranks' mean; compression counters continued; rank 0's own file: error memory zero"
+              % (CKPT_TOTAL - CKPT_STEP))
 
 
 def case_lr_watch():
@@ -1097,6 +1146,298 @@ def case_two_models():
                   % (name, difference, steps))
 
 
+# ---- issue 30: PyTorch's checkpoint pattern, its schedule, errors in its terms, what is supported ----
+
+def shared_directory():
+    """A directory rank 0 creates, the same path on every rank (powersgd-run: one host)."""
+    import tempfile
+    name = [tempfile.mkdtemp(prefix="powersgd-rank0-") if rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def all_equal(module, what):
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world())]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered), "%s: parameters differ between the ranks" % what
+
+
+def case_checkpoint_rank0():
+    """PyTorch's tutorial pattern: `if rank == 0: torch.save({..., "hook": state})`, then every rank loads that
+    one file and continues. Saving is local (before: rank 0 waited in the job checkpoint's allgather until the
+    engine's timeout, here PSGD_TIMEOUT_MS = 20 s, and failed with PSGD_ERR_TIMEOUT)."""
+    import shutil
+    os.environ.setdefault("PSGD_TIMEOUT_MS", "20000")
+    save_at, total = 6, 10
+    options = dict(matrix_approximation_rank=1, start_powerSGD_iter=3)
+    inputs, targets = data(4, total, seed=9)
+    module = ckpt_model()
+    model = ddp(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = pst.PowerSGDState(None, **options)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    train_steps(model, optimizer, inputs, targets, 0, save_at)
+    saved_stats = state.compression_stats()
+    assert saved_stats[1] > 0
+    directory = shared_directory()
+    path = os.path.join(directory, "checkpoint.pt")
+    if rank() == 0:
+        records = Records()
+        logging.getLogger("powersgd.torch").addHandler(records)
+        started = time.monotonic()
+        torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "hook": state}, path)
+        took = time.monotonic() - started
+        logging.getLogger("powersgd.torch").removeHandler(records)
+        assert took < 5, "saving on rank 0 alone took %.1f s" % took
+        assert not any("serializable" in m for m in records.messages), records.messages
+    dist.barrier()
+    own = [m.clone() for m in error_memories(state)]
+    assert max(m.abs().max().item() for m in own) > 1e-3, "the error memory is zero: nothing to check"
+
+    # Every rank resumes from rank 0's file.
+    saved = torch.load(path)
+    module = ckpt_model()
+    module.load_state_dict(saved["model"])
+    model = ddp(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer.load_state_dict(saved["optimizer"])
+    state = saved["hook"]
+    assert isinstance(state, pst.PowerSGDState) and state.iter == save_at
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    losses = train_steps(model, optimizer, inputs, targets, save_at, total)
+    assert state._resumed_from == "shared", state._resumed_from
+    assert all(map(math.isfinite, losses)), losses
+    per_step = saved_stats[1] // (save_at - options["start_powerSGD_iter"])
+    assert state.compression_stats()[1] == saved_stats[1] + (total - save_at) * per_step, (
+        state.compression_stats(), saved_stats)
+    all_equal(module, "checkpoint-rank0")
+    # What the file gives every rank: rank 0's warm start and step count, error memory zero.
+    state.load_state_dict(torch.load(path)["hook"].state_dict())
+    assert state._resumed_from == "shared"
+    assert all(m.abs().max().item() == 0 for m in error_memories(state))
+
+    # The collective job checkpoint, explicitly: every rank calls job_state_dict(), rank 0 saves it; loaded on
+    # every rank it gives the ranks' mean error memory.
+    train_steps(model, optimizer, inputs, targets, 0, 2)  # two more steps: a non-zero error memory again
+    memories = [m.clone() for m in error_memories(state)]
+    job = state.job_state_dict()
+    if rank() == 0:
+        torch.save({"hook": job}, os.path.join(directory, "job.pt"))
+    dist.barrier()
+    state.load_state_dict(torch.load(os.path.join(directory, "job.pt"))["hook"])
+    assert state._resumed_from == "job", state._resumed_from
+    for memory, loaded in zip(memories, error_memories(state)):
+        mean = memory.clone()
+        dist.all_reduce(mean)
+        mean /= world()
+        assert (loaded - mean).abs().max().item() <= 1e-6
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(directory)
+        print("checkpoint-rank0: saved by rank 0 alone in %.3f s; %d steps resumed from it on %d ranks (error "
+              "memory zero, warm start and counters continued); job_state_dict(): the mean error memory"
+              % (took, total - save_at, world()))
+
+
+def sched_run(options, first, last, save=None, resume=None, ddp_options=None):
+    """Trains ckpt_model from `first` to `last`; `resume`: (model, optimizer, state) dicts to start from;
+    `save`: the step after which to return those dicts (the run stops there)."""
+    import pickle
+    inputs, targets = data(4, last, seed=11)
+    module = ckpt_model()
+    model = ckpt_ddp(module, **(ddp_options or {}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if resume is None:
+        state = pst.PowerSGDState(None, **options)
+    else:
+        module.load_state_dict(resume[0])
+        optimizer.load_state_dict(resume[1])
+        state = pickle.loads(resume[2])
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    stop = save if save is not None else last
+    train_steps(model, optimizer, inputs, targets, first, stop)
+    if save is not None:
+        result = (copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict()), pickle.dumps(state))
+    else:
+        result = module
+    decisions = state.decisions()
+    stats = state.compression_stats()
+    state.close()
+    return result, stats, decisions
+
+
+def case_schedule():
+    # Compression starts at start_powerSGD_iter (2: PyTorch's earliest with error feedback), in every DDP mode.
+    for ddp_options in ({}, {"static_graph": True}, {"gradient_as_bucket_view": True}):
+        inputs, targets = data(4, 5, seed=12)
+        module = ckpt_model()
+        model = ckpt_ddp(module, **ddp_options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        state = pst.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, pst.powerSGD_hook)
+        train_steps(model, optimizer, inputs, targets, 0, 2)
+        assert state.compression_stats()[1] == 0, (ddp_options, state.compression_stats())
+        train_steps(model, optimizer, inputs, targets, 2, 3)
+        first = state.compression_stats()[1]
+        assert first > 0, ("iteration 2 not compressed", ddp_options)
+        train_steps(model, optimizer, inputs, targets, 3, 5)
+        assert state.compression_stats()[1] == 3 * first, (ddp_options, state.compression_stats(), first)
+        all_equal(module, "schedule %s" % ddp_options)
+        state.close()
+
+    # A resume from a checkpoint taken before compression starts is the uninterrupted run, bitwise, with the
+    # same compressed elements; decisions() counts DDP's iterations.
+    total = 11
+    for saved_at, start in ((4, 5), (1, 3), (3, 4), (3, 7)):
+        options = dict(matrix_approximation_rank=1, start_powerSGD_iter=start, warmup_steps=2)
+        reference, reference_stats, decisions = sched_run(options, 0, total)
+        assert decisions and min(d["iteration"] for d in decisions) == start, decisions
+        assert all(d["iteration"] == d["step"] + start for d in decisions), decisions
+        checkpoint, _, _ = sched_run(options, 0, total, save=saved_at)
+        resumed, stats, _ = sched_run(options, saved_at, total, resume=checkpoint)
+        for (name, a), b in zip(resumed.named_parameters(), reference.parameters()):
+            if not torch.equal(a, b):
+                raise AssertionError("schedule: saved at %d, compressed from %d: %s differs from the uninterrupted "
+                                     "run by %g" % (saved_at, start, name, (a - b).abs().max().item()))
+        assert stats == reference_stats, (saved_at, start, stats, reference_stats)
+    if rank() == 0:
+        print("schedule: compressed from iteration 2 in 3 DDP modes; resumed before compression (4 cases) bitwise "
+              "the uninterrupted run; decisions from iteration start_powerSGD_iter")
+
+
+def case_user_terms():
+    # A TypeError says what it expects once.
+    for options, words in ((dict(compression_stats_logging_frequency=1.5), "expected an integer"),
+                           (dict(matrix_approximation_rank=2.5), "expected an integer")):
+        try:
+            pst.PowerSGDState(None, **options)
+        except TypeError as e:
+            assert words in str(e) and str(e).count("integer") == 1, str(e)
+        else:
+            raise AssertionError("%s accepted" % options)
+    try:
+        pst.PowerSGDState(None).enable_timing(1.5)
+    except TypeError as e:
+        assert str(e).count("integer") == 1, str(e)
+
+    # Arguments that differ between the ranks: named as PowerSGDState's, with each rank's value.
+    for options, words in ((dict(start_powerSGD_iter=5 + 3 * rank()), "start_powerSGD_iter = 5 on rank 0, 8 on rank 1"),
+                           (dict(matrix_approximation_rank=1 + rank(), start_powerSGD_iter=2),
+                            "matrix_approximation_rank = 1 on rank 0, 2 on rank 1")):
+        inputs, targets = data(4, 8, seed=13)
+        model = ddp(TwoLayers())
+        state = pst.PowerSGDState(None, **options)
+        model.register_comm_hook(state, pst.powerSGD_hook)
+
+        def steps():
+            for x, y in zip(inputs, targets):
+                nn.functional.mse_loss(model(x), y).backward()
+        message = expect_failure("different arguments", steps, ["PSGD_ERR_MISMATCH", words])
+        assert "config." not in message, message
+        state.close()
+
+    # Pickling says nothing on any rank (PyTorch's NOTE: Process group is not serializable, on every save).
+    import io
+    records = Records()
+    logging.getLogger("powersgd.torch").addHandler(records)
+    state = pst.PowerSGDState(None)
+    torch.load(io.BytesIO(save_to_bytes(state)))
+    logging.getLogger("powersgd.torch").removeHandler(records)
+    assert not any("NOTE" in m for m in records.messages), records.messages
+
+    # An engine failure is the exception's message only: the library prints no `powersgd[R] error:` line too.
+    import tempfile
+    comm = pst._engine_comm(None, datetime.timedelta(seconds=3))
+    from powersgd import _capi
+    _capi.check(_capi.lib.psgd_comm_barrier(comm))
+    if rank() == 1:
+        time.sleep(6)
+    with tempfile.TemporaryFile() as capture:
+        saved_fd = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            status = _capi.lib.psgd_comm_barrier(comm)
+            message = _capi.last_error()
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+        capture.seek(0)
+        printed = capture.read().decode("utf-8", "replace")
+    assert status != 0, "the barrier did not fail"
+    assert "powersgd[" not in printed, "stderr repeats the error: %r (the error: %s)" % (printed, message)
+    if rank() == 0:
+        print("user-terms: TypeError says 'an integer' once; differing arguments named with each rank's value; "
+              "pickling logs nothing; an engine error is not printed besides the exception")
+
+
+def case_supported():
+    """What docs/torch.md's "What is supported" says, checked: its section exists and names each claim; two
+    PowerSGDStates in one process group (a GAN: generator and discriminator, separate optimizers and backward
+    passes, error feedback and warm start) train, bitwise equal on every rank; a bfloat16 model is refused by
+    DDP itself (torch 1.13: Gloo has no bfloat16), with the message the section quotes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "..", "docs", "torch.md")) as f:
+        text = f.read()
+    assert "\n## What is supported\n" in text, "docs/torch.md has no section 'What is supported'"
+    section = text.split("\n## What is supported\n", 1)[1].split("\n## ", 1)[0]
+    for words in ("several `PowerSGDState`s", "GAN", "bfloat16", "Invalid scalar type", "--redirects 1 --tee 1",
+                  "start_powerSGD_iter", "rank 0"):
+        assert words in section, "docs/torch.md, 'What is supported', does not mention %r" % words
+
+    # A GAN: the discriminator's DDP runs twice per iteration (real and fake batches, then the generator's
+    # step through it), each model with its own state.
+    torch.manual_seed(3)
+    generator_net = ddp(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16)))
+    discriminator = ddp(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+    states = []
+    for model in (generator_net, discriminator):
+        states.append(pst.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2))
+        model.register_comm_hook(states[-1], pst.powerSGD_hook)
+    g_optimizer = torch.optim.Adam(generator_net.parameters(), lr=1e-3)
+    d_optimizer = torch.optim.Adam(discriminator.parameters(), lr=1e-3)
+    noise = torch.Generator().manual_seed(30 + rank())
+    bce = nn.functional.binary_cross_entropy_with_logits
+    for step in range(8):
+        real = torch.randn(8, 16, generator=noise) + 2
+        fake = generator_net(torch.randn(8, 8, generator=noise))
+        d_optimizer.zero_grad()
+        d_loss = bce(discriminator(torch.cat([real, fake.detach()])), torch.cat([torch.ones(8, 1), torch.zeros(8, 1)]))
+        d_loss.backward()
+        d_optimizer.step()
+        g_optimizer.zero_grad()
+        g_loss = bce(discriminator(fake), torch.ones(8, 1))
+        g_loss.backward()  # the discriminator's DDP reduces its gradients too (its state's iteration)
+        g_optimizer.step()
+        assert math.isfinite(d_loss.item()) and math.isfinite(g_loss.item())
+    for state in states:
+        assert state.compression_stats()[1] > 0, state.compression_stats()
+    all_equal(generator_net.module, "GAN generator")
+    all_equal(discriminator.module, "GAN discriminator")
+    for state in states:
+        state.close()
+
+    # On a group of its own: the failed broadcast may fail the group's next collective too.
+    scratch = dist.new_group(list(range(world())))
+    try:
+        ddp(nn.Linear(4, 4).bfloat16(), process_group=scratch)
+    except RuntimeError as e:
+        assert "Invalid scalar type" in str(e), str(e)
+    else:
+        if torch.__version__.startswith("1.13"):
+            raise AssertionError("DDP accepted a bfloat16 model in torch 1.13: docs/torch.md says it refuses it")
+    if rank() == 0:
+        print("supported: the section states each claim; a GAN with two states trains (iterations %d and %d); "
+              "DDP refuses a bfloat16 model" % (states[0].iter, states[1].iter))
+
+
+def save_to_bytes(value):
+    import io
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
@@ -1120,6 +1461,10 @@ CASES = {
     "lr-watch": case_lr_watch,
     "unused-branch": case_unused_branch,
     "two-models": case_two_models,
+    "checkpoint-rank0": case_checkpoint_rank0,
+    "schedule": case_schedule,
+    "user-terms": case_user_terms,
+    "supported": case_supported,
 }
 # Cases that take a directory argument.
 DIRECTORY_CASES = ("checkpoint-save", "checkpoint-resume")

@@ -780,6 +780,17 @@ TEST_CASE("C API: job checkpoint save_job/load_job, and each kind refused by the
   CHECK(psgd_reducer_iteration(r) == 3);
   REQUIRE(psgd_reducer_error_feedback(r, 0, error.data()) == PSGD_OK);
   CHECK(error == saved_error);  // a world of one: the mean is its own memory
+  // load_shared: the step count and warm start of any rank's per-rank file, the error memory zero.
+  REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
+  CHECK(psgd_reducer_load_shared(r, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_reducer_load_shared(r, job.c_str()) == PSGD_ERR_MISMATCH);
+  CHECK(psgd_reducer_iteration(r) == 4);  // refused: unchanged
+  REQUIRE(psgd_reducer_load_shared(r, per_rank.c_str()) == PSGD_OK);
+  CHECK(psgd_reducer_iteration(r) == 3);
+  REQUIRE(psgd_reducer_error_feedback(r, 0, error.data()) == PSGD_OK);
+  CHECK(error == std::vector<float>(53, 0.0f));
+  CHECK(saved_error != error);
+  REQUIRE(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
   std::remove(job.c_str());
   std::remove(per_rank.c_str());
   psgd_reducer_destroy(r);

@@ -270,7 +270,9 @@ std::exception_ptr GlooCommunicator::translate(const std::string& op, std::excep
                                               message, " (a peer stalled or is unreachable; PSGD_TIMEOUT_MS)")
                              : detail::concat(op, " failed", who, ": ", message,
                                               " (a peer exited or its connection broke)");
-  PSGD_LOG(Error, what);
+  // The error carries the message to the caller, who reports it (a Python exception, a C status): logged at
+  // debug only, so stderr does not say it twice (issue 30).
+  PSGD_LOG(Debug, what);
   return std::make_exception_ptr(PeerError(timeout ? ErrorCode::Timeout : ErrorCode::Io, op, peer, what));
 }
 
