@@ -39,6 +39,7 @@ enum class Reply : uint8_t {
   Error = 0x81,    // str message; the request failed, the connection stays usable
   Timeout = 0x82,  // str message; a Get/Wait expired on the server
   Refused = 0x83,  // str message; authentication failed, the server closes
+  Busy = 0x84,     // str message; no room for this connection now (caps), the server closes; retry
 };
 
 // Appends fields to a frame under construction (length patched by finish()).

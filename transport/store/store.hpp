@@ -63,11 +63,25 @@ struct TcpStoreServerOptions {
   // address. Over a cap the oldest such connection is closed to admit the new one.
   size_t max_unauthenticated = 256;
   size_t max_unauthenticated_per_address = 64;
-  // Cap on authenticated connections per peer address (a job holds one per rank
-  // and communicator). A HELLO over it is refused with the reason, so a process
-  // that knows the token (any local process when there is none) cannot take
-  // every descriptor; the connections already in are kept.
+  // Cap on authenticated connections per source (a job holds one per rank and
+  // communicator); every loopback address (127.0.0.0/8, ::1) is one source. A
+  // HELLO over it, or over the descriptor budget below, first closes the oldest
+  // authenticated connection of that source (of any source when the budget is
+  // full) that has sent no request within auth_timeout of its HELLO; with none,
+  // it is refused with the reason. So a process that knows the token (any local
+  // process when there is none) and holds idle connections cannot keep a rank
+  // out, and no source can take every descriptor.
   size_t max_authenticated_per_address = 1024;
+  // The descriptor budget: every connection the server holds fits in
+  // RLIMIT_NOFILE's soft limit, read when the server starts, less the
+  // descriptors open then, less reserved_descriptors (for the rest of the
+  // process: rank 0's own store client and Gloo's sockets). Accept therefore
+  // never runs out of descriptors because of clients. The unauthenticated caps
+  // take at most a quarter of it.
+  size_t reserved_descriptors = 64;
+  // Authenticated connections no single source may take (clamped to half of
+  // what the budget leaves them), kept for ranks on other hosts.
+  size_t reserved_for_other_sources = 64;
   // Quotas on the stored data: number of keys, and bytes of keys plus values. A
   // set or add beyond them fails with an Error reply naming the quota; the
   // connection stays usable.
@@ -94,10 +108,13 @@ class TcpStoreServer {
   // thread. Idempotent; the destructor calls it.
   void stop();
   // Number of connections refused so far (bad token, version or HELLO, or over
-  // max_authenticated_per_address; for tests and logs).
+  // max_authenticated_per_address or the descriptor budget; for tests and logs).
   uint64_t refused_clients() const;
-  // Number of unauthenticated connections closed to respect the caps so far.
+  // Number of connections closed to respect the caps so far (unauthenticated
+  // ones, and authenticated ones that never sent a request).
   uint64_t shed_connections() const;
+  // Connections the server may hold at once (the descriptor budget).
+  size_t connection_budget() const;
 
   struct Impl;
 

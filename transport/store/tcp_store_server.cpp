@@ -5,14 +5,18 @@
 // store: threat model"): unauthenticated connections are capped overall and per
 // peer address (the oldest is closed to admit a new one), must authenticate within
 // auth_timeout, and are never given more than a HELLO's worth of buffer;
-// authenticated ones are capped per peer address (a HELLO over the cap is refused);
-// accept() running out of descriptors sheds an unauthenticated connection or
-// backs off instead of spinning; warnings are rate-limited per cause; the
-// store's keys and bytes are bounded by quotas.
+// authenticated ones are capped per source, loopback counting as one (over the
+// cap an authenticated connection that never sent a request makes room, else
+// the HELLO is refused); every connection fits in a descriptor budget taken
+// from RLIMIT_NOFILE; accept() running out of descriptors anyway sheds an
+// unauthenticated connection or backs off instead of spinning; warnings are
+// rate-limited per cause; the store's keys and bytes are bounded by quotas.
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <dirent.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -60,6 +64,29 @@ bool token_matches(const std::string& expected, const std::string& given) {
 
 std::vector<char> reply(Reply type, const std::string& message) {
   return protocol::Writer(static_cast<uint8_t>(type)).str(message).finish();
+}
+
+// The source a connection is counted against: its address, except that every
+// loopback address (127.0.0.0/8, ::1, and their v4-mapped forms) is one
+// source, since any local process may connect from any of them.
+std::string source_of(const asio::ip::address& address) {
+  bool loopback = address.is_loopback();
+  if (address.is_v6() && address.to_v6().is_v4_mapped())
+    loopback = asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6()).is_loopback();
+  boost::system::error_code ignored;
+  return loopback ? std::string("loopback (127.0.0.0/8, ::1)") : address.to_string(ignored);
+}
+
+// Descriptors this process has open now.
+size_t open_descriptors() {
+  size_t n = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (const dirent* entry = ::readdir(dir))
+      if (entry->d_name[0] != '.') ++n;
+    ::closedir(dir);
+    return n > 0 ? n - 1 : 0;  // less the directory's own descriptor
+  }
+  return 0;
 }
 
 std::string key_list(const std::vector<std::string>& keys) {
@@ -149,12 +176,24 @@ struct TcpStoreServer::Impl {
   std::list<Session*> unauthenticated;                                    // oldest first
   std::unordered_map<std::string, size_t> unauthenticated_per_address;
   std::unordered_map<std::string, size_t> authenticated_per_address;
+  size_t authenticated_count = 0;
+  std::list<Session*> unused;  // authenticated, no request sent yet; oldest first
   ThrottledLog log;
+
+  // Caps derived from the descriptor budget (constructor; constant after).
+  size_t budget = 0;             // connections of every kind
+  size_t unauthenticated_cap = 0;
+  size_t unauthenticated_per_source_cap = 0;
+  size_t authenticated_cap = 0;
+  size_t authenticated_per_source_cap = 0;
 
   void accept();        // waits for the listening socket to become readable
   void accept_ready();  // accepts what is in the backlog (a batch), then waits again
   void admit(int fd);
   bool shed_oldest_unauthenticated(const std::string* address, const std::string& why);
+  // Closes the oldest authenticated connection (of `source`, or of any) that
+  // sent no request within auth_timeout of its HELLO; false when there is none.
+  bool shed_oldest_unused(const std::string* source, const std::string& why);
   void on_set(const std::string& key);
   // Stores key = value if the quotas allow; else the reason it does not.
   std::optional<std::string> store(const std::string& key, std::vector<char> value);
@@ -174,6 +213,9 @@ class Session : public std::enable_shared_from_this<Session> {
   const std::string& address() const { return address_; }
   // Position in Impl::unauthenticated while not authenticated.
   std::optional<std::list<Session*>::iterator> unauthenticated_entry;
+  // Position in Impl::unused while authenticated without a request yet.
+  std::optional<std::list<Session*>::iterator> unused_entry;
+  Clock::time_point authenticated_at;
 
   void start() {
     arm_deadline(server_.options.auth_timeout, "authenticate", "authentication deadline");
@@ -187,6 +229,7 @@ class Session : public std::enable_shared_from_this<Session> {
     drop_pending();
     leave_unauthenticated();
     leave_authenticated();
+    leave_unused();
     boost::system::error_code ignored;
     deadline_.cancel();
     wait_timer_.cancel();
@@ -230,8 +273,15 @@ class Session : public std::enable_shared_from_this<Session> {
       server_.unauthenticated_per_address.erase(it);
   }
 
+  void leave_unused() {
+    if (!unused_entry) return;
+    server_.unused.erase(*unused_entry);
+    unused_entry.reset();
+  }
+
   void leave_authenticated() {
     if (!authenticated_) return;
+    --server_.authenticated_count;
     auto it = server_.authenticated_per_address.find(address_);
     if (it != server_.authenticated_per_address.end() && --it->second == 0)
       server_.authenticated_per_address.erase(it);
@@ -349,6 +399,7 @@ class Session : public std::enable_shared_from_this<Session> {
       hello(type, in);
       return;
     }
+    leave_unused();
     if (pending_) {
       fail("a request arrived while a get/wait was pending");
       return;
@@ -421,10 +472,10 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void hello(uint8_t type, protocol::Reader& in) {
-    auto refuse = [&](const std::string& why) {
+    auto refuse = [&](const std::string& why, Reply as = Reply::Refused) {
       server_.refused.fetch_add(1);
       server_.log.warn("refused client", detail::concat("refused client ", peer_, ": ", why));
-      send(reply(Reply::Refused, why), true);
+      send(reply(as, why), true);
     };
     if (type != static_cast<uint8_t>(Request::Hello))
       return refuse(detail::concat("first frame must be HELLO (type 1), got type ", int{type}));
@@ -435,15 +486,29 @@ class Session : public std::enable_shared_from_this<Session> {
       return refuse(detail::concat("protocol version ", *version, " not supported, the server speaks version ",
                                    protocol::kVersion));
     if (!token_matches(server_.options.token, *token)) return refuse("wrong job token");
-    // Refusing the newest rather than closing an older one: every
-    // authenticated connection may be a rank of the job, waiting or idle.
-    size_t& from_address = server_.authenticated_per_address[address_];
-    if (from_address >= server_.options.max_authenticated_per_address)
-      return refuse(detail::concat(from_address, " authenticated connections from ", address_,
-                                   " are open, the limit is ", server_.options.max_authenticated_per_address,
-                                   " (max_authenticated_per_address)"));
-    ++from_address;
+    // Over a cap, only a connection that has sent nothing since its HELLO
+    // makes room (every other one may be a rank of the job, waiting or idle);
+    // with none, the newest is refused.
+    auto& caps = server_;
+    size_t from_source = caps.authenticated_per_address.count(address_) ? caps.authenticated_per_address[address_] : 0;
+    if (from_source >= caps.authenticated_per_source_cap) {
+      std::string why = detail::concat(from_source, " authenticated connections from ", address_,
+                                       " are open, the limit is ", caps.authenticated_per_source_cap,
+                                       " (max_authenticated_per_address, the descriptor budget ", caps.budget,
+                                       " and reserved_for_other_sources)");
+      if (!caps.shed_oldest_unused(&address_, why)) return refuse(why, Reply::Busy);
+    }
+    if (caps.authenticated_count >= caps.authenticated_cap) {
+      std::string why = detail::concat(caps.authenticated_count, " authenticated connections are open, the limit is ",
+                                       caps.authenticated_cap, " (descriptor budget ", caps.budget,
+                                       " from RLIMIT_NOFILE, less the unauthenticated connections' share)");
+      if (!caps.shed_oldest_unused(nullptr, why)) return refuse(why, Reply::Busy);
+    }
+    ++caps.authenticated_per_address[address_];
+    ++caps.authenticated_count;
     authenticated_ = true;
+    authenticated_at = Clock::now();
+    unused_entry = caps.unused.insert(caps.unused.end(), this);
     leave_unauthenticated();
     disarm_deadline();
     send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
@@ -553,7 +618,7 @@ class Session : public std::enable_shared_from_this<Session> {
   asio::steady_timer wait_timer_;  // pending get/wait
   uint64_t deadline_gen_ = 0;
   std::string peer_;     // address:port, for logs
-  std::string address_;  // address only, for the per-address cap
+  std::string address_;  // source (address, or loopback), for the per-source caps
   bool authenticated_ = false;
   bool closed_ = false;
   bool closing_ = false;  // last reply queued; nothing more is read or sent
@@ -638,8 +703,8 @@ void TcpStoreServer::Impl::admit(int fd) {
   }
   boost::system::error_code ignored;
   auto endpoint = socket.remote_endpoint(ignored);
-  std::string address = endpoint.address().to_string(ignored);
-  std::string peer = detail::concat(address, ":", endpoint.port());
+  std::string address = source_of(endpoint.address());
+  std::string peer = detail::concat(endpoint.address().to_string(ignored), ":", endpoint.port());
   socket.set_option(tcp::no_delay(true), ignored);
   // Detects peers that vanished without a FIN while idle.
   socket.set_option(asio::socket_base::keep_alive(true), ignored);
@@ -649,14 +714,25 @@ void TcpStoreServer::Impl::admit(int fd) {
   // client authenticates within a round trip of connecting, so only connections
   // that sit silent are pushed out; an evicted client reconnects.
   auto from_address = unauthenticated_per_address.find(address);
-  if (from_address != unauthenticated_per_address.end() &&
-      from_address->second >= options.max_unauthenticated_per_address)
-    shed_oldest_unauthenticated(&address, detail::concat(options.max_unauthenticated_per_address,
+  if (from_address != unauthenticated_per_address.end() && from_address->second >= unauthenticated_per_source_cap)
+    shed_oldest_unauthenticated(&address, detail::concat(unauthenticated_per_source_cap,
                                                          " unauthenticated connections from ", address,
                                                          " (max_unauthenticated_per_address)"));
-  if (unauthenticated.size() >= options.max_unauthenticated)
+  if (unauthenticated.size() >= unauthenticated_cap)
     shed_oldest_unauthenticated(
-        nullptr, detail::concat(options.max_unauthenticated, " unauthenticated connections (max_unauthenticated)"));
+        nullptr, detail::concat(unauthenticated_cap, " unauthenticated connections (max_unauthenticated)"));
+  if (sessions.size() >= budget) {
+    // Every connection counted against the descriptor budget is authenticated
+    // and in use: refuse this one rather than run out of descriptors.
+    std::string why = detail::concat(sessions.size(), " connections are open, the descriptor budget is ", budget,
+                                     " (RLIMIT_NOFILE less reserved_descriptors)");
+    if (!shed_oldest_unauthenticated(nullptr, why) && !shed_oldest_unused(nullptr, why)) {
+      refused.fetch_add(1);
+      log.warn("refused client", detail::concat("refused client ", peer, ": ", why));
+      socket.close(ignored);
+      return;
+    }
+  }
 
   auto session = std::make_shared<Session>(*this, std::move(socket), std::move(peer), address);
   sessions.insert(session);
@@ -675,6 +751,21 @@ bool TcpStoreServer::Impl::shed_oldest_unauthenticated(const std::string* addres
            detail::concat("closing unauthenticated connection from ", victim->peer(), " to admit another: ", why));
   victim->close();
   return true;
+}
+
+bool TcpStoreServer::Impl::shed_oldest_unused(const std::string* source, const std::string& why) {
+  auto now = Clock::now();
+  // Oldest first, so the first too young to shed ends the search.
+  for (Session* s : unused) {
+    if (now - s->authenticated_at < options.auth_timeout) return false;
+    if (source != nullptr && s->address() != *source) continue;
+    shed.fetch_add(1);
+    log.warn("shed unused", detail::concat("closing authenticated connection from ", s->peer(),
+                                           ", which sent no request, to admit another: ", why));
+    s->close();
+    return true;
+  }
+  return false;
 }
 
 std::optional<std::string> TcpStoreServer::Impl::store(const std::string& key, std::vector<char> value) {
@@ -738,6 +829,23 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
   PSGD_REQUIRE(options.token.size() <= kMaxKeyBytes, InvalidArgumentError, "store job token is ",
                options.token.size(), " bytes, the limit is ", kMaxKeyBytes);
   std::string where = detail::concat(options.bind_address, ":", options.port);
+  {
+    // The descriptor budget and the caps it bounds (store.hpp).
+    rlimit limit{};
+    size_t soft = ::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY
+                      ? static_cast<size_t>(limit.rlim_cur)
+                      : size_t{1} << 20;
+    size_t used = open_descriptors() + 1 + options.reserved_descriptors;  // + the listening socket
+    Impl& i = *impl_;
+    i.budget = std::max<size_t>(soft > used ? soft - used : 0, 4);
+    i.unauthenticated_cap = std::clamp<size_t>(options.max_unauthenticated, 1, std::max<size_t>(i.budget / 4, 1));
+    i.unauthenticated_per_source_cap = std::min(options.max_unauthenticated_per_address, i.unauthenticated_cap);
+    i.authenticated_cap = i.budget - i.unauthenticated_cap;
+    size_t reserve = std::min(options.reserved_for_other_sources, i.authenticated_cap / 2);
+    i.authenticated_per_source_cap = std::min(options.max_authenticated_per_address, i.authenticated_cap - reserve);
+    PSGD_LOG(Debug, "store server: descriptor budget ", i.budget, " (RLIMIT_NOFILE ", soft, "), at most ",
+             i.authenticated_cap, " authenticated connections, ", i.authenticated_per_source_cap, " per source");
+  }
   boost::system::error_code ec;
   tcp::resolver resolver(impl_->io);
   auto results = resolver.resolve(options.bind_address, std::to_string(options.port),
@@ -770,6 +878,8 @@ uint16_t TcpStoreServer::port() const { return impl_->bound_port; }
 uint64_t TcpStoreServer::refused_clients() const { return impl_->refused.load(); }
 
 uint64_t TcpStoreServer::shed_connections() const { return impl_->shed.load(); }
+
+size_t TcpStoreServer::connection_budget() const { return impl_->budget; }
 
 void TcpStoreServer::stop() {
   std::lock_guard lock(impl_->stop_mutex);
