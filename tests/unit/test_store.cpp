@@ -144,6 +144,11 @@ class RawClient {
     if (!body) return std::nullopt;
     return std::make_pair(static_cast<uint8_t>((*body)[0]), body->substr(1));
   }
+  // True when the server resets the connection within the timeout; reads nothing.
+  bool reset_by_server(std::chrono::milliseconds timeout) {
+    pollfd p{fd_, POLLRDHUP, 0};
+    return ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 && (p.revents & (POLLERR | POLLHUP | POLLRDHUP));
+  }
   // True when the server closes the connection within the timeout.
   bool closed_by_server(std::chrono::milliseconds timeout) {
     auto deadline = Clock::now() + timeout;
@@ -1340,6 +1345,73 @@ TEST_CASE("tcp store: a flood of idle authenticated connections from loopback re
   rendezvous_ms(port, "ranks", "");
   CHECK(ms_since(start) < 10000);
   CHECK(server.shed_connections() >= 4);
+}
+
+namespace {
+// Resident set of this process, in MiB.
+long resident_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE) / (1 << 20);
+}
+
+std::string get_frame(const std::string& key, uint64_t timeout_ms) {
+  std::string body = field(key);
+  put_le(body, timeout_ms, 8);
+  return frame(3, body);
+}
+}  // namespace
+
+// Issue 32, item 3: one 64 MiB value and connections that GET it and never
+// read. Before: every reply was a copy (8 such connections: about 512 MiB more
+// resident) and stayed for as long as the connections did.
+TEST_CASE("tcp store: replies share the stored value, are bounded in bytes and closed when not read") {
+  auto o = server_options(2s);  // frame_timeout: the write deadline
+  o.max_queued_bytes = 100u << 20;
+  TcpStoreServer server(o);
+  auto store = client(server);
+  store->set("big", std::vector<char>(kMaxValueBytes, 'x'));
+  store->set("other", std::vector<char>(kMaxValueBytes, 'y'));
+  CHECK(store->get("big").size() == kMaxValueBytes);
+  long before = resident_mib();
+  std::vector<std::unique_ptr<RawClient>> readers;  // that never read
+  for (int i = 0; i < 8; ++i) {
+    readers.push_back(std::make_unique<RawClient>(server.port()));
+    readers.back()->send(hello_frame(kToken));
+    auto r = readers.back()->reply();
+    REQUIRE(r);
+    REQUIRE(r->first == kOk);
+    readers.back()->send(get_frame("big", 1000));
+  }
+  // Every reply queued (the Ok reply to a CHECK after them comes once the
+  // server has handled theirs), sharing one value.
+  CHECK_FALSE(store->check({"nothing"}));
+  std::this_thread::sleep_for(100ms);
+  long grown = resident_mib() - before;
+  MESSAGE("8 unread 64 MiB replies: resident +" << grown << " MiB, " << (server.queued_reply_bytes() >> 20)
+                                                << " MiB queued");
+  CHECK(grown < 128);
+  CHECK(server.queued_reply_bytes() >= kMaxValueBytes);
+  CHECK(server.queued_reply_bytes() < kMaxValueBytes + (1u << 20));
+  // Another value would make 128 MiB queued, over the 100 MiB budget: the
+  // connection asking for it is closed.
+  RawClient over(server.port());
+  over.send(hello_frame(kToken));
+  REQUIRE(over.reply()->first == kOk);
+  over.send(get_frame("other", 1000));
+  CHECK(over.reset_by_server(1s));
+  // The readers that never read are closed after frame_timeout, and the
+  // bytes they held are freed.
+  auto start = Clock::now();
+  for (auto& r : readers) CHECK(r->reset_by_server(5s));
+  CHECK(ms_since(start) < 5000);
+  for (auto deadline = Clock::now() + 2s; server.queued_reply_bytes() != 0 && Clock::now() < deadline;)
+    std::this_thread::sleep_for(10ms);
+  CHECK(server.queued_reply_bytes() == 0);
+  // A reader that reads gets the whole value.
+  CHECK(store->get("other") == std::vector<char>(kMaxValueBytes, 'y'));
+  check_server_serves(server);
 }
 
 TEST_CASE("job key prefix: derived from the token, same on every rank, reveals nothing of it") {

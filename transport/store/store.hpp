@@ -87,6 +87,13 @@ struct TcpStoreServerOptions {
   // connection stays usable.
   size_t max_keys = size_t{1} << 20;
   size_t max_bytes = size_t{4} << 30;
+  // Bytes held by replies not yet written, per connection and in all (a value
+  // shared by several replies counts once in all). A reply over either closes
+  // its connection, as does a reply whose next bytes the client does not take
+  // within frame_timeout. The server reads a connection's next request only
+  // once its replies are written, so a reader holds at most about one reply.
+  size_t max_queued_bytes_per_connection = kMaxValueBytes + (size_t{1} << 20);
+  size_t max_queued_bytes = size_t{1} << 30;
 };
 
 // Serves on its own thread until destroyed or stop()ped. Never blocks or crashes
@@ -115,6 +122,8 @@ class TcpStoreServer {
   uint64_t shed_connections() const;
   // Connections the server may hold at once (the descriptor budget).
   size_t connection_budget() const;
+  // Bytes held by queued replies now (see max_queued_bytes).
+  size_t queued_reply_bytes() const;
 
   struct Impl;
 

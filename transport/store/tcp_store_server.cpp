@@ -10,7 +10,10 @@
 // the HELLO is refused); every connection fits in a descriptor budget taken
 // from RLIMIT_NOFILE; accept() running out of descriptors anyway sheds an
 // unauthenticated connection or backs off instead of spinning; warnings are
-// rate-limited per cause; the store's keys and bytes are bounded by quotas.
+// rate-limited per cause; the store's keys and bytes are bounded by quotas;
+// replies share stored values instead of copying them, the bytes they hold
+// are bounded per connection and in all, and a reply not read within
+// frame_timeout closes its connection.
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -21,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <deque>
@@ -97,6 +101,8 @@ std::string key_list(const std::vector<std::string>& keys) {
 }
 
 // Counters are stored as decimal text so that get() of a counter is readable.
+using Value = std::shared_ptr<const std::vector<char>>;
+
 std::optional<int64_t> parse_counter(const std::vector<char>& value) {
   int64_t v = 0;
   auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
@@ -169,8 +175,14 @@ struct TcpStoreServer::Impl {
   static constexpr int kAcceptBatch = 16;
 
   // io thread only.
-  std::unordered_map<std::string, std::vector<char>> data;
+  // Values are immutable and shared with the replies that carry them.
+  std::unordered_map<std::string, Value> data;
   size_t data_bytes = 0;  // sum of key and value sizes in `data`
+  // Bytes held by queued replies: their own bytes, plus each value they share
+  // once however many replies carry it (`queued_values` counts the replies).
+  size_t queued_bytes = 0;
+  std::unordered_map<const std::vector<char>*, size_t> queued_values;
+  std::atomic<size_t> queued_bytes_seen{0};  // copy of queued_bytes for other threads
   std::set<std::shared_ptr<Session>> sessions;
   std::unordered_map<std::string, std::unordered_set<Session*>> waiting;  // key -> sessions waiting for it
   std::list<Session*> unauthenticated;                                    // oldest first
@@ -197,6 +209,8 @@ struct TcpStoreServer::Impl {
   void on_set(const std::string& key);
   // Stores key = value if the quotas allow; else the reason it does not.
   std::optional<std::string> store(const std::string& key, std::vector<char> value);
+  // Accounts a queued reply's bytes (+1) or a written one's (-1).
+  void account_queued(const std::vector<char>& head, const Value& value, int sign);
   void erase(const std::string& key);
   void run();
 };
@@ -207,7 +221,7 @@ class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(TcpStoreServer::Impl& server, tcp::socket socket, std::string peer, std::string address)
       : server_(server), socket_(std::move(socket)), deadline_(server.io), wait_timer_(server.io),
-        peer_(std::move(peer)), address_(std::move(address)) {}
+        peer_(std::move(peer)), address_(std::move(address)), write_timer_(server.io) {}
 
   const std::string& peer() const { return peer_; }
   const std::string& address() const { return address_; }
@@ -233,9 +247,21 @@ class Session : public std::enable_shared_from_this<Session> {
     boost::system::error_code ignored;
     deadline_.cancel();
     wait_timer_.cancel();
+    ++write_gen_;
+    write_timer_.cancel();
+    for (const Out& out : out_) server_.account_queued(out.head, out.value, -1);
+    queued_ = 0;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
     server_.sessions.erase(shared_from_this());
+  }
+
+  // Closes with a reset, dropping what the kernel still holds to send: for a
+  // client that does not read.
+  void abort() {
+    boost::system::error_code ignored;
+    socket_.set_option(asio::socket_base::linger(true, 0), ignored);
+    close();
   }
 
   // A key this session waits for was set: answer when all are present.
@@ -246,9 +272,12 @@ class Session : public std::enable_shared_from_this<Session> {
     Pending done = std::move(*pending_);
     drop_pending();
     wait_timer_.cancel();
-    if (done.is_get)
-      send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).str(server_.data.at(done.keys[0])).finish());
-    else
+    if (done.is_get) {
+      const Value& value = server_.data.at(done.keys[0]);
+      // Ok + str: the value's length here, its bytes shared, not copied.
+      send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).u32(static_cast<uint32_t>(value->size())).finish(value->size()),
+           false, value);
+    } else
       send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
   }
 
@@ -434,7 +463,7 @@ class Session : public std::enable_shared_from_this<Session> {
         if (!key || !delta || !in.done()) return malformed();
         int64_t current = 0;
         if (auto it = server_.data.find(*key); it != server_.data.end()) {
-          auto parsed = parse_counter(it->second);
+          auto parsed = parse_counter(*it->second);
           if (!parsed)
             return send(reply(Reply::Error, "add on key '" + *key + "', whose value is not a decimal 64-bit integer"));
           current = *parsed;
@@ -571,12 +600,31 @@ class Session : public std::enable_shared_from_this<Session> {
     send(reply(Reply::Error, why), true);
   }
 
-  // Queues a reply; replies go out in order, one write at a time. With
-  // close_after, nothing more is read and the connection closes once the queue
-  // is written (or after frame_timeout if the client does not read it).
-  void send(std::vector<char> frame, bool close_after = false) {
+  // Queues a reply (frame, then the shared value's bytes when there is one);
+  // replies go out in order, one write at a time. With close_after, nothing
+  // more is read and the connection closes once the queue is written (or after
+  // frame_timeout if the client does not read it). A reply that would take the
+  // connection's queued bytes over max_queued_bytes_per_connection, or the
+  // server's over max_queued_bytes, closes the connection instead.
+  void send(std::vector<char> frame, bool close_after = false, Value value = nullptr) {
     if (closed_ || closing_) return;
-    out_.push_back(std::move(frame));
+    size_t bytes = frame.size() + (value ? value->size() : 0);
+    bool shared_already = value && server_.queued_values.count(value.get()) > 0;
+    size_t server_after = server_.queued_bytes + frame.size() + (value && !shared_already ? value->size() : 0);
+    if (queued_ + bytes > server_.options.max_queued_bytes_per_connection ||
+        server_after > server_.options.max_queued_bytes) {
+      server_.log.warn("reply budget", detail::concat("closing connection from ", peer_, ": a reply of ", bytes,
+                                                      " bytes would make ", queued_ + bytes,
+                                                      " bytes queued for it (max_queued_bytes_per_connection ",
+                                                      server_.options.max_queued_bytes_per_connection, ") and ",
+                                                      server_after, " for all (max_queued_bytes ",
+                                                      server_.options.max_queued_bytes, ")"));
+      abort();
+      return;
+    }
+    queued_ += bytes;
+    server_.account_queued(frame, value, +1);
+    out_.push_back(Out{std::move(frame), std::move(value)});
     if (close_after) {
       closing_ = true;
       arm_deadline(server_.options.frame_timeout, "read its last reply", "frame deadline");
@@ -586,18 +634,51 @@ class Session : public std::enable_shared_from_this<Session> {
     if (out_.size() == 1) write_front();
   }
 
+  // Writes what is left of the front reply, piece by piece: each piece must
+  // go out within frame_timeout, so a client that stops reading is closed.
   void write_front() {
-    asio::async_write(socket_, asio::buffer(out_.front()),
-                      [self = shared_from_this()](boost::system::error_code ec, size_t) { self->on_written(ec); });
+    const Out& front = out_.front();
+    std::array<asio::const_buffer, 2> rest{};
+    size_t head = front.head.size();
+    if (written_ < head) {
+      rest[0] = asio::buffer(front.head.data() + written_, head - written_);
+      if (front.value) rest[1] = asio::buffer(*front.value);
+    } else {
+      rest[0] = asio::buffer(front.value->data() + (written_ - head), front.value->size() - (written_ - head));
+    }
+    write_timer_.expires_after(server_.options.frame_timeout);
+    write_timer_.async_wait([self = shared_from_this(), gen = ++write_gen_](boost::system::error_code ec) {
+      if (ec || gen != self->write_gen_ || self->closed_) return;
+      self->server_.log.warn("write deadline",
+                             detail::concat("closing connection from ", self->peer_, ": it did not read its reply (",
+                                            self->queued_, " bytes queued) within ",
+                                            self->server_.options.frame_timeout.count(), " ms"));
+      self->abort();
+    });
+    socket_.async_write_some(rest, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+      self->on_written(ec, n);
+    });
   }
 
-  void on_written(boost::system::error_code ec) {
+  void on_written(boost::system::error_code ec, size_t n) {
     if (closed_) return;
-    out_.pop_front();
+    ++write_gen_;
+    write_timer_.cancel();
     if (ec) {
       close();
       return;
     }
+    written_ += n;
+    const Out& front = out_.front();
+    size_t total = front.head.size() + (front.value ? front.value->size() : 0);
+    if (written_ < total) {
+      write_front();
+      return;
+    }
+    written_ = 0;
+    queued_ -= total;
+    server_.account_queued(front.head, front.value, -1);
+    out_.pop_front();
     if (!out_.empty()) {
       write_front();
       return;
@@ -628,7 +709,15 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<char> body_;
   size_t body_length_ = 0;
   size_t body_got_ = 0;
-  std::deque<std::vector<char>> out_;  // replies not yet written; front is in flight
+  struct Out {
+    std::vector<char> head;  // the frame, or its start when `value` follows
+    Value value;             // shared stored value sent after head; may be null
+  };
+  std::deque<Out> out_;  // replies not yet written; front is in flight
+  size_t written_ = 0;   // bytes of out_.front() written
+  size_t queued_ = 0;    // bytes of out_
+  asio::steady_timer write_timer_;  // the front reply's progress
+  uint64_t write_gen_ = 0;
   std::optional<Pending> pending_;
 };
 
@@ -770,7 +859,7 @@ bool TcpStoreServer::Impl::shed_oldest_unused(const std::string* source, const s
 
 std::optional<std::string> TcpStoreServer::Impl::store(const std::string& key, std::vector<char> value) {
   auto it = data.find(key);
-  size_t old_bytes = it == data.end() ? 0 : key.size() + it->second.size();
+  size_t old_bytes = it == data.end() ? 0 : key.size() + it->second->size();
   size_t new_bytes = key.size() + value.size();
   if (it == data.end() && data.size() >= options.max_keys)
     return detail::concat("store quota exceeded: setting key '", key, "' would make ", data.size() + 1,
@@ -780,17 +869,29 @@ std::optional<std::string> TcpStoreServer::Impl::store(const std::string& key, s
                           data_bytes - old_bytes + new_bytes, " bytes of keys and values, the limit is ",
                           options.max_bytes, " (TcpStoreServerOptions::max_bytes)");
   data_bytes = data_bytes - old_bytes + new_bytes;
+  auto shared = std::make_shared<const std::vector<char>>(std::move(value));
   if (it == data.end())
-    data.emplace(key, std::move(value));
+    data.emplace(key, std::move(shared));
   else
-    it->second = std::move(value);
+    it->second = std::move(shared);
   return std::nullopt;
+}
+
+void TcpStoreServer::Impl::account_queued(const std::vector<char>& head, const Value& value, int sign) {
+  size_t bytes = head.size();
+  if (value) {
+    size_t& replies = queued_values[value.get()];
+    if (sign > 0 ? replies++ == 0 : --replies == 0) bytes += value->size();
+    if (replies == 0) queued_values.erase(value.get());
+  }
+  queued_bytes = sign > 0 ? queued_bytes + bytes : queued_bytes - bytes;
+  queued_bytes_seen.store(queued_bytes, std::memory_order_relaxed);
 }
 
 void TcpStoreServer::Impl::erase(const std::string& key) {
   auto it = data.find(key);
   if (it == data.end()) return;
-  data_bytes -= key.size() + it->second.size();
+  data_bytes -= key.size() + it->second->size();
   data.erase(it);
 }
 
@@ -880,6 +981,8 @@ uint64_t TcpStoreServer::refused_clients() const { return impl_->refused.load();
 uint64_t TcpStoreServer::shed_connections() const { return impl_->shed.load(); }
 
 size_t TcpStoreServer::connection_budget() const { return impl_->budget; }
+
+size_t TcpStoreServer::queued_reply_bytes() const { return impl_->queued_bytes_seen.load(std::memory_order_relaxed); }
 
 void TcpStoreServer::stop() {
   std::lock_guard lock(impl_->stop_mutex);
