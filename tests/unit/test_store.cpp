@@ -1458,4 +1458,45 @@ TEST_CASE("rank 0's store binds the loopback MASTER_ADDR only, and keys carry th
   ::close(fd);
 }
 
+// Issue 32, item 4: rank 0 of a world that never comes. Before: WORLD_SIZE
+// 100000 with a 1 s timeout still waited after 120 s (Gloo opening a socket
+// per peer), 2147483647 took 8.9 GB in 20 s.
+TEST_CASE("rank 0 of a world that never comes fails with a clear error within the timeout") {
+  auto attempt = [](int world_size) {
+    powersgd::CommOptions o;
+    o.rank = 0;
+    o.world_size = world_size;
+    o.store_addr = "127.0.0.1";
+    {
+      TcpStoreServer probe(server_options());
+      o.store_port = probe.port();
+    }
+    o.host_store = true;
+    o.timeout = 1s;
+    o.address = "127.0.0.1";
+    auto start = Clock::now();
+    std::string what;
+    try {
+      powersgd::transport::GlooCommunicator::create(o);
+      FAIL("a world of " << world_size << " with one rank formed");
+    } catch (const powersgd::Error& e) {
+      what = e.what();
+    }
+    MESSAGE("world size " << world_size << ": " << what << " (" << ms_since(start) << " ms)");
+    CHECK(ms_since(start) < 2 * 1000 + 1500);
+    return what;
+  };
+  rlimit limit{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &limit) == 0);
+  for (int world : {100000, 2147483647}) {
+    std::string what = attempt(world);
+    CHECK(what.find("world size " + std::to_string(world)) != std::string::npos);
+    if (limit.rlim_cur < 3 * static_cast<rlim_t>(world))
+      CHECK(what.find("RLIMIT_NOFILE allows " + std::to_string(limit.rlim_cur)) != std::string::npos);
+  }
+  // A world the host can hold: the missing ranks are counted.
+  std::string what = attempt(500);
+  CHECK(what.find("only 1 of 500 ranks joined") != std::string::npos);
+}
+
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
