@@ -1,7 +1,6 @@
 #include "comm/communicator.hpp"
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <gloo/common/error.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -16,6 +15,7 @@
 #include "common/check.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
+#include "common/fd.hpp"
 #include "common/log.hpp"
 
 namespace powersgd {
@@ -59,17 +59,6 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
 
 namespace {
 
-// Descriptors this process has open now.
-size_t open_descriptors() {
-  size_t n = 0;
-  if (DIR* dir = ::opendir("/proc/self/fd")) {
-    while (const dirent* entry = ::readdir(dir))
-      if (entry->d_name[0] != '.') ++n;
-    ::closedir(dir);
-  }
-  return n > 0 ? n - 1 : 0;  // less the directory's own descriptor
-}
-
 // Descriptors a rank needs beyond its peers': its store client, the engine's
 // files, the process's own.
 constexpr uint64_t kDescriptorReserve = 64;
@@ -86,7 +75,7 @@ void check_world_fits_host(const CommOptions& options) {
   uint64_t needed = 2 * (world - 1) + (options.host_store ? world : 0) + kDescriptorReserve;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
-    uint64_t open = open_descriptors();
+    uint64_t open = open_descriptor_count();
     uint64_t soft = static_cast<uint64_t>(limit.rlim_cur);
     PSGD_REQUIRE(needed + open <= soft, InvalidArgumentError, "world size ", world, " needs about ", needed,
                  " file descriptors on ", options.host_store ? "rank 0, which hosts the store" : "each rank",

@@ -17,7 +17,6 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <dirent.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -39,6 +38,7 @@
 
 #include "asio.hpp"
 #include "common/check.hpp"
+#include "common/fd.hpp"
 #include "common/log.hpp"
 #include "protocol.hpp"
 #include "store.hpp"
@@ -79,18 +79,6 @@ std::string source_of(const asio::ip::address& address) {
     loopback = asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6()).is_loopback();
   boost::system::error_code ignored;
   return loopback ? std::string("loopback (127.0.0.0/8, ::1)") : address.to_string(ignored);
-}
-
-// Descriptors this process has open now.
-size_t open_descriptors() {
-  size_t n = 0;
-  if (DIR* dir = ::opendir("/proc/self/fd")) {
-    while (const dirent* entry = ::readdir(dir))
-      if (entry->d_name[0] != '.') ++n;
-    ::closedir(dir);
-    return n > 0 ? n - 1 : 0;  // less the directory's own descriptor
-  }
-  return 0;
 }
 
 std::string key_list(const std::vector<std::string>& keys) {
@@ -936,7 +924,7 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
     size_t soft = ::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY
                       ? static_cast<size_t>(limit.rlim_cur)
                       : size_t{1} << 20;
-    size_t used = open_descriptors() + 1 + options.reserved_descriptors;  // + the listening socket
+    size_t used = open_descriptor_count() + 1 + options.reserved_descriptors;  // + the listening socket
     Impl& i = *impl_;
     i.budget = std::max<size_t>(soft > used ? soft - used : 0, 4);
     i.unauthenticated_cap = std::clamp<size_t>(options.max_unauthenticated, 1, std::max<size_t>(i.budget / 4, 1));
