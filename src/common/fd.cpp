@@ -109,4 +109,14 @@ int close_descriptors_from(int first, bool cloexec_only) noexcept {
   return err;
 }
 
+size_t open_descriptor_count() noexcept {
+  size_t n = 0;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return 0;
+  while (const dirent* entry = ::readdir(dir))
+    if (entry->d_name[0] != '.') ++n;
+  ::closedir(dir);
+  return n > 0 ? n - 1 : 0;  // less the directory's own descriptor
+}
+
 }  // namespace powersgd

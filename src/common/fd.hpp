@@ -47,4 +47,8 @@ int close_descriptors_from(int first, bool cloexec_only) noexcept;
 // The /proc/self/fd way alone; exposed so tests reach it on kernels that have close_range.
 int close_listed_descriptors_from(int first, bool cloexec_only) noexcept;
 
+// Number of descriptors this process has open now (listed in /proc/self/fd; 0
+// where it cannot be read). For budgets against RLIMIT_NOFILE.
+size_t open_descriptor_count() noexcept;
+
 }  // namespace powersgd

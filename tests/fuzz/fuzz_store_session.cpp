@@ -139,7 +139,7 @@ void check_replies(const std::string& replies, bool authenticated, const uint8_t
     if (length > replies.size() - at - 4) break;  // cut by the deadline
     expect(length >= 1 && length <= protocol::kMaxFrameBytes, "a reply frame with a bad length");
     const auto type = static_cast<uint8_t>(replies[at + 4]);
-    expect(type >= static_cast<uint8_t>(protocol::Reply::Ok) && type <= static_cast<uint8_t>(protocol::Reply::Refused),
+    expect(type >= static_cast<uint8_t>(protocol::Reply::Ok) && type <= static_cast<uint8_t>(protocol::Reply::Busy),
            "a reply frame with an unknown type");
     if (type == static_cast<uint8_t>(protocol::Reply::Ok))
       expect(authenticated || token_sent, "Ok to a client that never sent the token");

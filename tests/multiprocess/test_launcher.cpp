@@ -604,6 +604,33 @@ TEST_SUITE("local") {
     CHECK_FALSE(fs::exists(marker));
   }
 
+  // Issue 32, item 6: an environment over a pipe's 64 KiB and an ssh that never reads its stdin. Before:
+  // the launcher blocked writing it, before its poll loop; only SIGKILL ended it.
+  TEST_CASE("an ssh worker that never reads its environment does not keep the launcher from --timeout or SIGTERM") {
+    TempDir dir;
+    std::string fake_ssh = dir / "fake-ssh";
+    std::ofstream(fake_ssh) << "#!/bin/sh\nexec sleep 30\n";  // reads nothing
+    fs::permissions(fake_ssh, fs::perms::owner_all);
+    for (int i = 0; i < 4; ++i)  // 128 KiB in all (one variable may not exceed 128 KiB)
+      REQUIRE(::setenv(("PSGD_TEST_LARGE" + std::to_string(i)).c_str(), std::string(32 * 1024, 'x').c_str(), 1) == 0);
+    for (bool by_signal : {false, true}) {
+      CAPTURE(by_signal);
+      std::vector<std::string> args{"--hosts", "127.0.0.1", "--ssh", fake_ssh, "--grace", "1"};
+      if (!by_signal) args.insert(args.end(), {"--timeout", "1"});
+      args.insert(args.end(), {"--", "/bin/true"});
+      Launcher l(args);
+      if (by_signal) {
+        std::this_thread::sleep_for(1s);
+        l.signal(SIGTERM);
+      }
+      Result r = l.finish(15s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == (by_signal ? 128 + SIGTERM : 124));
+      CHECK(r.seconds < 5);
+    }
+    for (int i = 0; i < 4; ++i) ::unsetenv(("PSGD_TEST_LARGE" + std::to_string(i)).c_str());
+  }
+
   TEST_CASE("--log-dir: a symbolic link planted at a log file's path is refused, not followed") {
     TempDir base;
     fs::path logs = base.path / "logs";

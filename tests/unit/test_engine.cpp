@@ -20,6 +20,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <set>
 #include <span>
 #include <string>
@@ -1041,6 +1042,54 @@ TEST_CASE("C API: the store port beside torch.distributed") {
     CHECK(last_error().find("PSGD_STORE_PORT") != std::string::npos);
   }
   for (const char* name : {"PSGD_STORE_PORT", "MASTER_PORT"}) ::unsetenv(name);
+}
+
+// Issue 32, "the token on every path": under powersgd-run a PyTorch job rendezvouses through torch's own
+// store; its keys carry the prefix derived from PSGD_TOKEN, so they cannot be predicted without the token.
+// Before: powersgd/default/... whatever PSGD_TOKEN.
+TEST_CASE("C API: a communicator on the caller's store carries PSGD_TOKEN's key prefix") {
+  struct Keys {
+    std::map<std::string, std::string> data;
+  } keys;
+  psgd_store_callbacks cb{};
+  cb.struct_size = sizeof cb;
+  cb.user = &keys;
+  cb.set = [](void* u, const char* key, const void* data, size_t size, char*, size_t) {
+    static_cast<Keys*>(u)->data[key] = std::string(static_cast<const char*>(data), size);
+    return 0;
+  };
+  cb.get = [](void* u, const char* key, int64_t, psgd_store_value* value, char*, size_t) {
+    auto& d = static_cast<Keys*>(u)->data;
+    if (!d.count(key)) return static_cast<int>(PSGD_ERR_TIMEOUT);
+    return static_cast<int>(psgd_store_value_set(value, d[key].data(), d[key].size()));
+  };
+  cb.add = [](void* u, const char* key, int64_t delta, int64_t* result, char*, size_t) {
+    auto& v = static_cast<Keys*>(u)->data[key];
+    *result = (v.empty() ? 0 : std::stoll(v)) + delta;
+    v = std::to_string(*result);
+    return 0;
+  };
+  cb.wait = [](void* u, const char* const* k, size_t count, int64_t, char*, size_t) {
+    for (size_t i = 0; i < count; ++i)
+      if (!static_cast<Keys*>(u)->data.count(k[i])) return static_cast<int>(PSGD_ERR_TIMEOUT);
+    return 0;
+  };
+  cb.remove = [](void* u, const char* key, int* existed, char*, size_t) {
+    *existed = static_cast<int>(static_cast<Keys*>(u)->data.erase(key));
+    return 0;
+  };
+  ::setenv("PSGD_TOKEN", "s3cret", 1);
+  psgd_comm* comm = nullptr;
+  psgd_status status = psgd_comm_init_on_store(0, 1, nullptr, &cb, "127.0.0.1", &comm);
+  ::unsetenv("PSGD_TOKEN");
+  REQUIRE_MESSAGE(status == PSGD_OK, psgd_last_error());
+  psgd_comm_destroy(comm);
+  REQUIRE_FALSE(keys.data.empty());
+  for (const auto& [key, value] : keys.data) {
+    CAPTURE(key);
+    CHECK(key.rfind("powersgd/job-", 0) == 0);
+    CHECK(key.find("s3cret") == std::string::npos);
+  }
 }
 
 TEST_CASE("rank reports: a failing rank's error reaches the others with its code, rank and reason") {

@@ -144,6 +144,11 @@ class RawClient {
     if (!body) return std::nullopt;
     return std::make_pair(static_cast<uint8_t>((*body)[0]), body->substr(1));
   }
+  // True when the server resets the connection within the timeout; reads nothing.
+  bool reset_by_server(std::chrono::milliseconds timeout) {
+    pollfd p{fd_, POLLRDHUP, 0};
+    return ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 && (p.revents & (POLLERR | POLLHUP | POLLRDHUP));
+  }
   // True when the server closes the connection within the timeout.
   bool closed_by_server(std::chrono::milliseconds timeout) {
     auto deadline = Clock::now() + timeout;
@@ -161,7 +166,7 @@ class RawClient {
   int fd_ = -1;
 };
 
-constexpr uint8_t kOk = 0x80, kError = 0x81, kRefused = 0x83;
+constexpr uint8_t kOk = 0x80, kError = 0x81, kRefused = 0x83, kBusy = 0x84;
 
 // Proves the server still serves a well-behaved client, promptly.
 void check_server_serves(const TcpStoreServer& server) {
@@ -727,35 +732,35 @@ size_t count_lines_with(const std::string& log, const std::string& what) {
 
 }  // namespace
 
-TEST_CASE("tcp store: unauthenticated connections are capped per address and overall; the oldest is closed") {
+TEST_CASE("tcp store: unauthenticated connections are capped per source and overall; the oldest is closed") {
   auto o = server_options();
   o.auth_timeout = 10s;  // only the caps close connections here
-  o.max_unauthenticated_per_address = 3;
-  o.max_unauthenticated = 5;
+  // Every loopback address is one source: the per-source cap is reached from
+  // two of them; the overall cap, set below it, from three.
+  bool per_source = false;
+  SUBCASE("per source") {
+    per_source = true;
+    o.max_unauthenticated_per_address = 3;
+    o.max_unauthenticated = 5;
+  }
+  SUBCASE("overall") {
+    o.max_unauthenticated_per_address = 10;
+    o.max_unauthenticated = 3;
+  }
   TcpStoreServer server(o);
   std::vector<int> a;
-  for (int i = 0; i < 3; ++i) a.push_back(connect_from("127.0.0.1", server.port()));
+  for (const char* from : {"127.0.0.1", "127.0.0.2", "127.0.0.1"}) a.push_back(connect_from(from, server.port()));
   for (int fd : a) CHECK_FALSE(fd_closed_by_peer(fd, 100ms));
-  // A fourth from the same address pushes out the oldest from that address.
-  a.push_back(connect_from("127.0.0.1", server.port()));
+  // A fourth pushes out the oldest.
+  a.push_back(connect_from(per_source ? "127.0.0.2" : "127.0.0.3", server.port()));
   CHECK(fd_closed_by_peer(a[0], 2s));
   for (size_t i = 1; i < a.size(); ++i) CHECK_FALSE(fd_closed_by_peer(a[i], 100ms));
   CHECK(server.shed_connections() == 1);
-  // Two from another address make five; a sixth from a third address pushes out
-  // the oldest overall (a[1]).
-  int b1 = connect_from("127.0.0.2", server.port());
-  int b2 = connect_from("127.0.0.2", server.port());
-  CHECK_FALSE(fd_closed_by_peer(b2, 100ms));
-  int c1 = connect_from("127.0.0.3", server.port());
-  CHECK(fd_closed_by_peer(a[1], 2s));
-  for (int fd : {a[2], a[3], b1, b2, c1}) CHECK_FALSE(fd_closed_by_peer(fd, 100ms));
-  CHECK(server.shed_connections() == 2);
   // Authenticated clients do not count against the caps.
   std::vector<std::unique_ptr<Store>> clients;
   for (int i = 0; i < 6; ++i) clients.push_back(client(server));
   for (auto& c : clients) c->set("k", bytes("v"));
   for (int fd : a) ::close(fd);
-  for (int fd : {b1, b2, c1}) ::close(fd);
   check_server_serves(server);
 }
 
@@ -764,19 +769,23 @@ TEST_CASE("tcp store: authenticated connections are capped per address; the exce
   o.max_authenticated_per_address = 3;
   TcpStoreServer server(o);
   std::vector<std::unique_ptr<Store>> clients;
-  for (int i = 0; i < 3; ++i) clients.push_back(client(server));
+  for (int i = 0; i < 3; ++i) {
+    clients.push_back(client(server));
+    clients.back()->check({"in use"});  // a request: no newcomer may push it out
+  }
   // A fourth authenticated client from the same address is refused with the
-  // reason; the three already in keep working.
+  // reason (Busy: it retries until its timeout); the three already in keep working.
   try {
-    client(server);
+    client(server, 300ms);
     FAIL("a fourth authenticated connection from 127.0.0.1 was admitted");
   } catch (const powersgd::IoError& e) {
     std::string what = e.what();
-    CHECK(what.find("refused this client") != std::string::npos);
-    CHECK(what.find("3 authenticated connections from 127.0.0.1") != std::string::npos);
+    CHECK(what.find("had no room for this client within 300 ms") != std::string::npos);
+    CHECK(what.find("3 authenticated connections from loopback") != std::string::npos);
     CHECK(what.find("max_authenticated_per_address") != std::string::npos);
   }
-  CHECK(server.refused_clients() == 1);
+  CHECK(server.refused_clients() >= 1);
+  uint64_t refused_before_flood = server.refused_clients();
   // A raw flood from the same address: each HELLO is refused and the
   // connection closed, so the server holds no more than the cap.
   std::vector<std::unique_ptr<RawClient>> flood;
@@ -787,15 +796,16 @@ TEST_CASE("tcp store: authenticated connections are capped per address; the exce
   for (auto& f : flood) {
     auto r = f->reply();
     REQUIRE(r.has_value());
-    CHECK(r->first == kRefused);
+    CHECK(r->first == kBusy);
     CHECK(f->closed_by_server(2s));
   }
-  CHECK(server.refused_clients() == 21);
+  CHECK(server.refused_clients() == refused_before_flood + 20);
   for (size_t i = 0; i < clients.size(); ++i) {
     clients[i]->set("k" + std::to_string(i), bytes("v"));
     CHECK(text(clients[i]->get("k" + std::to_string(i))) == "v");
   }
-  // Another address has its own allowance.
+  // Another loopback address is the same source (any local process may use
+  // any of them).
   int other = connect_from("127.0.0.2", server.port());
   std::string hello = hello_frame(kToken);
   REQUIRE(::send(other, hello.data(), hello.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(hello.size()));
@@ -803,7 +813,7 @@ TEST_CASE("tcp store: authenticated connections are capped per address; the exce
   REQUIRE(::poll(&p, 1, 2000) == 1);
   char reply[5];
   REQUIRE(::recv(other, reply, sizeof reply, MSG_WAITALL) == 5);
-  CHECK(static_cast<uint8_t>(reply[4]) == kOk);
+  CHECK(static_cast<uint8_t>(reply[4]) == kBusy);
   ::close(other);
   // A closed connection frees its place (the server notices the close
   // asynchronously: retry briefly).
@@ -1168,7 +1178,7 @@ class Flood {
 // What a 4-rank job does at rendezvous (Communicator::connect and Gloo's
 // connectFullMesh): each rank connects, joins a counter, publishes an address
 // and reads every other rank's. Returns the time until the last rank is done.
-long long rendezvous_ms(uint16_t port, const std::string& run) {
+long long rendezvous_ms(uint16_t port, const std::string& run, const std::string& token = kToken) {
   constexpr int kRanks = 4;
   std::atomic<int> done{0};
   std::vector<std::thread> ranks;
@@ -1176,14 +1186,14 @@ long long rendezvous_ms(uint16_t port, const std::string& run) {
   for (int r = 0; r < kRanks; ++r)
     ranks.emplace_back([&, r] {
       try {
-        auto store = connect_tcp_store("127.0.0.1", port, kToken, 10s);
+        auto store = connect_tcp_store("127.0.0.1", port, token, 10s);
         store->add(run + "/joined", 1);
         store->set(run + "/addr/" + std::to_string(r), std::vector<char>(64, static_cast<char>('a' + r)));
         for (int peer = 0; peer < kRanks; ++peer)
           if (store->get(run + "/addr/" + std::to_string(peer)).size() != 64) return;
         done++;
       } catch (const std::exception& e) {
-        MESSAGE("rank " << r << ": " << e.what());
+        MESSAGE("rank " << r << ": " << std::string(e.what()));
       }
     });
   for (auto& t : ranks) t.join();
@@ -1241,6 +1251,169 @@ TEST_CASE("tcp store: a 4-rank rendezvous under a flood of 1000 hostile connecti
   CHECK(flooded[kRuns / 2] < undisturbed[kRuns / 2] + kAllowedDelayMs);
 }
 
+// Issue 32, item 2: a store without a token, one local process holding every
+// authenticated connection it can get from four loopback addresses, and a
+// descriptor limit of 256. Before: the flood took every descriptor (accept
+// failed with EMFILE) and the ranks timed out connecting.
+TEST_CASE("tcp store: a flood of idle authenticated connections from loopback refuses the flood, not the ranks") {
+  // The flood runs in a child forked before the server's thread exists; it
+  // reports how its HELLOs were answered.
+  int go[2], report[2];
+  REQUIRE(::pipe2(go, O_CLOEXEC) == 0);
+  REQUIRE(::pipe2(report, O_CLOEXEC) == 0);
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::close(go[1]);
+    ::close(report[0]);
+    rlimit mine{};
+    ::getrlimit(RLIMIT_NOFILE, &mine);
+    mine.rlim_cur = std::min<rlim_t>(mine.rlim_max, 4096);
+    ::setrlimit(RLIMIT_NOFILE, &mine);
+    uint16_t port = 0;
+    if (::read(go[0], &port, sizeof port) != sizeof port) ::_exit(2);
+    std::string hello = hello_frame("");
+    uint32_t counts[3] = {};  // admitted, refused or closed, no answer within 1 s
+    std::vector<int> held;
+    const char* sources[] = {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
+    for (int i = 0; i < 1000 && counts[1] < 20 && counts[2] < 3; ++i) {
+      int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in local{}, addr{};
+      local.sin_family = addr.sin_family = AF_INET;
+      ::inet_pton(AF_INET, sources[i % 4], &local.sin_addr);
+      addr.sin_port = htons(port);
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0 ||
+          ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+        ::_exit(3);
+      if (::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) {
+        ++counts[1];
+        ::close(fd);
+        continue;
+      }
+      pollfd p{fd, POLLIN, 0};
+      char reply[5];
+      if (::poll(&p, 1, 1000) != 1) {
+        ++counts[2];
+        held.push_back(fd);
+      } else if (::recv(fd, reply, sizeof reply, MSG_WAITALL) == 5 && static_cast<uint8_t>(reply[4]) == kOk) {
+        ++counts[0];
+        held.push_back(fd);
+      } else {
+        ++counts[1];
+        ::close(fd);
+      }
+    }
+    if (::write(report[1], counts, sizeof counts) != sizeof counts) ::_exit(4);
+    char c;
+    [[maybe_unused]] auto ignored = ::read(go[0], &c, 1);  // holds its connections until the parent is done
+    ::_exit(0);
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  ::close(go[0]);
+  ::close(report[1]);
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  struct Restore {
+    rlimit limit;
+    ~Restore() { ::setrlimit(RLIMIT_NOFILE, &limit); }
+  } restore{saved};
+  rlimit low = saved;
+  low.rlim_cur = 256;
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+  TcpStoreServerOptions o;  // no token
+  o.auth_timeout = 300ms;
+  TcpStoreServer server(o);
+  CHECK(server.connection_budget() < 256);
+  uint16_t port = server.port();
+  REQUIRE(::write(go[1], &port, sizeof port) == sizeof port);
+  uint32_t counts[3] = {};
+  REQUIRE(::read(report[0], counts, sizeof counts) == sizeof counts);
+  MESSAGE("flood: " << counts[0] << " admitted, " << counts[1] << " refused, " << counts[2]
+                    << " unanswered; descriptor budget " << server.connection_budget());
+  CHECK(counts[1] >= 20);  // the flood was refused,
+  CHECK(counts[2] == 0);   // never left hanging
+  // The ranks, well after the flood's connections were admitted, each push
+  // out one that never sent a request, and rendezvous within their timeout.
+  auto start = Clock::now();
+  rendezvous_ms(port, "ranks", "");
+  CHECK(ms_since(start) < 10000);
+  CHECK(server.shed_connections() >= 4);
+}
+
+namespace {
+// Resident set of this process, in MiB.
+long resident_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE) / (1 << 20);
+}
+
+std::string get_frame(const std::string& key, uint64_t timeout_ms) {
+  std::string body = field(key);
+  put_le(body, timeout_ms, 8);
+  return frame(3, body);
+}
+}  // namespace
+
+// Issue 32, item 3: one 64 MiB value and connections that GET it and never
+// read. Before: every reply was a copy (8 such connections: about 512 MiB more
+// resident) and stayed for as long as the connections did.
+TEST_CASE("tcp store: replies share the stored value, are bounded in bytes and closed when not read") {
+  auto o = server_options(2s);  // frame_timeout: the write deadline
+  o.max_queued_bytes = 100u << 20;
+  TcpStoreServer server(o);
+  auto store = client(server);
+  store->set("big", std::vector<char>(kMaxValueBytes, 'x'));
+  store->set("other", std::vector<char>(kMaxValueBytes, 'y'));
+  CHECK(store->get("big").size() == kMaxValueBytes);
+  long before = resident_mib();
+  std::vector<std::unique_ptr<RawClient>> readers;  // that never read
+  for (int i = 0; i < 8; ++i) {
+    readers.push_back(std::make_unique<RawClient>(server.port()));
+    readers.back()->send(hello_frame(kToken));
+    auto r = readers.back()->reply();
+    REQUIRE(r);
+    REQUIRE(r->first == kOk);
+    readers.back()->send(get_frame("big", 1000));
+  }
+  // Every reply queued (the Ok reply to a CHECK after them comes once the
+  // server has handled theirs), sharing one value.
+  CHECK_FALSE(store->check({"nothing"}));
+  std::this_thread::sleep_for(100ms);
+  long grown = resident_mib() - before;
+  MESSAGE("8 unread 64 MiB replies: resident +" << grown << " MiB, " << (server.queued_reply_bytes() >> 20)
+                                                << " MiB queued");
+  CHECK(grown < 128);
+  CHECK(server.queued_reply_bytes() >= kMaxValueBytes);
+  CHECK(server.queued_reply_bytes() < kMaxValueBytes + (1u << 20));
+  // Another value would make 128 MiB queued, over the 100 MiB budget: the
+  // connection asking for it is closed.
+  RawClient over(server.port());
+  over.send(hello_frame(kToken));
+  REQUIRE(over.reply()->first == kOk);
+  over.send(get_frame("other", 1000));
+  CHECK(over.reset_by_server(1s));
+  // The readers that never read are closed after frame_timeout, and the
+  // bytes they held are freed.
+  auto start = Clock::now();
+  for (auto& r : readers) CHECK(r->reset_by_server(5s));
+  CHECK(ms_since(start) < 5000);
+  for (auto deadline = Clock::now() + 2s; server.queued_reply_bytes() != 0 && Clock::now() < deadline;)
+    std::this_thread::sleep_for(10ms);
+  CHECK(server.queued_reply_bytes() == 0);
+  // A reader that reads gets the whole value.
+  CHECK(store->get("other") == std::vector<char>(kMaxValueBytes, 'y'));
+  check_server_serves(server);
+}
+
 TEST_CASE("job key prefix: derived from the token, same on every rank, reveals nothing of it") {
   using powersgd::transport::job_key_prefix;
   CHECK(job_key_prefix("").empty());
@@ -1283,6 +1456,47 @@ TEST_CASE("rank 0's store binds the loopback MASTER_ADDR only, and keys carry th
   CHECK(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0);
   CHECK(errno == ECONNREFUSED);
   ::close(fd);
+}
+
+// Issue 32, item 4: rank 0 of a world that never comes. Before: WORLD_SIZE
+// 100000 with a 1 s timeout still waited after 120 s (Gloo opening a socket
+// per peer), 2147483647 took 8.9 GB in 20 s.
+TEST_CASE("rank 0 of a world that never comes fails with a clear error within the timeout") {
+  auto attempt = [](int world_size) {
+    powersgd::CommOptions o;
+    o.rank = 0;
+    o.world_size = world_size;
+    o.store_addr = "127.0.0.1";
+    {
+      TcpStoreServer probe(server_options());
+      o.store_port = probe.port();
+    }
+    o.host_store = true;
+    o.timeout = 1s;
+    o.address = "127.0.0.1";
+    auto start = Clock::now();
+    std::string what;
+    try {
+      powersgd::transport::GlooCommunicator::create(o);
+      FAIL("a world of " << world_size << " with one rank formed");
+    } catch (const powersgd::Error& e) {
+      what = e.what();
+    }
+    MESSAGE("world size " << world_size << ": " << what << " (" << ms_since(start) << " ms)");
+    CHECK(ms_since(start) < 2 * 1000 + 1500);
+    return what;
+  };
+  rlimit limit{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &limit) == 0);
+  for (int world : {100000, 2147483647}) {
+    std::string what = attempt(world);
+    CHECK(what.find("world size " + std::to_string(world)) != std::string::npos);
+    if (limit.rlim_cur < 3 * static_cast<rlim_t>(world))
+      CHECK(what.find("RLIMIT_NOFILE allows " + std::to_string(limit.rlim_cur)) != std::string::npos);
+  }
+  // A world the host can hold: the missing ranks are counted.
+  std::string what = attempt(500);
+  CHECK(what.find("only 1 of 500 ranks joined") != std::string::npos);
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

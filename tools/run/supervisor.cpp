@@ -86,9 +86,27 @@ void Supervisor::start(std::vector<WorkerLaunch> launches) {
     w.stdin_w = std::move(child.stdin_w);
     workers_.push_back(std::move(w));
     if (on_spawn) on_spawn(child.pid);
-    // An ssh that already died (EPIPE) is reported as that worker's failure by the loop.
-    if (workers_.back().stdin_w && !launch.stdin_data.empty())
-      write_all(workers_.back().stdin_w.get(), launch.stdin_data.data(), launch.stdin_data.size());
+    // Written by the poll loop as the worker takes it: an ssh that does not
+    // read its stdin must not keep the launcher from signals and --timeout.
+    Worker& added = workers_.back();
+    if (added.stdin_w && !launch.stdin_data.empty()) {
+      PSGD_CHECK_SYS(::fcntl(added.stdin_w.get(), F_SETFL, ::fcntl(added.stdin_w.get(), F_GETFL) | O_NONBLOCK));
+      added.stdin_pending = std::move(launch.stdin_data);
+      write_stdin(added);
+    }
+  }
+}
+
+void Supervisor::write_stdin(Worker& w) {
+  while (w.stdin_w && !w.stdin_pending.empty()) {
+    ssize_t n = ::write(w.stdin_w.get(), w.stdin_pending.data(), w.stdin_pending.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    if (n < 0) {  // EPIPE: the ssh died; the loop reports its exit as the worker's failure
+      w.stdin_pending.clear();
+      return;
+    }
+    w.stdin_pending.erase(0, static_cast<size_t>(n));
   }
 }
 
@@ -151,6 +169,7 @@ void Supervisor::stop(int signal) {
 void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
   w.running = false;
   w.stdin_w.reset();  // ssh workers: closes the remote side's liveness channel
+  w.stdin_pending.clear();
   // Everything the worker wrote before exiting is in the pipes now; a child it
   // left behind may keep them open, so do not wait for EOF.
   read_stream(w, w.out, true);
@@ -232,12 +251,17 @@ int Supervisor::run() {
   while (running_count() > 0) {
     fds.assign(1, pollfd{signal_fd_, POLLIN, 0});
     owners.assign(1, {nullptr, nullptr});
-    for (auto& w : workers_)
+    for (auto& w : workers_) {
       for (Stream* s : {&w.out, &w.err})
         if (s->fd) {
           fds.push_back({s->fd.get(), POLLIN, 0});
           owners.emplace_back(&w, s);
         }
+      if (w.stdin_w && !w.stdin_pending.empty()) {
+        fds.push_back({w.stdin_w.get(), POLLOUT, 0});
+        owners.emplace_back(&w, nullptr);  // stdin
+      }
+    }
     auto now = Clock::now();
     auto wake = Clock::time_point::max();
     if (options_.timeout.count() > 0 && !stopping_) wake = deadline;
@@ -248,7 +272,10 @@ int Supervisor::run() {
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
     if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);
     for (size_t i = 1; ready > 0 && i < fds.size(); ++i)
-      if (fds[i].revents != 0) read_stream(*owners[i].first, *owners[i].second, false);
+      if (fds[i].revents != 0) {
+        if (owners[i].second != nullptr) read_stream(*owners[i].first, *owners[i].second, false);
+        else write_stdin(*owners[i].first);
+      }
     if (ready > 0 && fds[0].revents != 0) handle_signals();
     reap();
     if (check_helpers && !stopping_ && running_count() > 0) {

@@ -71,13 +71,16 @@ class Supervisor {
     pid_t pid = -1;
     bool running = false;  // false once exited; it stays a zombie (see reap()) until run() ends
     bool reaped = false;
-    Fd stdin_w;
+    Fd stdin_w;                 // non-blocking
+    std::string stdin_pending;  // what is still to be written to stdin_w, by the poll loop
     Stream out, err;
     std::deque<std::string> last;  // ring of the last lines, both streams
   };
   using Clock = std::chrono::steady_clock;
 
   void read_stream(Worker& w, Stream& s, bool to_eof);
+  // Writes what stdin_w takes now of stdin_pending, never blocking.
+  void write_stdin(Worker& w);
   void emit_line(Worker& w, Stream& s, const std::string& line);
   void close_stream(Worker& w, Stream& s);
   void handle_signals();

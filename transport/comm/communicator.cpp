@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 #include <gloo/common/error.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include "common/check.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
+#include "common/fd.hpp"
 #include "common/log.hpp"
 
 namespace powersgd {
@@ -80,6 +83,45 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
 }
 
+namespace {
+
+// Descriptors a rank needs beyond its peers': its store client, the engine's
+// files, the process's own.
+constexpr uint64_t kDescriptorReserve = 64;
+// A low estimate of the memory Gloo holds per peer (pair, buffers, store keys).
+constexpr uint64_t kBytesPerPeer = 16 << 10;
+
+// A world this host cannot hold fails at once, naming the value and the limit,
+// instead of Gloo opening sockets until the descriptors run out (issue 32).
+void check_world_fits_host(const CommOptions& options) {
+  const uint64_t world = static_cast<uint64_t>(options.world_size);
+  if (world <= 1) return;
+  // Gloo: a pair and, until it connects, a listening socket per peer; the
+  // store's host: a connection per rank.
+  uint64_t needed = 2 * (world - 1) + (options.host_store ? world : 0) + kDescriptorReserve;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    uint64_t open = open_descriptor_count();
+    uint64_t soft = static_cast<uint64_t>(limit.rlim_cur);
+    PSGD_REQUIRE(needed + open <= soft, InvalidArgumentError, "world size ", world, " needs about ", needed,
+                 " file descriptors on ", options.host_store ? "rank 0, which hosts the store" : "each rank",
+                 " (two per peer for Gloo", options.host_store ? ", one per rank for the store" : "", ", ",
+                 kDescriptorReserve, " more), but RLIMIT_NOFILE allows ", soft, " with ", open,
+                 " open: raise it (ulimit -n, at most ", limit.rlim_max == RLIM_INFINITY ? std::string("unlimited")
+                                                                                    : std::to_string(limit.rlim_max),
+                 ") or check WORLD_SIZE");
+  }
+  long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) {
+    uint64_t memory = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+    PSGD_REQUIRE(world <= memory / kBytesPerPeer, InvalidArgumentError, "world size ", world, " needs at least ",
+                 world * kBytesPerPeer, " bytes of memory on each rank for its peers (", kBytesPerPeer,
+                 " each), but the host has ", memory, ": check WORLD_SIZE");
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<GlooCommunicator> GlooCommunicator::create(const CommOptions& options, GlooApi api) {
   return create_on_store(options, nullptr, "", api);
 }
@@ -99,6 +141,7 @@ std::unique_ptr<GlooCommunicator> GlooCommunicator::create_on_store(const CommOp
   PSGD_REQUIRE(store != nullptr || options.store_port != 0 || (options.host_store && options.world_size == 1),
                InvalidArgumentError,
                "store port 0 is only valid for a single process hosting its own store: set MASTER_PORT");
+  check_world_fits_host(options);
   std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(options, api));
   comm->store_ = std::move(store);
   comm->store_name_ = std::move(store_name);
@@ -122,6 +165,8 @@ void GlooCommunicator::connect() {
     server.bind_address = !loopback ? local_address_towards(master, kMasterAddr) : literal ? master : "127.0.0.1";
     server.port = options_.store_port;
     server.token = options_.token;
+    // This process's Gloo pairs need descriptors beyond the store's budget.
+    server.reserved_descriptors = kDescriptorReserve + 2 * static_cast<size_t>(options_.world_size);
     server_ = std::make_unique<TcpStoreServer>(server);
     options_.store_port = server_->port();
     if (!loopback && options_.token.empty())
@@ -155,8 +200,22 @@ void GlooCommunicator::connect() {
   std::string run = "powersgd/" + (options_.token.empty() ? std::string() : job_key_prefix(options_.token) + "/") +
                     (options_.run_id.empty() ? std::string("default") : options_.run_id);
   int64_t joined = store_->add(run + "/joined", 1);
-  std::string prefix = run + "/g" + std::to_string((joined - 1) / options_.world_size);
+  int64_t generation = (joined - 1) / options_.world_size;
+  std::string prefix = run + "/g" + std::to_string(generation);
   auto scoped = make_prefix_store(*store_, prefix);
+  // Every rank of the generation must have joined before the full mesh is
+  // built: Gloo's per-peer work is not bounded by the timeout, so a world that
+  // never comes would otherwise outlast it. The last to join says so.
+  if (joined == (generation + 1) * options_.world_size) scoped->set("joined-all", {'1'});
+  try {
+    scoped->wait({"joined-all"}, options_.timeout);
+  } catch (const TimeoutError&) {
+    int64_t arrived = std::min<int64_t>(store_->add(run + "/joined", 0) - generation * options_.world_size,
+                                        options_.world_size);
+    PSGD_THROW(TimeoutError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " timed out after ",
+               options_.timeout.count(), " ms: only ", arrived, " of ", options_.world_size,
+               " ranks joined (is WORLD_SIZE right, and did every rank start?)");
+  }
 
   device_ = make_device(options_);
   context_ = std::make_shared<gloo::rendezvous::Context>(options_.rank, options_.world_size);

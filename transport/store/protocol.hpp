@@ -39,6 +39,7 @@ enum class Reply : uint8_t {
   Error = 0x81,    // str message; the request failed, the connection stays usable
   Timeout = 0x82,  // str message; a Get/Wait expired on the server
   Refused = 0x83,  // str message; authentication failed, the server closes
+  Busy = 0x84,     // str message; no room for this connection now (caps), the server closes; retry
 };
 
 // Appends fields to a frame under construction (length patched by finish()).
@@ -60,8 +61,9 @@ class Writer {
   Writer& str(const std::string& s) { return str(s.data(), s.size()); }
   Writer& str(const std::vector<char>& s) { return str(s.data(), s.size()); }
   // Patches the length and hands the frame over; the writer is empty after.
-  std::vector<char> finish() {
-    uint32_t body = static_cast<uint32_t>(bytes_.size() - 4);
+  // `more`: bytes the caller sends after these as part of the same frame.
+  std::vector<char> finish(size_t more = 0) {
+    uint32_t body = static_cast<uint32_t>(bytes_.size() - 4 + more);
     for (int i = 0; i < 4; ++i) bytes_[i] = static_cast<char>((body >> (8 * i)) & 0xff);
     return std::move(bytes_);
   }

@@ -63,16 +63,37 @@ struct TcpStoreServerOptions {
   // address. Over a cap the oldest such connection is closed to admit the new one.
   size_t max_unauthenticated = 256;
   size_t max_unauthenticated_per_address = 64;
-  // Cap on authenticated connections per peer address (a job holds one per rank
-  // and communicator). A HELLO over it is refused with the reason, so a process
-  // that knows the token (any local process when there is none) cannot take
-  // every descriptor; the connections already in are kept.
+  // Cap on authenticated connections per source (a job holds one per rank and
+  // communicator); every loopback address (127.0.0.0/8, ::1) is one source. A
+  // HELLO over it, or over the descriptor budget below, first closes the oldest
+  // authenticated connection of that source (of any source when the budget is
+  // full) that has sent no request within auth_timeout of its HELLO; with none,
+  // it is refused with the reason. So a process that knows the token (any local
+  // process when there is none) and holds idle connections cannot keep a rank
+  // out, and no source can take every descriptor.
   size_t max_authenticated_per_address = 1024;
+  // The descriptor budget: every connection the server holds fits in
+  // RLIMIT_NOFILE's soft limit, read when the server starts, less the
+  // descriptors open then, less reserved_descriptors (for the rest of the
+  // process: rank 0's own store client and Gloo's sockets). Accept therefore
+  // never runs out of descriptors because of clients. The unauthenticated caps
+  // take at most a quarter of it.
+  size_t reserved_descriptors = 64;
+  // Authenticated connections no single source may take (clamped to half of
+  // what the budget leaves them), kept for ranks on other hosts.
+  size_t reserved_for_other_sources = 64;
   // Quotas on the stored data: number of keys, and bytes of keys plus values. A
   // set or add beyond them fails with an Error reply naming the quota; the
   // connection stays usable.
   size_t max_keys = size_t{1} << 20;
   size_t max_bytes = size_t{4} << 30;
+  // Bytes held by replies not yet written, per connection and in all (a value
+  // shared by several replies counts once in all). A reply over either closes
+  // its connection, as does a reply whose next bytes the client does not take
+  // within frame_timeout. The server reads a connection's next request only
+  // once its replies are written, so a reader holds at most about one reply.
+  size_t max_queued_bytes_per_connection = kMaxValueBytes + (size_t{1} << 20);
+  size_t max_queued_bytes = size_t{1} << 30;
 };
 
 // Serves on its own thread until destroyed or stop()ped. Never blocks or crashes
@@ -94,10 +115,15 @@ class TcpStoreServer {
   // thread. Idempotent; the destructor calls it.
   void stop();
   // Number of connections refused so far (bad token, version or HELLO, or over
-  // max_authenticated_per_address; for tests and logs).
+  // max_authenticated_per_address or the descriptor budget; for tests and logs).
   uint64_t refused_clients() const;
-  // Number of unauthenticated connections closed to respect the caps so far.
+  // Number of connections closed to respect the caps so far (unauthenticated
+  // ones, and authenticated ones that never sent a request).
   uint64_t shed_connections() const;
+  // Connections the server may hold at once (the descriptor budget).
+  size_t connection_budget() const;
+  // Bytes held by queued replies now (see max_queued_bytes).
+  size_t queued_reply_bytes() const;
 
   struct Impl;
 

@@ -47,18 +47,24 @@ class TcpStore final : public Store {
     auto deadline = Clock::now() + timeout;
     auto hello = protocol::Writer(static_cast<uint8_t>(Request::Hello)).u32(protocol::kVersion).str(token).finish();
     // A server under a flood of unauthenticated connections may close this one
-    // before reading its HELLO (it keeps the newest): connect again until the
-    // deadline. A refusal is final.
+    // before reading its HELLO (it keeps the newest), and one at its connection
+    // caps answers Busy: connect again until the deadline. A refusal is final.
     for (;;) {
       connect(host, port, deadline);
       try {
         auto [type, payload] = exchange(hello, deadline, "HELLO");
-        if (type == Reply::Refused || type == Reply::Error) {
-          broken_ = true;
-          PSGD_THROW(IoError, "store at ", where_, " refused this client: ", message(payload));
+        if (type == Reply::Busy) {
+          if (Clock::now() + kReconnectDelay >= deadline)
+            PSGD_THROW(IoError, "store at ", where_, " had no room for this client within ", timeout.count(),
+                       " ms: ", message(payload));
+        } else {
+          if (type == Reply::Refused || type == Reply::Error) {
+            broken_ = true;
+            PSGD_THROW(IoError, "store at ", where_, " refused this client: ", message(payload));
+          }
+          expect_ok(type, payload, "HELLO");
+          return;
         }
-        expect_ok(type, payload, "HELLO");
-        return;
       } catch (const IoError&) {
         if (!connection_lost_ || Clock::now() + kReconnectDelay >= deadline) throw;
       }
@@ -272,11 +278,12 @@ class TcpStore final : public Store {
     asio::async_read(socket_, asio::buffer(body), [&](boost::system::error_code e, size_t) { result = e; });
     if (auto ec = run_until(result, deadline)) return lost(ec);
     auto type = static_cast<Reply>(static_cast<uint8_t>(body[0]));
-    if (type != Reply::Ok && type != Reply::Error && type != Reply::Timeout && type != Reply::Refused) {
+    if (type != Reply::Ok && type != Reply::Error && type != Reply::Timeout && type != Reply::Refused &&
+        type != Reply::Busy) {
       broken_ = true;
       PSGD_THROW(IoError, "store at ", where_, " sent unknown reply type ", int{static_cast<uint8_t>(body[0])});
     }
-    if (type == Reply::Refused) broken_ = true;
+    if (type == Reply::Refused || type == Reply::Busy) broken_ = true;
     return {type, std::vector<char>(body.begin() + 1, body.end())};
   }
 

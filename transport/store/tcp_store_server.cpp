@@ -5,18 +5,25 @@
 // store: threat model"): unauthenticated connections are capped overall and per
 // peer address (the oldest is closed to admit a new one), must authenticate within
 // auth_timeout, and are never given more than a HELLO's worth of buffer;
-// authenticated ones are capped per peer address (a HELLO over the cap is refused);
-// accept() running out of descriptors sheds an unauthenticated connection or
-// backs off instead of spinning; warnings are rate-limited per cause; the
-// store's keys and bytes are bounded by quotas.
+// authenticated ones are capped per source, loopback counting as one (over the
+// cap an authenticated connection that never sent a request makes room, else
+// the HELLO is refused); every connection fits in a descriptor budget taken
+// from RLIMIT_NOFILE; accept() running out of descriptors anyway sheds an
+// unauthenticated connection or backs off instead of spinning; warnings are
+// rate-limited per cause; the store's keys and bytes are bounded by quotas;
+// replies share stored values instead of copying them, the bytes they hold
+// are bounded per connection and in all, and a reply not read within
+// frame_timeout closes its connection.
 
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <deque>
@@ -31,6 +38,7 @@
 
 #include "asio.hpp"
 #include "common/check.hpp"
+#include "common/fd.hpp"
 #include "common/log.hpp"
 #include "protocol.hpp"
 #include "store.hpp"
@@ -62,6 +70,17 @@ std::vector<char> reply(Reply type, const std::string& message) {
   return protocol::Writer(static_cast<uint8_t>(type)).str(message).finish();
 }
 
+// The source a connection is counted against: its address, except that every
+// loopback address (127.0.0.0/8, ::1, and their v4-mapped forms) is one
+// source, since any local process may connect from any of them.
+std::string source_of(const asio::ip::address& address) {
+  bool loopback = address.is_loopback();
+  if (address.is_v6() && address.to_v6().is_v4_mapped())
+    loopback = asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6()).is_loopback();
+  boost::system::error_code ignored;
+  return loopback ? std::string("loopback (127.0.0.0/8, ::1)") : address.to_string(ignored);
+}
+
 std::string key_list(const std::vector<std::string>& keys) {
   std::string out;
   for (size_t i = 0; i < keys.size() && i < 8; ++i) out += (i ? ", '" : "'") + keys[i] + "'";
@@ -70,6 +89,8 @@ std::string key_list(const std::vector<std::string>& keys) {
 }
 
 // Counters are stored as decimal text so that get() of a counter is readable.
+using Value = std::shared_ptr<const std::vector<char>>;
+
 std::optional<int64_t> parse_counter(const std::vector<char>& value) {
   int64_t v = 0;
   auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
@@ -142,22 +163,42 @@ struct TcpStoreServer::Impl {
   static constexpr int kAcceptBatch = 16;
 
   // io thread only.
-  std::unordered_map<std::string, std::vector<char>> data;
+  // Values are immutable and shared with the replies that carry them.
+  std::unordered_map<std::string, Value> data;
   size_t data_bytes = 0;  // sum of key and value sizes in `data`
+  // Bytes held by queued replies: their own bytes, plus each value they share
+  // once however many replies carry it (`queued_values` counts the replies).
+  size_t queued_bytes = 0;
+  std::unordered_map<const std::vector<char>*, size_t> queued_values;
+  std::atomic<size_t> queued_bytes_seen{0};  // copy of queued_bytes for other threads
   std::set<std::shared_ptr<Session>> sessions;
   std::unordered_map<std::string, std::unordered_set<Session*>> waiting;  // key -> sessions waiting for it
   std::list<Session*> unauthenticated;                                    // oldest first
   std::unordered_map<std::string, size_t> unauthenticated_per_address;
   std::unordered_map<std::string, size_t> authenticated_per_address;
+  size_t authenticated_count = 0;
+  std::list<Session*> unused;  // authenticated, no request sent yet; oldest first
   ThrottledLog log;
+
+  // Caps derived from the descriptor budget (constructor; constant after).
+  size_t budget = 0;             // connections of every kind
+  size_t unauthenticated_cap = 0;
+  size_t unauthenticated_per_source_cap = 0;
+  size_t authenticated_cap = 0;
+  size_t authenticated_per_source_cap = 0;
 
   void accept();        // waits for the listening socket to become readable
   void accept_ready();  // accepts what is in the backlog (a batch), then waits again
   void admit(int fd);
   bool shed_oldest_unauthenticated(const std::string* address, const std::string& why);
+  // Closes the oldest authenticated connection (of `source`, or of any) that
+  // sent no request within auth_timeout of its HELLO; false when there is none.
+  bool shed_oldest_unused(const std::string* source, const std::string& why);
   void on_set(const std::string& key);
   // Stores key = value if the quotas allow; else the reason it does not.
   std::optional<std::string> store(const std::string& key, std::vector<char> value);
+  // Accounts a queued reply's bytes (+1) or a written one's (-1).
+  void account_queued(const std::vector<char>& head, const Value& value, int sign);
   void erase(const std::string& key);
   void run();
 };
@@ -168,12 +209,15 @@ class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(TcpStoreServer::Impl& server, tcp::socket socket, std::string peer, std::string address)
       : server_(server), socket_(std::move(socket)), deadline_(server.io), wait_timer_(server.io),
-        peer_(std::move(peer)), address_(std::move(address)) {}
+        peer_(std::move(peer)), address_(std::move(address)), write_timer_(server.io) {}
 
   const std::string& peer() const { return peer_; }
   const std::string& address() const { return address_; }
   // Position in Impl::unauthenticated while not authenticated.
   std::optional<std::list<Session*>::iterator> unauthenticated_entry;
+  // Position in Impl::unused while authenticated without a request yet.
+  std::optional<std::list<Session*>::iterator> unused_entry;
+  Clock::time_point authenticated_at;
 
   void start() {
     arm_deadline(server_.options.auth_timeout, "authenticate", "authentication deadline");
@@ -187,12 +231,25 @@ class Session : public std::enable_shared_from_this<Session> {
     drop_pending();
     leave_unauthenticated();
     leave_authenticated();
+    leave_unused();
     boost::system::error_code ignored;
     deadline_.cancel();
     wait_timer_.cancel();
+    ++write_gen_;
+    write_timer_.cancel();
+    for (const Out& out : out_) server_.account_queued(out.head, out.value, -1);
+    queued_ = 0;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
     server_.sessions.erase(shared_from_this());
+  }
+
+  // Closes with a reset, dropping what the kernel still holds to send: for a
+  // client that does not read.
+  void abort() {
+    boost::system::error_code ignored;
+    socket_.set_option(asio::socket_base::linger(true, 0), ignored);
+    close();
   }
 
   // A key this session waits for was set: answer when all are present.
@@ -203,9 +260,12 @@ class Session : public std::enable_shared_from_this<Session> {
     Pending done = std::move(*pending_);
     drop_pending();
     wait_timer_.cancel();
-    if (done.is_get)
-      send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).str(server_.data.at(done.keys[0])).finish());
-    else
+    if (done.is_get) {
+      const Value& value = server_.data.at(done.keys[0]);
+      // Ok + str: the value's length here, its bytes shared, not copied.
+      send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).u32(static_cast<uint32_t>(value->size())).finish(value->size()),
+           false, value);
+    } else
       send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
   }
 
@@ -230,8 +290,15 @@ class Session : public std::enable_shared_from_this<Session> {
       server_.unauthenticated_per_address.erase(it);
   }
 
+  void leave_unused() {
+    if (!unused_entry) return;
+    server_.unused.erase(*unused_entry);
+    unused_entry.reset();
+  }
+
   void leave_authenticated() {
     if (!authenticated_) return;
+    --server_.authenticated_count;
     auto it = server_.authenticated_per_address.find(address_);
     if (it != server_.authenticated_per_address.end() && --it->second == 0)
       server_.authenticated_per_address.erase(it);
@@ -349,6 +416,7 @@ class Session : public std::enable_shared_from_this<Session> {
       hello(type, in);
       return;
     }
+    leave_unused();
     if (pending_) {
       fail("a request arrived while a get/wait was pending");
       return;
@@ -383,7 +451,7 @@ class Session : public std::enable_shared_from_this<Session> {
         if (!key || !delta || !in.done()) return malformed();
         int64_t current = 0;
         if (auto it = server_.data.find(*key); it != server_.data.end()) {
-          auto parsed = parse_counter(it->second);
+          auto parsed = parse_counter(*it->second);
           if (!parsed)
             return send(reply(Reply::Error, "add on key '" + *key + "', whose value is not a decimal 64-bit integer"));
           current = *parsed;
@@ -421,10 +489,10 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void hello(uint8_t type, protocol::Reader& in) {
-    auto refuse = [&](const std::string& why) {
+    auto refuse = [&](const std::string& why, Reply as = Reply::Refused) {
       server_.refused.fetch_add(1);
       server_.log.warn("refused client", detail::concat("refused client ", peer_, ": ", why));
-      send(reply(Reply::Refused, why), true);
+      send(reply(as, why), true);
     };
     if (type != static_cast<uint8_t>(Request::Hello))
       return refuse(detail::concat("first frame must be HELLO (type 1), got type ", int{type}));
@@ -435,15 +503,29 @@ class Session : public std::enable_shared_from_this<Session> {
       return refuse(detail::concat("protocol version ", *version, " not supported, the server speaks version ",
                                    protocol::kVersion));
     if (!token_matches(server_.options.token, *token)) return refuse("wrong job token");
-    // Refusing the newest rather than closing an older one: every
-    // authenticated connection may be a rank of the job, waiting or idle.
-    size_t& from_address = server_.authenticated_per_address[address_];
-    if (from_address >= server_.options.max_authenticated_per_address)
-      return refuse(detail::concat(from_address, " authenticated connections from ", address_,
-                                   " are open, the limit is ", server_.options.max_authenticated_per_address,
-                                   " (max_authenticated_per_address)"));
-    ++from_address;
+    // Over a cap, only a connection that has sent nothing since its HELLO
+    // makes room (every other one may be a rank of the job, waiting or idle);
+    // with none, the newest is refused.
+    auto& caps = server_;
+    size_t from_source = caps.authenticated_per_address.count(address_) ? caps.authenticated_per_address[address_] : 0;
+    if (from_source >= caps.authenticated_per_source_cap) {
+      std::string why = detail::concat(from_source, " authenticated connections from ", address_,
+                                       " are open, the limit is ", caps.authenticated_per_source_cap,
+                                       " (max_authenticated_per_address, the descriptor budget ", caps.budget,
+                                       " and reserved_for_other_sources)");
+      if (!caps.shed_oldest_unused(&address_, why)) return refuse(why, Reply::Busy);
+    }
+    if (caps.authenticated_count >= caps.authenticated_cap) {
+      std::string why = detail::concat(caps.authenticated_count, " authenticated connections are open, the limit is ",
+                                       caps.authenticated_cap, " (descriptor budget ", caps.budget,
+                                       " from RLIMIT_NOFILE, less the unauthenticated connections' share)");
+      if (!caps.shed_oldest_unused(nullptr, why)) return refuse(why, Reply::Busy);
+    }
+    ++caps.authenticated_per_address[address_];
+    ++caps.authenticated_count;
     authenticated_ = true;
+    authenticated_at = Clock::now();
+    unused_entry = caps.unused.insert(caps.unused.end(), this);
     leave_unauthenticated();
     disarm_deadline();
     send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
@@ -506,12 +588,31 @@ class Session : public std::enable_shared_from_this<Session> {
     send(reply(Reply::Error, why), true);
   }
 
-  // Queues a reply; replies go out in order, one write at a time. With
-  // close_after, nothing more is read and the connection closes once the queue
-  // is written (or after frame_timeout if the client does not read it).
-  void send(std::vector<char> frame, bool close_after = false) {
+  // Queues a reply (frame, then the shared value's bytes when there is one);
+  // replies go out in order, one write at a time. With close_after, nothing
+  // more is read and the connection closes once the queue is written (or after
+  // frame_timeout if the client does not read it). A reply that would take the
+  // connection's queued bytes over max_queued_bytes_per_connection, or the
+  // server's over max_queued_bytes, closes the connection instead.
+  void send(std::vector<char> frame, bool close_after = false, Value value = nullptr) {
     if (closed_ || closing_) return;
-    out_.push_back(std::move(frame));
+    size_t bytes = frame.size() + (value ? value->size() : 0);
+    bool shared_already = value && server_.queued_values.count(value.get()) > 0;
+    size_t server_after = server_.queued_bytes + frame.size() + (value && !shared_already ? value->size() : 0);
+    if (queued_ + bytes > server_.options.max_queued_bytes_per_connection ||
+        server_after > server_.options.max_queued_bytes) {
+      server_.log.warn("reply budget", detail::concat("closing connection from ", peer_, ": a reply of ", bytes,
+                                                      " bytes would make ", queued_ + bytes,
+                                                      " bytes queued for it (max_queued_bytes_per_connection ",
+                                                      server_.options.max_queued_bytes_per_connection, ") and ",
+                                                      server_after, " for all (max_queued_bytes ",
+                                                      server_.options.max_queued_bytes, ")"));
+      abort();
+      return;
+    }
+    queued_ += bytes;
+    server_.account_queued(frame, value, +1);
+    out_.push_back(Out{std::move(frame), std::move(value)});
     if (close_after) {
       closing_ = true;
       arm_deadline(server_.options.frame_timeout, "read its last reply", "frame deadline");
@@ -521,18 +622,51 @@ class Session : public std::enable_shared_from_this<Session> {
     if (out_.size() == 1) write_front();
   }
 
+  // Writes what is left of the front reply, piece by piece: each piece must
+  // go out within frame_timeout, so a client that stops reading is closed.
   void write_front() {
-    asio::async_write(socket_, asio::buffer(out_.front()),
-                      [self = shared_from_this()](boost::system::error_code ec, size_t) { self->on_written(ec); });
+    const Out& front = out_.front();
+    std::array<asio::const_buffer, 2> rest{};
+    size_t head = front.head.size();
+    if (written_ < head) {
+      rest[0] = asio::buffer(front.head.data() + written_, head - written_);
+      if (front.value) rest[1] = asio::buffer(*front.value);
+    } else {
+      rest[0] = asio::buffer(front.value->data() + (written_ - head), front.value->size() - (written_ - head));
+    }
+    write_timer_.expires_after(server_.options.frame_timeout);
+    write_timer_.async_wait([self = shared_from_this(), gen = ++write_gen_](boost::system::error_code ec) {
+      if (ec || gen != self->write_gen_ || self->closed_) return;
+      self->server_.log.warn("write deadline",
+                             detail::concat("closing connection from ", self->peer_, ": it did not read its reply (",
+                                            self->queued_, " bytes queued) within ",
+                                            self->server_.options.frame_timeout.count(), " ms"));
+      self->abort();
+    });
+    socket_.async_write_some(rest, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+      self->on_written(ec, n);
+    });
   }
 
-  void on_written(boost::system::error_code ec) {
+  void on_written(boost::system::error_code ec, size_t n) {
     if (closed_) return;
-    out_.pop_front();
+    ++write_gen_;
+    write_timer_.cancel();
     if (ec) {
       close();
       return;
     }
+    written_ += n;
+    const Out& front = out_.front();
+    size_t total = front.head.size() + (front.value ? front.value->size() : 0);
+    if (written_ < total) {
+      write_front();
+      return;
+    }
+    written_ = 0;
+    queued_ -= total;
+    server_.account_queued(front.head, front.value, -1);
+    out_.pop_front();
     if (!out_.empty()) {
       write_front();
       return;
@@ -553,7 +687,7 @@ class Session : public std::enable_shared_from_this<Session> {
   asio::steady_timer wait_timer_;  // pending get/wait
   uint64_t deadline_gen_ = 0;
   std::string peer_;     // address:port, for logs
-  std::string address_;  // address only, for the per-address cap
+  std::string address_;  // source (address, or loopback), for the per-source caps
   bool authenticated_ = false;
   bool closed_ = false;
   bool closing_ = false;  // last reply queued; nothing more is read or sent
@@ -563,7 +697,15 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<char> body_;
   size_t body_length_ = 0;
   size_t body_got_ = 0;
-  std::deque<std::vector<char>> out_;  // replies not yet written; front is in flight
+  struct Out {
+    std::vector<char> head;  // the frame, or its start when `value` follows
+    Value value;             // shared stored value sent after head; may be null
+  };
+  std::deque<Out> out_;  // replies not yet written; front is in flight
+  size_t written_ = 0;   // bytes of out_.front() written
+  size_t queued_ = 0;    // bytes of out_
+  asio::steady_timer write_timer_;  // the front reply's progress
+  uint64_t write_gen_ = 0;
   std::optional<Pending> pending_;
 };
 
@@ -638,8 +780,8 @@ void TcpStoreServer::Impl::admit(int fd) {
   }
   boost::system::error_code ignored;
   auto endpoint = socket.remote_endpoint(ignored);
-  std::string address = endpoint.address().to_string(ignored);
-  std::string peer = detail::concat(address, ":", endpoint.port());
+  std::string address = source_of(endpoint.address());
+  std::string peer = detail::concat(endpoint.address().to_string(ignored), ":", endpoint.port());
   socket.set_option(tcp::no_delay(true), ignored);
   // Detects peers that vanished without a FIN while idle.
   socket.set_option(asio::socket_base::keep_alive(true), ignored);
@@ -649,14 +791,25 @@ void TcpStoreServer::Impl::admit(int fd) {
   // client authenticates within a round trip of connecting, so only connections
   // that sit silent are pushed out; an evicted client reconnects.
   auto from_address = unauthenticated_per_address.find(address);
-  if (from_address != unauthenticated_per_address.end() &&
-      from_address->second >= options.max_unauthenticated_per_address)
-    shed_oldest_unauthenticated(&address, detail::concat(options.max_unauthenticated_per_address,
+  if (from_address != unauthenticated_per_address.end() && from_address->second >= unauthenticated_per_source_cap)
+    shed_oldest_unauthenticated(&address, detail::concat(unauthenticated_per_source_cap,
                                                          " unauthenticated connections from ", address,
                                                          " (max_unauthenticated_per_address)"));
-  if (unauthenticated.size() >= options.max_unauthenticated)
+  if (unauthenticated.size() >= unauthenticated_cap)
     shed_oldest_unauthenticated(
-        nullptr, detail::concat(options.max_unauthenticated, " unauthenticated connections (max_unauthenticated)"));
+        nullptr, detail::concat(unauthenticated_cap, " unauthenticated connections (max_unauthenticated)"));
+  if (sessions.size() >= budget) {
+    // Every connection counted against the descriptor budget is authenticated
+    // and in use: refuse this one rather than run out of descriptors.
+    std::string why = detail::concat(sessions.size(), " connections are open, the descriptor budget is ", budget,
+                                     " (RLIMIT_NOFILE less reserved_descriptors)");
+    if (!shed_oldest_unauthenticated(nullptr, why) && !shed_oldest_unused(nullptr, why)) {
+      refused.fetch_add(1);
+      log.warn("refused client", detail::concat("refused client ", peer, ": ", why));
+      socket.close(ignored);
+      return;
+    }
+  }
 
   auto session = std::make_shared<Session>(*this, std::move(socket), std::move(peer), address);
   sessions.insert(session);
@@ -677,9 +830,24 @@ bool TcpStoreServer::Impl::shed_oldest_unauthenticated(const std::string* addres
   return true;
 }
 
+bool TcpStoreServer::Impl::shed_oldest_unused(const std::string* source, const std::string& why) {
+  auto now = Clock::now();
+  // Oldest first, so the first too young to shed ends the search.
+  for (Session* s : unused) {
+    if (now - s->authenticated_at < options.auth_timeout) return false;
+    if (source != nullptr && s->address() != *source) continue;
+    shed.fetch_add(1);
+    log.warn("shed unused", detail::concat("closing authenticated connection from ", s->peer(),
+                                           ", which sent no request, to admit another: ", why));
+    s->close();
+    return true;
+  }
+  return false;
+}
+
 std::optional<std::string> TcpStoreServer::Impl::store(const std::string& key, std::vector<char> value) {
   auto it = data.find(key);
-  size_t old_bytes = it == data.end() ? 0 : key.size() + it->second.size();
+  size_t old_bytes = it == data.end() ? 0 : key.size() + it->second->size();
   size_t new_bytes = key.size() + value.size();
   if (it == data.end() && data.size() >= options.max_keys)
     return detail::concat("store quota exceeded: setting key '", key, "' would make ", data.size() + 1,
@@ -689,17 +857,29 @@ std::optional<std::string> TcpStoreServer::Impl::store(const std::string& key, s
                           data_bytes - old_bytes + new_bytes, " bytes of keys and values, the limit is ",
                           options.max_bytes, " (TcpStoreServerOptions::max_bytes)");
   data_bytes = data_bytes - old_bytes + new_bytes;
+  auto shared = std::make_shared<const std::vector<char>>(std::move(value));
   if (it == data.end())
-    data.emplace(key, std::move(value));
+    data.emplace(key, std::move(shared));
   else
-    it->second = std::move(value);
+    it->second = std::move(shared);
   return std::nullopt;
+}
+
+void TcpStoreServer::Impl::account_queued(const std::vector<char>& head, const Value& value, int sign) {
+  size_t bytes = head.size();
+  if (value) {
+    size_t& replies = queued_values[value.get()];
+    if (sign > 0 ? replies++ == 0 : --replies == 0) bytes += value->size();
+    if (replies == 0) queued_values.erase(value.get());
+  }
+  queued_bytes = sign > 0 ? queued_bytes + bytes : queued_bytes - bytes;
+  queued_bytes_seen.store(queued_bytes, std::memory_order_relaxed);
 }
 
 void TcpStoreServer::Impl::erase(const std::string& key) {
   auto it = data.find(key);
   if (it == data.end()) return;
-  data_bytes -= key.size() + it->second.size();
+  data_bytes -= key.size() + it->second->size();
   data.erase(it);
 }
 
@@ -738,6 +918,23 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
   PSGD_REQUIRE(options.token.size() <= kMaxKeyBytes, InvalidArgumentError, "store job token is ",
                options.token.size(), " bytes, the limit is ", kMaxKeyBytes);
   std::string where = detail::concat(options.bind_address, ":", options.port);
+  {
+    // The descriptor budget and the caps it bounds (store.hpp).
+    rlimit limit{};
+    size_t soft = ::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY
+                      ? static_cast<size_t>(limit.rlim_cur)
+                      : size_t{1} << 20;
+    size_t used = open_descriptor_count() + 1 + options.reserved_descriptors;  // + the listening socket
+    Impl& i = *impl_;
+    i.budget = std::max<size_t>(soft > used ? soft - used : 0, 4);
+    i.unauthenticated_cap = std::clamp<size_t>(options.max_unauthenticated, 1, std::max<size_t>(i.budget / 4, 1));
+    i.unauthenticated_per_source_cap = std::min(options.max_unauthenticated_per_address, i.unauthenticated_cap);
+    i.authenticated_cap = i.budget - i.unauthenticated_cap;
+    size_t reserve = std::min(options.reserved_for_other_sources, i.authenticated_cap / 2);
+    i.authenticated_per_source_cap = std::min(options.max_authenticated_per_address, i.authenticated_cap - reserve);
+    PSGD_LOG(Debug, "store server: descriptor budget ", i.budget, " (RLIMIT_NOFILE ", soft, "), at most ",
+             i.authenticated_cap, " authenticated connections, ", i.authenticated_per_source_cap, " per source");
+  }
   boost::system::error_code ec;
   tcp::resolver resolver(impl_->io);
   auto results = resolver.resolve(options.bind_address, std::to_string(options.port),
@@ -770,6 +967,10 @@ uint16_t TcpStoreServer::port() const { return impl_->bound_port; }
 uint64_t TcpStoreServer::refused_clients() const { return impl_->refused.load(); }
 
 uint64_t TcpStoreServer::shed_connections() const { return impl_->shed.load(); }
+
+size_t TcpStoreServer::connection_budget() const { return impl_->budget; }
+
+size_t TcpStoreServer::queued_reply_bytes() const { return impl_->queued_bytes_seen.load(std::memory_order_relaxed); }
 
 void TcpStoreServer::stop() {
   std::lock_guard lock(impl_->stop_mutex);
