@@ -9,7 +9,6 @@
 #include "comm/communicator.hpp"
 #include "comm/options.hpp"
 #include "common/check.hpp"
-#include "common/env.hpp"
 #include "store/store.hpp"
 
 namespace powersgd::capi {
@@ -112,9 +111,8 @@ std::unique_ptr<Communicator> create_on_callback_store(int rank, int size, const
   options.rank = rank;
   options.world_size = size;
   options.run_id = run_id;
-  // Keys carry the prefix derived from the token (job_key_prefix), as on powersgd's own store: under
-  // powersgd-run the caller's store is torch's, open to anyone who reaches it.
-  options.token = env::get_or_default("PSGD_TOKEN");
+  // PSGD_TOKEN among them: keys carry the prefix derived from the token (job_key_prefix), as on powersgd's
+  // own store; under powersgd-run the caller's store is torch's, open to anyone who reaches it.
   transport::apply_env_settings(options);
   if (options.transport == TransportKind::Tcp && options.iface.empty() && options.address.empty()) {
     PSGD_REQUIRE(address != nullptr && address[0] != '\0', InvalidArgumentError,
