@@ -214,6 +214,16 @@ TEST_CASE("legacy api: halving-doubling, ring-chunked, broadcast, allgather, bar
   comm->allgather(in.data(), out.data(), in.size() * sizeof(int32_t));
   for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == static_cast<int32_t>(i / 333));
   comm->barrier();
+  // No rank closes its pairs before every rank has left the barrier: a rank that exits at once can close them
+  // while a peer still waits for its release, and that peer fails with "Connection closed by peer" (seen once
+  // under load, after FlushedBarrier). Counted on the launcher's store, not on Gloo's pairs.
+  const CommOptions o = options("legacy");
+  auto store = powersgd::transport::connect_tcp_store(o.store_addr, o.store_port, o.token, std::chrono::seconds(30));
+  store->add("legacy-left-barrier", 1);
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (store->add("legacy-left-barrier", 0) < comm->size() && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(store->add("legacy-left-barrier", 0) == comm->size());
 }
 
 TEST_CASE("broadcast: every root, 1 byte to several MiB") {
