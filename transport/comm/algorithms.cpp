@@ -142,16 +142,23 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
                         DataType type) {
     const size_t n = static_cast<size_t>(context->size);
     const size_t bytes = count * size_of(type);
-    std::vector<uint8_t> in(n * bytes), out(n * bytes);
-    for (size_t r = 0; r < n; ++r) std::memcpy(in.data() + r * bytes, data, bytes);
+    // Kept between calls (the communication thread's alone): a reduction's three small collectives allocate
+    // nothing once the largest has run.
+    if (direct_in_.size() < n * bytes) {
+      direct_in_.resize(n * bytes);
+      direct_out_.resize(n * bytes);
+    }
+    uint8_t* in = direct_in_.data();
+    uint8_t* out = direct_out_.data();
+    for (size_t r = 0; r < n; ++r) std::memcpy(in + r * bytes, data, bytes);
     gloo::AlltoallOptions opts(context);
-    opts.setInput(in.data(), in.size());
-    opts.setOutput(out.data(), out.size());
+    opts.setInput(in, n * bytes);
+    opts.setOutput(out, n * bytes);
     configure(opts, tag);
     gloo::alltoall(opts);
     const GlooReduce sum = new_style_sum(type);
-    std::memcpy(data, out.data(), bytes);
-    for (size_t r = 1; r < n; ++r) sum(data, data, out.data() + r * bytes, count);
+    std::memcpy(data, out, bytes);
+    for (size_t r = 1; r < n; ++r) sum(data, data, out + r * bytes, count);
   }
 
   template <typename Options>
@@ -161,6 +168,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   }
 
   std::chrono::milliseconds timeout_;
+  std::vector<uint8_t> direct_in_, direct_out_;  // direct_allreduce's staging: size() copies each way
 };
 
 // ---- legacy: the old-style algorithm classes ----
