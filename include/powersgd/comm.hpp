@@ -126,6 +126,14 @@ class PSGD_API Communicator {
   // the rounds on the step's critical path. 0 for a Communicator not made by
   // create().
   uint64_t communication_rounds() const;
+
+  // Whether an allreduce of `count` elements of `type` adds each element's n
+  // contributions in rank order, whatever its offset in the buffer (the direct
+  // algorithm; a world of one): then one allreduce of two buffers laid end to
+  // end gives the same bits as two allreduces. The engine fuses queued
+  // reductions into one only where this holds (docs/engine.md, "Fusing queued
+  // reductions"). False for a Communicator not made by create().
+  bool sums_in_rank_order(size_t count, DataType type) const;
 };
 
 }  // namespace powersgd

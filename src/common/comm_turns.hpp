@@ -37,6 +37,12 @@ class CommTurns : public std::enable_shared_from_this<CommTurns> {
     void wait() const;
     // Gives the place up; the next turn may go. Idempotent.
     void release() noexcept;
+    // Whether this place comes right after `earlier`'s on the same communicator
+    // (no other work's turn between them): work in this turn may then run inside
+    // `earlier`'s turn without changing the communicator's order.
+    bool follows(const Turn& earlier) const {
+      return owner_ != nullptr && owner_ == earlier.owner_ && number_ == earlier.number_ + 1;
+    }
 
    private:
     friend class CommTurns;

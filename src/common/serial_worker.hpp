@@ -29,6 +29,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "check.hpp"
 #include "completion.hpp"
@@ -85,6 +86,55 @@ class SerialWorker {
     std::lock_guard lock(mutex_);
     if (queue_.empty()) return std::nullopt;
     return project(queue_.front().item);
+  }
+
+  // An item taken out of the queue by claim_front, with its Done: the caller
+  // (the worker thread, inside run) runs it itself and finishes `done`, or
+  // puts it back with requeue_front.
+  struct Claimed {
+    Item item;
+    std::shared_ptr<Done> done;
+  };
+  // Worker thread, inside run: moves out the longest run of queued items from
+  // the front, at most `max`, for which accept(previous, item) holds
+  // (`previous`: the item before it, or null for the first). The engine fuses
+  // queued reductions with the running one this way.
+  template <typename Accept>
+  std::vector<Claimed> claim_front(size_t max, Accept accept) {
+    std::vector<Claimed> claimed;
+    std::lock_guard lock(mutex_);
+    while (claimed.size() < max && !queue_.empty() &&
+           accept(claimed.empty() ? nullptr : &claimed.back().item, queue_.front().item)) {
+      claimed.push_back(Claimed{std::move(queue_.front().item), std::move(queue_.front().done)});
+      queue_.pop_front();
+    }
+    return claimed;
+  }
+  // Worker thread, inside run: puts claimed items back at the front of the
+  // queue in their order, as if never claimed; after a cancelling stop they
+  // finish with its error instead.
+  void requeue_front(std::vector<Claimed> claimed) {
+    std::exception_ptr cancelled;
+    {
+      std::lock_guard lock(mutex_);
+      if (stopping_ && stop_error_ != nullptr) {
+        cancelled = stop_error_;
+      } else {
+        for (auto it = claimed.rbegin(); it != claimed.rend(); ++it)
+          queue_.push_front(Entry{std::move(it->item), std::move(it->done)});
+        return;
+      }
+    }
+    for (auto& c : claimed) c.done->finish(cancelled);
+  }
+
+  // Worker thread, inside run (nothing else waits for submissions then): waits
+  // until at least `count` items are queued or `timeout` passed; whether they are.
+  template <typename Duration>
+  bool wait_queued(size_t count, Duration timeout) {
+    std::unique_lock lock(mutex_);
+    return wake_.wait_for(lock, timeout, [&] { return stopping_ || queue_.size() >= count; }) &&
+           queue_.size() >= count;
   }
 
   void stop(std::exception_ptr cancel_with) {

@@ -210,33 +210,28 @@ void add_warm_state(Fnv& h, const BucketState& s) {
   h.add(s.boost_left);  // the rank policy's state decides the next levels
 }
 
-void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
+void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
+                       std::span<const Reduction* const> proposals) {
+  PSGD_ASSERT(proposals.size() < kMaxFused, proposals.size(), " proposals, at most ", kMaxFused - 1);
   pending_.resize(buckets_.size());
   std::vector<uint64_t>& mine = mine_;
   mine.assign(kValueCount, 0);
   loaded_ = loaded;
   carried_.clear();
+  proposal_carried_.assign(proposals.size(), {});
   if (!r.poisoned) {
     // What decides the sizes and the meaning of the data collectives (the state
     // check_state compared once, now before every reduction).
-    Fnv warm, check;
-    uint64_t warm_buckets = 0, numel = 0;
+    Fnv warm;
+    uint64_t warm_buckets = 0, numel = 0, check = 0;
     int64_t check_step = -1;
     for (const auto& s : buckets_) {
       warm_buckets += s->q_initialized ? 1 : 0;
       add_warm_state(warm, *s);
     }
     uint64_t notes = 0;
-    for (int b : r.buckets) {
-      numel += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.numel);
-      notes += buckets_[static_cast<size_t>(b)]->note_pending ? 1 : 0;
-      const Pending& p = pending_[static_cast<size_t>(b)];
-      if (p.step < 0) continue;
-      check.add(b);
-      check.add(p.hash);
-      check_step = std::max(check_step, p.step);
-      carried_.push_back(b);  // pending until compared (compared())
-    }
+    for (int b : r.buckets) notes += buckets_[static_cast<size_t>(b)]->note_pending ? 1 : 0;
+    identity_hash(r, carried_, numel, check_step, check);
     mine[Step] = static_cast<uint64_t>(r.iteration);
     mine[Identity] = r.buckets.size() == 1 ? static_cast<uint64_t>(r.buckets[0]) : kAllBuckets | r.buckets.size();
     mine[Numel] = numel;
@@ -245,23 +240,57 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded) {
     mine[Layout] = layout;
     mine[WarmBuckets] = warm_buckets;
     mine[Warm] = warm.value();
-    mine[Check] = check_step >= 0 ? check.value() : 0;
+    mine[Check] = check;
     mine[CheckStep] = static_cast<uint64_t>(check_step + 1);
     mine[Note] = notes;
     mine[Loaded] = loaded ? 1 : 0;
   }
   if (comm_.size() == 1) return;  // nobody to disagree with
+  std::fill(std::begin(sums_), std::end(sums_), 0.0);
   Fnv all;
   for (size_t v = 0; v < Loaded; ++v) all.add(mine[v]);
   encode_agreement(all.value(), sums_);
   sums_[2 * kChunks] = r.poisoned ? 1.0 : 0.0;  // ranks whose call failed locally
-  announced_ = comm_.allreduce_async(sums_, 2 * kChunks + 1, DataType::Float64);
+  // A proposal is compared on its own identity: the state every announce covers
+  // (configuration, layout, every bucket's warm state) is in block 0 already.
+  for (size_t j = 0; j < proposals.size() && !r.poisoned; ++j) {
+    uint64_t numel = 0, check = 0;
+    int64_t check_step = -1;
+    const uint64_t identity = identity_hash(*proposals[j], proposal_carried_[j], numel, check_step, check);
+    double* block = sums_ + (j + 1) * kBlock;
+    encode_agreement(identity, block);
+    block[2 * kChunks] = 1.0;  // proposed by this rank
+  }
+  announced_ = comm_.allreduce_async(sums_, kMaxFused * kBlock, DataType::Float64);
 }
 
-void OrderGuard::finish(const Reduction& r) {
+uint64_t OrderGuard::identity_hash(const Reduction& r, std::vector<int>& carried, uint64_t& numel,
+                                   int64_t& check_step, uint64_t& check) const {
+  Fnv pending;
+  for (int b : r.buckets) {
+    numel += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.numel);
+    const Pending& p = pending_[static_cast<size_t>(b)];
+    if (p.step < 0) continue;
+    pending.add(b);
+    pending.add(p.hash);
+    check_step = std::max(check_step, p.step);
+    carried.push_back(b);  // pending until compared (compared())
+  }
+  check = check_step >= 0 ? pending.value() : 0;
+  Fnv h;
+  h.add(static_cast<uint64_t>(r.iteration));
+  for (int b : r.buckets) h.add(static_cast<uint64_t>(b));
+  h.add(numel);
+  h.add(first_collective_count(r));
+  h.add(check);
+  h.add(static_cast<uint64_t>(check_step + 1));
+  return h.value();
+}
+
+size_t OrderGuard::finish(const Reduction& r) {
   if (comm_.size() == 1) {
     if (r.poisoned) std::rethrow_exception(r.poisoned);
-    return;
+    return 1;
   }
   const auto start = Clock::now();
   Work announced = std::move(announced_);
@@ -270,7 +299,16 @@ void OrderGuard::finish(const Reduction& r) {
   stats_.guard_seconds += seconds_since(start);
   if (sums_[2 * kChunks] == 0.0 && all_agree(sums_, comm_.size())) {
     compared();
-    return;
+    // The proposals every rank made alike, as a prefix: the sums are the same on every rank.
+    size_t fused = 1;
+    const auto world = static_cast<double>(comm_.size());
+    for (size_t j = 1; j < kMaxFused; ++j) {
+      const double* block = sums_ + j * kBlock;
+      if (block[2 * kChunks] != world || !all_agree(block, comm_.size())) break;
+      for (int b : proposal_carried_[j - 1]) pending_[static_cast<size_t>(b)] = Pending{};
+      fused = j + 1;
+    }
+    return fused;
   }
   raise(r, mine_, loaded_);
 }

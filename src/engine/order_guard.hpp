@@ -70,6 +70,11 @@ bool all_agree(const double* sums, int world);
 // The guard compares it before every reduction; save_job before averaging.
 void add_warm_state(Fnv& h, const BucketState& s);
 
+// An announce may also propose queued reductions to run fused with its own
+// (docs/engine.md, "Fusing queued reductions"): at most this many in all. Part
+// of the announce's fixed size (equal on every rank: the version check).
+inline constexpr size_t kMaxFused = 8;
+
 class OrderGuard {
  public:
   // Everything by reference is owned by the Reducer and outlives the guard.
@@ -89,8 +94,16 @@ class OrderGuard {
   // fingerprint; `loaded` whether this rank loaded a checkpoint since its last
   // agreed reduction (the message then speaks of resumed state). A world of one
   // announces nothing (finish rethrows a poisoned reduction's error).
-  void begin(const Reduction& reduction, uint64_t layout, bool loaded);
-  void finish(const Reduction& reduction);
+  //
+  // `proposals`: queued reductions (at most kMaxFused - 1, in queue order) this
+  // rank offers to run fused with `reduction`, each described in the announce
+  // like a reduction of its own (step, bucket, sizes, pending divergence hash);
+  // finish() returns how many of them, as a prefix, every rank offered alike
+  // plus one: the same number on every rank, from the sums. The others were not
+  // announced (they announce when they run).
+  void begin(const Reduction& reduction, uint64_t layout, bool loaded,
+             std::span<const Reduction* const> proposals = {});
+  size_t finish(const Reduction& reduction);
   // Waits for an announce begun and not finished (its buffer is this object's). For error paths.
   void settle() noexcept;
 
@@ -105,6 +118,10 @@ class OrderGuard {
   };
 
   uint64_t first_collective_count(const Reduction& reduction) const;
+  // Hash of what decides a reduction's collectives beyond the state every
+  // announce covers; the buckets whose pending divergence hash it carries go to `carried`.
+  uint64_t identity_hash(const Reduction& reduction, std::vector<int>& carried, uint64_t& numel,
+                         int64_t& check_step, uint64_t& check) const;
   // The announce in flight compared the pending hashes it carried: they are consumed.
   void compared();
   [[noreturn]] void raise(const Reduction& reduction, const std::vector<uint64_t>& mine, bool loaded);
@@ -117,10 +134,14 @@ class OrderGuard {
   Stats& stats_;
   std::vector<Pending> pending_;    // per bucket
   std::vector<int> carried_;        // the buckets whose pending hash the announce in flight carries
+  std::vector<std::vector<int>> proposal_carried_;  // the same for each proposal
   // The announce in flight between begin and finish.
   std::vector<uint64_t> mine_;
   bool loaded_ = false;
-  double sums_[2 * kChunks + 1] = {};
+  // Block 0: the reduction's hash chunks and failure flag; block j > 0: proposal
+  // j's hash chunks and whether this rank proposes it.
+  static constexpr size_t kBlock = 2 * kChunks + 1;
+  double sums_[kMaxFused * kBlock] = {};
   Work announced_;
   std::vector<float> host_scratch_;  // device outputs staged for hashing
 };

@@ -145,8 +145,11 @@ class Reducer::Impl final : public detail::CommUser {
   // issues collectives turns it into a refusal every rank takes part in (refuse, agree_on_refusal).
   void start();
 
-  // Worker thread: runs one reduction; a step's last one completes the step, failed or not.
-  void run(Reduction& reduction);
+  // Worker thread: runs one reduction, fused with the reductions queued right
+  // after it where every rank has them queued too (docs/engine.md, "Fusing
+  // queued reductions"); a step's last one completes the step, failed or not.
+  // `turn`: the reduction's place on the communicator.
+  void run(Reduction& reduction, const detail::CommTurns::Turn& turn);
 
   // Worker thread: whether a bucket of the reduction carries a learning-rate note.
   bool noted(const Reduction& reduction) const;
@@ -203,6 +206,20 @@ class Reducer::Impl final : public detail::CommUser {
     std::function<void()> call;
     detail::CommTurns::Turn turn;
   };
+  using SerialWorkerClaimed = SerialWorker<WorkerTask>::Claimed;
+  using Claimed = std::vector<SerialWorkerClaimed>;
+  // Worker thread: takes out of the queue the reductions that may run fused
+  // with `reduction` (StepRunner::can_fuse), at most kMaxFused - 1.
+  Claimed claim_fusable(const Reduction& reduction, const detail::CommTurns::Turn& turn);
+  // Worker thread, after every rank agreed: `reduction` and `members` as one,
+  // each member's handle finished with its outcome; rethrows the reduction's.
+  void run_fused(Reduction& reduction, Claimed& members);
+  // Worker thread: a reduction agreed in an announce, its collectives and the state after success.
+  void run_agreed(Reduction& reduction);
+  // Worker thread, once: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any rank that
+  // proposes nothing makes every rank run its reductions one by one).
+  const bool fuse_ = fuse_reductions_from_env();
+  static bool fuse_reductions_from_env();
   // Runs fn on the worker after everything queued before it; rethrows its exception.
   void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn), {}})->wait(); }
   // The same for a call that issues collectives: in its turn among the communicator's users.
@@ -223,7 +240,7 @@ class Reducer::Impl final : public detail::CommUser {
                                      if (task.call)
                                        task.call();
                                      else
-                                       run(*task.reduction);
+                                       run(*task.reduction, turn);
                                    }};
 };
 

@@ -4,6 +4,10 @@
 // learning-rate policy (policy.hpp): the note the user thread makes, the boost
 // the worker applies once every rank announced it, the decision log.
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <iterator>
+#include <string>
 #include <vector>
 
 #include "engine/fault_injection.hpp"
@@ -24,31 +28,111 @@ void Reducer::Impl::start() {
   allocated_ = true;
 }
 
-void Reducer::Impl::run(Reduction& reduction) {
+bool Reducer::Impl::fuse_reductions_from_env() {
+  const char* value = std::getenv("PSGD_FUSE_REDUCTIONS");
+  return value == nullptr || std::string(value) != "0";
+}
+
+void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {
+  if (fault_ && fault_->point == engine::FaultPoint::Hold && !reduction.buckets.empty() &&
+      reduction.buckets[0] == 0 && (fault_->step < 0 || fault_->step == reduction.iteration))
+    worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));  // test only (fault_injection.hpp)
+  Claimed claimed = claim_fusable(reduction, turn);
   try {
+    std::vector<const Reduction*> proposals;
+    for (const auto& c : claimed) proposals.push_back(c.item.reduction.get());
     // layout_fingerprint_ is final since the first reduce (start()).
-    guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_);
-    const auto agreed = [&] {
-      guard_->finish(reduction);
-      loaded_on_worker_ = false;
-    };
+    guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals);
     if (!reduction.poisoned && noted(reduction)) {
       // The note changes the buckets' levels, and so what prepare computes:
       // only once every rank announced it (the lookahead left this reduction alone).
-      agreed();
+      guard_->finish(reduction);
+      loaded_on_worker_ = false;
       engine::lay_out_for_note(config_, comm_, *backend_, arenas_, buckets_);
       apply_note(reduction);
       runner_->run(reduction);
     } else {
-      runner_->run(reduction, agreed);
+      runner_->prepare_once(reduction);  // while the announce travels
+      const size_t fused = guard_->finish(reduction);
+      loaded_on_worker_ = false;
+      // The claimed reductions not agreed go back first, so the lookahead sees the true next one.
+      Claimed members(std::make_move_iterator(claimed.begin()),
+                      std::make_move_iterator(claimed.begin() + static_cast<std::ptrdiff_t>(fused - 1)));
+      claimed.erase(claimed.begin(), claimed.begin() + static_cast<std::ptrdiff_t>(fused - 1));
+      worker_.requeue_front(std::move(claimed));
+      claimed.clear();
+      if (!members.empty()) return run_fused(reduction, members);
+      runner_->run(reduction);
     }
     guard_->after_success(reduction);
   } catch (...) {
     guard_->settle();
+    if (!claimed.empty()) worker_.requeue_front(std::move(claimed));  // not announced: they run as queued
     if (reduction.closes_step) close_step(reduction);
     throw;
   }
   if (reduction.closes_step) close_step(reduction);
+}
+
+Reducer::Impl::Claimed Reducer::Impl::claim_fusable(const Reduction& r, const detail::CommTurns::Turn& turn) {
+  if (!fuse_ || comm_.size() == 1 || r.poisoned || !r.compressed || r.buckets.size() != 1 || noted(r)) return {};
+  std::vector<int> buckets = r.buckets;
+  return worker_.claim_front(engine::kMaxFused - 1, [&](const WorkerTask* previous, const WorkerTask& task) {
+    const Reduction* next = task.reduction.get();
+    if (next == nullptr || next->poisoned || !next->compressed || next->buckets.size() != 1 ||
+        next->iteration != r.iteration || noted(*next) || !task.turn.follows(previous ? previous->turn : turn))
+      return false;
+    buckets.push_back(next->buckets[0]);
+    if (runner_->can_fuse(buckets)) return true;
+    buckets.pop_back();
+    return false;
+  });
+}
+
+void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
+  std::vector<Reduction*> all{&reduction};
+  for (auto& m : members) {
+    m.done->start();
+    all.push_back(m.item.reduction.get());
+    runner_->prepare_once(*all.back());
+  }
+  const auto finish_members = [&](std::exception_ptr error) {
+    for (auto& m : members) m.done->finish(error);
+  };
+  Reduction fused = engine::StepRunner::fuse(all);
+  try {
+    runner_->run(fused);
+    guard_->after_success(fused);
+  } catch (const NonFiniteError&) {
+    // Every rank saw the same sums, so every rank is here, nothing changed: each
+    // reduction runs on its own (agreed already), so a NaN in one bucket fails that bucket's reduction only.
+    std::exception_ptr own;
+    for (Reduction* one : all) {
+      std::exception_ptr error;
+      try {
+        one->prepared = false;  // the failed collectives overwrote its prepared ranges
+        one->prepare_error = nullptr;
+        runner_->run(*one);
+        guard_->after_success(*one);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (one == &reduction)
+        own = error;
+      else
+        for (auto& m : members)
+          if (m.item.reduction.get() == one) m.done->finish(error);
+      if (one->closes_step) close_step(*one);
+    }
+    if (own) std::rethrow_exception(own);
+    return;
+  } catch (...) {
+    finish_members(std::current_exception());
+    if (fused.closes_step) close_step(fused);
+    throw;
+  }
+  finish_members(nullptr);
+  if (fused.closes_step) close_step(fused);
 }
 
 void Reducer::Impl::close_step(const Reduction& reduction) {

@@ -323,15 +323,69 @@ void StepRunner::prepare_compressed(Reduction& job, size_t i, BucketState& s) {
   be_.fill(unc + plan.packed_numel, std::isfinite(m2) && std::isfinite(u2) ? 0.0f : 1.0f, 1);
 }
 
-void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
-  if (!job.prepared) {
-    try {
-      prepare(job);
-    } catch (...) {
-      job.prepare_error = std::current_exception();
-      job.prepared = true;
-    }
+void StepRunner::prepare_once(Reduction& job) {
+  if (job.prepared) return;
+  try {
+    prepare(job);
+  } catch (...) {
+    job.prepare_error = std::current_exception();
+    job.prepared = true;
   }
+}
+
+bool StepRunner::can_fuse(const std::vector<int>& buckets) const {
+  int64_t f32 = 0, factors = 0, q = 0;  // the fused collectives' elements (factors: the 16-bit wire's part)
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const BucketState& s = bucket(buckets[i]);
+    const int64_t factor = factor_numel(s, q_half_now(s));
+    if (i > 0) {
+      const BucketState& before = bucket(buckets[i - 1]);
+      if (before.unc_offset + before.plan.packed_numel + 1 + factor_numel(before, q_half_now(before)) !=
+              s.unc_offset ||
+          before.q_offset + before.plan.q_numel != s.q_offset)
+        return false;
+    }
+    f32 += s.plan.packed_numel + 1;
+    factors += factor;
+    if (!config_.alternating) q += s.plan.q_numel;
+  }
+  const auto in_rank_order = [&](int64_t count, DataType type) {
+    return count == 0 || comm_.sums_in_rank_order(static_cast<size_t>(count), type);
+  };
+  if (config_.wire_dtype == WireDType::Float32) return in_rank_order(f32 + factors, DataType::Float32) &&
+                                                       in_rank_order(q, DataType::Float32);
+  const DataType half = wire_type(config_.wire_dtype);
+  return in_rank_order(f32, DataType::Float32) && in_rank_order(factors, half) && in_rank_order(q, half);
+}
+
+Reduction StepRunner::fuse(const std::vector<Reduction*>& members) {
+  Reduction fused;
+  const Reduction& first = *members.front();
+  fused.iteration = first.iteration;
+  fused.compressed = true;
+  fused.prepared = true;
+  fused.unc_begin = first.unc_begin;
+  fused.q_begin = first.q_begin;
+  for (const Reduction* m : members) {
+    const auto append = [](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); };
+    append(fused.buckets, m->buckets);
+    append(fused.data, m->data);
+    append(fused.m2, m->m2);
+    append(fused.drew, m->drew);
+    append(fused.unc_at, m->unc_at);
+    append(fused.q_at, m->q_at);
+    append(fused.q_half, m->q_half);
+    append(fused.out2, m->out2);
+    fused.unc_count += m->unc_count;
+    fused.q_count += m->q_count;
+    fused.closes_step = fused.closes_step || m->closes_step;
+    if (!fused.prepare_error) fused.prepare_error = m->prepare_error;
+  }
+  return fused;
+}
+
+void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
+  prepare_once(job);
   if (before_collectives) before_collectives();
   // A failed prepare still issues the step's collectives, poisoned (run_plain, check_flags).
   if (!job.compressed)

@@ -70,6 +70,22 @@ class StepRunner {
   // reduction there, nothing changed.
   void run(Reduction& job, const std::function<void()>& before_collectives = {});
 
+  // Prepares `job` now unless it is (a failure is kept in job.prepare_error and
+  // sent poisoned, as run does). Local; no lasting state changes.
+  void prepare_once(Reduction& job);
+
+  // Fusing queued reductions (docs/engine.md, "Fusing queued reductions"):
+  // whether single-bucket compressed reductions of `buckets`, in this order,
+  // can run as one (fuse) with the same bits as one after the other: each
+  // bucket's slots follow the previous one's in the arenas (so their ranges
+  // are one segment) and every collective of the fused reduction adds each
+  // element over the ranks in rank order (Communicator::sums_in_rank_order).
+  // A pure function of the buckets' agreed state and the communicator.
+  bool can_fuse(const std::vector<int>& buckets) const;
+  // One reduction of the prepared `members` (can_fuse of their buckets): their
+  // ranges laid end to end, so run() sends each collective once for all.
+  static Reduction fuse(const std::vector<Reduction*>& members);
+
   // A rank whose local work failed puts this into its finite flags: the sum is
   // kFailedFlag * (failed ranks) + (ranks with NaN/Inf), exact while the world
   // has fewer than 4096 ranks (floats hold integers exactly up to 2^24).
@@ -77,6 +93,8 @@ class StepRunner {
 
  private:
   BucketState& bucket(int b) { return *buckets_[static_cast<size_t>(b)]; }
+  const BucketState& bucket(int b) const { return *buckets_[static_cast<size_t>(b)]; }
+  bool q_half_now(const BucketState& s) const { return config_.alternating && s.compressed_steps % 2 == 1; }
 
   void prepare(Reduction& job);
   void prepare_plain(BucketState& s, const float* data);

@@ -40,6 +40,12 @@ uint64_t Communicator::communication_rounds() const {
   return gloo != nullptr ? gloo->rounds() : 0;
 }
 
+bool Communicator::sums_in_rank_order(size_t count, DataType type) const {
+  const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(this);
+  if (gloo == nullptr) return false;
+  return gloo->size() == 1 || gloo->choose(count * size_of(type)) == transport::Algorithm::Direct;
+}
+
 }  // namespace powersgd
 
 namespace powersgd::transport {
