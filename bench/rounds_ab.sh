@@ -12,8 +12,11 @@
 # Environment (defaults in brackets): HOSTS ["4 8"]  DELAYS ["0 5ms"]
 #   SHAPES [data/models/resnet18.shapes]  BUCKET_MB [25]  STEPS [10]  RANK [2]
 #   EXTRA [""] more powersgd-bench engine arguments (e.g. "--alternating")
+#   ENV [""] NAME=VALUE settings for every rank of every side (e.g. "PSGD_DIRECT_MAX_BYTES=1048576")
 #   SIDES ["bcube direct"]: a side ending in -idle0 also sets net.ipv4.tcp_slow_start_after_idle=0 in
-#         each emulated host (a per-namespace sysctl: TCP keeps its window across idle gaps)
+#         each emulated host (a per-namespace sysctl: TCP keeps its window across idle gaps); a side
+#         starting with "unfused" sets PSGD_FUSE_REDUCTIONS=0 (each reduction on its own: the engine
+#         before fusing queued reductions, docs/engine.md)
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -25,6 +28,8 @@ BUCKET_MB=${BUCKET_MB:-25}
 STEPS=${STEPS:-10}
 RANK=${RANK:-2}
 EXTRA=${EXTRA:-}
+ENV_ARGS=
+for setting in ${ENV:-}; do ENV_ARGS="$ENV_ARGS --env $setting"; done
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
 emulated_preamble rounds_ab.sh
@@ -33,18 +38,20 @@ BENCH="$BUILD/tools/bench/powersgd-bench"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "== bench/rounds_ab.sh: links $RATE, $ROUNDS round(s), $(basename "$SHAPES"), buckets $BUCKET_MB MiB," \
-  "rank $RANK, $STEPS steps ${EXTRA:+($EXTRA) }; $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1 /proc/loadavg)"
+  "rank $RANK, $STEPS steps ${EXTRA:+($EXTRA) }${ENV:+($ENV) }; $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1 /proc/loadavg)"
 SIDES=${SIDES:-bcube direct}
 for hosts in $HOSTS; do
   for delay in $DELAYS; do
     for round in $(seq "$ROUNDS"); do
       for side in $SIDES; do
         direct=; case $side in bcube*) direct=0 ;; esac
+        fuse=; case $side in unfused*) fuse=0 ;; esac
         idle=; case $side in *-idle0) idle=0 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 900 \
           --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} \
+          ${fuse:+--env PSGD_FUSE_REDUCTIONS=$fuse} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$BENCH" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
           --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {

@@ -134,6 +134,13 @@ class PSGD_API Communicator {
   // reductions into one only where this holds (docs/engine.md, "Fusing queued
   // reductions"). False for a Communicator not made by create().
   bool sums_in_rank_order(size_t count, DataType type) const;
+  // An allreduce (sum, in place) that adds each element's contributions in rank
+  // order whatever its size (the direct algorithm: every rank receives
+  // (size() - 1) * count elements, in one round): for buffers that join
+  // allreduces each of which sums_in_rank_order, so the joined one keeps their
+  // bits and moves the same bytes. UnsupportedError where sums_in_rank_order
+  // is false for every size (not made by create(), or the legacy Gloo API).
+  Work allreduce_in_rank_order_async(void* data, size_t count, DataType type);
 };
 
 }  // namespace powersgd

@@ -183,6 +183,7 @@ class Reducer::Impl final : public detail::CommUser {
   bool allocated_ = false;
   std::optional<engine::Fault> fault_;  // test only (fault_injection.hpp): read on the worker at an allocation
   int64_t allocation_attempts_ = 0;     // worker
+  int64_t held_step_ = -1;              // worker: the last step FaultPoint::Hold held
   engine::StepTracker steps_;
   std::mutex user_mutex_;  // OneCaller
 

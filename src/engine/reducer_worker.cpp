@@ -34,9 +34,11 @@ bool Reducer::Impl::fuse_reductions_from_env() {
 }
 
 void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {
-  if (fault_ && fault_->point == engine::FaultPoint::Hold && !reduction.buckets.empty() &&
-      reduction.buckets[0] == 0 && (fault_->step < 0 || fault_->step == reduction.iteration))
-    worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));  // test only (fault_injection.hpp)
+  if (fault_ && fault_->point == engine::FaultPoint::Hold && held_step_ != reduction.iteration &&
+      (fault_->step < 0 || fault_->step == reduction.iteration)) {
+    held_step_ = reduction.iteration;  // test only (fault_injection.hpp)
+    worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));
+  }
   Claimed claimed = claim_fusable(reduction, turn);
   try {
     std::vector<const Reduction*> proposals;
@@ -52,7 +54,10 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       apply_note(reduction);
       runner_->run(reduction);
     } else {
-      runner_->prepare_once(reduction);  // while the announce travels
+      // While the announce travels; the proposals too (local work, nothing lasting: any not agreed runs
+      // later as prepared, like the lookahead's).
+      runner_->prepare_once(reduction);
+      for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
       const size_t fused = guard_->finish(reduction);
       loaded_on_worker_ = false;
       // The claimed reductions not agreed go back first, so the lookahead sees the true next one.
@@ -94,7 +99,6 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
   for (auto& m : members) {
     m.done->start();
     all.push_back(m.item.reduction.get());
-    runner_->prepare_once(*all.back());
   }
   const auto finish_members = [&](std::exception_ptr error) {
     for (auto& m : members) m.done->finish(error);

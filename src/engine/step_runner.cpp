@@ -65,10 +65,15 @@ void StepRunner::lookahead(const Reduction& current) {
   }
 }
 
+Work StepRunner::allreduce(void* data, size_t count, DataType type) {
+  return in_rank_order_ ? comm_.allreduce_in_rank_order_async(data, count, type)
+                        : comm_.allreduce_async(data, count, type);
+}
+
 Work StepRunner::send(const Segment& seg, bool stage) {
   if (stage && seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
   stats_.bytes_sent += seg.count * sizeof(float);
-  return comm_.allreduce_async(seg.host, seg.count, DataType::Float32);
+  return allreduce(seg.host, seg.count, DataType::Float32);
 }
 
 void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works) {
@@ -95,11 +100,11 @@ void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool st
   // Float32 first, then the factors: the same two collectives, in the same order, on every rank.
   if (!wire_f32_.empty()) {
     stats_.bytes_sent += wire_f32_.size() * sizeof(float);
-    works.push_back(comm_.allreduce_async(wire_f32_.data(), wire_f32_.size(), DataType::Float32));
+    works.push_back(allreduce(wire_f32_.data(), wire_f32_.size(), DataType::Float32));
   }
   if (!wire_half_.empty()) {
     stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
-    works.push_back(comm_.allreduce_async(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
+    works.push_back(allreduce(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
   }
 }
 
@@ -333,11 +338,16 @@ void StepRunner::prepare_once(Reduction& job) {
   }
 }
 
-bool StepRunner::can_fuse(const std::vector<int>& buckets) const {
-  int64_t f32 = 0, factors = 0, q = 0;  // the fused collectives' elements (factors: the 16-bit wire's part)
+bool StepRunner::can_fuse(std::vector<int> buckets) const {
+  // In the arenas' order (a DDP-like caller reduces the last bucket first).
+  std::sort(buckets.begin(), buckets.end(), [&](int a, int b) { return bucket(a).unc_offset < bucket(b).unc_offset; });
+  const auto in_rank_order = [&](int64_t count, DataType type) {
+    return count == 0 || comm_.sums_in_rank_order(static_cast<size_t>(count), type);
+  };
   for (size_t i = 0; i < buckets.size(); ++i) {
     const BucketState& s = bucket(buckets[i]);
     const int64_t factor = factor_numel(s, q_half_now(s));
+    const int64_t q = config_.alternating ? 0 : s.plan.q_numel;
     if (i > 0) {
       const BucketState& before = bucket(buckets[i - 1]);
       if (before.unc_offset + before.plan.packed_numel + 1 + factor_numel(before, q_half_now(before)) !=
@@ -345,22 +355,25 @@ bool StepRunner::can_fuse(const std::vector<int>& buckets) const {
           before.q_offset + before.plan.q_numel != s.q_offset)
         return false;
     }
-    f32 += s.plan.packed_numel + 1;
-    factors += factor;
-    if (!config_.alternating) q += s.plan.q_numel;
+    // Each of the bucket's own collectives (run alone) in rank order: then the
+    // fused ones, sent in rank order too, keep the bits and move the same bytes.
+    const bool alone_in_rank_order =
+        config_.wire_dtype == WireDType::Float32
+            ? in_rank_order(s.plan.packed_numel + 1 + factor, DataType::Float32) && in_rank_order(q, DataType::Float32)
+            : in_rank_order(s.plan.packed_numel + 1, DataType::Float32) &&
+                  in_rank_order(factor, wire_type(config_.wire_dtype)) && in_rank_order(q, wire_type(config_.wire_dtype));
+    if (!alone_in_rank_order) return false;
   }
-  const auto in_rank_order = [&](int64_t count, DataType type) {
-    return count == 0 || comm_.sums_in_rank_order(static_cast<size_t>(count), type);
-  };
-  if (config_.wire_dtype == WireDType::Float32) return in_rank_order(f32 + factors, DataType::Float32) &&
-                                                       in_rank_order(q, DataType::Float32);
-  const DataType half = wire_type(config_.wire_dtype);
-  return in_rank_order(f32, DataType::Float32) && in_rank_order(factors, half) && in_rank_order(q, half);
+  return true;
 }
 
-Reduction StepRunner::fuse(const std::vector<Reduction*>& members) {
+Reduction StepRunner::fuse(std::vector<Reduction*> members) {
+  std::sort(members.begin(), members.end(), [](const Reduction* a, const Reduction* b) {
+    return a->unc_begin < b->unc_begin;  // the arenas' order: one segment (can_fuse)
+  });
   Reduction fused;
   const Reduction& first = *members.front();
+  fused.fused = true;
   fused.iteration = first.iteration;
   fused.compressed = true;
   fused.prepared = true;
@@ -387,6 +400,7 @@ Reduction StepRunner::fuse(const std::vector<Reduction*>& members) {
 void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
   prepare_once(job);
   if (before_collectives) before_collectives();
+  in_rank_order_ = job.fused;
   // A failed prepare still issues the step's collectives, poisoned (run_plain, check_flags).
   if (!job.compressed)
     run_plain(job);

@@ -33,6 +33,8 @@ struct Reduction {
   std::exception_ptr poisoned;
   // Filled by prepare, possibly ahead of time while the previous reduction communicates.
   bool prepared = false;
+  // Several queued reductions run as one (StepRunner::fuse): every collective in rank order.
+  bool fused = false;
   std::exception_ptr prepare_error;
   std::vector<double> m2;  // ||M||^2 over compressed matrices, per bucket of the reduction
   std::vector<char> drew;  // whether Q came from the generator, per bucket
@@ -75,16 +77,17 @@ class StepRunner {
   void prepare_once(Reduction& job);
 
   // Fusing queued reductions (docs/engine.md, "Fusing queued reductions"):
-  // whether single-bucket compressed reductions of `buckets`, in this order,
-  // can run as one (fuse) with the same bits as one after the other: each
-  // bucket's slots follow the previous one's in the arenas (so their ranges
-  // are one segment) and every collective of the fused reduction adds each
-  // element over the ranks in rank order (Communicator::sums_in_rank_order).
-  // A pure function of the buckets' agreed state and the communicator.
-  bool can_fuse(const std::vector<int>& buckets) const;
+  // whether single-bucket compressed reductions of `buckets` (in any order)
+  // can run as one (fuse) with the same bits as one after the other: in the
+  // arenas' order each bucket's slots follow the previous one's (so their
+  // ranges are one segment), and each bucket's own collectives add each
+  // element over the ranks in rank order (Communicator::sums_in_rank_order),
+  // as the fused ones then do (allreduce_in_rank_order_async), moving the same
+  // bytes in one round. A pure function of the buckets' agreed state and the communicator.
+  bool can_fuse(std::vector<int> buckets) const;
   // One reduction of the prepared `members` (can_fuse of their buckets): their
-  // ranges laid end to end, so run() sends each collective once for all.
-  static Reduction fuse(const std::vector<Reduction*>& members);
+  // ranges in the arenas' order, so run() sends each collective once for all.
+  static Reduction fuse(std::vector<Reduction*> members);
 
   // A rank whose local work failed puts this into its finite flags: the sum is
   // kFailedFlag * (failed ranks) + (ranks with NaN/Inf), exact while the world
@@ -133,6 +136,9 @@ class StepRunner {
   // stage: copy the device range to its host staging first; a rank whose local
   // work failed sends its host buffer as it is (its device may be what failed).
   Work send(const Segment& seg, bool stage = true);
+  // The job's allreduce: in rank order for a fused job (in_rank_order_), else the communicator's choice.
+  Work allreduce(void* data, size_t count, DataType type);
+  bool in_rank_order_ = false;  // the running job is fused (set by run)
   // A segment whose `factors` ranges ([offset, count) from the segment's start,
   // ascending) hold P or Q: with a 16-bit wire_dtype those travel in their own
   // collective, rounded once (engine/half.hpp), after one float32 collective of

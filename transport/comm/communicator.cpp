@@ -46,6 +46,14 @@ bool Communicator::sums_in_rank_order(size_t count, DataType type) const {
   return gloo->size() == 1 || gloo->choose(count * size_of(type)) == transport::Algorithm::Direct;
 }
 
+Work Communicator::allreduce_in_rank_order_async(void* data, size_t count, DataType type) {
+  auto* gloo = dynamic_cast<transport::GlooCommunicator*>(this);
+  PSGD_REQUIRE(gloo != nullptr && gloo->direct_max_bytes() > 0, UnsupportedError,
+               "allreduce_in_rank_order_async: this communicator has no direct allreduce (made by create() with "
+               "Gloo's new API and PSGD_DIRECT_MAX_BYTES above 0 only)");
+  return gloo->allreduce_async(data, count, type, transport::Algorithm::Direct);
+}
+
 }  // namespace powersgd
 
 namespace powersgd::transport {
