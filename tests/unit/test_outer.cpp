@@ -16,8 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "c_comm_of_one.hpp"
 #include "error_of.hpp"
 #include "powersgd/outer_optimizer.hpp"
+#include "powersgd/powersgd.h"
 
 using namespace powersgd;
 using powersgd::test::error_of;
@@ -308,4 +310,71 @@ TEST_CASE("outer: a checkpoint resumes bit for bit; a damaged or foreign file is
   std::filesystem::remove(outer_path);
   std::filesystem::remove(reducer_path);
 }
+TEST_CASE("outer: the C API, against the C++ class") {
+  psgd_comm* comm = powersgd::test::c_comm_of_one();
+  psgd_config config = psgd_config_default();
+  config.start_iter = 0;
+  psgd_reducer* r = nullptr;
+  REQUIRE(psgd_reducer_create(comm, &config, &r) == PSGD_OK);
+  const int ndims[] = {2, 1};
+  const int64_t dims0[] = {16, 8, 8};
+  const int64_t dims1[] = {12, 10};
+  int b = -1;
+  REQUIRE(psgd_reducer_add_bucket(r, 2, ndims, dims0, &b) == PSGD_OK);
+  REQUIRE(psgd_reducer_add_bucket(r, 1, ndims, dims1, &b) == PSGD_OK);
+  Params p;
+  init(p, 1);
+  float* params[2] = {p.b0.data(), p.b1.data()};
+  psgd_outer* o = nullptr;
+  CHECK(psgd_outer_create(comm, r, 4, 0.7, 1.0, params, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_create: outer.momentum = 1: expected 0 <= momentum < 1");
+  CHECK(o == nullptr);
+  CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, 1, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, nullptr, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_create: argument 'params' is null");
+  REQUIRE(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, 2, &o) == PSGD_OK);
+  CHECK(psgd_outer_due(o, 4) == 1);
+  CHECK(psgd_outer_due(o, 5) == 0);
+  CHECK(psgd_outer_due(nullptr, 4) == -1);
+
+  Job cpp(compressed(), OuterConfig{4, 0.7, 0.9});  // the same steps through the C++ class
+  for (int t = 0; t < 3; ++t) {
+    local_steps(p, t);
+    local_steps(cpp.params, t);
+    REQUIRE(psgd_outer_step(o, params, 2) == PSGD_OK);
+    cpp.step();
+    CHECK(p.b0 == cpp.params.b0);
+    CHECK(p.b1 == cpp.params.b1);
+  }
+  CHECK(psgd_outer_steps(o) == 3);
+  CHECK(psgd_outer_steps(nullptr) == -1);
+  std::vector<float> start(120);
+  CHECK(psgd_outer_start(o, 1, start.data()) == PSGD_OK);
+  CHECK(start == copy(cpp.outer->start(1)));
+  CHECK(psgd_outer_start(o, 2, start.data()) == PSGD_ERR_INVALID_ARGUMENT);
+
+  // A null buffer: refused, nothing changed.
+  float* null_params[2] = {p.b0.data(), nullptr};
+  const Params before = p;
+  CHECK(psgd_outer_step(o, null_params, 2) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("data[1] is null") != std::string::npos);
+  CHECK(psgd_outer_step(o, params, 1) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_outer_steps(o) == 3);
+  CHECK(p.b0 == before.b0);
+
+  const std::string path = temp_path("c.ckpt");
+  CHECK(psgd_outer_save(o, path.c_str()) == PSGD_OK);
+  CHECK(psgd_outer_save(o, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  local_steps(p, 5);
+  REQUIRE(psgd_outer_step(o, params, 2) == PSGD_OK);
+  CHECK(psgd_outer_load(o, path.c_str()) == PSGD_OK);
+  CHECK(psgd_outer_steps(o) == 3);
+  CHECK(psgd_outer_load(o, "/nonexistent") == PSGD_ERR_IO);
+  std::filesystem::remove(path);
+  psgd_outer_destroy(o);
+  psgd_outer_destroy(nullptr);
+  psgd_reducer_destroy(r);
+  psgd_comm_destroy(comm);
+}
+
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
