@@ -5,9 +5,12 @@
 // (reduce_all, which commits every bucket or none), and only then applied.
 #include "powersgd/outer_optimizer.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "common/check.hpp"
 #include "engine/checkpoint.hpp"
