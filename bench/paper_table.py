@@ -45,6 +45,18 @@ ROWS = [
     ("policy-warmup-4-8", "policy 4..8: warm-up only"),
 ]
 FIXED = ["rank1", "rank2", "rank4", "rank8"]
+# Local steps (docs/local-steps.md): localH, localH-rankR, localH-rankR-no-ef, after the rows above.
+LOCAL = re.compile(r"^local(\d+)(?:-rank(\d+))?(-no-ef)?$")
+
+
+def local_rows(keys):
+    """(key, label) of the local-step rows among keys: uncompressed first, then by rank, H and error feedback."""
+    found = [(k, LOCAL.match(k)) for k in keys]
+    found = [(k, m) for k, m in found if m]
+    found.sort(key=lambda km: (int(km[1][2] or 0), bool(km[1][3]), int(km[1][1])))
+    return [(k, f"{m[1]} local steps, outer step " +
+             (f"rank {m[2]}, " + ("no error feedback" if m[3] else "error feedback") if m[2] else "uncompressed"))
+            for k, m in found]
 MODELS = [("wide", "wide MLP 784-1024-1024-10"), ("cnn", "CNN")]
 EPOCH = re.compile(r"^\[0\] epoch (\d+): train loss ([0-9.]+), train accuracy ([0-9.]+)%, "
                    r"test accuracy ([0-9.]+)%, ([0-9.]+) s, lr ([0-9.e+-]+), (\d+) bytes sent per rank")
@@ -93,7 +105,7 @@ def summarize(model_dir):
         if m:
             runs.setdefault(m[1], []).append(dict(parse(os.path.join(model_dir, name)), seed=int(m[2])))
     rows = []
-    for key, label in ROWS:
+    for key, label in ROWS + local_rows(runs):
         if key not in runs:
             continue
         seeds = sorted(runs[key], key=lambda r: r["seed"])

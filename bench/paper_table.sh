@@ -8,7 +8,12 @@
 # rank 2 without error feedback; rank 2 without warm start; the norm-change rule
 # (adaptive); the schedule-aware policy (warm-up and learning-rate notes, with a
 # fixed low rank and with the norm-change rule; the same from rank 4, and its
-# warm-up alone); alternating; rank 2 with bf16 factors on the wire. Writes
+# warm-up alone); alternating; rank 2 with bf16 factors on the wire. Local steps
+# (docs/local-steps.md), not in the default rows: localH (H local steps per outer
+# step, the outer step a plain averaged allreduce), localH-rankR (PowerSGD rank R
+# with error feedback on the pseudo-gradients), localH-rankR-no-ef (without it),
+# any H and R, e.g. ROWS="allreduce rank2 local16 local16-rank2 local16-rank2-no-ef"; their outer
+# optimizer from OUTER_LR and OUTER_MOMENTUM (unset: the trainer's defaults, DiLoCo's 0.7 and 0.9). Writes
 # OUT_DIR/<model>/<row>-s<seed>.log (first line: the command that made it), then
 # bench/paper_table.py makes OUT_DIR/table.md, OUT_DIR/table.json and the figures
 # (mean and standard error over the seeds of the final test accuracy, bytes per
@@ -69,6 +74,16 @@ row_args() {  # row -> the trainer's arguments of that row
     policy-warmup-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup" ;;
     alternating) echo "--rank 2 --alternating" ;;
     rank2-bf16) echo "--rank 2 --wire-dtype bf16" ;;
+    local*)
+      h=$(echo "$1" | sed -n 's/^local\([0-9][0-9]*\)\(-rank[0-9][0-9]*\)\{0,1\}\(-no-ef\)\{0,1\}$/\1/p')
+      [ -n "$h" ] || { echo "paper_table.sh: row '$1': expected localH, localH-rankR or localH-rankR-no-ef" >&2; return 2; }
+      r=$(echo "$1" | sed -n 's/^local[0-9]*-rank\([0-9][0-9]*\).*/\1/p')
+      outer="${OUTER_LR:+ --outer-lr $OUTER_LR}${OUTER_MOMENTUM:+ --outer-momentum $OUTER_MOMENTUM}"
+      case $1 in
+        *-no-ef) echo "--rank $r --local-steps $h --no-error-feedback$outer" ;;
+        *-rank*) echo "--rank $r --local-steps $h$outer" ;;
+        *) echo "--no-compression --local-steps $h$outer" ;;
+      esac ;;
     *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
   esac
 }

@@ -28,6 +28,15 @@
 // and --test-limit train and test on the first N images. Each epoch prints rank
 // 0's gradient payload of that epoch (Stats::bytes_sent, or the allreduced
 // bytes with --no-compression); bench/paper_table.sh parses these lines.
+//
+// Local steps (--local-steps H > 1, docs/local-steps.md): each rank takes H
+// inner steps (its own SGD with momentum on its own shard, no communication),
+// then one outer step through powersgd::OuterOptimizer: the pseudo-gradients
+// are reduced by the Reducer (PowerSGD with error feedback, or a plain averaged
+// allreduce with --no-compression) and applied with Nesterov momentum
+// (--outer-lr, --outer-momentum); the last step of the run is an outer step too.
+// --start-iter then counts outer steps; the epoch's test accuracy is the
+// synchronised start point's, and its bytes fall by about H.
 #include <signal.h>
 #include <zlib.h>
 
@@ -36,16 +45,19 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "powersgd/comm.hpp"
 #include "powersgd/gradient_record.hpp"
+#include "powersgd/outer_optimizer.hpp"
 #include "powersgd/reducer.hpp"
 #include "models.hpp"
 #include "trainer_checkpoint.hpp"
@@ -168,6 +180,7 @@ int main(int argc, char** argv) {
   int64_t warmup_steps = defaults.warmup_steps, lr_boost_steps = defaults.lr_boost_steps;
   bool lr_notes = false;
   std::string decision_log_path;
+  powersgd::OuterConfig outer_config;
   app.add_option("--data", data_dir, "Directory of the Fashion-MNIST IDX .gz files")->check(CLI::ExistingDirectory);
   app.add_option("--model", model_name,
                  "mlp: 784-256-128-10 perceptron (--hidden sets the 256); wide: 784-1024-1024-10 perceptron (the "
@@ -213,6 +226,14 @@ int main(int argc, char** argv) {
   app.add_option("--lr-boost-steps", lr_boost_steps,
                  "Rank policy: compressed steps at the high rank after a learning-rate note (Config::lr_boost_steps)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--local-steps", outer_config.local_steps,
+                 "Inner steps per outer step (DiLoCo, docs/local-steps.md): 1 (default) reduces every step's "
+                 "gradients; H > 1 takes H local steps, then reduces the pseudo-gradients in one outer step")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
+  auto* outer_lr_option = app.add_option("--outer-lr", outer_config.lr,
+                                         "Outer learning rate of --local-steps (Nesterov SGD; DiLoCo: 0.7)");
+  auto* outer_momentum_option = app.add_option("--outer-momentum", outer_config.momentum,
+                                               "Outer Nesterov momentum of --local-steps, in [0, 1) (DiLoCo: 0.9)");
   app.add_flag("--lr-notes", lr_notes, "Call Reducer::note_lr_change() at each learning-rate decay");
   app.add_option("--decision-log", decision_log_path,
                  "Rank 0 writes the reducer's rank decisions to this file as JSON lines");
@@ -245,6 +266,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   if (app.count("--lr-decay-epochs") == 0 && epochs > 2) lr_decay_epochs = {epochs};
+  const bool local_steps = outer_config.local_steps > 1;
+  if (!local_steps && (outer_lr_option->count() > 0 || outer_momentum_option->count() > 0)) {
+    std::fprintf(stderr, "--outer-lr and --outer-momentum need --local-steps > 1\n");
+    return 2;
+  }
+  try {
+    outer_config.validate();
+  } catch (const powersgd::Error& e) {
+    std::fprintf(stderr, "train-fashion-mnist: %s\n", e.what());
+    return 2;
+  }
 
   try {
     auto comm = powersgd::Communicator::from_env();
@@ -273,7 +305,8 @@ int main(int argc, char** argv) {
                                      : fashion_mnist::make_mlp(hidden1, hidden2, 42 + seed);
     powersgd::Config config;
     config.rank = rank;
-    config.start_iter = start_iter;
+    // With local steps and --no-compression the outer steps are plain averaged allreduces of the Reducer.
+    config.start_iter = local_steps && no_compression ? std::numeric_limits<int64_t>::max() : start_iter;
     config.error_feedback = !no_error_feedback;
     config.warm_start = !no_warm_start;
     config.adaptive = adaptive;
@@ -302,11 +335,24 @@ int main(int argc, char** argv) {
         if (lr_notes) method += ", learning-rate notes (boost " + std::to_string(lr_boost_steps) + " steps)";
         if (wire_dtype != "f32") method += ", " + wire_dtype + " factors on the wire";
       }
+      if (local_steps) {
+        char outer[160];
+        std::snprintf(outer, sizeof outer, ", %lld local steps per outer step (outer lr %g, momentum %g)",
+                      static_cast<long long>(outer_config.local_steps), outer_config.lr, outer_config.momentum);
+        method += outer;
+      }
       std::printf("training %zu parameters (%s) on %d ranks, global batch %d, %zu training images, %s, seed %llu\n",
                   model->parameter_count(), model_name.c_str(), world, global_batch, train.count, method.c_str(),
                   static_cast<unsigned long long>(seed));
       std::printf("%s\n", compression_line(*model, config, no_compression).c_str());
     }
+
+    // Local steps: the outer optimizer over the reducer; rank 0's parameters become every rank's start point.
+    std::optional<powersgd::OuterOptimizer> outer;
+    const auto param_spans = [&] {
+      return std::vector<std::span<float>>{std::span<float>(model->params(0)), std::span<float>(model->params(1))};
+    };
+    if (local_steps) outer.emplace(*comm, reducer, outer_config, param_spans());
 
     std::unique_ptr<powersgd::GradientRecordWriter> recorder;
     if (me == 0 && !record_path.empty())
@@ -327,6 +373,11 @@ int main(int argc, char** argv) {
       options = fashion_mnist::fnv1a(&v, sizeof v, options);
     if (seed != 0) options = fashion_mnist::fnv1a(&seed, sizeof seed, options);  // older checkpoints: seed 0
     for (const float v : {lr, lr_decay_factor}) options = fashion_mnist::fnv1a(&v, sizeof v, options);
+    if (local_steps) {  // older checkpoints: one local step
+      options = fashion_mnist::fnv1a(&outer_config.local_steps, sizeof outer_config.local_steps, options);
+      options = fashion_mnist::fnv1a(&outer_config.lr, sizeof outer_config.lr, options);
+      options = fashion_mnist::fnv1a(&outer_config.momentum, sizeof outer_config.momentum, options);
+    }
     // The wire type changes the rounding of the run: a resumed job must use the same one.
     if (wire_dtype != "f32") options = fashion_mnist::fnv1a(wire_dtype.data(), wire_dtype.size(), options);
     for (const int e : lr_decay_epochs) options = fashion_mnist::fnv1a(&e, sizeof e, options);
@@ -334,7 +385,7 @@ int main(int argc, char** argv) {
     std::optional<fashion_mnist::TrainerCheckpoints> checkpoints;
     fashion_mnist::TrainerState resumed;
     if (!checkpoint_dir.empty()) {
-      checkpoints.emplace(checkpoint_dir, checkpoint_every, options, *comm, reducer);
+      checkpoints.emplace(checkpoint_dir, checkpoint_every, options, *comm, reducer, outer ? &*outer : nullptr);
       if (auto state = checkpoints->resume(tensors, tensor_sizes)) {
         resumed = *state;
         global_step = resumed.step;
@@ -364,11 +415,14 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> y(local_batch);
     std::mt19937_64 shuffle_rng(7 + seed);  // same permutation on every rank; each takes its slice
     const int steps_per_epoch = int(train.count / global_batch);
+    const int64_t total_steps = int64_t(epochs) * steps_per_epoch;
+    // Whose bytes the epoch lines count: the Reducer's, or the plain allreduces of --no-compression's.
+    const bool through_reducer = !no_compression || local_steps;
     uint64_t plain_bytes = 0, bytes_before_epoch = 0;
     auto t0 = std::chrono::steady_clock::now();
     const int64_t first_epoch = global_step / steps_per_epoch;
     // Resumed: this epoch's bytes count from the resumed step on.
-    if (global_step > 0 && !no_compression) bytes_before_epoch = reducer.stats().bytes_sent;
+    if (global_step > 0 && through_reducer) bytes_before_epoch = reducer.stats().bytes_sent;
     for (int epoch = 0; epoch < epochs; ++epoch) {
       std::shuffle(order.begin(), order.end(), shuffle_rng);  // also of the epochs a resumed job skips: replayed
       if (epoch < first_epoch) continue;
@@ -403,9 +457,11 @@ int main(int argc, char** argv) {
           recorder->append_step(local);
         }
         ++global_step;
-        for (int bucket : buckets) {
+        for (int bucket : buckets) {  // with local steps, none: each rank steps on its own gradient
           auto& g = model->grads(bucket);
-          if (no_compression) {
+          if (local_steps) {
+            continue;
+          } else if (no_compression) {
             comm->allreduce(g.data(), g.size(), powersgd::DataType::Float32);
             for (auto& v : g) v /= float(world);
             plain_bytes += g.size() * sizeof(float);
@@ -414,6 +470,7 @@ int main(int argc, char** argv) {
           }
         }
         model->sgd(epoch_lr, 0.9f, 5e-4f);
+        if (outer && (outer->due(global_step) || global_step == total_steps)) outer->step(param_spans());
         write_decisions(epoch_lr);
         if (checkpoints && checkpoints->due(global_step))
           checkpoints->save({global_step, loss_sum, correct}, tensors,
@@ -422,15 +479,22 @@ int main(int argc, char** argv) {
       // Accuracy on the test set, split into one contiguous share per rank and summed.
       const size_t test_begin = test.count * size_t(me) / size_t(world);
       const size_t test_end = test.count * size_t(me + 1) / size_t(world);
+      // With local steps the synchronised start point is the model (each rank's own differs between outer steps).
+      std::vector<float> own[2];
+      for (int b = 0; outer && b < 2; ++b) {
+        own[b] = model->params(b);
+        model->params(b).assign(outer->start(b).begin(), outer->start(b).end());
+      }
       int test_correct = model->evaluate(&test.images[test_begin * 784], &test.labels[test_begin],
                                          int(test_end - test_begin)).second;
+      for (int b = 0; outer && b < 2; ++b) model->params(b).swap(own[b]);
       const double rounds_per_step = global_step == steps_before ? 0.0
           : double(comm->communication_rounds() - rounds_before) / double(global_step - steps_before);
       double totals[3] = {loss_sum, double(correct), double(test_correct)};
       comm->allreduce(totals, 3, powersgd::DataType::Float64);
       double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const powersgd::Stats stats = reducer.stats();
-      const uint64_t bytes_so_far = no_compression ? plain_bytes : stats.bytes_sent;
+      const uint64_t bytes_so_far = through_reducer ? stats.bytes_sent : plain_bytes;
       if (me == 0) {
         double samples = double(steps_per_epoch) * global_batch;
         std::string ranks;  // adaptive: each bucket's rank for the next step
@@ -453,7 +517,8 @@ int main(int argc, char** argv) {
       std::printf("parameters fnv1a64 %016llx after %lld steps\n", static_cast<unsigned long long>(hash),
                   static_cast<long long>(global_step));
       if (no_compression) {
-        std::printf("sent %.1f MB of gradients per rank (uncompressed)\n", plain_bytes / 1e6);
+        std::printf("sent %.1f MB of gradients per rank (uncompressed)\n",
+                    (through_reducer ? double(reducer.stats().bytes_sent) : double(plain_bytes)) / 1e6);
       } else {
         powersgd::Stats stats = reducer.stats();
         std::printf("PowerSGD: %.1fx fewer elements than the uncompressed gradients after start_iter, "

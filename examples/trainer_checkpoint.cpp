@@ -103,6 +103,7 @@ std::string trainer_file(const std::string& set, int rank) { return set + "/trai
 std::string reducer_file(const std::string& set, int rank) {
   return set + "/reducer.rank" + std::to_string(rank) + ".ckpt";
 }
+std::string outer_file(const std::string& set, int rank) { return set + "/outer.rank" + std::to_string(rank) + ".ckpt"; }
 
 // The step of a set directory's name, or -1 for another name.
 int64_t step_of(const std::filesystem::path& entry) {
@@ -144,6 +145,7 @@ std::optional<TrainerState> TrainerCheckpoints::resume(std::span<std::vector<flo
   if (!in.at_end()) throw std::runtime_error(path + " has bytes after its last tensor");
   if (state.step != newest) throw std::runtime_error(path + " holds step " + std::to_string(state.step));
   reducer_.load(reducer_file(set, comm_.rank()));
+  if (outer_ != nullptr) outer_->load(outer_file(set, comm_.rank()));  // collective, as resume is
   return state;
 }
 
@@ -161,6 +163,7 @@ void TrainerCheckpoints::save(const TrainerState& state, std::span<const std::ve
   }
   write_file_durably(trainer_file(set, comm_.rank()), out);
   reducer_.save(reducer_file(set, comm_.rank()));
+  if (outer_ != nullptr) outer_->save(outer_file(set, comm_.rank()));
   if (crash_before_complete) ::raise(SIGKILL);  // a real crash, mid-save
   comm_.barrier();  // every rank's files are durable
   if (comm_.rank() != 0) return;

@@ -1,7 +1,7 @@
 // Checkpoint and resume for the example trainer, per rank. Every `every` steps
 // each rank writes its trainer state (model parameters, momentum, the epoch's
-// accumulators) and its reducer's per-rank checkpoint (Reducer::save) into
-// DIR/step-<S>/; after a barrier rank 0 writes DIR/step-<S>/COMPLETE. Every
+// accumulators), its reducer's per-rank checkpoint (Reducer::save) and, with
+// local steps, its outer optimizer's (OuterOptimizer::save) into DIR/step-<S>/; after a barrier rank 0 writes DIR/step-<S>/COMPLETE. Every
 // file goes through a temporary file, fsync and rename, so a process killed at
 // any point leaves the previous complete set usable and the interrupted one
 // without COMPLETE (ignored). The newest complete set and the one before it
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "powersgd/comm.hpp"
+#include "powersgd/outer_optimizer.hpp"
 #include "powersgd/reducer.hpp"
 
 namespace fashion_mnist {
@@ -33,13 +34,14 @@ struct TrainerState {
 class TrainerCheckpoints {
  public:
   // `options`: fingerprint of the options that change the run; resume refuses a set written with others.
+  // `outer`: the outer optimizer of --local-steps, or null.
   TrainerCheckpoints(std::string dir, int64_t every, uint64_t options, powersgd::Communicator& comm,
-                     powersgd::Reducer& reducer)
-      : dir_(std::move(dir)), every_(every), options_(options), comm_(comm), reducer_(reducer) {}
+                     powersgd::Reducer& reducer, powersgd::OuterOptimizer* outer = nullptr)
+      : dir_(std::move(dir)), every_(every), options_(options), comm_(comm), reducer_(reducer), outer_(outer) {}
 
   // Collective: rank 0 picks the newest complete set; every rank reads its own
   // files of it into `tensors` (each must hold sizes[i] floats in the file) and
-  // into the reducer. nullopt when there is no complete set. Throws std::runtime_error
+  // into the reducer (and the outer optimizer). nullopt when there is no complete set. Throws std::runtime_error
   // (or the reducer's error) naming the file.
   std::optional<TrainerState> resume(std::span<std::vector<float>* const> tensors, std::span<const size_t> sizes);
 
@@ -55,6 +57,7 @@ class TrainerCheckpoints {
   uint64_t options_;
   powersgd::Communicator& comm_;
   powersgd::Reducer& reducer_;
+  powersgd::OuterOptimizer* outer_;
 };
 
 }  // namespace fashion_mnist

@@ -316,6 +316,42 @@ PSGD_API const char* psgd_rank_reason_name(int reason);
 #endif
 /* ==== end of issue 19 additions ==== */
 
+/* ==== Local steps with a compressed outer step (issue 31; docs/local-steps.md) ==== */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+/* DiLoCo's outer optimizer over a reducer (powersgd::OuterOptimizer): every local_steps inner steps each rank
+   calls psgd_outer_step; the pseudo-gradients (start point minus parameters) are reduced by `r` in one whole
+   step and applied from the synchronised start point with Nesterov momentum, the same bits on every rank.
+   params: num_buckets pointers, params[b] holding psgd_reducer_bucket_size(r, b) floats of host memory. */
+typedef struct psgd_outer psgd_outer;
+/* Collective (after every psgd_reducer_add_bucket of r): rank 0's params are broadcast into every rank's and
+   become the start point. local_steps >= 1, lr finite > 0 (DiLoCo: 0.7), 0 <= momentum < 1 (DiLoCo: 0.9); a
+   bad value, or a params count other than the reducer's buckets, on one rank fails every rank (the others
+   naming it), ranks with other values fail with PSGD_ERR_MISMATCH. A null comm, r, params or out is refused on
+   this rank alone. Destroy the psgd_outer before its reducer. */
+PSGD_API psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_steps, double lr,
+                                       double momentum, float* const* params, size_t num_buckets, psgd_outer** out);
+/* Collective: one outer step; on success params hold the new start point. Any failure (a null params[b] or a
+   wrong num_buckets, refused on every rank at once; NaN/Inf in any rank's pseudo-gradient: PSGD_ERR_NONFINITE)
+   fails every rank and leaves the start point, the momentum, params and r's error memory as they were. */
+PSGD_API psgd_status psgd_outer_step(psgd_outer* o, float* const* params, size_t num_buckets);
+/* 1 when an outer step is due after inner_steps completed inner steps (> 0, a multiple of local_steps), else 0;
+   -1 for a null o. */
+PSGD_API int psgd_outer_due(const psgd_outer* o, int64_t inner_steps);
+/* Copies bucket b's start point (psgd_reducer_bucket_size floats) into out. */
+PSGD_API psgd_status psgd_outer_start(const psgd_outer* o, int bucket_index, float* out);
+PSGD_API int64_t psgd_outer_steps(const psgd_outer* o);  /* successful outer steps; -1 for a null o */
+/* The outer state beside the reducer's checkpoint: save is not collective; load is (every rank, files of one
+   checkpoint; a refusal on any rank fails every rank, no state changed). */
+PSGD_API psgd_status psgd_outer_save(const psgd_outer* o, const char* path);
+PSGD_API psgd_status psgd_outer_load(psgd_outer* o, const char* path);
+PSGD_API void psgd_outer_destroy(psgd_outer* o);  /* null is a no-op */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
+/* ==== end of issue 31 additions ==== */
+
 #ifdef __cplusplus
 }
 #endif

@@ -18,6 +18,7 @@
 #include "engine/refused_calls.hpp"
 #include "powersgd/comm.hpp"
 #include "powersgd/powersgd.h"
+#include "powersgd/outer_optimizer.hpp"
 #include "powersgd/reducer.hpp"
 #include "powersgd_build_config.h"
 
@@ -688,3 +689,88 @@ psgd_status psgd_reducer_worker_seconds(const psgd_reducer* r, double* out, size
 }  // extern "C"
 
 // ==== end of issue 20 item 3 additions ====
+
+// ==== Local steps with a compressed outer step (issue 31) ====
+
+struct psgd_outer {
+  const powersgd::Reducer* reducer;  // its bucket sizes
+  std::unique_ptr<powersgd::OuterOptimizer> outer;
+};
+
+namespace {
+
+// The caller's buffers as spans of their buckets' sizes. A null buffer or a count other than the reducer's
+// buckets goes to the OuterOptimizer as it is, which has the reducer refuse it on every rank at once.
+std::vector<std::span<float>> bucket_spans(const powersgd::Reducer& reducer, float* const* params, size_t count) {
+  std::vector<std::span<float>> spans(count);
+  for (size_t b = 0; b < count; ++b)
+    if (params[b] != nullptr && b < static_cast<size_t>(reducer.num_buckets()))
+      spans[b] = std::span<float>(params[b], reducer.bucket_size(static_cast<int>(b)));
+  return spans;
+}
+
+}  // namespace
+
+extern "C" {
+
+psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_steps, double lr, double momentum,
+                              float* const* params, size_t num_buckets, psgd_outer** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(comm);
+    PSGD_C_NOT_NULL(r);
+    PSGD_C_NOT_NULL(params);
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    auto handle = std::make_unique<psgd_outer>();
+    handle->reducer = r->reducer.get();
+    handle->outer = std::make_unique<powersgd::OuterOptimizer>(
+        *comm->comm, *r->reducer, powersgd::OuterConfig{local_steps, lr, momentum},
+        bucket_spans(*r->reducer, params, num_buckets));
+    *out = handle.release();
+  });
+}
+
+psgd_status psgd_outer_step(psgd_outer* o, float* const* params, size_t num_buckets) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(o);
+    PSGD_C_NOT_NULL(params);
+    o->outer->step(bucket_spans(*o->reducer, params, num_buckets));
+  });
+}
+
+int psgd_outer_due(const psgd_outer* o, int64_t inner_steps) {
+  return o == nullptr ? -1 : o->outer->due(inner_steps) ? 1 : 0;
+}
+
+psgd_status psgd_outer_start(const psgd_outer* o, int bucket_index, float* out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(o);
+    PSGD_C_NOT_NULL(out);
+    const std::span<const float> start = o->outer->start(bucket_index);
+    std::copy(start.begin(), start.end(), out);
+  });
+}
+
+int64_t psgd_outer_steps(const psgd_outer* o) { return o == nullptr ? -1 : o->outer->outer_steps(); }
+
+psgd_status psgd_outer_save(const psgd_outer* o, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(o);
+    PSGD_C_NOT_NULL(path);
+    o->outer->save(path);
+  });
+}
+
+psgd_status psgd_outer_load(psgd_outer* o, const char* path) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(o);
+    PSGD_C_NOT_NULL(path);
+    o->outer->load(path);
+  });
+}
+
+void psgd_outer_destroy(psgd_outer* o) { delete o; }
+
+}  // extern "C"
+
+// ==== end of issue 31 additions ====

@@ -159,30 +159,12 @@ std::span<const char> unframe(std::span<const char> file, const std::string& pat
                               uint32_t& payload_version) {
   const Framing mine = framing_of(kind);
   const Framing other = framing_of(kind == CheckpointKind::Job ? CheckpointKind::PerRank : CheckpointKind::Job);
-  PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
-               " bytes, shorter than its ", kCheckpointHeaderBytes, "-byte header");
-  Reader header(file.first(kCheckpointHeaderBytes), path);
-  char magic[sizeof(kCheckpointMagic)];
-  header.get_raw(magic, sizeof(magic), "magic");
-  PSGD_REQUIRE(std::memcmp(magic, other.magic, sizeof(magic)) != 0, MismatchError, "checkpoint ", path, " is ",
-               other.name, ", not ", mine.name, ": load it with ", other.loader);
-  PSGD_REQUIRE(std::memcmp(magic, mine.magic, sizeof(magic)) == 0, IoError, "file ", path,
-               " is not a powersgd checkpoint (bad magic)");
-  const auto version = header.get<uint32_t>("version");
-  PSGD_REQUIRE(version >= mine.oldest && version <= mine.newest, IoError, "checkpoint ", path, " has format version ",
-               version, ": this build reads ", mine.oldest == mine.newest ? detail::concat("version ", mine.newest)
-                                                                          : detail::concat("versions ", mine.oldest,
-                                                                                           " to ", mine.newest));
+  if (file.size() >= kCheckpointHeaderBytes)
+    PSGD_REQUIRE(std::memcmp(file.data(), other.magic, sizeof(kCheckpointMagic)) != 0, MismatchError, "checkpoint ",
+                 path, " is ", other.name, ", not ", mine.name, ": load it with ", other.loader);
+  uint32_t version = 0;
+  const std::span<const char> payload = checked_payload(file, path, mine.magic, mine.oldest, mine.newest, version);
   payload_version = kind == CheckpointKind::Job ? version + 1 : version;
-  const auto crc = header.get<uint32_t>("crc");
-  const auto recorded = header.get<uint64_t>("payload length");
-  const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
-  PSGD_REQUIRE(payload.size() == recorded, IoError, "checkpoint ", path, " is ",
-               payload.size() < recorded ? "truncated" : "longer than recorded", ": payload of ", payload.size(),
-               " bytes, header says ", recorded);
-  const uint32_t actual = crc32(payload.data(), payload.size());
-  PSGD_REQUIRE(actual == crc, IoError, "checkpoint ", path, " is corrupted: CRC-32 of the payload is ", actual,
-               ", header says ", crc);
   return payload;
 }
 
@@ -193,6 +175,42 @@ uint32_t crc32(const void* data, size_t size) {
   const auto* p = static_cast<const unsigned char*>(data);
   for (size_t i = 0; i < size; ++i) c = kCrcTable[(c ^ p[i]) & 0xFF] ^ (c >> 8);
   return c ^ 0xFFFFFFFFU;
+}
+
+std::vector<char> frame_checkpoint(const char* magic, uint32_t version, std::span<const char> payload) {
+  Writer file;
+  file.put_raw(magic, sizeof(kCheckpointMagic));
+  file.put(version);
+  file.put(crc32(payload.data(), payload.size()));
+  file.put(static_cast<uint64_t>(payload.size()));
+  PSGD_ASSERT(file.bytes().size() == kCheckpointHeaderBytes);
+  file.put_raw(payload.data(), payload.size());
+  return file.take();
+}
+
+std::span<const char> checked_payload(std::span<const char> file, const std::string& path, const char* magic,
+                                      uint32_t oldest, uint32_t newest, uint32_t& version) {
+  PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
+               " bytes, shorter than its ", kCheckpointHeaderBytes, "-byte header");
+  Reader header(file.first(kCheckpointHeaderBytes), path);
+  char found[sizeof(kCheckpointMagic)];
+  header.get_raw(found, sizeof(found), "magic");
+  PSGD_REQUIRE(std::memcmp(found, magic, sizeof(found)) == 0, IoError, "file ", path,
+               " is not a powersgd checkpoint (bad magic)");
+  version = header.get<uint32_t>("version");
+  PSGD_REQUIRE(version >= oldest && version <= newest, IoError, "checkpoint ", path, " has format version ", version,
+               ": this build reads ",
+               oldest == newest ? detail::concat("version ", newest) : detail::concat("versions ", oldest, " to ", newest));
+  const auto crc = header.get<uint32_t>("crc");
+  const auto recorded = header.get<uint64_t>("payload length");
+  const std::span<const char> payload = file.subspan(kCheckpointHeaderBytes);
+  PSGD_REQUIRE(payload.size() == recorded, IoError, "checkpoint ", path, " is ",
+               payload.size() < recorded ? "truncated" : "longer than recorded", ": payload of ", payload.size(),
+               " bytes, header says ", recorded);
+  const uint32_t actual = crc32(payload.data(), payload.size());
+  PSGD_REQUIRE(actual == crc, IoError, "checkpoint ", path, " is corrupted: CRC-32 of the payload is ", actual,
+               ", header says ", crc);
+  return payload;
 }
 
 void Writer::put_floats(std::span<const float> values) {
@@ -262,16 +280,8 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
     put_counted_floats(w, b.q);
   }
   const std::vector<char> payload = w.take();
-
   const Framing framing = framing_of(kind);
-  Writer file;
-  file.put_raw(framing.magic, sizeof(kCheckpointMagic));
-  file.put(framing.newest);
-  file.put(crc32(payload.data(), payload.size()));
-  file.put(static_cast<uint64_t>(payload.size()));
-  PSGD_ASSERT(file.bytes().size() == kCheckpointHeaderBytes);
-  file.put_raw(payload.data(), payload.size());
-  return file.take();
+  return frame_checkpoint(framing.magic, framing.newest, payload);
 }
 
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,

@@ -39,6 +39,11 @@ inline constexpr char kJobCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'J', 'O', 'B
 inline constexpr uint32_t kJobCheckpointVersion = 3;
 inline constexpr uint32_t kJobCheckpointOldestVersion = 1;
 
+// The outer optimizer's state (OuterOptimizer::save, docs/local-steps.md): its
+// config, outer step count, every bucket's start point and outer momentum.
+inline constexpr char kOuterCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'O', 'U', 'T', 'R'};
+inline constexpr uint32_t kOuterCheckpointVersion = 1;
+
 // PerRank: one rank's own state (Reducer::save). Job: the world's state with the
 // mean of the ranks' error memories (Reducer::save_job), loadable on any world size.
 enum class CheckpointKind { PerRank, Job };
@@ -99,6 +104,16 @@ class Reader {
   std::string path_;
   size_t pos_ = 0;
 };
+
+// The framing every powersgd checkpoint file shares (the Reducer's and the
+// OuterOptimizer's): `magic` (8 bytes), then `version`, the CRC-32 and the
+// length of `payload`, then the payload.
+std::vector<char> frame_checkpoint(const char* magic, uint32_t version, std::span<const char> payload);
+// The payload of `file` after checking its header: IoError naming `path` for a
+// file shorter than the header, another magic, a version outside
+// oldest..newest, a length or CRC-32 mismatch. Sets `version` to the file's.
+std::span<const char> checked_payload(std::span<const char> file, const std::string& path, const char* magic,
+                                      uint32_t oldest, uint32_t newest, uint32_t& version);
 
 // One bucket's state in a checkpoint.
 struct CheckpointBucket {

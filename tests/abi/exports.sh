@@ -22,6 +22,8 @@ abi='(\[abi:[a-z0-9]+\])?'  # the tag of functions returning std::string
 public="^powersgd::(size_of|to_string|rank_reason_name)\\(\
 |^powersgd::(CommOptions|Work|Communicator|Config|Stats|ReduceHandle)::[~a-zA-Z_]+$abi\\(\
 |^powersgd::Reducer::(~?Reducer|[a-z_]+)$abi\\(\
+|^powersgd::OuterOptimizer::(~?OuterOptimizer|[a-z_]+)$abi\\(\
+|^powersgd::OuterConfig::validate\\(\
 |^powersgd::$errors::~?[a-zA-Z_]+$abi\\(\
 |^(typeinfo|typeinfo name|vtable) for powersgd::(Communicator|$errors)\$"
 grep -E '^psgd_' "$tmp/exports" | grep -vxF -f "$tmp/named" > "$tmp/bad_c" || true
@@ -29,6 +31,7 @@ grep -vE '^psgd_' "$tmp/exports" | grep -vE "$public" > "$tmp/bad_cpp" || true
 grep -vxF -f "$tmp/exports" "$tmp/declared" > "$tmp/missing" || true
 for required in 'powersgd::Reducer::Reducer(powersgd::Communicator&, powersgd::Config const&)' \
                 'powersgd::Communicator::create(powersgd::CommOptions const&)' \
+                'powersgd::OuterConfig::validate() const' \
                 'psgd_config_default'; do
   grep -qxF "$required" "$tmp/exports" || echo "$required" >> "$tmp/missing"
 done

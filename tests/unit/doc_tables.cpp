@@ -109,6 +109,9 @@ int print_checkpoints() {
   std::printf("| job (`save_job`) | `%s` | %u | %u to %u | job version v's is per-rank version v + 1's |\n",
               magic(kJobCheckpointMagic).c_str(), kJobCheckpointVersion, kJobCheckpointOldestVersion,
               kJobCheckpointVersion);
+  std::printf("| outer (`OuterOptimizer::save`) | `%s` | %u | %u | start point and outer momentum "
+              "(docs/local-steps.md) |\n",
+              magic(kOuterCheckpointMagic).c_str(), kOuterCheckpointVersion, kOuterCheckpointVersion);
   return 0;
 }
 
