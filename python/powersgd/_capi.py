@@ -149,6 +149,17 @@ def _load():
              ctypes.POINTER(ctypes.c_int), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)],
         ),
         "psgd_rank_reason_name": (ctypes.c_char_p, [ctypes.c_int]),
+        # issue 31: the outer optimizer of local steps (powersgd.torch.LocalSteps).
+        "psgd_outer_create": (status, [handle, handle, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
+                                       ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.c_size_t,
+                                       ctypes.POINTER(handle)]),
+        "psgd_outer_step": (status, [handle, ctypes.POINTER(ctypes.POINTER(ctypes.c_float)), ctypes.c_size_t]),
+        "psgd_outer_due": (ctypes.c_int, [handle, ctypes.c_int64]),
+        "psgd_outer_start": (status, [handle, ctypes.c_int, ctypes.c_void_p]),
+        "psgd_outer_steps": (ctypes.c_int64, [handle]),
+        "psgd_outer_save": (status, [handle, ctypes.c_char_p]),
+        "psgd_outer_load": (status, [handle, ctypes.c_char_p]),
+        "psgd_outer_destroy": (None, [handle]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

@@ -35,6 +35,9 @@ group's members (psgd_comm_init_on_store with the group's id), rendezvousing und
 ranks; a group this process is not in, or anything torch.distributed does not know as a group, is a
 ValueError at construction.
 
+Without DDP: LocalSteps (_local_steps.py, docs/local-steps.md) takes local steps with a PowerSGD-compressed
+outer step every H inner steps, over the C API's psgd_outer_*.
+
 Several PowerSGDStates (several DDP models, e.g. a GAN's generator and discriminator) may serve one process
 group: each has its own engine reducer, and they share the process's engine communicator for the group, on
 which the engine runs their collectives in the order the hooks start their reductions (docs/engine.md,
@@ -62,7 +65,7 @@ from powersgd._capi import PowerSGDError
 logger = logging.getLogger(__name__)
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "init_process_group", "PowerSGDError",
-           "DECLARATION_ITER"]
+           "DECLARATION_ITER", "LocalSteps"]
 
 # The engine's PSGD_TIMEOUT_MS accepts 1 ms to 24 h (transport/comm/options.cpp).
 _MAX_TIMEOUT_MS = 24 * 3600 * 1000
@@ -197,9 +200,9 @@ def init_process_group(backend="gloo", timeout=datetime.timedelta(minutes=30)):
     dist.init_process_group(backend, timeout=timeout)
 
 
-def _bool(name, value):
+def _bool(name, value, owner="PowerSGDState"):
     if value not in (True, False, 0, 1):
-        raise ValueError("PowerSGDState: %s = %r: expected True or False" % (name, value))
+        raise ValueError("%s: %s = %r: expected True or False" % (owner, name, value))
     return int(bool(value))
 
 
@@ -223,18 +226,18 @@ _C_INTEGERS = {ctypes.c_int: (-2**31, 2**31 - 1, "-2**31 to 2**31 - 1"),
                ctypes.c_uint64: (0, 2**64 - 1, "0 to 2**64 - 1")}
 
 
-def _set_field(config, argument, value):
+def _set_field(config, argument, value, owner="PowerSGDState"):
     """Sets the psgd_config field of a PowerSGDState argument: TypeError for a value of another type, ValueError
     for an integer its C type cannot hold. The engine's ranges are checked by _validate."""
     field = _FIELD_OF_ARGUMENT.get(argument, argument)
     ctype = dict(_capi.Config._fields_)[field]
     real = ctype is ctypes.c_double
     if isinstance(value, bool) or not isinstance(value, numbers.Real if real else numbers.Integral):
-        raise TypeError("PowerSGDState: %s = %r: expected %s" % (argument, value, "a number" if real else "an integer"))
+        raise TypeError("%s: %s = %r: expected %s" % (owner, argument, value, "a number" if real else "an integer"))
     if not real:
         low, high, text = _C_INTEGERS[ctype]
         if not low <= value <= high:
-            raise ValueError("PowerSGDState: %s = %r: expected an integer %s" % (argument, value, text))
+            raise ValueError("%s: %s = %r: expected an integer %s" % (owner, argument, value, text))
     setattr(config, field, value)
 
 
@@ -244,12 +247,12 @@ def _user_terms(message):
     return re.sub(r"config\.(\w+)", lambda m: _ARGUMENT_OF_FIELD.get(m.group(1), m.group(1)), message)
 
 
-def _validate(config):
+def _validate(config, owner="PowerSGDState"):
     """psgd_config_validate (the engine's ranges and rules): ValueError with the engine's message, naming the
     PowerSGDState arguments instead of psgd_config's fields."""
     if _capi.lib.psgd_config_validate(ctypes.byref(config)) != 0:
         message = _capi.last_error().split(": ", 1)[-1]  # without "psgd_config_validate: "
-        raise ValueError("PowerSGDState: " + _user_terms(message))
+        raise ValueError(owner + ": " + _user_terms(message))
 
 
 def _check_schedule(start, error_feedback, warm_start):
@@ -787,3 +790,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD of the whole bucket as one zero-padded square matrix (PyTorch's batched_powerSGD_hook)."""
     return state._hook(bucket, whole_bucket=True)
+
+
+# Local steps with a compressed outer step, without DDP (issue 31): _local_steps.py, over this module's helpers.
+from powersgd._local_steps import LocalSteps  # noqa: E402  (imports this module)
