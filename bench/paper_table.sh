@@ -13,7 +13,7 @@
 # step, the outer step a plain averaged allreduce), localH-rankR (PowerSGD rank R
 # with error feedback on the pseudo-gradients), localH-rankR-no-ef (without it),
 # any H and R, e.g. ROWS="allreduce rank2 local16 local16-rank2 local16-rank2-no-ef"; their outer
-# optimizer from OUTER_LR and OUTER_MOMENTUM (unset: the trainer's defaults, DiLoCo's 0.7 and 0.9). Writes
+# optimizer from OUTER_LR and OUTER_MOMENTUM (unset: the trainer's defaults, 1 and 0: plain averaging). Writes
 # OUT_DIR/<model>/<row>-s<seed>.log (first line: the command that made it), then
 # bench/paper_table.py makes OUT_DIR/table.md, OUT_DIR/table.json and the figures
 # (mean and standard error over the seeds of the final test accuracy, bytes per

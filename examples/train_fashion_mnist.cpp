@@ -231,9 +231,9 @@ int main(int argc, char** argv) {
                  "gradients; H > 1 takes H local steps, then reduces the pseudo-gradients in one outer step")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
   auto* outer_lr_option = app.add_option("--outer-lr", outer_config.lr,
-                                         "Outer learning rate of --local-steps (Nesterov SGD; DiLoCo: 0.7)");
+                                         "Outer learning rate of --local-steps (Nesterov SGD; default 1: plain averaging; DiLoCo: 0.7)");
   auto* outer_momentum_option = app.add_option("--outer-momentum", outer_config.momentum,
-                                               "Outer Nesterov momentum of --local-steps, in [0, 1) (DiLoCo: 0.9)");
+                                               "Outer Nesterov momentum of --local-steps, in [0, 1) (default 0; DiLoCo: 0.9)");
   app.add_flag("--lr-notes", lr_notes, "Call Reducer::note_lr_change() at each learning-rate decay");
   app.add_option("--decision-log", decision_log_path,
                  "Rank 0 writes the reducer's rank decisions to this file as JSON lines");

@@ -37,8 +37,10 @@ namespace powersgd {
 
 struct PSGD_API OuterConfig {
   int64_t local_steps = 1;  // H: inner steps per outer step (due()), >= 1
-  double lr = 0.7;          // outer learning rate, finite, > 0 (DiLoCo: 0.7)
-  double momentum = 0.9;    // Nesterov momentum, 0 <= momentum < 1 (DiLoCo: 0.9)
+  // Defaults: plain model averaging. DiLoCo's 0.7 and 0.9 (with AdamW inner steps, H = 500) diverged here
+  // with inner SGD with momentum at small H (docs/local-steps.md, "Defaults"): pass them for that regime.
+  double lr = 1.0;          // outer learning rate, finite, > 0
+  double momentum = 0.0;    // Nesterov momentum, 0 <= momentum < 1
   // Throws InvalidArgumentError naming the first invalid field, its value and the range expected.
   void validate() const;
 };
