@@ -110,8 +110,14 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
   } catch (const NonFiniteError&) {
     // Every rank saw the same sums, so every rank is here, nothing changed: each
     // reduction runs on its own (agreed already), so a NaN in one bucket fails that bucket's reduction only.
+    // The members not yet rerun keep the lookahead off their buckets (a later
+    // step's reduction queued next must be prepared from their state after their rerun).
     std::exception_ptr own;
     for (Reduction* one : all) {
+      std::vector<int> unsettled;
+      for (auto later = std::find(all.begin(), all.end(), one) + 1; later != all.end(); ++later)
+        unsettled.insert(unsettled.end(), (*later)->buckets.begin(), (*later)->buckets.end());
+      runner_->set_unsettled(std::move(unsettled));
       std::exception_ptr error;
       try {
         one->prepared = false;  // the failed collectives overwrote its prepared ranges
@@ -128,6 +134,7 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
           if (m.item.reduction.get() == one) m.done->finish(error);
       if (one->closes_step) close_step(*one);
     }
+    runner_->set_unsettled({});
     if (own) std::rethrow_exception(own);
     return;
   } catch (...) {

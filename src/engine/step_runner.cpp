@@ -47,7 +47,8 @@ double host_squared_sum(const float* x, int64_t count) {
 }  // namespace
 
 // Prepares the next queued reduction while `current` communicates, when they
-// share no bucket (the next one's state must be final). Purely local work.
+// share no bucket (the next one's state must be final) and it has no unsettled
+// one (set_unsettled). Purely local work.
 void StepRunner::lookahead(const Reduction& current) {
   const std::shared_ptr<Reduction> next = next_();
   if (next == nullptr || next->prepared) return;
@@ -55,8 +56,9 @@ void StepRunner::lookahead(const Reduction& current) {
   for (int a : next->buckets)
     if (bucket(a).note_pending) return;
   for (int a : next->buckets)
-    for (int b : current.buckets)
-      if (a == b) return;
+    if (std::find(current.buckets.begin(), current.buckets.end(), a) != current.buckets.end() ||
+        std::find(unsettled_.begin(), unsettled_.end(), a) != unsettled_.end())
+      return;
   try {
     prepare(*next);
   } catch (...) {

@@ -210,6 +210,59 @@ TEST_CASE("fusing: non-finite gradients of one bucket on one rank fail that buck
   CHECK(same_bits(e, f));
 }
 
+TEST_CASE("fusing: a fused reduction rerun one by one leaves the next step's queued reductions as one by one") {
+  // Steps 2 and 4 are fused and fail on a NaN in one bucket, so their buckets
+  // rerun one by one; the next step is queued behind in another order (bucket 2 first): the
+  // reruns' lookahead must not prepare step 3's bucket 2 before step 2's rerun
+  // of bucket 2 (its state is not final, and that rerun fills its slots).
+  auto comm = connect("fusion-rerun-queued");
+  Config c;
+  c.rank = 2;
+  c.start_iter = 1;
+  auto fused = held_reducer(*comm, c);
+  auto alone = plain_reducer(*comm, c);
+  const int nonfinite = static_cast<int>(ErrorCode::NonFinite);
+  for (int64_t step = 0; step < 8; step += 2) {
+    INFO("steps ", step, " and ", step + 1);
+    auto g = step_gradients(*fused, comm->rank(), step);
+    auto g1 = step_gradients(*fused, comm->rank(), step + 1);
+    // Step 2: a NaN in bucket 0 (reruns follow with buckets 1 and 2); step 4: in bucket 2.
+    const int nan_bucket = step == 2 ? 0 : step == 4 ? 2 : -1;
+    if (nan_bucket >= 0 && comm->rank() == 1) g[static_cast<size_t>(nan_bucket)][5] = std::numeric_limits<float>::quiet_NaN();
+    auto h = g;
+    auto h1 = g1;
+    std::vector<ReduceHandle> handles;
+    for (int b : {0, 1, 2}) handles.push_back(fused->reduce_async(b, g[static_cast<size_t>(b)].data()));
+    for (int b : {2, 1, 0}) handles.push_back(fused->reduce_async(b, g1[static_cast<size_t>(b)].data()));
+    std::vector<int> codes;
+    for (auto& handle : handles) {
+      try {
+        handle.wait();
+        codes.push_back(0);
+      } catch (...) {
+        codes.push_back(code_of(std::current_exception()));
+      }
+    }
+    std::vector<int> expected(6, 0);
+    if (nan_bucket >= 0) expected[static_cast<size_t>(nan_bucket)] = nonfinite;
+    CHECK(codes == expected);
+    const StepResult b = reduce_one_by_one(*comm, *alone, h);
+    const StepResult b1 = reduce_one_by_one(*comm, *alone, h1);
+    CHECK(b.codes == std::vector<int>{codes[0], codes[1], codes[2]});
+    CHECK(b1.codes == std::vector<int>{0, 0, 0});
+    for (size_t k = 0; k < g.size(); ++k) {
+      CHECK_MESSAGE(same_bits(g[k], h[k]), "bucket ", k);
+      CHECK_MESSAGE(same_bits(g1[k], h1[k]), "next step, bucket ", k);
+    }
+  }
+  for (int b = 0; b < fused->num_buckets(); ++b) {
+    std::vector<float> e(fused->bucket_size(b)), f(alone->bucket_size(b));
+    fused->error_feedback(b, e.data());
+    alone->error_feedback(b, f.data());
+    CHECK_MESSAGE(same_bits(e, f), "bucket ", b);
+  }
+}
+
 TEST_CASE("fusing: a rank with fusing off makes every rank reduce one by one") {
   if (std::getenv("RANK") != nullptr && std::string(std::getenv("RANK")) == "0") setenv("PSGD_FUSE_REDUCTIONS", "0", 1);
   auto comm = connect("fusion-off");
