@@ -34,7 +34,8 @@ bool Reducer::Impl::fuse_reductions_from_env() {
 }
 
 void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {
-  if (fault_ && fault_->point == engine::FaultPoint::Hold && held_step_ != reduction.iteration &&
+  if (fault_ && fault_->point == engine::FaultPoint::Hold && reduction.buckets.size() == 1 &&
+      held_step_ != reduction.iteration &&
       (fault_->step < 0 || fault_->step == reduction.iteration)) {
     held_step_ = reduction.iteration;  // test only (fault_injection.hpp)
     worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));

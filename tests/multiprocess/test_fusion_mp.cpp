@@ -263,6 +263,94 @@ TEST_CASE("fusing: a fused reduction rerun one by one leaves the next step's que
   }
 }
 
+TEST_CASE("fusing: rank policies, wire types and calls between queued reductions keep the bits of one by one") {
+  // Fused or not, every variant's outputs, error memory and bytes are those of a
+  // reducer reducing one by one: adaptive rank, warm-up and learning-rate boost
+  // (levels change between steps, so the slots may or may not follow each other),
+  // fp16 wire, whole bucket, batched, no warm start; a note, reduce_all, and two
+  // steps queued at once (fused across neither) between them.
+  auto comm = connect("fusion-variants");
+  std::vector<std::pair<const char*, Config>> variants;
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  Config adaptive = c;
+  adaptive.adaptive = true;
+  adaptive.rank_low = 1;
+  adaptive.rank_high = 3;
+  adaptive.adaptive_interval = 2;
+  adaptive.adaptive_threshold = 0.01;
+  variants.emplace_back("adaptive", adaptive);
+  Config policy = c;
+  policy.rank = 1;
+  policy.rank_high = 3;
+  policy.warmup_steps = 2;
+  policy.lr_boost_steps = 2;
+  variants.emplace_back("warm-up and boost", policy);
+  Config fp16 = c;
+  fp16.wire_dtype = WireDType::Float16;
+  variants.emplace_back("fp16", fp16);
+  Config whole = c;
+  whole.whole_bucket = true;
+  variants.emplace_back("whole bucket", whole);
+  Config batched = c;
+  batched.batch_same_shape = true;
+  batched.warm_start = false;
+  variants.emplace_back("batched, no warm start", batched);
+  Config alternating = adaptive;
+  alternating.alternating = true;
+  variants.emplace_back("alternating adaptive", alternating);
+  for (const auto& [name, config] : variants) {
+    INFO("variant ", name);
+    auto fused = held_reducer(*comm, config);
+    auto alone = plain_reducer(*comm, config);
+    for (int64_t step = 0; step < 12; ++step) {
+      INFO("step ", step);
+      if (step == 4) {
+        fused->note_lr_change();
+        alone->note_lr_change();
+      }
+      auto g = step_gradients(*fused, comm->rank(), step);
+      auto h = g;
+      if (step == 6) {
+        std::vector<float*> gp, hp;
+        for (size_t k = 0; k < g.size(); ++k) {
+          gp.push_back(g[k].data());
+          hp.push_back(h[k].data());
+        }
+        fused->reduce_all(gp);
+        alone->reduce_all(hp);
+      } else if (step == 8) {
+        // Steps 8 and 9 queued together: each step's buckets fused, never across steps.
+        auto g1 = step_gradients(*fused, comm->rank(), step + 1);
+        auto h1 = g1;
+        std::vector<ReduceHandle> handles;
+        for (int b : {2, 1, 0}) handles.push_back(fused->reduce_async(b, g[static_cast<size_t>(b)].data()));
+        for (int b : {0, 1, 2}) handles.push_back(fused->reduce_async(b, g1[static_cast<size_t>(b)].data()));
+        for (auto& handle : handles) CHECK_NOTHROW(handle.wait());
+        CHECK(reduce_one_by_one(*comm, *alone, h).codes == std::vector<int>{0, 0, 0});
+        CHECK(reduce_one_by_one(*comm, *alone, h1).codes == std::vector<int>{0, 0, 0});
+        for (size_t k = 0; k < g1.size(); ++k) CHECK_MESSAGE(same_bits(g1[k], h1[k]), "step 9, bucket ", k);
+        ++step;
+      } else {
+        const StepResult a = reduce_queued(*comm, *fused, g, step % 2 ? std::vector<int>{2, 1, 0} : std::vector<int>{0, 1, 2});
+        const StepResult b = reduce_one_by_one(*comm, *alone, h);
+        CHECK(a.codes == std::vector<int>{0, 0, 0});
+        CHECK(b.codes == std::vector<int>{0, 0, 0});
+      }
+      for (size_t k = 0; k < g.size(); ++k) CHECK_MESSAGE(same_bits(g[k], h[k]), "bucket ", k);
+    }
+    for (int b = 0; b < fused->num_buckets(); ++b) {
+      std::vector<float> e(fused->bucket_size(b)), f(alone->bucket_size(b));
+      fused->error_feedback(b, e.data());
+      alone->error_feedback(b, f.data());
+      CHECK_MESSAGE(same_bits(e, f), "error memory of bucket ", b);
+    }
+    CHECK(fused->stats().bytes_sent == alone->stats().bytes_sent);
+    CHECK(fused->stats().current_rank == alone->stats().current_rank);
+  }
+}
+
 TEST_CASE("fusing: a rank with fusing off makes every rank reduce one by one") {
   if (std::getenv("RANK") != nullptr && std::string(std::getenv("RANK")) == "0") setenv("PSGD_FUSE_REDUCTIONS", "0", 1);
   auto comm = connect("fusion-off");
