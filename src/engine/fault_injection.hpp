@@ -27,6 +27,7 @@ struct Fault {
   FaultPoint point = FaultPoint::Prepare;
   int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError (Output: is perturbed;
                      // Allocate: the attempt)
+  bool hold = false;  // also hold every step's first reduction as FaultPoint::Hold does (fusing tests)
 };
 
 // Arms `fault` for the next Reducer this process constructs. Thread-safe.

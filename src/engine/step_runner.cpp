@@ -159,6 +159,8 @@ void StepRunner::raise_local_failures(const Reduction& job, std::exception_ptr o
   std::string buckets;
   for (int b : job.buckets) buckets += (buckets.empty() ? "" : ", ") + std::to_string(b);
   const auto reports = gather_reports(comm_, own != nullptr ? report_failure(own) : RankReport{});
+  // The reports are the same on every rank: if any failed, every rank throws here.
+  failed_together_ = std::any_of(reports.begin(), reports.end(), [](const RankReport& r) { return r.failed(); });
   throw_if_any_failed(reports, own,
                       detail::concat("step ", job.iteration, ", bucket", job.buckets.size() > 1 ? "s " : " ", buckets),
                       "nothing written, error-feedback and warm-start state unchanged on every rank");
@@ -400,6 +402,7 @@ Reduction StepRunner::fuse(std::vector<Reduction*> members) {
 }
 
 void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
+  failed_together_ = false;
   prepare_once(job);
   if (before_collectives) before_collectives();
   in_rank_order_ = job.fused;
@@ -419,6 +422,7 @@ void StepRunner::run(Reduction& job, const std::function<void()>& before_collect
 }
 
 void StepRunner::throw_nonfinite(const Reduction& job, int bucket, const std::string& what) {
+  failed_together_ = true;
   PSGD_THROW(NonFiniteError, "step ", job.iteration, ", bucket ", bucket, ": ", what,
              "; nothing written, error-feedback and warm-start state unchanged");
 }

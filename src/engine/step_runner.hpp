@@ -93,6 +93,10 @@ class StepRunner {
   // reruns change their state and fill their slots). The lookahead leaves
   // reductions of them alone; empty otherwise.
   void set_unsettled(std::vector<int> buckets) { unsettled_ = std::move(buckets); }
+  // Whether the last run() failed on every rank alike: NonFiniteError, or a
+  // rank's local failure reported to every rank (raise_local_failures), as
+  // opposed to a failed collective (which ranks may see differently).
+  bool failed_together() const { return failed_together_; }
 
   // A rank whose local work failed puts this into its finite flags: the sum is
   // kFailedFlag * (failed ranks) + (ranks with NaN/Inf), exact while the world
@@ -145,6 +149,7 @@ class StepRunner {
   Work allreduce(void* data, size_t count, DataType type);
   bool in_rank_order_ = false;  // the running job is fused (set by run)
   std::vector<int> unsettled_;  // set_unsettled
+  bool failed_together_ = false;  // failed_together; reset by run
   // A segment whose `factors` ranges ([offset, count) from the segment's start,
   // ascending) hold P or Q: with a 16-bit wire_dtype those travel in their own
   // collective, rounded once (engine/half.hpp), after one float32 collective of

@@ -351,6 +351,92 @@ TEST_CASE("fusing: rank policies, wire types and calls between queued reductions
   }
 }
 
+TEST_CASE("fusing: two reducers on one communicator fuse only turns that follow each other") {
+  // Interleaved submissions (A's turns with B's between) are not fused; one
+  // reducer's buckets submitted together are; every output is that of one by one.
+  auto comm = connect("fusion-two-reducers");
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  auto a = held_reducer(*comm, c);
+  auto b = held_reducer(*comm, c);
+  auto a_alone = plain_reducer(*comm, c);
+  auto b_alone = plain_reducer(*comm, c);
+  for (int64_t step = 0; step < 4; ++step) {
+    INFO("step ", step);
+    auto ga = step_gradients(*a, comm->rank(), step);
+    auto gb = step_gradients(*b, comm->rank(), step + 100);
+    auto ha = ga;
+    auto hb = gb;
+    const uint64_t before = comm->communication_rounds();
+    std::vector<ReduceHandle> handles;
+    if (step % 2 == 0) {
+      for (int k = 0; k < 3; ++k) {
+        handles.push_back(a->reduce_async(k, ga[static_cast<size_t>(k)].data()));
+        handles.push_back(b->reduce_async(k, gb[static_cast<size_t>(k)].data()));
+      }
+    } else {
+      for (int k = 0; k < 3; ++k) handles.push_back(a->reduce_async(k, ga[static_cast<size_t>(k)].data()));
+      for (int k = 0; k < 3; ++k) handles.push_back(b->reduce_async(k, gb[static_cast<size_t>(k)].data()));
+    }
+    for (auto& handle : handles) CHECK_NOTHROW(handle.wait());
+    const uint64_t rounds = comm->communication_rounds() - before;
+    CHECK(rounds == (step % 2 == 0 ? 18u : 6u));
+    CHECK(reduce_one_by_one(*comm, *a_alone, ha).codes == std::vector<int>{0, 0, 0});
+    CHECK(reduce_one_by_one(*comm, *b_alone, hb).codes == std::vector<int>{0, 0, 0});
+    for (size_t k = 0; k < ga.size(); ++k) {
+      CHECK_MESSAGE(same_bits(ga[k], ha[k]), "A, bucket ", k);
+      CHECK_MESSAGE(same_bits(gb[k], hb[k]), "B, bucket ", k);
+    }
+  }
+}
+
+TEST_CASE("fusing: a local failure on one rank fails each fused reduction with its own error, as one by one") {
+  // Rank 1's prepare, or its work between P and Q, fails at step 3 (every
+  // reduction of the step): each bucket's handle fails with the error naming
+  // that bucket, on every rank, as one by one; no state changes.
+  auto comm = connect("fusion-local-failure");
+  for (const engine::FaultPoint point : {engine::FaultPoint::Prepare, engine::FaultPoint::Between}) {
+    INFO("fault point ", static_cast<int>(point));
+    Config c;
+    c.rank = 2;
+    c.start_iter = 0;
+    engine::arm_fault(comm->rank() == 1 ? engine::Fault{point, 3, true} : engine::Fault{engine::FaultPoint::Hold, -1});
+    Reducer r(*comm, c);
+    for (const auto& shapes : kBuckets) r.add_bucket(shapes);
+    for (int64_t step = 0; step < 5; ++step) {
+      INFO("step ", step);
+      auto g = step_gradients(r, comm->rank(), step);
+      std::vector<std::vector<float>> before;
+      for (int b = 0; b < r.num_buckets(); ++b) {
+        before.emplace_back(r.bucket_size(b));
+        r.error_feedback(b, before.back().data());
+      }
+      std::vector<ReduceHandle> handles;
+      for (int b = 0; b < r.num_buckets(); ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
+      for (int b = 0; b < r.num_buckets(); ++b) {
+        std::string message;
+        try {
+          handles[static_cast<size_t>(b)].wait();
+        } catch (const Error& e) {
+          message = e.what();
+        }
+        INFO(message);
+        if (step != 3) {
+          CHECK(message.empty());
+          continue;
+        }
+        CHECK(message.find("injected fault") != std::string::npos);
+        if (comm->rank() != 1)
+          CHECK(message.find("step 3, bucket " + std::to_string(b) + " failed on rank 1") != std::string::npos);
+        std::vector<float> after(r.bucket_size(b));
+        r.error_feedback(b, after.data());
+        CHECK(same_bits(after, before[static_cast<size_t>(b)]));
+      }
+    }
+  }
+}
+
 TEST_CASE("fusing: a rank with fusing off makes every rank reduce one by one") {
   if (std::getenv("RANK") != nullptr && std::string(std::getenv("RANK")) == "0") setenv("PSGD_FUSE_REDUCTIONS", "0", 1);
   auto comm = connect("fusion-off");
