@@ -16,7 +16,8 @@
 #   SIDES ["bcube direct"]: a side ending in -idle0 also sets net.ipv4.tcp_slow_start_after_idle=0 in
 #         each emulated host (a per-namespace sysctl: TCP keeps its window across idle gaps); a side
 #         starting with "unfused" sets PSGD_FUSE_REDUCTIONS=0 (each reduction on its own: the engine
-#         before fusing queued reductions, docs/engine.md)
+#         before fusing queued reductions, docs/engine.md); a side named directNk (e.g. direct1024k) sets
+#         PSGD_DIRECT_MAX_BYTES=N KiB, one named directauto PSGD_DIRECT_MAX_BYTES=auto
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -44,7 +45,7 @@ for hosts in $HOSTS; do
   for delay in $DELAYS; do
     for round in $(seq "$ROUNDS"); do
       for side in $SIDES; do
-        direct=; case $side in bcube*) direct=0 ;; esac
+        direct=; case $side in bcube*) direct=0 ;; directauto*) direct=auto ;; direct[0-9]*k*) direct=${side#direct}; direct=$((${direct%%k*} * 1024)) ;; esac
         fuse=; case $side in unfused*) fuse=0 ;; esac
         idle=; case $side in *-idle0) idle=0 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"

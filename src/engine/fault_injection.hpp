@@ -18,7 +18,7 @@ enum class FaultPoint {
             // step's first bucket on this rank (a replica that drifted; the divergence detector's test)
   Allocate,  // the buffers' allocation at the first reduce, save or load (a device or host out of
              // memory): its attempt number `step` (0: the first) throws
-  Hold,      // not a failure: the worker holds the first reduction of step `step` (every step when
+  Hold,      // not a failure: the worker holds the first single-bucket reduction of step `step` (every step when
              // `step` < 0) until the step's other buckets are queued behind it (at most 10 s), so that
              // fusing them (docs/engine.md, "Fusing queued reductions") does not depend on timing
 };
@@ -27,6 +27,7 @@ struct Fault {
   FaultPoint point = FaultPoint::Prepare;
   int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError (Output: is perturbed;
                      // Allocate: the attempt)
+  bool hold = false;  // also hold every step's first reduction as FaultPoint::Hold does (fusing tests)
 };
 
 // Arms `fault` for the next Reducer this process constructs. Thread-safe.

@@ -34,8 +34,9 @@ bool Reducer::Impl::fuse_reductions_from_env() {
 }
 
 void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {
-  if (fault_ && fault_->point == engine::FaultPoint::Hold && held_step_ != reduction.iteration &&
-      (fault_->step < 0 || fault_->step == reduction.iteration)) {
+  if (fault_ && reduction.buckets.size() == 1 && held_step_ != reduction.iteration &&
+      ((fault_->point == engine::FaultPoint::Hold && (fault_->step < 0 || fault_->step == reduction.iteration)) ||
+       fault_->hold)) {
     held_step_ = reduction.iteration;  // test only (fault_injection.hpp)
     worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));
   }
@@ -107,11 +108,24 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
   try {
     runner_->run(fused);
     guard_->after_success(fused);
-  } catch (const NonFiniteError&) {
-    // Every rank saw the same sums, so every rank is here, nothing changed: each
-    // reduction runs on its own (agreed already), so a NaN in one bucket fails that bucket's reduction only.
+  } catch (...) {
+    if (!runner_->failed_together()) {  // a failed collective: the ranks may not agree on more
+      finish_members(std::current_exception());
+      if (fused.closes_step) close_step(fused);
+      throw;
+    }
+    // NaN or Inf, or a rank's local failure: every rank saw the same sums or
+    // reports, so every rank is here, nothing changed. Each reduction runs on its
+    // own (agreed already), so that only those that fail alone fail, each with its
+    // own error (a NaN in one bucket fails that bucket's reduction only).
+    // The members not yet rerun keep the lookahead off their buckets (a later
+    // step's reduction queued next must be prepared from their state after their rerun).
     std::exception_ptr own;
     for (Reduction* one : all) {
+      std::vector<int> unsettled;
+      for (auto later = std::find(all.begin(), all.end(), one) + 1; later != all.end(); ++later)
+        unsettled.insert(unsettled.end(), (*later)->buckets.begin(), (*later)->buckets.end());
+      runner_->set_unsettled(std::move(unsettled));
       std::exception_ptr error;
       try {
         one->prepared = false;  // the failed collectives overwrote its prepared ranges
@@ -128,12 +142,9 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
           if (m.item.reduction.get() == one) m.done->finish(error);
       if (one->closes_step) close_step(*one);
     }
+    runner_->set_unsettled({});
     if (own) std::rethrow_exception(own);
     return;
-  } catch (...) {
-    finish_members(std::current_exception());
-    if (fused.closes_step) close_step(fused);
-    throw;
   }
   finish_members(nullptr);
   if (fused.closes_step) close_step(fused);

@@ -47,7 +47,8 @@ double host_squared_sum(const float* x, int64_t count) {
 }  // namespace
 
 // Prepares the next queued reduction while `current` communicates, when they
-// share no bucket (the next one's state must be final). Purely local work.
+// share no bucket (the next one's state must be final) and it has no unsettled
+// one (set_unsettled). Purely local work.
 void StepRunner::lookahead(const Reduction& current) {
   const std::shared_ptr<Reduction> next = next_();
   if (next == nullptr || next->prepared) return;
@@ -55,8 +56,9 @@ void StepRunner::lookahead(const Reduction& current) {
   for (int a : next->buckets)
     if (bucket(a).note_pending) return;
   for (int a : next->buckets)
-    for (int b : current.buckets)
-      if (a == b) return;
+    if (std::find(current.buckets.begin(), current.buckets.end(), a) != current.buckets.end() ||
+        std::find(unsettled_.begin(), unsettled_.end(), a) != unsettled_.end())
+      return;
   try {
     prepare(*next);
   } catch (...) {
@@ -157,6 +159,8 @@ void StepRunner::raise_local_failures(const Reduction& job, std::exception_ptr o
   std::string buckets;
   for (int b : job.buckets) buckets += (buckets.empty() ? "" : ", ") + std::to_string(b);
   const auto reports = gather_reports(comm_, own != nullptr ? report_failure(own) : RankReport{});
+  // The reports are the same on every rank: if any failed, every rank throws here.
+  failed_together_ = std::any_of(reports.begin(), reports.end(), [](const RankReport& r) { return r.failed(); });
   throw_if_any_failed(reports, own,
                       detail::concat("step ", job.iteration, ", bucket", job.buckets.size() > 1 ? "s " : " ", buckets),
                       "nothing written, error-feedback and warm-start state unchanged on every rank");
@@ -398,6 +402,7 @@ Reduction StepRunner::fuse(std::vector<Reduction*> members) {
 }
 
 void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
+  failed_together_ = false;
   prepare_once(job);
   if (before_collectives) before_collectives();
   in_rank_order_ = job.fused;
@@ -417,6 +422,7 @@ void StepRunner::run(Reduction& job, const std::function<void()>& before_collect
 }
 
 void StepRunner::throw_nonfinite(const Reduction& job, int bucket, const std::string& what) {
+  failed_together_ = true;
   PSGD_THROW(NonFiniteError, "step ", job.iteration, ", bucket ", bucket, ": ", what,
              "; nothing written, error-feedback and warm-start state unchanged");
 }

@@ -88,6 +88,15 @@ class StepRunner {
   // One reduction of the prepared `members` (can_fuse of their buckets): their
   // ranges in the arenas' order, so run() sends each collective once for all.
   static Reduction fuse(std::vector<Reduction*> members);
+  // Buckets whose state is not final though no running reduction holds them:
+  // the members of a failed fused reduction still to rerun one by one (their
+  // reruns change their state and fill their slots). The lookahead leaves
+  // reductions of them alone; empty otherwise.
+  void set_unsettled(std::vector<int> buckets) { unsettled_ = std::move(buckets); }
+  // Whether the last run() failed on every rank alike: NonFiniteError, or a
+  // rank's local failure reported to every rank (raise_local_failures), as
+  // opposed to a failed collective (which ranks may see differently).
+  bool failed_together() const { return failed_together_; }
 
   // A rank whose local work failed puts this into its finite flags: the sum is
   // kFailedFlag * (failed ranks) + (ranks with NaN/Inf), exact while the world
@@ -139,6 +148,8 @@ class StepRunner {
   // The job's allreduce: in rank order for a fused job (in_rank_order_), else the communicator's choice.
   Work allreduce(void* data, size_t count, DataType type);
   bool in_rank_order_ = false;  // the running job is fused (set by run)
+  std::vector<int> unsettled_;  // set_unsettled
+  bool failed_together_ = false;  // failed_together; reset by run
   // A segment whose `factors` ranges ([offset, count) from the segment's start,
   // ascending) hold P or Q: with a 16-bit wire_dtype those travel in their own
   // collective, rounded once (engine/half.hpp), after one float32 collective of

@@ -172,6 +172,33 @@ TEST_CASE("direct: one round, the same bits on every rank, chosen below PSGD_DIR
     CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * x.size(), x.size() * sizeof(float)) == 0);
 }
 
+TEST_CASE("direct: PSGD_DIRECT_MAX_BYTES=auto chooses one bound on every rank from the measured latency") {
+  CHECK(GlooCommunicator::direct_bound_for(50e-6) == 262144);
+  CHECK(GlooCommunicator::direct_bound_for(2e-3) == 1048576);
+  CHECK(GlooCommunicator::direct_bound_for(5e-3) == 4194304);
+  setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
+  auto comm = connect("direct-auto");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  const uint64_t mine = comm->direct_max_bytes();
+  CHECK((mine == 262144 || mine == 1048576 || mine == 4194304));
+  std::vector<uint64_t> all(static_cast<size_t>(comm->size()));
+  comm->allgather(&mine, all.data(), sizeof(mine));
+  for (uint64_t bound : all) CHECK(bound == mine);
+  check_allreduce(*comm, DataType::Float32, 1001, Algorithm::Auto);
+  // auto on one rank, a number on another: named at creation, as any setting that differs.
+  if (comm->size() < 2) return;
+  if (comm->rank() == 1) setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
+  try {
+    connect("direct-auto-mismatch");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("PSGD_DIRECT_MAX_BYTES auto (rank 0: 262144)") != std::string::npos);
+  }
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+}
+
 TEST_CASE("rounds: each collective adds its algorithm's sequential rounds") {
   auto comm = connect("rounds");
   const auto n = static_cast<uint64_t>(comm->size());

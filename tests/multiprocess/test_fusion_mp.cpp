@@ -210,6 +210,233 @@ TEST_CASE("fusing: non-finite gradients of one bucket on one rank fail that buck
   CHECK(same_bits(e, f));
 }
 
+TEST_CASE("fusing: a fused reduction rerun one by one leaves the next step's queued reductions as one by one") {
+  // Steps 2 and 4 are fused and fail on a NaN in one bucket, so their buckets
+  // rerun one by one; the next step is queued behind in another order (bucket 2 first): the
+  // reruns' lookahead must not prepare step 3's bucket 2 before step 2's rerun
+  // of bucket 2 (its state is not final, and that rerun fills its slots).
+  auto comm = connect("fusion-rerun-queued");
+  Config c;
+  c.rank = 2;
+  c.start_iter = 1;
+  auto fused = held_reducer(*comm, c);
+  auto alone = plain_reducer(*comm, c);
+  const int nonfinite = static_cast<int>(ErrorCode::NonFinite);
+  for (int64_t step = 0; step < 8; step += 2) {
+    INFO("steps ", step, " and ", step + 1);
+    auto g = step_gradients(*fused, comm->rank(), step);
+    auto g1 = step_gradients(*fused, comm->rank(), step + 1);
+    // Step 2: a NaN in bucket 0 (reruns follow with buckets 1 and 2); step 4: in bucket 2.
+    const int nan_bucket = step == 2 ? 0 : step == 4 ? 2 : -1;
+    if (nan_bucket >= 0 && comm->rank() == 1) g[static_cast<size_t>(nan_bucket)][5] = std::numeric_limits<float>::quiet_NaN();
+    auto h = g;
+    auto h1 = g1;
+    std::vector<ReduceHandle> handles;
+    for (int b : {0, 1, 2}) handles.push_back(fused->reduce_async(b, g[static_cast<size_t>(b)].data()));
+    for (int b : {2, 1, 0}) handles.push_back(fused->reduce_async(b, g1[static_cast<size_t>(b)].data()));
+    std::vector<int> codes;
+    for (auto& handle : handles) {
+      try {
+        handle.wait();
+        codes.push_back(0);
+      } catch (...) {
+        codes.push_back(code_of(std::current_exception()));
+      }
+    }
+    std::vector<int> expected(6, 0);
+    if (nan_bucket >= 0) expected[static_cast<size_t>(nan_bucket)] = nonfinite;
+    CHECK(codes == expected);
+    const StepResult b = reduce_one_by_one(*comm, *alone, h);
+    const StepResult b1 = reduce_one_by_one(*comm, *alone, h1);
+    CHECK(b.codes == std::vector<int>{codes[0], codes[1], codes[2]});
+    CHECK(b1.codes == std::vector<int>{0, 0, 0});
+    for (size_t k = 0; k < g.size(); ++k) {
+      CHECK_MESSAGE(same_bits(g[k], h[k]), "bucket ", k);
+      CHECK_MESSAGE(same_bits(g1[k], h1[k]), "next step, bucket ", k);
+    }
+  }
+  for (int b = 0; b < fused->num_buckets(); ++b) {
+    std::vector<float> e(fused->bucket_size(b)), f(alone->bucket_size(b));
+    fused->error_feedback(b, e.data());
+    alone->error_feedback(b, f.data());
+    CHECK_MESSAGE(same_bits(e, f), "bucket ", b);
+  }
+}
+
+TEST_CASE("fusing: rank policies, wire types and calls between queued reductions keep the bits of one by one") {
+  // Fused or not, every variant's outputs, error memory and bytes are those of a
+  // reducer reducing one by one: adaptive rank, warm-up and learning-rate boost
+  // (levels change between steps, so the slots may or may not follow each other),
+  // fp16 wire, whole bucket, batched, no warm start; a note, reduce_all, and two
+  // steps queued at once (fused across neither) between them.
+  auto comm = connect("fusion-variants");
+  std::vector<std::pair<const char*, Config>> variants;
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  Config adaptive = c;
+  adaptive.adaptive = true;
+  adaptive.rank_low = 1;
+  adaptive.rank_high = 3;
+  adaptive.adaptive_interval = 2;
+  adaptive.adaptive_threshold = 0.01;
+  variants.emplace_back("adaptive", adaptive);
+  Config policy = c;
+  policy.rank = 1;
+  policy.rank_high = 3;
+  policy.warmup_steps = 2;
+  policy.lr_boost_steps = 2;
+  variants.emplace_back("warm-up and boost", policy);
+  Config fp16 = c;
+  fp16.wire_dtype = WireDType::Float16;
+  variants.emplace_back("fp16", fp16);
+  Config whole = c;
+  whole.whole_bucket = true;
+  variants.emplace_back("whole bucket", whole);
+  Config batched = c;
+  batched.batch_same_shape = true;
+  batched.warm_start = false;
+  variants.emplace_back("batched, no warm start", batched);
+  Config alternating = adaptive;
+  alternating.alternating = true;
+  variants.emplace_back("alternating adaptive", alternating);
+  for (const auto& [name, config] : variants) {
+    INFO("variant ", name);
+    auto fused = held_reducer(*comm, config);
+    auto alone = plain_reducer(*comm, config);
+    for (int64_t step = 0; step < 12; ++step) {
+      INFO("step ", step);
+      if (step == 4) {
+        fused->note_lr_change();
+        alone->note_lr_change();
+      }
+      auto g = step_gradients(*fused, comm->rank(), step);
+      auto h = g;
+      if (step == 6) {
+        std::vector<float*> gp, hp;
+        for (size_t k = 0; k < g.size(); ++k) {
+          gp.push_back(g[k].data());
+          hp.push_back(h[k].data());
+        }
+        fused->reduce_all(gp);
+        alone->reduce_all(hp);
+      } else if (step == 8) {
+        // Steps 8 and 9 queued together: each step's buckets fused, never across steps.
+        auto g1 = step_gradients(*fused, comm->rank(), step + 1);
+        auto h1 = g1;
+        std::vector<ReduceHandle> handles;
+        for (int b : {2, 1, 0}) handles.push_back(fused->reduce_async(b, g[static_cast<size_t>(b)].data()));
+        for (int b : {0, 1, 2}) handles.push_back(fused->reduce_async(b, g1[static_cast<size_t>(b)].data()));
+        for (auto& handle : handles) CHECK_NOTHROW(handle.wait());
+        CHECK(reduce_one_by_one(*comm, *alone, h).codes == std::vector<int>{0, 0, 0});
+        CHECK(reduce_one_by_one(*comm, *alone, h1).codes == std::vector<int>{0, 0, 0});
+        for (size_t k = 0; k < g1.size(); ++k) CHECK_MESSAGE(same_bits(g1[k], h1[k]), "step 9, bucket ", k);
+        ++step;
+      } else {
+        const StepResult a = reduce_queued(*comm, *fused, g, step % 2 ? std::vector<int>{2, 1, 0} : std::vector<int>{0, 1, 2});
+        const StepResult b = reduce_one_by_one(*comm, *alone, h);
+        CHECK(a.codes == std::vector<int>{0, 0, 0});
+        CHECK(b.codes == std::vector<int>{0, 0, 0});
+      }
+      for (size_t k = 0; k < g.size(); ++k) CHECK_MESSAGE(same_bits(g[k], h[k]), "bucket ", k);
+    }
+    for (int b = 0; b < fused->num_buckets(); ++b) {
+      std::vector<float> e(fused->bucket_size(b)), f(alone->bucket_size(b));
+      fused->error_feedback(b, e.data());
+      alone->error_feedback(b, f.data());
+      CHECK_MESSAGE(same_bits(e, f), "error memory of bucket ", b);
+    }
+    CHECK(fused->stats().bytes_sent == alone->stats().bytes_sent);
+    CHECK(fused->stats().current_rank == alone->stats().current_rank);
+  }
+}
+
+TEST_CASE("fusing: two reducers on one communicator fuse only turns that follow each other") {
+  // Interleaved submissions (A's turns with B's between) are not fused; one
+  // reducer's buckets submitted together are; every output is that of one by one.
+  auto comm = connect("fusion-two-reducers");
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  auto a = held_reducer(*comm, c);
+  auto b = held_reducer(*comm, c);
+  auto a_alone = plain_reducer(*comm, c);
+  auto b_alone = plain_reducer(*comm, c);
+  for (int64_t step = 0; step < 4; ++step) {
+    INFO("step ", step);
+    auto ga = step_gradients(*a, comm->rank(), step);
+    auto gb = step_gradients(*b, comm->rank(), step + 100);
+    auto ha = ga;
+    auto hb = gb;
+    const uint64_t before = comm->communication_rounds();
+    std::vector<ReduceHandle> handles;
+    if (step % 2 == 0) {
+      for (int k = 0; k < 3; ++k) {
+        handles.push_back(a->reduce_async(k, ga[static_cast<size_t>(k)].data()));
+        handles.push_back(b->reduce_async(k, gb[static_cast<size_t>(k)].data()));
+      }
+    } else {
+      for (int k = 0; k < 3; ++k) handles.push_back(a->reduce_async(k, ga[static_cast<size_t>(k)].data()));
+      for (int k = 0; k < 3; ++k) handles.push_back(b->reduce_async(k, gb[static_cast<size_t>(k)].data()));
+    }
+    for (auto& handle : handles) CHECK_NOTHROW(handle.wait());
+    const uint64_t rounds = comm->communication_rounds() - before;
+    CHECK(rounds == (step % 2 == 0 ? 18u : 6u));
+    CHECK(reduce_one_by_one(*comm, *a_alone, ha).codes == std::vector<int>{0, 0, 0});
+    CHECK(reduce_one_by_one(*comm, *b_alone, hb).codes == std::vector<int>{0, 0, 0});
+    for (size_t k = 0; k < ga.size(); ++k) {
+      CHECK_MESSAGE(same_bits(ga[k], ha[k]), "A, bucket ", k);
+      CHECK_MESSAGE(same_bits(gb[k], hb[k]), "B, bucket ", k);
+    }
+  }
+}
+
+TEST_CASE("fusing: a local failure on one rank fails each fused reduction with its own error, as one by one") {
+  // Rank 1's prepare, or its work between P and Q, fails at step 3 (every
+  // reduction of the step): each bucket's handle fails with the error naming
+  // that bucket, on every rank, as one by one; no state changes.
+  auto comm = connect("fusion-local-failure");
+  for (const engine::FaultPoint point : {engine::FaultPoint::Prepare, engine::FaultPoint::Between}) {
+    INFO("fault point ", static_cast<int>(point));
+    Config c;
+    c.rank = 2;
+    c.start_iter = 0;
+    engine::arm_fault(comm->rank() == 1 ? engine::Fault{point, 3, true} : engine::Fault{engine::FaultPoint::Hold, -1});
+    Reducer r(*comm, c);
+    for (const auto& shapes : kBuckets) r.add_bucket(shapes);
+    for (int64_t step = 0; step < 5; ++step) {
+      INFO("step ", step);
+      auto g = step_gradients(r, comm->rank(), step);
+      std::vector<std::vector<float>> before;
+      for (int b = 0; b < r.num_buckets(); ++b) {
+        before.emplace_back(r.bucket_size(b));
+        r.error_feedback(b, before.back().data());
+      }
+      std::vector<ReduceHandle> handles;
+      for (int b = 0; b < r.num_buckets(); ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
+      for (int b = 0; b < r.num_buckets(); ++b) {
+        std::string message;
+        try {
+          handles[static_cast<size_t>(b)].wait();
+        } catch (const Error& e) {
+          message = e.what();
+        }
+        INFO(message);
+        if (step != 3) {
+          CHECK(message.empty());
+          continue;
+        }
+        CHECK(message.find("injected fault") != std::string::npos);
+        if (comm->rank() != 1)
+          CHECK(message.find("step 3, bucket " + std::to_string(b) + " failed on rank 1") != std::string::npos);
+        std::vector<float> after(r.bucket_size(b));
+        r.error_feedback(b, after.data());
+        CHECK(same_bits(after, before[static_cast<size_t>(b)]));
+      }
+    }
+  }
+}
+
 TEST_CASE("fusing: a rank with fusing off makes every rank reduce one by one") {
   if (std::getenv("RANK") != nullptr && std::string(std::getenv("RANK")) == "0") setenv("PSGD_FUSE_REDUCTIONS", "0", 1);
   auto comm = connect("fusion-off");

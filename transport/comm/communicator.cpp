@@ -5,8 +5,12 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "comm/address.hpp"
 #include "comm/algorithms.hpp"
@@ -246,7 +250,39 @@ void GlooCommunicator::connect() {
     PSGD_THROW(IoError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " failed: ", message);
   }
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
-  check_fingerprint();
+  check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting)
+  if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
+}
+
+size_t GlooCommunicator::direct_bound_for(double exchange_seconds) {
+  // Direct costs (n - 1) x bytes where bcube costs about 2 x bytes in 2 log2 n
+  // rounds: the farther the hosts, the larger the messages for which one round
+  // pays (docs/scaling.md measured 1 and 4 MiB at 5 ms one way, 1 Gbit/s).
+  if (exchange_seconds < 1e-3) return size_t{256} << 10;
+  if (exchange_seconds < 4e-3) return size_t{1} << 20;
+  return size_t{4} << 20;
+}
+
+void GlooCommunicator::measure_direct_bound() {
+  if (options_.world_size == 1) {
+    direct_max_bytes_ = direct_bound_for(0);
+    return;
+  }
+  // The fastest of a few exchanges: scheduling and TCP's first packets only slow one down.
+  double fastest = std::numeric_limits<double>::infinity();
+  for (int k = 0; k < 5; ++k) {
+    double value = 0;
+    const auto start = std::chrono::steady_clock::now();
+    allreduce_async(&value, 1, DataType::Float64, Algorithm::Direct).wait();
+    fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  // The slowest rank's, identical on every rank: every rank then chooses the same bound.
+  std::vector<double> all(static_cast<size_t>(options_.world_size));
+  allgather(&fastest, all.data(), sizeof(double));
+  const double agreed = *std::max_element(all.begin(), all.end());
+  direct_max_bytes_ = direct_bound_for(agreed);
+  PSGD_LOG(Info, "PSGD_DIRECT_MAX_BYTES=auto: ", direct_max_bytes_, " bytes (one-round exchange ",
+           agreed * 1e3, " ms on the slowest rank)");
 }
 
 void GlooCommunicator::check_fingerprint() {

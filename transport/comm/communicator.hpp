@@ -68,6 +68,10 @@ class GlooCommunicator final : public Communicator {
   // Auto picks Direct for a message of `bytes` when (size() - 1) * bytes is at
   // most this (PSGD_DIRECT_MAX_BYTES; 0: never; new API only).
   size_t direct_max_bytes() const { return direct_max_bytes_; }
+  // The bound PSGD_DIRECT_MAX_BYTES=auto chooses from the slowest rank's
+  // one-round exchange time (docs/transport.md, "Rounds"): a pure function, so
+  // every rank that sees the same agreed time chooses the same bound.
+  static size_t direct_bound_for(double exchange_seconds);
 
  private:
   // Runs on the communication thread with the context (the only thread that
@@ -86,6 +90,9 @@ class GlooCommunicator final : public Communicator {
   // group is broken; translates Gloo's errors, breaking the group on a PeerError.
   void execute(Op& op);
   void add_rounds(uint64_t rounds) { rounds_.fetch_add(rounds, std::memory_order_relaxed); }
+  // Collective, at creation with PSGD_DIRECT_MAX_BYTES=auto: times a few one-round
+  // exchanges, agrees on the slowest rank's fastest one, sets direct_max_bytes_.
+  void measure_direct_bound();
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
 
   CommOptions options_;

@@ -1,5 +1,7 @@
 #include "comm/fingerprint.hpp"
 
+#include "comm/options.hpp"
+
 #include <arpa/inet.h>
 
 #include <cstdio>
@@ -36,7 +38,8 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     field("transport", ref.transport == 0 ? "tcp" : "ibverbs", f.transport == 0 ? "tcp" : "ibverbs");
     field("gloo api", ref.api == 0 ? "new" : "legacy", f.api == 0 ? "new" : "legacy");
     field("PSGD_RING_THRESHOLD_BYTES", ref.ring_threshold_bytes, f.ring_threshold_bytes);
-    field("PSGD_DIRECT_MAX_BYTES", ref.direct_max_bytes, f.direct_max_bytes);
+    const auto direct = [](uint64_t bytes) { return bytes == kDirectAuto ? std::string("auto") : std::to_string(bytes); };
+    field("PSGD_DIRECT_MAX_BYTES", direct(ref.direct_max_bytes), direct(f.direct_max_bytes));
     PSGD_REQUIRE(diff.empty(), MismatchError, "process group configuration mismatch: rank ", r, " has ", diff,
                  "; every rank must use the same powersgd version and PSGD_* settings");
   }

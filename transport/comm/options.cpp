@@ -112,6 +112,7 @@ void apply_env_settings(CommOptions& o) {
 }
 
 size_t direct_max_bytes_from_env() {
+  if (env::get_or_default("PSGD_DIRECT_MAX_BYTES") == "auto") return kDirectAuto;
   return static_cast<size_t>(env::get_int("PSGD_DIRECT_MAX_BYTES", 0, std::numeric_limits<int64_t>::max()));
 }
 

@@ -15,6 +15,8 @@ void apply_env_settings(CommOptions& options);
 // PSGD_DIRECT_MAX_BYTES (docs/env.md): the most bytes a rank may receive in one
 // direct allreduce (GlooCommunicator::choose). Not in CommOptions, whose layout
 // is the C++ ABI's (docs/abi.md); compared between ranks at creation like it.
+// "auto": kDirectAuto, measured once the group is connected (GlooCommunicator::measure_direct_bound).
+inline constexpr size_t kDirectAuto = static_cast<size_t>(-1);
 size_t direct_max_bytes_from_env();
 
 }  // namespace powersgd::transport
