@@ -304,7 +304,7 @@ TEST_CASE("outer: a checkpoint resumes bit for bit; a damaged or foreign file is
     Job other(compressed(), OuterConfig{1, 0.5, 0.9});
     const std::string message = error_of([&] { other.outer->load(outer_path); });
     CHECK(message == "checkpoint " + outer_path +
-                         " was saved with outer config local_steps = 1, lr = 0.7, momentum = 0.9, this OuterOptimizer "
+                         " was saved with outer config local_steps = 1, lr = 1, momentum = 0, this OuterOptimizer "
                          "has local_steps = 1, lr = 0.5, momentum = 0.9");
   }
   std::filesystem::remove(outer_path);
