@@ -24,6 +24,10 @@ std::optional<Fault> take_armed_fault() {
   return fault;
 }
 
+bool holds(const std::optional<Fault>& fault, int64_t step) {
+  return fault && (fault->hold || (fault->point == FaultPoint::Hold && (fault->step < 0 || fault->step == step)));
+}
+
 bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
   return fault && fault->point == point && fault->step == step;
 }

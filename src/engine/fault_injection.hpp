@@ -38,6 +38,9 @@ std::optional<Fault> take_armed_fault();
 // Whether `fault` is at `point` of `step`.
 bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step);
 
+// Whether `fault` holds the first reduction of `step` (FaultPoint::Hold, or Fault::hold).
+bool holds(const std::optional<Fault>& fault, int64_t step);
+
 // Throws IoError("injected fault ...") when `fault` is at `point` of `step`.
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step);
 

@@ -196,7 +196,7 @@ uint64_t OrderGuard::first_collective_count(const Reduction& r) const {
   uint64_t count = 0;  // one collective for all of the reduction's buckets: [packed | flag | factor] each
   for (int b : r.buckets) {
     const BucketState& s = *buckets_[static_cast<size_t>(b)];
-    const bool q_half = config_.alternating && s.compressed_steps % 2 == 1;
+    const bool q_half = in_q_half(config_, s);
     count += static_cast<uint64_t>(s.plan.packed_numel + 1 + (q_half ? s.plan.q_numel : s.plan.p_numel));
   }
   return count;

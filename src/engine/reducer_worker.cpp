@@ -34,9 +34,7 @@ bool Reducer::Impl::fuse_reductions_from_env() {
 }
 
 void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {
-  if (fault_ && reduction.buckets.size() == 1 && held_step_ != reduction.iteration &&
-      ((fault_->point == engine::FaultPoint::Hold && (fault_->step < 0 || fault_->step == reduction.iteration)) ||
-       fault_->hold)) {
+  if (reduction.buckets.size() == 1 && held_step_ != reduction.iteration && engine::holds(fault_, reduction.iteration)) {
     held_step_ = reduction.iteration;  // test only (fault_injection.hpp)
     worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));
   }
@@ -121,10 +119,11 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
     // The members not yet rerun keep the lookahead off their buckets (a later
     // step's reduction queued next must be prepared from their state after their rerun).
     std::exception_ptr own;
-    for (Reduction* one : all) {
+    for (size_t k = 0; k < all.size(); ++k) {
+      Reduction* one = all[k];
       std::vector<int> unsettled;
-      for (auto later = std::find(all.begin(), all.end(), one) + 1; later != all.end(); ++later)
-        unsettled.insert(unsettled.end(), (*later)->buckets.begin(), (*later)->buckets.end());
+      for (size_t later = k + 1; later < all.size(); ++later)
+        unsettled.insert(unsettled.end(), all[later]->buckets.begin(), all[later]->buckets.end());
       runner_->set_unsettled(std::move(unsettled));
       std::exception_ptr error;
       try {

@@ -197,7 +197,7 @@ void StepRunner::prepare(Reduction& job) {
     int64_t unc_end = 0, q_end = 0;
     for (size_t i = 0; i < n; ++i) {
       const BucketState& s = bucket(job.buckets[i]);
-      job.q_half[i] = config_.alternating && s.compressed_steps % 2 == 1;
+      job.q_half[i] = q_half_now(s);
       job.unc_at[i] = n == 1 ? s.unc_offset : unc_end;
       job.q_at[i] = n == 1 ? s.q_offset : q_end;
       unc_end = job.unc_at[i] + s.plan.packed_numel + 1 + factor_numel(s, job.q_half[i]);
@@ -401,10 +401,9 @@ Reduction StepRunner::fuse(std::vector<Reduction*> members) {
   return fused;
 }
 
-void StepRunner::run(Reduction& job, const std::function<void()>& before_collectives) {
+void StepRunner::run(Reduction& job) {
   failed_together_ = false;
   prepare_once(job);
-  if (before_collectives) before_collectives();
   in_rank_order_ = job.fused;
   // A failed prepare still issues the step's collectives, poisoned (run_plain, check_flags).
   if (!job.compressed)

@@ -21,6 +21,12 @@
 
 namespace powersgd::engine {
 
+// Whether the bucket's next compressed step is an alternating Q half (else a P half,
+// or not alternating): it decides the first collective's factor and size.
+inline bool in_q_half(const Config& config, const BucketState& s) {
+  return config.alternating && s.compressed_steps % 2 == 1;
+}
+
 // One reduction: one bucket (reduce) or all of them (reduce_all).
 struct Reduction {
   std::vector<int> buckets;
@@ -67,10 +73,8 @@ class StepRunner {
   // rank, before any state changes: the failing rank still issues the step's
   // collectives, poisoned (kFailedFlag in the finite flag, NaN in Q), and then
   // every rank takes part in one fixed-size gather of reports (rank_reports.hpp).
-  // before_collectives: called after prepare, before the first collective
-  // (the order guard's check, order_guard.hpp); an exception from it ends the
-  // reduction there, nothing changed.
-  void run(Reduction& job, const std::function<void()>& before_collectives = {});
+  // The caller has passed the order guard's check (order_guard.hpp) first.
+  void run(Reduction& job);
 
   // Prepares `job` now unless it is (a failure is kept in job.prepare_error and
   // sent poisoned, as run does). Local; no lasting state changes.
@@ -106,7 +110,7 @@ class StepRunner {
  private:
   BucketState& bucket(int b) { return *buckets_[static_cast<size_t>(b)]; }
   const BucketState& bucket(int b) const { return *buckets_[static_cast<size_t>(b)]; }
-  bool q_half_now(const BucketState& s) const { return config_.alternating && s.compressed_steps % 2 == 1; }
+  bool q_half_now(const BucketState& s) const { return in_q_half(config_, s); }
 
   void prepare(Reduction& job);
   void prepare_plain(BucketState& s, const float* data);

@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "comm/address.hpp"
@@ -39,19 +40,28 @@ std::unique_ptr<Communicator> Communicator::create(const CommOptions& options) {
   return transport::GlooCommunicator::create(options);
 }
 
+namespace {
+// The transport behind a Communicator made by create(); null for another implementation.
+template <typename C>
+auto gloo_of(C* comm) {
+  using Gloo = std::conditional_t<std::is_const_v<C>, const transport::GlooCommunicator, transport::GlooCommunicator>;
+  return dynamic_cast<Gloo*>(comm);
+}
+}  // namespace
+
 uint64_t Communicator::communication_rounds() const {
-  const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(this);
+  const auto* gloo = gloo_of(this);
   return gloo != nullptr ? gloo->rounds() : 0;
 }
 
 bool Communicator::sums_in_rank_order(size_t count, DataType type) const {
-  const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(this);
+  const auto* gloo = gloo_of(this);
   if (gloo == nullptr) return false;
   return gloo->size() == 1 || gloo->choose(count * size_of(type)) == transport::Algorithm::Direct;
 }
 
 Work Communicator::allreduce_in_rank_order_async(void* data, size_t count, DataType type) {
-  auto* gloo = dynamic_cast<transport::GlooCommunicator*>(this);
+  auto* gloo = gloo_of(this);
   PSGD_REQUIRE(gloo != nullptr && gloo->direct_max_bytes() > 0, UnsupportedError,
                "allreduce_in_rank_order_async: this communicator has no direct allreduce (made by create() with "
                "Gloo's new API and PSGD_DIRECT_MAX_BYTES above 0 only)");
