@@ -63,6 +63,7 @@ EPOCH = re.compile(r"^\[0\] epoch (\d+): train loss ([0-9.]+), train accuracy ([
 DONE = re.compile(r"^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)")
 LOG = re.compile(r"^(.+)-s(\d+)\.log$")
 WALL = re.compile(r"wall (\d+) s")
+FAILURE = re.compile(r"error:|train-fashion-mnist: |powersgd-run: ", re.IGNORECASE)
 
 
 def parse(path):
@@ -82,7 +83,8 @@ def parse(path):
             wall = int(w[1])
     problem = None
     if not finished or not epochs:
-        errors = [line for line in lines if "error" in line.lower() or "train-fashion-mnist:" in line]
+        # Failure messages ("...: error: ...", the trainer's or the launcher's), not "no error feedback".
+        errors = [line for line in lines if FAILURE.search(line)]
         problem = errors[-1].split("train-fashion-mnist: ", 1)[-1].strip() if errors else "the run did not finish"
         if not any(line.startswith("# load after") for line in lines) and not errors:
             problem = "still running"
@@ -162,6 +164,19 @@ def verdicts(model, rows, base):
         ok = p["reaches_1se"] and smallest is not None and smallest["bytes_mean"] >= 1.5 * p["bytes_mean"]
         out.append(f"{p['label']}: {reach} allreduce ({p['delta']:+.2f} ± {p['delta_se']:.2f} points){ratio}: "
                    f"target (reaches, >= 1.5x fewer bytes) {'met' if ok else 'not met'}")
+    # Local steps (issue 31): a row within one SE of allreduce at >= 1000x fewer bytes per rank over the run.
+    local = [r for r in rows if "mean" in r and LOCAL.match(r["key"]) and r.get("compression")]
+    if local:
+        far = [r for r in local if r["compression"] >= 1000]
+        reaching = [r for r in far if r["reaches_1se"]]
+        if reaching:
+            shown, which = max(reaching, key=lambda r: r["compression"]), "the most compressed that does"
+        else:
+            shown, which = max(far or local, key=lambda r: r["delta"]), "the closest"
+        out.append(f"local steps, within one SE of allreduce at >= 1000x fewer bytes: "
+                   f"{'met' if reaching else 'not met'} ({len(reaching)} of {len(far)} rows at >= 1000x reach it; "
+                   f"{which}: {shown['label']}, {shown['delta']:+.2f} ± {shown['delta_se']:.2f} points at "
+                   f"{shown['compression']:.0f}x)")
     return out
 
 

@@ -38,13 +38,11 @@ OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
 MODELS=${MODELS:-wide cnn}
 WORKERS=${WORKERS:-16}
 SEEDS=${SEEDS:-1 2 3}
-ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16"
-ALL_ROWS="$ALL_ROWS policy-4-8 policy-adaptive-4-8 policy-warmup-4-8"
+# shellcheck source=bench/training_runs.sh
+. "$(dirname "$0")/training_runs.sh"  # row_args, finished, run_logged, ALL_ROWS, POLICY_LOW, POLICY_HIGH
 ROWS=${ROWS:-$ALL_ROWS}
 TEST_LIMIT=${TEST_LIMIT:-0}
 START_ITER=${START_ITER:-0}
-POLICY_LOW=${POLICY_LOW:-2}
-POLICY_HIGH=${POLICY_HIGH:-8}
 SKIP_DONE=${SKIP_DONE:-1}
 RUN="$BUILD/tools/run/powersgd-run"
 TRAIN="$BUILD/examples/train-fashion-mnist"
@@ -52,43 +50,6 @@ HERE=$(dirname "$0")
 for f in "$RUN" "$TRAIN"; do
   [ -x "$f" ] || { echo "paper_table.sh: $f not found (build first: ninja -C $BUILD)" >&2; exit 2; }
 done
-
-row_args() {  # row -> the trainer's arguments of that row
-  case $1 in
-    allreduce) echo "--no-compression" ;;
-    rank1) echo "--rank 1" ;;
-    rank2) echo "--rank 2" ;;
-    rank4) echo "--rank 4" ;;
-    rank8) echo "--rank 8" ;;
-    rank2-no-ef) echo "--rank 2 --no-error-feedback" ;;
-    rank2-no-warm-start) echo "--rank 2 --no-warm-start" ;;
-    adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" ;;
-    policy) echo "--rank $POLICY_LOW --rank-high $POLICY_HIGH --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
-    policy-adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" \
-      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
-    # The policy from rank 4 instead of POLICY_LOW (with and without the norm-change rule), and its warm-up alone
-    # (no learning-rate notes), which separates the warm-up's effect from the boosts'.
-    policy-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
-    policy-adaptive-4-8) echo "--adaptive --rank-low 4 --rank-high 8 --adaptive-interval $interval" \
-      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
-    policy-warmup-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup" ;;
-    alternating) echo "--rank 2 --alternating" ;;
-    rank2-bf16) echo "--rank 2 --wire-dtype bf16" ;;
-    local*)
-      h=$(echo "$1" | sed -n 's/^local\([0-9][0-9]*\)\(-rank[0-9][0-9]*\)\{0,1\}\(-no-ef\)\{0,1\}$/\1/p')
-      [ -n "$h" ] || { echo "paper_table.sh: row '$1': expected localH, localH-rankR or localH-rankR-no-ef" >&2; return 2; }
-      r=$(echo "$1" | sed -n 's/^local[0-9]*-rank\([0-9][0-9]*\).*/\1/p')
-      outer="${OUTER_LR:+ --outer-lr $OUTER_LR}${OUTER_MOMENTUM:+ --outer-momentum $OUTER_MOMENTUM}"
-      case $1 in
-        *-no-ef) echo "--rank $r --local-steps $h --no-error-feedback$outer" ;;
-        *-rank*) echo "--rank $r --local-steps $h$outer" ;;
-        *) echo "--no-compression --local-steps $h$outer" ;;
-      esac ;;
-    *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
-  esac
-}
-
-finished() { [ -f "$1" ] && grep -qE "^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)" "$1"; }
 
 failed=""
 for model in $MODELS; do
@@ -128,20 +89,7 @@ for model in $MODELS; do
       case $row in policy*) extra="--decision-log $dir/$row-s$seed.decisions.jsonl" ;; esac
       cmd="$RUN -n $WORKERS --timeout 3600 --env OPENBLAS_NUM_THREADS=1 --env PSGD_BLAS_THREADS=1 -- $TRAIN"
       cmd="$cmd $common $args --seed $seed $extra"
-      echo "\$ $cmd"
-      {
-        echo "\$ $cmd"
-        echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg); started $(date -u +%FT%TZ)"
-      } > "$log"
-      start=$(date +%s)
-      # shellcheck disable=SC2086  # the argument lists are meant to split
-      if $cmd >> "$log" 2>&1; then
-        grep -E "^\[0\] epoch" "$log" | tail -n 1
-      else
-        echo "   $model $row seed $seed: failed (status $?), see $log"
-        failed="$failed $model/$row/s$seed"
-      fi
-      echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg); wall $(($(date +%s) - start)) s" >> "$log"
+      run_logged "$log" "$cmd" || failed="$failed $model/$row/s$seed"
     done
   done
 done

@@ -43,6 +43,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -254,6 +255,10 @@ int main(int argc, char** argv) {
                  "after writing its own files, before the checkpoint is complete)")->check(CLI::NonNegativeNumber);
   app.add_option("--crash-rank", crash_rank, "The rank --crash-at-step kills")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
+  if (!(lr > 0.0f) || !std::isfinite(lr)) {
+    std::fprintf(stderr, "--lr %g: expected a finite learning rate > 0\n", double(lr));
+    return 2;
+  }
   if (checkpoint_dir.empty() != (checkpoint_every == 0)) {
     std::fprintf(stderr, "--checkpoint-dir and --checkpoint-every go together\n");
     return 2;

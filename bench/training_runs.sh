@@ -1,0 +1,72 @@
+# shellcheck shell=sh
+# shellcheck disable=SC2154  # warmup, boost and interval are the caller's
+# Sourced by bench/paper_table.sh and bench/time_to_accuracy.sh, which run the
+# example trainer once per row:
+#   row_args ROW     the trainer's arguments of one row of the paper's table (the
+#                    row names are listed in paper_table.sh); reads POLICY_LOW,
+#                    POLICY_HIGH, OUTER_LR, OUTER_MOMENTUM and the caller's
+#                    per-model warmup, boost and interval (steps);
+#   finished LOG     whether LOG holds a finished run;
+#   run_logged LOG CMD  runs the command line CMD (split on blanks) with its output
+#                    in LOG, after a first line "$ CMD" and the load, and before
+#                    the load and wall time; prints the last epoch line or the
+#                    failure; returns CMD's status.
+ALL_ROWS="allreduce rank1 rank2 rank4 rank8 rank2-no-ef rank2-no-warm-start adaptive policy policy-adaptive alternating rank2-bf16"
+ALL_ROWS="$ALL_ROWS policy-4-8 policy-adaptive-4-8 policy-warmup-4-8"
+POLICY_LOW=${POLICY_LOW:-2}
+POLICY_HIGH=${POLICY_HIGH:-8}
+row_args() {  # row -> the trainer's arguments of that row
+  case $1 in
+    allreduce) echo "--no-compression" ;;
+    rank1) echo "--rank 1" ;;
+    rank2) echo "--rank 2" ;;
+    rank4) echo "--rank 4" ;;
+    rank8) echo "--rank 8" ;;
+    rank2-no-ef) echo "--rank 2 --no-error-feedback" ;;
+    rank2-no-warm-start) echo "--rank 2 --no-warm-start" ;;
+    adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" ;;
+    policy) echo "--rank $POLICY_LOW --rank-high $POLICY_HIGH --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-adaptive) echo "--adaptive --rank-low $POLICY_LOW --rank-high $POLICY_HIGH --adaptive-interval $interval" \
+      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    # The policy from rank 4 instead of POLICY_LOW (with and without the norm-change rule), and its warm-up alone
+    # (no learning-rate notes), which separates the warm-up's effect from the boosts'.
+    policy-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-adaptive-4-8) echo "--adaptive --rank-low 4 --rank-high 8 --adaptive-interval $interval" \
+      "--warmup-steps $warmup --lr-boost-steps $boost --lr-notes" ;;
+    policy-warmup-4-8) echo "--rank 4 --rank-high 8 --warmup-steps $warmup" ;;
+    alternating) echo "--rank 2 --alternating" ;;
+    rank2-bf16) echo "--rank 2 --wire-dtype bf16" ;;
+    local*)
+      h=$(echo "$1" | sed -n 's/^local\([0-9][0-9]*\)\(-rank[0-9][0-9]*\)\{0,1\}\(-no-ef\)\{0,1\}$/\1/p')
+      [ -n "$h" ] || { echo "paper_table.sh: row '$1': expected localH, localH-rankR or localH-rankR-no-ef" >&2; return 2; }
+      r=$(echo "$1" | sed -n 's/^local[0-9]*-rank\([0-9][0-9]*\).*/\1/p')
+      outer="${OUTER_LR:+ --outer-lr $OUTER_LR}${OUTER_MOMENTUM:+ --outer-momentum $OUTER_MOMENTUM}"
+      case $1 in
+        *-no-ef) echo "--rank $r --local-steps $h --no-error-feedback$outer" ;;
+        *-rank*) echo "--rank $r --local-steps $h$outer" ;;
+        *) echo "--no-compression --local-steps $h$outer" ;;
+      esac ;;
+    *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
+  esac
+}
+
+finished() { [ -f "$1" ] && grep -qE "^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)" "$1"; }
+
+run_logged() {
+  run_log=$1 run_cmd=$2 run_status=0
+  echo "\$ $run_cmd"
+  {
+    echo "\$ $run_cmd"
+    echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg); started $(date -u +%FT%TZ)"
+  } > "$run_log"
+  run_start=$(date +%s)
+  # shellcheck disable=SC2086  # the argument lists are meant to split
+  $run_cmd >> "$run_log" 2>&1 || run_status=$?
+  if [ "$run_status" = 0 ]; then
+    grep -E "^\[0\] epoch" "$run_log" | tail -n 1
+  else
+    echo "   failed (status $run_status), see $run_log"
+  fi
+  echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg); wall $(($(date +%s) - run_start)) s" >> "$run_log"
+  return "$run_status"
+}
