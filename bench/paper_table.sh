@@ -39,7 +39,7 @@ MODELS=${MODELS:-wide cnn}
 WORKERS=${WORKERS:-16}
 SEEDS=${SEEDS:-1 2 3}
 # shellcheck source=bench/training_runs.sh
-. "$(dirname "$0")/training_runs.sh"  # row_args, finished, run_logged, ALL_ROWS, POLICY_LOW, POLICY_HIGH
+. "$(dirname "$0")/training_runs.sh"  # row_args, decay_args, finished, run_logged, ALL_ROWS, POLICY_LOW, POLICY_HIGH
 ROWS=${ROWS:-$ALL_ROWS}
 TEST_LIMIT=${TEST_LIMIT:-0}
 START_ITER=${START_ITER:-0}
@@ -62,15 +62,7 @@ for model in $MODELS; do
   warmup=${WARMUP_STEPS:-$steps}
   boost=${LR_BOOST_STEPS:-$((steps / 2))}
   interval=${ADAPTIVE_INTERVAL:-$(((steps + 2) / 3))}
-  # The learning rate times 0.1 from 60% and again from 80% of the epochs (epochs 3 and 4 of 4).
-  decay1=$((epochs * 6 / 10 + 1))
-  decay2=$((epochs * 8 / 10 + 1))
-  [ "$decay2" -gt "$decay1" ] || decay2=$((decay1 + 1))
-  decay="--lr-decay-factor 1"
-  if [ "$decay1" -le "$epochs" ]; then
-    decay="--lr-decay-epochs $decay1 --lr-decay-factor 0.1"
-    [ "$decay2" -le "$epochs" ] && decay="--lr-decay-epochs $decay1,$decay2 --lr-decay-factor 0.1"
-  fi
+  decay=$(decay_args "$epochs")
   common="--model $model --epochs $epochs --batch $batch --lr $lr $decay --train-limit $train_limit"
   common="$common --test-limit $TEST_LIMIT --start-iter $START_ITER"
   dir="$OUT_DIR/$model"

@@ -38,14 +38,7 @@ emulated_preamble time_to_accuracy.sh
 
 steps=$((TRAIN_LIMIT / BATCH))
 warmup=$steps boost=$((steps / 2)) interval=$(((steps + 2) / 3))  # read by row_args (policy rows)
-decay1=$((EPOCHS * 6 / 10 + 1))
-decay2=$((EPOCHS * 8 / 10 + 1))
-[ "$decay2" -gt "$decay1" ] || decay2=$((decay1 + 1))
-decay="--lr-decay-factor 1"
-if [ "$decay1" -le "$EPOCHS" ]; then
-  decay="--lr-decay-epochs $decay1 --lr-decay-factor 0.1"
-  [ "$decay2" -le "$EPOCHS" ] && decay="--lr-decay-epochs $decay1,$decay2 --lr-decay-factor 0.1"
-fi
+decay=$(decay_args "$EPOCHS")
 common="--model $MODEL --epochs $EPOCHS --batch $BATCH --lr $LR $decay --train-limit $TRAIN_LIMIT"
 common="$common --test-limit $TEST_LIMIT --start-iter 0 --seed $SEED"
 

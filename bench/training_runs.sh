@@ -6,6 +6,8 @@
 #                    row names are listed in paper_table.sh); reads POLICY_LOW,
 #                    POLICY_HIGH, OUTER_LR, OUTER_MOMENTUM and the caller's
 #                    per-model warmup, boost and interval (steps);
+#   decay_args EPOCHS  the schedule's arguments: the learning rate times 0.1 from
+#                    60% and again from 80% of the epochs (epochs 3 and 4 of 4);
 #   finished LOG     whether LOG holds a finished run;
 #   run_logged LOG CMD  runs the command line CMD (split on blanks) with its output
 #                    in LOG, after a first line "$ CMD" and the load, and before
@@ -48,6 +50,18 @@ row_args() {  # row -> the trainer's arguments of that row
       esac ;;
     *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
   esac
+}
+
+decay_args() {
+  da_first=$(($1 * 6 / 10 + 1)) da_second=$(($1 * 8 / 10 + 1))
+  [ "$da_second" -gt "$da_first" ] || da_second=$((da_first + 1))
+  if [ "$da_first" -gt "$1" ]; then
+    echo "--lr-decay-factor 1"
+  elif [ "$da_second" -gt "$1" ]; then
+    echo "--lr-decay-epochs $da_first --lr-decay-factor 0.1"
+  else
+    echo "--lr-decay-epochs $da_first,$da_second --lr-decay-factor 0.1"
+  fi
 }
 
 finished() { [ -f "$1" ] && grep -qE "^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)" "$1"; }
