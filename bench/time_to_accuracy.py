@@ -40,7 +40,6 @@ def summarize(rate_dir):
             row.update(final=e[-1]["test_accuracy"], bytes=sum(x["bytes"] for x in e), seconds=e[-1]["seconds"],
                        best=max(x["test_accuracy"] for x in e), epochs=len(e))
             if target is not None:
-                row["target"] = target
                 row["to_target"] = time_to(e, target)
                 row["to_target_minus_0.5"] = time_to(e, target - 0.5)
                 row["to_target_minus_1"] = time_to(e, target - 1.0)

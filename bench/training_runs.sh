@@ -40,7 +40,7 @@ row_args() {  # row -> the trainer's arguments of that row
     rank2-bf16) echo "--rank 2 --wire-dtype bf16" ;;
     local*)
       h=$(echo "$1" | sed -n 's/^local\([0-9][0-9]*\)\(-rank[0-9][0-9]*\)\{0,1\}\(-no-ef\)\{0,1\}$/\1/p')
-      [ -n "$h" ] || { echo "paper_table.sh: row '$1': expected localH, localH-rankR or localH-rankR-no-ef" >&2; return 2; }
+      [ -n "$h" ] || { echo "${0##*/}: row '$1': expected localH, localH-rankR or localH-rankR-no-ef" >&2; return 2; }
       r=$(echo "$1" | sed -n 's/^local[0-9]*-rank\([0-9][0-9]*\).*/\1/p')
       outer="${OUTER_LR:+ --outer-lr $OUTER_LR}${OUTER_MOMENTUM:+ --outer-momentum $OUTER_MOMENTUM}"
       case $1 in
@@ -48,7 +48,7 @@ row_args() {  # row -> the trainer's arguments of that row
         *-rank*) echo "--rank $r --local-steps $h$outer" ;;
         *) echo "--no-compression --local-steps $h$outer" ;;
       esac ;;
-    *) echo "paper_table.sh: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
+    *) echo "${0##*/}: unknown row '$1' in ROWS (expected some of: $ALL_ROWS)" >&2; return 2 ;;
   esac
 }
 
