@@ -152,7 +152,7 @@ def verdicts(model, rows, base):
     if smallest:
         out.append(f"smallest fixed rank reaching allreduce (within one SE): {smallest['label']}, "
                    f"{smallest['bytes_mean'] / 1e6:.2f} MB per rank")
-    else:
+    elif any(k in by_key for k in FIXED):  # a table of local-step rows alone has no fixed-rank verdict
         out.append("no fixed rank reaches allreduce within one SE")
     for key in ("adaptive", "policy", "policy-adaptive", "policy-4-8", "policy-adaptive-4-8", "policy-warmup-4-8"):
         p = by_key.get(key)
