@@ -117,6 +117,21 @@ void check_allreduce(GlooCommunicator& comm, DataType type, size_t count, Algori
   CHECK(first_wrong(b, comm.size()) == count);
 }
 
+// Stops this process (SIGSTOP); a watchdog child continues it after `after`, once the survivors gave up, even
+// if they crashed. Returns the child, to wait for.
+pid_t stop_with_watchdog(std::chrono::milliseconds after) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    usleep(static_cast<useconds_t>(after.count()) * 1000);
+    kill(parent, SIGCONT);
+    _exit(0);
+  }
+  raise(SIGSTOP);
+  return child;
+}
+
 const DataType kTypes[] = {DataType::Float32, DataType::Float64, DataType::Float16, DataType::BFloat16};
 // 1 element, odd sizes, both sides of the default ring threshold, several MiB.
 const size_t kCounts[] = {1, 7, 1000, 65537, 3 * 1024 * 1024 + 5};
@@ -425,17 +440,7 @@ TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {
   int victim = comm->size() - 1;
   comm->barrier();
   if (comm->rank() == victim) {
-    // A watchdog child continues the victim once the survivors gave up, even
-    // if they crashed.
-    pid_t parent = getpid();
-    pid_t child = fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      usleep(3000 * 1000);
-      kill(parent, SIGCONT);
-      _exit(0);
-    }
-    raise(SIGSTOP);
+    const pid_t child = stop_with_watchdog(std::chrono::seconds(3));
     // Its peers closed their connections meanwhile: its next operation fails.
     CHECK_THROWS_AS(comm->barrier(), PeerError);
     waitpid(child, nullptr, 0);
@@ -626,6 +631,28 @@ TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named 
   unsetenv("PSGD_HOST_STAGE");
 }
 
+TEST_CASE("host stage: no effect on one host (loopback ranks); refused with the legacy API") {
+  setenv("PSGD_HOST_STAGE", "1", 1);
+  {
+    auto comm = connect("host-stage-one-host");
+    CHECK(comm->staged_hosts() == 0);
+    const uint64_t before = comm->communication_rounds();
+    check_allreduce(*comm, DataType::Float32, 1001, Algorithm::Auto);
+    CHECK(comm->communication_rounds() - before == (comm->size() > 1 ? 1 : 0));  // direct over every rank
+  }
+  if (comm_world() > 1) {
+    try {
+      connect("host-stage-legacy", GlooApi::Legacy);
+      FAIL("expected an UnsupportedError");
+    } catch (const UnsupportedError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find("PSGD_HOST_STAGE=1 needs Gloo's new API") != std::string::npos);
+    }
+  }
+  unsetenv("PSGD_HOST_STAGE");
+}
+
 namespace {
 
 // A rank of a staged group exits in the middle of a sequence of allreduces (after its third): every survivor's
@@ -683,16 +710,7 @@ TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeou
   comm->barrier();
   std::vector<float> data(4096, 1.0f);
   if (comm->rank() == victim) {
-    // A watchdog child continues the victim once the survivors gave up, even if they crashed.
-    pid_t parent = getpid();
-    pid_t child = fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      usleep(4000 * 1000);
-      kill(parent, SIGCONT);
-      _exit(0);
-    }
-    raise(SIGSTOP);
+    const pid_t child = stop_with_watchdog(std::chrono::seconds(4));
     CHECK_THROWS_AS(comm->allreduce(data.data(), data.size(), DataType::Float32), PeerError);
     waitpid(child, nullptr, 0);
     return;
