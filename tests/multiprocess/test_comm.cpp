@@ -702,9 +702,9 @@ TEST_CASE("host stage: a rank that is not a leader exits: every survivor fails a
 TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeout, not later") {
   const auto hosts = test_hosts();
   REQUIRE(hosts.size() >= 2);
-  int victim = -1;
+  int victim = -1, victim_leader = -1;
   for (const auto& host : hosts)
-    if (host.size() >= 2) victim = host.back();
+    if (host.size() >= 2) victim = host.back(), victim_leader = host.front();
   REQUIRE(victim > 0);
   auto comm = connect_staged("host-stage-stopped", std::chrono::milliseconds(1000));
   comm->barrier();
@@ -722,7 +722,9 @@ TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeou
   } catch (const PeerError& e) {
     const auto elapsed = Clock::now() - start;
     MESSAGE(std::string(e.what()));
-    CHECK(elapsed >= std::chrono::milliseconds(900));
+    // Only the victim's leader waits on the victim, for the whole timeout from its own start; the others fail
+    // when it does, measured from their own starts, which may be later than its start on a loaded machine.
+    if (comm->rank() == victim_leader) CHECK(elapsed >= std::chrono::milliseconds(900));
     CHECK(elapsed < std::chrono::seconds(4));
   }
 }

@@ -127,15 +127,18 @@ void check_world_fits_host(const CommOptions& options) {
   const uint64_t world = static_cast<uint64_t>(options.world_size);
   if (world <= 1) return;
   // Gloo: a pair and, until it connects, a listening socket per peer; the
-  // store's host: a connection per rank.
-  uint64_t needed = 2 * (world - 1) + (options.host_store ? world : 0) + kDescriptorReserve;
+  // store's host: a connection per rank; a host's leader with PSGD_HOST_STAGE=1:
+  // as many again at most for the leaders' context (rank 0 always leads).
+  const bool staged = host_stage_from_env();
+  uint64_t needed = 2 * (world - 1) * (staged ? 2 : 1) + (options.host_store ? world : 0) + kDescriptorReserve;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
     uint64_t open = open_descriptor_count();
     uint64_t soft = static_cast<uint64_t>(limit.rlim_cur);
     PSGD_REQUIRE(needed + open <= soft, InvalidArgumentError, "world size ", world, " needs about ", needed,
                  " file descriptors on ", options.host_store ? "rank 0, which hosts the store" : "each rank",
-                 " (two per peer for Gloo", options.host_store ? ", one per rank for the store" : "", ", ",
+                 " (two per peer for Gloo", staged ? ", two more per peer for the leaders' context" : "",
+                 options.host_store ? ", one per rank for the store" : "", ", ",
                  kDescriptorReserve, " more), but RLIMIT_NOFILE allows ", soft, " with ", open,
                  " open: raise it (ulimit -n, at most ", limit.rlim_max == RLIM_INFINITY ? std::string("unlimited")
                                                                                     : std::to_string(limit.rlim_max),

@@ -1,5 +1,6 @@
 #include "comm/host_stage.hpp"
 
+#include <gloo/common/error.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 #include <unistd.h>
@@ -19,8 +20,11 @@ namespace {
 constexpr uint8_t kToLeaderSlotPrefix = 0x50;
 constexpr uint8_t kFromLeaderSlotPrefix = 0x51;
 
-// Gloo's waits return false only when aborted, which nothing here does.
-void require_done(bool done, const char* what) { PSGD_ASSERT(done, what, " was aborted"); }
+// Gloo's waits return false only when aborted, which nothing here does; were one to, it is a transport
+// failure (fatal: the group breaks, so no pair is left with a dropped buffer's pending operation).
+void require_done(bool done, const char* what) {
+  if (!done) throw ::gloo::IoException(std::string(what) + " was aborted");
+}
 
 }  // namespace
 
