@@ -10,6 +10,8 @@
 # median of the per-round ratios bcube / direct. Needs root.
 # Usage: bench/rounds_ab.sh [BUILD_DIR] [RATE] [ROUNDS]
 # Environment (defaults in brackets): HOSTS ["4 8"]  DELAYS ["0 5ms"]
+#   RANKS_PER_HOST [1]: ranks in each emulated host (powersgd-run --emulate-hosts H -n H*RANKS_PER_HOST;
+#         the launcher gives each host a contiguous block of ranks)
 #   SHAPES [data/models/resnet18.shapes]  BUCKET_MB [25]  STEPS [10]  RANK [2]
 #   EXTRA [""] more powersgd-bench engine arguments (e.g. "--alternating")
 #   ENV [""] NAME=VALUE settings for every rank of every side (e.g. "PSGD_DIRECT_MAX_BYTES=1048576")
@@ -17,7 +19,9 @@
 #         each emulated host (a per-namespace sysctl: TCP keeps its window across idle gaps); a side
 #         starting with "unfused" sets PSGD_FUSE_REDUCTIONS=0 (each reduction on its own: the engine
 #         before fusing queued reductions, docs/engine.md); a side named directNk (e.g. direct1024k) sets
-#         PSGD_DIRECT_MAX_BYTES=N KiB, one named directauto PSGD_DIRECT_MAX_BYTES=auto
+#         PSGD_DIRECT_MAX_BYTES=N KiB, one named directauto PSGD_DIRECT_MAX_BYTES=auto; a side starting with
+#         "staged" sets PSGD_HOST_STAGE=1 (the host-staged allreduce, docs/transport.md: with RANKS_PER_HOST
+#         above 1 only the hosts' leaders cross the network), e.g. SIDES="direct staged"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -28,6 +32,8 @@ SHAPES=${SHAPES:-data/models/resnet18.shapes}
 BUCKET_MB=${BUCKET_MB:-25}
 STEPS=${STEPS:-10}
 RANK=${RANK:-2}
+RANKS_PER_HOST=${RANKS_PER_HOST:-1}
+case $RANKS_PER_HOST in ''|*[!0-9]*|0) echo "rounds_ab.sh: RANKS_PER_HOST='$RANKS_PER_HOST': expected an integer >= 1" >&2; exit 2 ;; esac
 EXTRA=${EXTRA:-}
 ENV_ARGS=
 for setting in ${ENV:-}; do ENV_ARGS="$ENV_ARGS --env $setting"; done
@@ -38,7 +44,7 @@ BENCH="$BUILD/tools/bench/powersgd-bench"
 [ -x "$BENCH" ] || { echo "rounds_ab.sh: $BENCH not found (build first: ninja -C $BUILD)" >&2; exit 2; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo "== bench/rounds_ab.sh: links $RATE, $ROUNDS round(s), $(basename "$SHAPES"), buckets $BUCKET_MB MiB," \
+echo "== bench/rounds_ab.sh: links $RATE, $ROUNDS round(s), $RANKS_PER_HOST rank(s) per host, $(basename "$SHAPES"), buckets $BUCKET_MB MiB," \
   "rank $RANK, $STEPS steps ${EXTRA:+($EXTRA) }${ENV:+($ENV) }; $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1 /proc/loadavg)"
 SIDES=${SIDES:-bcube direct}
 for hosts in $HOSTS; do
@@ -48,11 +54,13 @@ for hosts in $HOSTS; do
         direct=; case $side in bcube*) direct=0 ;; directauto*) direct=auto ;; direct[0-9]*k*) direct=${side#direct}; direct=$((${direct%%k*} * 1024)) ;; esac
         fuse=; case $side in unfused*) fuse=0 ;; esac
         idle=; case $side in *-idle0) idle=0 ;; esac
+        stage=; case $side in staged*) stage=1 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
-        "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 900 \
-          --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} \
-          ${fuse:+--env PSGD_FUSE_REDUCTIONS=$fuse} $ENV_ARGS \
+        "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \
+          --timeout 900 --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 \
+          ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} ${fuse:+--env PSGD_FUSE_REDUCTIONS=$fuse} \
+          ${stage:+--env PSGD_HOST_STAGE=$stage} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$BENCH" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
           --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {

@@ -121,22 +121,27 @@ class PSGD_API Communicator {
   // far: each collective adds the number of message exchanges its algorithm
   // makes one after the other (each waits for the one before, so each costs at
   // least one one-way network delay): 1 for the direct allreduce, 2 (size - 1)
-  // for the ring, 2 log2(size) for bcube (docs/transport.md, "Rounds"). The
-  // collectives run one at a time, so the difference over a training step is
-  // the rounds on the step's critical path. 0 for a Communicator not made by
-  // create().
+  // for the ring, 2 log2(size) for bcube (docs/transport.md, "Rounds"); with
+  // PSGD_HOST_STAGE=1 an allreduce counts only the rounds that cross hosts (its
+  // algorithm's among the hosts' leaders). The collectives run one at a time,
+  // so the difference over a training step is the rounds on the step's
+  // critical path. 0 for a Communicator not made by create().
   uint64_t communication_rounds() const;
 
   // Whether an allreduce of `count` elements of `type` adds each element's n
-  // contributions in rank order, whatever its offset in the buffer (the direct
-  // algorithm; a world of one): then one allreduce of two buffers laid end to
-  // end gives the same bits as two allreduces. The engine fuses queued
-  // reductions into one only where this holds (docs/engine.md, "Fusing queued
-  // reductions"). False for a Communicator not made by create().
+  // contributions in one fixed order that does not depend on the element's
+  // offset in the buffer: rank order (the direct algorithm; a world of one),
+  // or with PSGD_HOST_STAGE=1 within each host in rank order, then the hosts
+  // in order (direct among the hosts' leaders; docs/transport.md, "Host-staged
+  // allreduce"). Then one allreduce of two buffers laid end to end gives the
+  // same bits as two allreduces. The engine fuses queued reductions into one
+  // only where this holds (docs/engine.md, "Fusing queued reductions"). False
+  // for a Communicator not made by create().
   bool sums_in_rank_order(size_t count, DataType type) const;
-  // An allreduce (sum, in place) that adds each element's contributions in rank
-  // order whatever its size (the direct algorithm: every rank receives
-  // (size() - 1) * count elements, in one round): for buffers that join
+  // An allreduce (sum, in place) that adds each element's contributions in the
+  // order of sums_in_rank_order whatever its size (the direct algorithm: every
+  // rank receives (size() - 1) * count elements, in one round; host-staged,
+  // direct among the leaders, which receive (hosts - 1) * count): for buffers that join
   // allreduces each of which sums_in_rank_order, so the joined one keeps their
   // bits and moves the same bytes. UnsupportedError where sums_in_rank_order
   // is false for every size (not made by create(), or the legacy Gloo API).

@@ -72,6 +72,16 @@ constexpr Variable kVariables[] = {
      "auto: chosen at creation from the measured latency between the ranks (256 KiB below 1 ms per one-round "
      "exchange, 1 MiB below 4 ms, else 4 MiB; for hosts far apart). Must be equal on every rank. Measured: "
      "docs/scaling.md."},
+    {"PSGD_HOST_STAGE", "0",
+     "1: host-staged allreduce (tcp): the ranks that share a host send their buffers to its lowest rank, which "
+     "adds them in rank order; only these leaders allreduce across hosts (direct, bcube or ring chosen for the "
+     "number of hosts), then send the result back, so the rounds count hosts, not ranks. The hops within a host "
+     "go over the same TCP connections (loopback), not shared memory. No effect with one host or one rank per "
+     "host. 0: off. Must be equal on every rank. docs/transport.md, \"Host-staged allreduce\"."},
+    {"PSGD_HOST_ID", "",
+     "With PSGD_HOST_STAGE=1: the name of this rank's host; ranks with the same name are staged together "
+     "(compared whole). Default: the hostname and the transport's local address (hosts emulated by network "
+     "namespaces share a hostname). Set it where hosts share names, or to split ranks of one host for tests."},
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
     {"PSGD_IB_PORT", "1", "ibverbs port number."},
     {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},

@@ -85,7 +85,8 @@ class StepRunner {
   // can run as one (fuse) with the same bits as one after the other: in the
   // arenas' order each bucket's slots follow the previous one's (so their
   // ranges are one segment), and each bucket's own collectives add each
-  // element over the ranks in rank order (Communicator::sums_in_rank_order),
+  // element over the ranks in a fixed order independent of its offset (rank
+  // order, or host-staged: hosts' ranks, then hosts; Communicator::sums_in_rank_order),
   // as the fused ones then do (allreduce_in_rank_order_async), moving the same
   // bytes in one round. A pure function of the buckets' agreed state and the communicator.
   bool can_fuse(std::vector<int> buckets) const;

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <ctime>
 #include <thread>
 #include <vector>
@@ -46,6 +47,8 @@ CommOptions options(const char* run_id) {
   o.run_id = run_id;
   return o;
 }
+
+int comm_world() { return std::atoi(std::getenv("WORLD_SIZE")); }
 
 std::unique_ptr<GlooCommunicator> connect(const char* run_id, GlooApi api = GlooApi::New) {
   return GlooCommunicator::create(options(run_id), api);
@@ -112,6 +115,21 @@ void check_allreduce(GlooCommunicator& comm, DataType type, size_t count, Algori
   comm.allreduce_async(b.bytes.data(), count, type, algorithm).wait();
   INFO(to_string(type), " count ", count, " algorithm ", to_string(algorithm));
   CHECK(first_wrong(b, comm.size()) == count);
+}
+
+// Stops this process (SIGSTOP); a watchdog child continues it after `after`, once the survivors gave up, even
+// if they crashed. Returns the child, to wait for.
+pid_t stop_with_watchdog(std::chrono::milliseconds after) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    usleep(static_cast<useconds_t>(after.count()) * 1000);
+    kill(parent, SIGCONT);
+    _exit(0);
+  }
+  raise(SIGSTOP);
+  return child;
 }
 
 const DataType kTypes[] = {DataType::Float32, DataType::Float64, DataType::Float16, DataType::BFloat16};
@@ -422,17 +440,7 @@ TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {
   int victim = comm->size() - 1;
   comm->barrier();
   if (comm->rank() == victim) {
-    // A watchdog child continues the victim once the survivors gave up, even
-    // if they crashed.
-    pid_t parent = getpid();
-    pid_t child = fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      usleep(3000 * 1000);
-      kill(parent, SIGCONT);
-      _exit(0);
-    }
-    raise(SIGSTOP);
+    const pid_t child = stop_with_watchdog(std::chrono::seconds(3));
     // Its peers closed their connections meanwhile: its next operation fails.
     CHECK_THROWS_AS(comm->barrier(), PeerError);
     waitpid(child, nullptr, 0);
@@ -450,6 +458,274 @@ TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {
     if (comm->size() == 2) CHECK(e.code() == ErrorCode::Timeout);
     CHECK(elapsed >= std::chrono::milliseconds(900));
     CHECK(elapsed < std::chrono::seconds(5));
+  }
+}
+
+// ---- host-staged allreduce (PSGD_HOST_STAGE=1): Meson's PSGD_TEST_HOSTS splits the loopback ranks into
+// pretend hosts (support/doctest_main.hpp sets each rank's PSGD_HOST_ID) ----
+
+namespace {
+
+// The hosts of PSGD_TEST_HOSTS as the communicator must group them: ordered by their lowest rank, ranks ascending.
+std::vector<std::vector<int>> test_hosts() {
+  std::vector<std::string> names;
+  std::vector<std::vector<int>> hosts;
+  const auto per_rank = testing::pretend_hosts();
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    const size_t h = static_cast<size_t>(std::find(names.begin(), names.end(), per_rank[r]) - names.begin());
+    if (h == names.size()) {
+      names.push_back(per_rank[r]);
+      hosts.emplace_back();
+    }
+    hosts[h].push_back(static_cast<int>(r));
+  }
+  return hosts;
+}
+
+// A staged communicator (the test's hosts are not degenerate), with the settings restored after creation.
+std::unique_ptr<GlooCommunicator> connect_staged(const char* run_id,
+                                                 std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  setenv("PSGD_HOST_STAGE", "1", 1);
+  CommOptions o = options(run_id);
+  o.timeout = timeout;
+  auto comm = GlooCommunicator::create(o);
+  unsetenv("PSGD_HOST_STAGE");
+  REQUIRE(comm->staged_hosts() == static_cast<int>(test_hosts().size()));
+  return comm;
+}
+
+// Rank r's element i: fractions, so that sums round in every type.
+double staged_input(int rank, size_t i) {
+  return static_cast<double>((i * 31 + static_cast<size_t>(rank) * 17) % 101 + 1) / (7.0 + rank);
+}
+
+// `v` rounded to `type` (a sum of two values of the type, computed in double, rounds as the type's own addition:
+// double has more than twice the digits of float32, float32 of float16 and bfloat16).
+double round_to(DataType type, double v) {
+  Buffer b(type, 1);
+  b.set(0, v);
+  return b.get(0);
+}
+
+uint64_t fnv1a(const std::vector<uint8_t>& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint8_t b : bytes) h = (h ^ b) * 1099511628211ull;
+  return h;
+}
+
+// Rounds of an allreduce among h participants (Gloo's radix-2 bcube: a step per factor 2 and one for the rest).
+uint64_t expected_rounds(Algorithm algorithm, uint64_t h) {
+  if (algorithm == Algorithm::Direct) return 1;
+  if (algorithm == Algorithm::Ring) return 2 * (h - 1);
+  uint64_t steps = 0;
+  for (uint64_t m = h; m > 1; m = m % 2 == 0 ? m / 2 : 1) ++steps;
+  return 2 * steps;
+}
+
+}  // namespace
+
+TEST_CASE("host stage: sums in the documented order, the same bits on every rank, rounds count hosts") {
+  const auto hosts = test_hosts();
+  REQUIRE(hosts.size() >= 2);  // the Meson entry sets PSGD_TEST_HOSTS
+  // Small thresholds: the leaders run direct, bcube and ring among sizes that stay quick.
+  setenv("PSGD_RING_THRESHOLD_BYTES", "65536", 1);
+  setenv("PSGD_DIRECT_MAX_BYTES", "4096", 1);
+  auto comm = connect_staged("host-stage");
+  unsetenv("PSGD_RING_THRESHOLD_BYTES");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  const auto h = static_cast<uint64_t>(hosts.size());
+  const size_t world = static_cast<size_t>(comm->size());
+  int direct = 0, bcube = 0, ring = 0;
+  for (DataType type : kTypes)
+    for (size_t count : {size_t{1}, size_t{7}, size_t{1000}, size_t{5000}, size_t{65537}, size_t{300001}}) {
+      const size_t bytes = count * size_of(type);
+      const Algorithm expected = bytes >= 65536                 ? Algorithm::Ring
+                                 : bytes * (h - 1) <= 4096 ? Algorithm::Direct
+                                                           : Algorithm::Bcube;
+      INFO(to_string(type), " count ", count, " among the leaders ", to_string(expected));
+      CHECK(comm->choose(bytes) == expected);
+      (expected == Algorithm::Direct ? direct : expected == Algorithm::Ring ? ring : bcube) += 1;
+      Buffer b(type, count);
+      for (size_t i = 0; i < count; ++i) b.set(i, staged_input(comm->rank(), i));
+      const uint64_t before = comm->communication_rounds();
+      comm->allreduce(b.bytes.data(), count, type);
+      CHECK(comm->communication_rounds() - before == expected_rounds(expected, h));
+      // Every rank holds the same bits.
+      const uint64_t mine = fnv1a(b.bytes);
+      std::vector<uint64_t> all(world);
+      comm->allgather(&mine, all.data(), sizeof(mine));
+      CHECK(std::count(all.begin(), all.end(), mine) == static_cast<long>(world));
+      size_t wrong = 0;
+      for (size_t i = 0; i < count; ++i) {
+        if (expected == Algorithm::Direct) {
+          // The documented order: within each host in rank order, then the hosts in order (direct among leaders).
+          double total = 0;
+          for (size_t k = 0; k < hosts.size(); ++k) {
+            double partial = round_to(type, staged_input(hosts[k][0], i));
+            for (size_t j = 1; j < hosts[k].size(); ++j)
+              partial = round_to(type, partial + round_to(type, staged_input(hosts[k][j], i)));
+            total = k == 0 ? partial : round_to(type, total + partial);
+          }
+          Buffer reference(type, 1);
+          reference.set(0, total);
+          wrong += std::memcmp(reference.bytes.data(), b.bytes.data() + i * size_of(type), size_of(type)) != 0;
+        } else {
+          double exact = 0;
+          for (size_t r = 0; r < world; ++r) exact += round_to(type, staged_input(static_cast<int>(r), i));
+          const double tolerance = type == DataType::Float64 ? 1e-12 : type == DataType::Float32 ? 1e-5 : 3e-2;
+          wrong += std::abs(b.get(i) - exact) > tolerance * exact;
+        }
+      }
+      CHECK(wrong == 0);
+    }
+  CHECK(direct > 0);
+  CHECK(bcube > 0);
+  CHECK(ring > 0);
+  // The sums the engine fuses: layout-independent where the leaders run direct, nowhere else.
+  CHECK(comm->sums_in_rank_order(1, DataType::Float32));
+  CHECK_FALSE(comm->sums_in_rank_order(16000, DataType::Float32));
+  // allreduce_in_rank_order_async: staged with direct among the leaders at any size; its elements are the bits
+  // of separate allreduces of each part (layout-independent).
+  std::vector<float> joined(3000), part_a(1000), part_b(2000);
+  for (size_t i = 0; i < joined.size(); ++i) {
+    joined[i] = static_cast<float>(staged_input(comm->rank(), i));
+    (i < 1000 ? part_a[i] : part_b[i - 1000]) = joined[i];
+  }
+  const uint64_t before = comm->communication_rounds();
+  comm->allreduce_in_rank_order_async(joined.data(), joined.size(), DataType::Float32).wait();
+  CHECK(comm->communication_rounds() - before == 1);
+  comm->allreduce_async(part_a.data(), part_a.size(), DataType::Float32, Algorithm::Direct).wait();
+  comm->allreduce_async(part_b.data(), part_b.size(), DataType::Float32, Algorithm::Direct).wait();
+  CHECK(std::memcmp(joined.data(), part_a.data(), part_a.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(joined.data() + 1000, part_b.data(), part_b.size() * sizeof(float)) == 0);
+  // The other collectives are not staged.
+  const uint64_t before_barrier = comm->communication_rounds();
+  comm->barrier();
+  uint64_t log2n = 0;
+  while ((uint64_t{1} << log2n) < world) ++log2n;
+  CHECK(comm->communication_rounds() - before_barrier == log2n);
+}
+
+TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named at creation on every rank") {
+  setenv("PSGD_HOST_STAGE", "yes", 1);
+  try {
+    connect("host-stage-bad");
+    FAIL("expected an InvalidArgumentError");
+  } catch (const InvalidArgumentError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("PSGD_HOST_STAGE='yes'") != std::string::npos);
+    CHECK(what.find("expected 0 (off) or 1") != std::string::npos);
+  }
+  unsetenv("PSGD_HOST_STAGE");
+  if (comm_world() < 2) return;
+  if (std::atoi(std::getenv("RANK")) == 1) setenv("PSGD_HOST_STAGE", "1", 1);
+  try {
+    connect("host-stage-mismatch");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("rank 1 has PSGD_HOST_STAGE 1 (rank 0: 0)") != std::string::npos);
+  }
+  unsetenv("PSGD_HOST_STAGE");
+}
+
+TEST_CASE("host stage: no effect on one host (loopback ranks); refused with the legacy API") {
+  setenv("PSGD_HOST_STAGE", "1", 1);
+  {
+    auto comm = connect("host-stage-one-host");
+    CHECK(comm->staged_hosts() == 0);
+    const uint64_t before = comm->communication_rounds();
+    check_allreduce(*comm, DataType::Float32, 1001, Algorithm::Auto);
+    CHECK(comm->communication_rounds() - before == (comm->size() > 1 ? 1 : 0));  // direct over every rank
+  }
+  if (comm_world() > 1) {
+    try {
+      connect("host-stage-legacy", GlooApi::Legacy);
+      FAIL("expected an UnsupportedError");
+    } catch (const UnsupportedError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find("PSGD_HOST_STAGE=1 needs Gloo's new API") != std::string::npos);
+    }
+  }
+  unsetenv("PSGD_HOST_STAGE");
+}
+
+namespace {
+
+// A rank of a staged group exits in the middle of a sequence of allreduces (after its third): every survivor's
+// fourth fails with a PeerError within seconds (not its 60 s timeout), and the group is broken.
+void staged_exit(bool leader) {
+  const auto hosts = test_hosts();
+  REQUIRE(hosts.size() >= 2);
+  int victim = -1;
+  for (const auto& host : hosts)
+    if (host.size() >= 2) victim = leader ? host.front() : host.back();  // of the last host with two ranks
+  REQUIRE(victim > 0);  // not rank 0: it would take the test's output with it
+  auto comm = connect_staged(leader ? "host-stage-leader-exits" : "host-stage-member-exits");
+  comm->barrier();
+  std::vector<float> data(4096, 1.0f);
+  if (comm->rank() == victim) {
+    for (int k = 0; k < 3; ++k) comm->allreduce(data.data(), data.size(), DataType::Float32);
+    // The others' fourth allreduces are pending by then. Exiting without cleanup closes the sockets as SIGKILL
+    // would, and exit status 0 keeps the launcher from cancelling the job.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    _exit(0);
+  }
+  int failed_at = -1;
+  for (int k = 0; k < 10 && failed_at < 0; ++k) {
+    const auto start = Clock::now();
+    try {
+      comm->allreduce(data.data(), data.size(), DataType::Float32);
+    } catch (const PeerError& e) {
+      failed_at = k;
+      MESSAGE(std::string(e.what()));
+      CHECK(e.code() == ErrorCode::Io);
+      CHECK(e.operation().find("allreduce(4096 x float32, host-staged") == 0);
+      CHECK(Clock::now() - start < std::chrono::seconds(5) + kSanitizerSlack);
+    }
+  }
+  CHECK(failed_at == 3);
+  const auto start = Clock::now();
+  CHECK_THROWS_AS(comm->allreduce(data.data(), data.size(), DataType::Float32), PeerError);
+  CHECK(Clock::now() - start < std::chrono::milliseconds(50));
+}
+
+}  // namespace
+
+TEST_CASE("host stage: a leader that exits makes every survivor fail at once") { staged_exit(true); }
+
+TEST_CASE("host stage: a rank that is not a leader exits: every survivor fails at once") { staged_exit(false); }
+
+TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeout, not later") {
+  const auto hosts = test_hosts();
+  REQUIRE(hosts.size() >= 2);
+  int victim = -1, victim_leader = -1;
+  for (const auto& host : hosts)
+    if (host.size() >= 2) victim = host.back(), victim_leader = host.front();
+  REQUIRE(victim > 0);
+  auto comm = connect_staged("host-stage-stopped", std::chrono::milliseconds(1000));
+  comm->barrier();
+  std::vector<float> data(4096, 1.0f);
+  if (comm->rank() == victim) {
+    const pid_t child = stop_with_watchdog(std::chrono::seconds(4));
+    CHECK_THROWS_AS(comm->allreduce(data.data(), data.size(), DataType::Float32), PeerError);
+    waitpid(child, nullptr, 0);
+    return;
+  }
+  const auto start = Clock::now();
+  try {
+    comm->allreduce(data.data(), data.size(), DataType::Float32);
+    FAIL("expected a PeerError");
+  } catch (const PeerError& e) {
+    const auto elapsed = Clock::now() - start;
+    MESSAGE(std::string(e.what()));
+    // Only the victim's leader waits on the victim, for the whole timeout from its own start; the others fail
+    // when it does, measured from their own starts, which may be later than its start on a loaded machine.
+    if (comm->rank() == victim_leader) CHECK(elapsed >= std::chrono::milliseconds(900));
+    CHECK(elapsed < std::chrono::seconds(4));
   }
 }
 

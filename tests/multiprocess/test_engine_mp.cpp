@@ -21,6 +21,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "comm/communicator.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/fault_injection.hpp"
 #include "engine_reference.hpp"
@@ -219,8 +220,24 @@ TEST_CASE("reference: W ranks against the double-precision reference, every opti
     }
 }
 
+// With PSGD_HOST_STAGE=1 (Meson's staged variants, pretend hosts from PSGD_TEST_HOSTS): requires that the
+// communicator is staged over those hosts, so a staged variant cannot pass unstaged. Whether it is staged.
+static bool require_staged_if_asked(const Communicator& comm) {
+  const char* stage = std::getenv("PSGD_HOST_STAGE");
+  if (stage == nullptr || std::string(stage) != "1") return false;
+  const auto names = testing::pretend_hosts();
+  std::vector<std::string> hosts;
+  for (const auto& name : names)
+    if (std::find(hosts.begin(), hosts.end(), name) == hosts.end()) hosts.push_back(name);
+  const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(&comm);
+  REQUIRE(gloo != nullptr);
+  REQUIRE(gloo->staged_hosts() == static_cast<int>(hosts.size()));
+  return true;
+}
+
 TEST_CASE("exact: a mean of rank <= r, uncompressed tensors and plain steps give the exact mean") {
   auto comm = connect("engine-exact");
+  require_staged_if_asked(*comm);
   const int world = comm->size();
   for (int r : {1, 2, 4}) {
     Config c;
@@ -343,6 +360,50 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
     reducer.reduce_all(std::span<float* const>(data));
     CHECK(comm->communication_rounds() - before == 3 * per_collective);
   }
+}
+
+// Replicas: every rank's outputs are the same bits, step after step, plain and compressed, one by one and
+// fused (reduce_all). Meson runs it on a plain communicator and on host-staged ones (PSGD_HOST_STAGE=1 with
+// pretend hosts from PSGD_TEST_HOSTS): then the communicator must be staged, and each reduction's collectives
+// cost one round each (direct among the leaders).
+TEST_CASE("replicas: a rank-2 Reducer's outputs are the same bits on every rank") {
+  auto comm = connect("engine-replicas");
+  const bool staged = require_staged_if_asked(*comm);
+  const size_t world = static_cast<size_t>(comm->size());
+  Config c;
+  c.rank = 2;
+  c.start_iter = 2;
+  Reducer reducer(*comm, c);
+  reducer.add_bucket(kShapes);
+  reducer.add_bucket({{64, 48}, {48}});
+  int differing = 0;
+  for (int step = 0; step < 12; ++step) {
+    std::vector<std::vector<float>> g{gradients(reducer.bucket_size(0), comm->rank(), step, 21),
+                                      gradients(reducer.bucket_size(1), comm->rank(), step, 22)};
+    const uint64_t before = comm->communication_rounds();
+    if (step % 3 == 2) {
+      const std::vector<float*> data{g[0].data(), g[1].data()};
+      reducer.reduce_all(std::span<float* const>(data));
+    } else {
+      for (int b = 0; b < 2; ++b) reducer.reduce(b, g[static_cast<size_t>(b)].data());
+    }
+    if (staged) {  // announce, then one plain collective or P and Q, per reduction or per fused group
+      const uint64_t collectives = (step < c.start_iter ? 2 : 3) * (step % 3 == 2 ? 1 : 2);
+      CHECK(comm->communication_rounds() - before == collectives);
+    }
+    for (size_t b = 0; b < g.size(); ++b) {
+      uint64_t mine = 1469598103934665603ull;
+      for (float x : g[b]) {
+        uint32_t bits = 0;
+        std::memcpy(&bits, &x, sizeof bits);
+        mine = (mine ^ bits) * 1099511628211ull;
+      }
+      std::vector<uint64_t> all(world);
+      comm->allgather(&mine, all.data(), sizeof mine);
+      for (uint64_t other : all) differing += other != mine;
+    }
+  }
+  CHECK(differing == 0);
 }
 
 TEST_CASE("checkpoint: a resumed run equals an uninterrupted one bit for bit") {

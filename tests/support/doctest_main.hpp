@@ -7,9 +7,17 @@
 // cases by -tc filter strings, so without this a renamed case would drop out of
 // CI while its test still passed. Query runs (--list-test-cases, --help, ...)
 // select nothing on purpose and keep doctest's own status.
+//
+// Pretend hosts: with PSGD_TEST_HOSTS set to one host name per rank, comma-separated
+// ("a,a,b,b"), run_selected_tests() first sets this rank's PSGD_HOST_ID (indexed
+// by RANK), so that Meson can split loopback ranks into hosts for the
+// host-staged allreduce (PSGD_HOST_STAGE=1) by environment alone.
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
 
 namespace powersgd::testing {
 
@@ -33,7 +41,37 @@ struct SelectionCounter : doctest::IReporter {
 };
 REGISTER_LISTENER("selection-counter", 1, SelectionCounter);
 
+// The host names of PSGD_TEST_HOSTS, one per rank; empty when unset.
+inline std::vector<std::string> pretend_hosts() {
+  std::vector<std::string> hosts;
+  const char* list = std::getenv("PSGD_TEST_HOSTS");
+  if (list == nullptr) return hosts;
+  std::string text = list;
+  for (size_t start = 0;;) {
+    size_t comma = text.find(',', start);
+    hosts.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) return hosts;
+    start = comma + 1;
+  }
+}
+
+// Sets PSGD_HOST_ID from PSGD_TEST_HOSTS; false (with a message) when the list does not fit the world.
+inline bool apply_pretend_hosts() {
+  const auto hosts = pretend_hosts();
+  if (hosts.empty()) return true;
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank == nullptr || world == nullptr || static_cast<size_t>(std::atoi(world)) != hosts.size()) {
+    std::fprintf(stderr, "test: PSGD_TEST_HOSTS names %zu hosts for WORLD_SIZE=%s\n", hosts.size(),
+                 world != nullptr ? world : "(unset)");
+    return false;
+  }
+  setenv("PSGD_HOST_ID", hosts[static_cast<size_t>(std::atoi(rank))].c_str(), 1);
+  return true;
+}
+
 inline int run_selected_tests(doctest::Context& context) {
+  if (!apply_pretend_hosts()) return 1;
   int status = context.run();
   if (status == 0 && !SelectionCounter::queried && !context.shouldExit() && SelectionCounter::selected == 0) {
     std::fprintf(stderr, "test: the command line selected no test case (a -tc/-ts filter that matches nothing?)\n");

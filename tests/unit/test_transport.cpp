@@ -19,6 +19,7 @@
 #include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
 #include "comm/fingerprint.hpp"
+#include "comm/host_stage.hpp"
 #include "comm/options.hpp"
 #include "comm/peer_attribution.hpp"
 #include "powersgd/comm.hpp"
@@ -199,6 +200,52 @@ TEST_CASE("require_same_fingerprints names the first differing rank and each fie
     CHECK(what.find("rank 1 has version 9.9.9 (rank 0: ") != std::string::npos);
     CHECK(what.find("world size 2 (rank 0: 3)") != std::string::npos);
   }
+}
+
+TEST_CASE("require_same_fingerprints names a rank with another PSGD_HOST_STAGE") {
+  CommOptions options;
+  options.world_size = 2;
+  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, false);
+  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, true);
+  CHECK_NOTHROW(require_same_fingerprints({on, on}));
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({off, on}),
+                       "process group configuration mismatch: rank 1 has PSGD_HOST_STAGE 1 (rank 0: 0); every rank "
+                       "must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
+}
+
+TEST_CASE("group_hosts: hosts in the order of their lowest rank, keys compared whole, degenerate groupings") {
+  const HostGroups g = group_hosts({"b", "a", "b", "a", "c"});
+  CHECK(g.hosts == std::vector<std::vector<int>>{{0, 2}, {1, 3}, {4}});
+  CHECK(g.host_of == std::vector<int>{0, 1, 0, 1, 2});
+  CHECK_FALSE(g.degenerate());
+  CHECK(g.describe() == "3 hosts: {0, 2} {1, 3} {4}");
+  CHECK(group_hosts({"node 10.0.0.1", "node 10.0.0.2", "node 10.0.0.1"}).hosts ==
+        std::vector<std::vector<int>>{{0, 2}, {1}});  // one hostname, two addresses: two hosts
+  CHECK(group_hosts({"ab", "a", "ab", "a"}).hosts == std::vector<std::vector<int>>{{0, 2}, {1, 3}});
+  CHECK(group_hosts({"x", "x", "x"}).degenerate());  // one host
+  CHECK(group_hosts({"x", "y", "z"}).degenerate());  // one rank on every host
+  CHECK(group_hosts({"x"}).degenerate());
+}
+
+TEST_CASE("PSGD_HOST_STAGE is 0 or 1; PSGD_HOST_ID names the host") {
+  unsetenv("PSGD_HOST_STAGE");
+  CHECK_FALSE(host_stage_from_env());
+  setenv("PSGD_HOST_STAGE", "1", 1);
+  CHECK(host_stage_from_env());
+  setenv("PSGD_HOST_STAGE", "2", 1);
+  CHECK_THROWS_WITH_AS(host_stage_from_env(),
+                       "environment variable PSGD_HOST_STAGE='2' is invalid: expected 0 (off) or 1 (host-staged "
+                       "allreduce)",
+                       InvalidArgumentError);
+  unsetenv("PSGD_HOST_STAGE");
+  unsetenv("PSGD_HOST_ID");
+  const std::string key = host_key("10.0.0.7");
+  CHECK(key.size() > std::string(" 10.0.0.7").size());
+  CHECK(key.substr(key.size() - 9) == " 10.0.0.7");
+  setenv("PSGD_HOST_ID", "rack 3 node 1", 1);
+  CHECK(host_key("10.0.0.7") == "rack 3 node 1");
+  unsetenv("PSGD_HOST_ID");
 }
 
 TEST_CASE("data types: sizes, names, bfloat16 rounding and sums") {

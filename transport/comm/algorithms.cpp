@@ -27,23 +27,6 @@ namespace {
 
 // ---- new style: free functions, options with tag and timeout ----
 
-using GlooReduce = void (*)(void*, const void*, const void*, size_t);
-
-GlooReduce new_style_sum(DataType type) {
-  switch (type) {
-    case DataType::Float32:
-      return static_cast<GlooReduce>(&gloo::sum<float>);
-    case DataType::Float64:
-      return static_cast<GlooReduce>(&gloo::sum<double>);
-    case DataType::Float16:
-      return static_cast<GlooReduce>(&gloo::sum<gloo::float16>);
-    case DataType::BFloat16:
-      return &bfloat16_sum;
-  }
-  PSGD_ASSERT(false, "unknown DataType ", static_cast<int>(type));
-  __builtin_unreachable();
-}
-
 // Gloo's element size comes from the pointer type.
 void set_output(gloo::AllreduceOptions& opts, void* data, size_t count, DataType type) {
   switch (type) {
@@ -96,7 +79,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     opts.setAlgorithm(algorithm == Algorithm::Ring ? gloo::AllreduceOptions::Algorithm::RING
                                                    : gloo::AllreduceOptions::Algorithm::BCUBE);
     set_output(opts, data, count, type);
-    opts.setReduceFunction(new_style_sum(type));
+    opts.setReduceFunction(sum_function(type));
     configure(opts, tag);
     gloo::allreduce(opts);
   }
@@ -156,7 +139,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     opts.setOutput(out, n * bytes);
     configure(opts, tag);
     gloo::alltoall(opts);
-    const GlooReduce sum = new_style_sum(type);
+    const SumFn sum = sum_function(type);
     std::memcpy(data, out, bytes);
     for (size_t r = 1; r < n; ++r) sum(data, data, out + r * bytes, count);
   }
@@ -265,6 +248,21 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
 };
 
 }  // namespace
+
+SumFn sum_function(DataType type) {
+  switch (type) {
+    case DataType::Float32:
+      return static_cast<SumFn>(&gloo::sum<float>);
+    case DataType::Float64:
+      return static_cast<SumFn>(&gloo::sum<double>);
+    case DataType::Float16:
+      return static_cast<SumFn>(&gloo::sum<gloo::float16>);
+    case DataType::BFloat16:
+      return &bfloat16_sum;
+  }
+  PSGD_ASSERT(false, "unknown DataType ", static_cast<int>(type));
+  __builtin_unreachable();
+}
 
 uint64_t ring_allreduce_rounds(int n) { return 2 * static_cast<uint64_t>(n - 1); }
 

@@ -53,6 +53,11 @@ class CollectiveAlgorithms {
   virtual uint64_t barrier_rounds(int n) const = 0;
 };
 
+// c[i] = a[i] + b[i] over n elements of one type (Gloo's new-style reduce
+// function): the additions of the direct algorithm and of the host-staged one.
+using SumFn = void (*)(void* c, const void* a, const void* b, size_t n);
+SumFn sum_function(DataType type);
+
 // Rounds of the algorithms both APIs share: ring allreduce (reduce-scatter,
 // then allgather: 2 (n - 1)), the ring allgather (n - 1), and ceil(log2 n).
 uint64_t ring_allreduce_rounds(int n);

@@ -17,6 +17,7 @@
 #include "comm/algorithms.hpp"
 #include "comm/device.hpp"
 #include "comm/fingerprint.hpp"
+#include "comm/host_stage.hpp"
 #include "comm/options.hpp"
 #include "common/check.hpp"
 #include "common/comm_users.hpp"
@@ -109,6 +110,7 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
   algorithms_ = make_algorithms(api_, options_.timeout);
   direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
+  host_stage_ = host_stage_from_env();
 }
 
 namespace {
@@ -125,15 +127,18 @@ void check_world_fits_host(const CommOptions& options) {
   const uint64_t world = static_cast<uint64_t>(options.world_size);
   if (world <= 1) return;
   // Gloo: a pair and, until it connects, a listening socket per peer; the
-  // store's host: a connection per rank.
-  uint64_t needed = 2 * (world - 1) + (options.host_store ? world : 0) + kDescriptorReserve;
+  // store's host: a connection per rank; a host's leader with PSGD_HOST_STAGE=1:
+  // as many again at most for the leaders' context (rank 0 always leads).
+  const bool staged = host_stage_from_env();
+  uint64_t needed = 2 * (world - 1) * (staged ? 2 : 1) + (options.host_store ? world : 0) + kDescriptorReserve;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
     uint64_t open = open_descriptor_count();
     uint64_t soft = static_cast<uint64_t>(limit.rlim_cur);
     PSGD_REQUIRE(needed + open <= soft, InvalidArgumentError, "world size ", world, " needs about ", needed,
                  " file descriptors on ", options.host_store ? "rank 0, which hosts the store" : "each rank",
-                 " (two per peer for Gloo", options.host_store ? ", one per rank for the store" : "", ", ",
+                 " (two per peer for Gloo", staged ? ", two more per peer for the leaders' context" : "",
+                 options.host_store ? ", one per rank for the store" : "", ", ",
                  kDescriptorReserve, " more), but RLIMIT_NOFILE allows ", soft, " with ", open,
                  " open: raise it (ulimit -n, at most ", limit.rlim_max == RLIM_INFINITY ? std::string("unlimited")
                                                                                     : std::to_string(limit.rlim_max),
@@ -247,21 +252,64 @@ void GlooCommunicator::connect() {
 
   device_ = make_device(options_);
   context_ = std::make_shared<gloo::rendezvous::Context>(options_.rank, options_.world_size);
-  context_->setTimeout(options_.timeout);  // before connectFullMesh: pairs copy it
+  connect_mesh(*context_, *scoped, detail::concat("rendezvous of ", options_.world_size, " ranks"));
+  worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
+  check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
+  if (host_stage_) setup_host_stage(*scoped);
+  if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
+}
+
+void GlooCommunicator::connect_mesh(gloo::rendezvous::Context& context, Store& store, const std::string& what) {
+  context.setTimeout(options_.timeout);  // before connectFullMesh: pairs copy it
   try {
-    context_->connectFullMesh(*scoped, device_);
+    context.connectFullMesh(store, device_);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
     std::string message = e.what();
     if (is_timeout_message(message))
-      PSGD_THROW(TimeoutError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " timed out after ",
-                 options_.timeout.count(), " ms: ", message);
-    PSGD_THROW(IoError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " failed: ", message);
+      PSGD_THROW(TimeoutError, what, " at ", store_name_, " timed out after ", options_.timeout.count(), " ms: ",
+                 message);
+    PSGD_THROW(IoError, what, " at ", store_name_, " failed: ", message);
   }
-  worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
-  check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting)
-  if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
+}
+
+void GlooCommunicator::setup_host_stage(Store& scoped) {
+  PSGD_REQUIRE(api_ == GlooApi::New, UnsupportedError,
+               "PSGD_HOST_STAGE=1 needs Gloo's new API (TCP; the legacy API and ibverbs have no unbound buffers): "
+               "set PSGD_HOST_STAGE=0");
+  if (options_.world_size == 1) {
+    PSGD_LOG(Info, "PSGD_HOST_STAGE=1 has no effect: a world of one");
+    return;
+  }
+  // The transport's local address: that of this rank's pair towards any peer.
+  const int peer = options_.rank == 0 ? 1 : 0;
+  const std::string ip = split_pair_address(context_->getPair(peer)->address().str()).first;
+  HostGroups groups = group_hosts(exchange_host_keys(
+      host_key(ip), options_.world_size, [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }));
+  if (groups.degenerate()) {
+    PSGD_LOG(Info, "PSGD_HOST_STAGE=1 has no effect: ", groups.describe(), " (staging needs two hosts or more and "
+             "one of them with two ranks or more)");
+    return;
+  }
+  const int host = groups.host_of[static_cast<size_t>(options_.rank)];
+  const int hosts = static_cast<int>(groups.hosts.size());
+  std::shared_ptr<gloo::rendezvous::Context> leaders;
+  if (groups.hosts[static_cast<size_t>(host)].front() == options_.rank) {
+    leaders = std::make_shared<gloo::rendezvous::Context>(host, hosts);
+    auto store = make_prefix_store(scoped, "leaders");
+    connect_mesh(*leaders, *store, detail::concat("rendezvous of the ", hosts, " hosts' leaders"));
+  }
+  PSGD_LOG(Info, "host-staged allreduce over ", groups.describe(), "; this rank ",
+           leaders != nullptr ? "leads its host" : "sends to its host's leader");
+  stage_ = std::make_unique<HostStage>(std::move(groups), options_.rank, leaders, options_.timeout);
+  staged_hosts_ = hosts;
+  // Every leaders' pair carries traffic once (pairs connect lazily); no rank goes on before every leader has:
+  // a leader whose rendezvous failed has thrown and closed its connections, which fails the barrier.
+  submit("host stage connect", [this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
+    if (stage_->leads()) algorithms_->connect_pairs(stage_->leader_context(), tag);
+    algorithms_->barrier(context, tag);
+  }).wait();
 }
 
 size_t GlooCommunicator::direct_bound_for(double exchange_seconds) {
@@ -306,7 +354,7 @@ void GlooCommunicator::check_fingerprint() {
   for (int peer = 0; peer < n; ++peer)
     if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
   peers_ = exchange_fingerprints(
-      options_, api_, direct_max_bytes_, pair_addresses,
+      options_, api_, direct_max_bytes_, host_stage_, pair_addresses,
       [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }, &established_connections);
 }
 
@@ -321,8 +369,9 @@ GlooCommunicator::~GlooCommunicator() {
 
 Algorithm GlooCommunicator::choose(size_t bytes) const {
   if (bytes >= options_.ring_threshold_bytes) return Algorithm::Ring;
-  // Every rank receives (size - 1) * bytes: one round where that is cheap (docs/transport.md, "Rounds").
-  const auto others = static_cast<size_t>(options_.world_size - 1);
+  // Every rank receives (size - 1) * bytes: one round where that is cheap (docs/transport.md, "Rounds"). Staged,
+  // the leaders run the algorithm: a leader receives (hosts - 1) * bytes.
+  const auto others = static_cast<size_t>((stage_ != nullptr ? staged_hosts_ : options_.world_size) - 1);
   if (others > 0 && bytes <= direct_max_bytes_ / others) return Algorithm::Direct;
   return algorithms_->small_message_algorithm();
 }
@@ -366,6 +415,7 @@ void GlooCommunicator::execute(Op& op) {
       // instead of the ranks not connected to the culprit waiting for
       // their timeout.
       context_.reset();
+      if (stage_ != nullptr) stage_->close();
     }
     std::rethrow_exception(error);
   }
@@ -402,8 +452,15 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
   if (algorithm == Algorithm::Auto) algorithm = choose(bytes);
   algorithms_->require_supported(algorithm);
   std::string name = detail::concat("allreduce(", count, " x ", to_string(type), ", ", to_string(algorithm), ")");
+  if (stage_ != nullptr) name = detail::concat("allreduce(", count, " x ", to_string(type), ", host-staged, ",
+                                               to_string(algorithm), " among ", staged_hosts_, " hosts)");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (count == 0 || context->size == 1) return;
+    if (stage_ != nullptr) {
+      // Only the leaders' rounds cross hosts; the hops within a host cost no network delay.
+      add_rounds(algorithms_->allreduce_rounds(algorithm, staged_hosts_));
+      return stage_->allreduce(context, tag, data, count, type, algorithm, *algorithms_);
+    }
     add_rounds(algorithms_->allreduce_rounds(algorithm, context->size));
     algorithms_->allreduce(context, tag, data, count, type, algorithm);
   });

@@ -30,10 +30,15 @@ enum class GlooApi { New, Legacy };
 // API halving-doubling. Direct (new API only): one round, every rank sends
 // its whole buffer to every other (Gloo's alltoall) and each sums the size()
 // contributions in rank order, so every rank computes the same bits.
+// With host staging on (staged_hosts() > 0) the algorithm is the one the
+// hosts' leaders run among themselves, and Auto chooses it for
+// staged_hosts() participants instead of size() (docs/transport.md,
+// "Host-staged allreduce").
 enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling, Direct };
 const char* to_string(Algorithm algorithm);
 
 class CollectiveAlgorithms;
+class HostStage;
 
 class GlooCommunicator final : public Communicator {
  public:
@@ -62,6 +67,9 @@ class GlooCommunicator final : public Communicator {
   Work barrier_async() override;
   void check_same(uint64_t fingerprint, const std::string& what) override;
   uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
+  // The number of hosts an allreduce is staged over (PSGD_HOST_STAGE=1 with at
+  // least two hosts, one of them with two ranks or more); 0: not staged.
+  int staged_hosts() const { return staged_hosts_; }
 
   // The algorithm Auto picks for a message of `bytes`.
   Algorithm choose(size_t bytes) const;
@@ -85,6 +93,11 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator(const CommOptions& options, GlooApi api);
   void connect();
   void check_fingerprint();
+  // Collective, at creation with PSGD_HOST_STAGE=1: groups the ranks by host
+  // and, unless that is degenerate, connects the leaders' context and sets stage_.
+  void setup_host_stage(Store& scoped);
+  // connectFullMesh with Gloo's errors translated, naming `what` ("rendezvous of 4 ranks").
+  void connect_mesh(gloo::rendezvous::Context& context, Store& store, const std::string& what);
   Work submit(std::string name, RunFn run);
   // The communication thread's body for one operation: fails at once when the
   // group is broken; translates Gloo's errors, breaking the group on a PeerError.
@@ -98,6 +111,8 @@ class GlooCommunicator final : public Communicator {
   CommOptions options_;
   GlooApi api_;
   size_t direct_max_bytes_ = 0;
+  bool host_stage_ = false;  // PSGD_HOST_STAGE
+  int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.
   std::atomic<uint64_t> rounds_{0};
   std::unique_ptr<CollectiveAlgorithms> algorithms_;
@@ -109,6 +124,8 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::rendezvous::Context> context_;
   // Which rank a failure message is about (filled by the fingerprint exchange).
   PeerTable peers_;
+  // The staged allreduce (null unless staging is in effect); after creation the communication thread's alone.
+  std::unique_ptr<HostStage> stage_;
 
   std::mutex broken_mutex_;
   std::exception_ptr broken_;  // first failure; every later op fails with it

@@ -22,14 +22,15 @@ struct Fingerprint {
   int32_t world_size;
   int32_t transport;
   int32_t api;
-  int32_t reserved;
+  int32_t host_stage;  // PSGD_HOST_STAGE (was a reserved field: the layout is unchanged)
   uint64_t ring_threshold_bytes;
   uint64_t direct_max_bytes;
   char ip[48];
 };
 
 // This rank's settings (ip empty).
-Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes = 0);
+Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes = 0,
+                             bool host_stage = false);
 
 // Throws MismatchError naming the first rank that differs from rank 0 and every
 // field it differs in.
@@ -41,7 +42,7 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all);
 // established connections (established_connections()). Checks that every rank
 // has the same fingerprint (MismatchError), and returns what each rank's pair
 // towards this rank looks like from here.
-PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes,
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, bool host_stage,
                                 const std::vector<std::string>& pair_addresses,
                                 const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
                                 const std::function<ConnectionTable()>& connections);

@@ -1,0 +1,85 @@
+// Host-staged allreduce (PSGD_HOST_STAGE=1): the ranks that share a host send
+// their buffers to the host's leader, which adds them in rank order; the
+// leaders allreduce among themselves on a context of their own; each leader
+// sends the result back to its host's ranks. Only the leaders' allreduce
+// crosses hosts, so its rounds count hosts, not ranks. Design, sum order and
+// rounds: docs/transport.md, "Host-staged allreduce". Private to transport.
+#pragma once
+
+#include <gloo/context.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/algorithms.hpp"
+#include "comm/communicator.hpp"
+
+namespace powersgd::transport {
+
+// PSGD_HOST_STAGE (docs/env.md): false for 0 (the default), true for 1;
+// InvalidArgumentError naming the value otherwise.
+bool host_stage_from_env();
+
+// This rank's host key: PSGD_HOST_ID when set, else "<hostname> <ip>", `ip`
+// being the transport's local address (hosts emulated by network namespaces
+// share a hostname but not an address).
+std::string host_key(const std::string& ip);
+
+// Ranks grouped by host key. Hosts are ordered by their lowest rank; a host's
+// ranks ascend; its leader is its lowest rank.
+struct HostGroups {
+  std::vector<std::vector<int>> hosts;
+  std::vector<int> host_of;  // rank -> index in hosts
+  // Staging changes nothing: one host, or one rank on every host.
+  bool degenerate() const;
+  // "2 hosts: {0, 1} {2, 3}", for logs.
+  std::string describe() const;
+};
+
+// Pure: keys[r] is rank r's key, compared whole (no hash, so no collision), so
+// every rank given the same keys computes the same groups.
+HostGroups group_hosts(const std::vector<std::string>& keys);
+
+// Collective: every rank's key, through the communicator's blocking allgather
+// (two of them: the lengths, then the keys padded to the longest).
+std::vector<std::string> exchange_host_keys(const std::string& mine, int world_size,
+                                            const std::function<void(const void*, void*, size_t)>& allgather);
+
+// The staged allreduce of one communicator. Touched by its communication
+// thread only, after creation.
+class HostStage {
+ public:
+  // `leaders`: the leaders' context (rank = host index), connected; null on a
+  // rank that leads no host. `groups` is not degenerate.
+  HostStage(HostGroups groups, int rank, std::shared_ptr<gloo::Context> leaders, std::chrono::milliseconds timeout);
+
+  int hosts() const { return static_cast<int>(groups_.hosts.size()); }
+  bool leads() const { return leaders_ != nullptr; }
+  const std::shared_ptr<gloo::Context>& leader_context() const { return leaders_; }
+
+  // Sums `data` over every rank, in place: within each host in rank order
+  // (the leader's own buffer first), then across hosts with `inter` (Direct,
+  // Bcube or Ring) among the leaders; every rank ends with the leaders' bits.
+  // `global` is the communicator's context (its pairs carry the hops within a
+  // host), `tag` unique among operations in flight. Gloo's exceptions pass
+  // through; a send or receive waits at most the timeout.
+  void allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, void* data, size_t count, DataType type,
+                 Algorithm inter, CollectiveAlgorithms& algorithms);
+
+  // After a fatal failure: closes the leaders' connections, so that the other
+  // leaders fail now rather than after their timeout.
+  void close() { leaders_.reset(); }
+
+ private:
+  HostGroups groups_;
+  int rank_;
+  std::shared_ptr<gloo::Context> leaders_;
+  std::chrono::milliseconds timeout_;
+  std::vector<uint8_t> received_;  // a leader's copies of its host's other buffers, kept between calls
+};
+
+}  // namespace powersgd::transport
