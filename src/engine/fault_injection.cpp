@@ -1,5 +1,9 @@
 #include "engine/fault_injection.hpp"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <mutex>
 
 #include "common/check.hpp"
@@ -33,12 +37,27 @@ bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step)
 }
 
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
-  if (fault_at(fault, point, step))
-    PSGD_THROW(IoError, "injected fault (engine::arm_fault, test only) in ",
-               point == FaultPoint::Prepare    ? "prepare of step "
-               : point == FaultPoint::Allocate ? "the buffers' allocation, attempt "
-                                               : "the compute between the P and Q collectives of step ",
-               step);
+  if (!fault_at(fault, point, step)) return;
+  if (fault->effect == FaultEffect::Exit) ::_exit(0);
+  if (fault->effect == FaultEffect::Stop) {
+    // The child only sleeps and signals (async-signal-safe after a fork of a threaded process).
+    const pid_t stopped = ::getpid();
+    const pid_t watchdog = ::fork();
+    PSGD_REQUIRE(watchdog >= 0, IoError, "injected stall: fork failed");
+    if (watchdog == 0) {
+      ::usleep(static_cast<useconds_t>(fault->stop_ms) * 1000);
+      ::kill(stopped, SIGCONT);
+      ::_exit(0);
+    }
+    ::raise(SIGSTOP);
+    ::waitpid(watchdog, nullptr, 0);
+    return;  // continued: the step goes on, and meets peers that gave up on it
+  }
+  PSGD_THROW(IoError, "injected fault (engine::arm_fault, test only) in ",
+             point == FaultPoint::Prepare    ? "prepare of step "
+             : point == FaultPoint::Allocate ? "the buffers' allocation, attempt "
+                                             : "the compute between the P and Q collectives of step ",
+             step);
 }
 
 }  // namespace powersgd::engine

@@ -23,11 +23,21 @@ enum class FaultPoint {
              // fusing them (docs/engine.md, "Fusing queued reductions") does not depend on timing
 };
 
+// What a fault at Prepare or Between does to this rank.
+enum class FaultEffect {
+  Throw,  // its local work throws IoError: a rank that fails while staying alive
+  Exit,   // the process exits at once with status 0, its sockets closed as SIGKILL would: a rank that dies mid-step
+          // (status 0 keeps powersgd-run from cancelling the survivors)
+  Stop,   // the process stops (SIGSTOP) for `stop_ms`, then a watchdog child continues it: a rank that stalls
+};
+
 struct Fault {
   FaultPoint point = FaultPoint::Prepare;
   int64_t step = 0;  // the step (iteration) at which this rank's local work throws IoError (Output: is perturbed;
                      // Allocate: the attempt)
   bool hold = false;  // also hold every step's first reduction as FaultPoint::Hold does (fusing tests)
+  FaultEffect effect = FaultEffect::Throw;  // Prepare and Between only
+  int64_t stop_ms = 0;                      // FaultEffect::Stop: how long the process stays stopped
 };
 
 // Arms `fault` for the next Reducer this process constructs. Thread-safe.
@@ -41,7 +51,7 @@ bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step)
 // Whether `fault` holds the first reduction of `step` (FaultPoint::Hold, or Fault::hold).
 bool holds(const std::optional<Fault>& fault, int64_t step);
 
-// Throws IoError("injected fault ...") when `fault` is at `point` of `step`.
+// When `fault` is at `point` of `step`: throws IoError("injected fault ..."), exits or stops (Fault::effect).
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step);
 
 }  // namespace powersgd::engine

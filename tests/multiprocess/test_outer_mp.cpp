@@ -3,8 +3,11 @@
 // uncompressed outer step against a reference computed here from every rank's
 // pseudo-gradient; a failed outer step (NaN on one rank, a buffer refused on
 // one rank) changes nothing on any rank and the next one gives the bits of a
-// run that never tried it; the constructor and load agree across ranks. Every
-// rank runs this binary under powersgd-run with one case selected:
+// run that never tried it; a rank that dies or stalls inside an outer step fails
+// every survivor within the timeout, nothing changed; a bucket whose
+// pseudo-gradient is zero in the first outer steps is learned afterwards; the
+// constructor and load agree across ranks. Every rank runs this binary under
+// powersgd-run with one case selected:
 //   powersgd-run -n 3 --timeout 120 -- test_outer_mp -tc='outer: replicas*'
 // Without WORLD_SIZE in the environment the binary exits 77 (skipped).
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -22,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/fault_injection.hpp"
 #include "engine/order_guard.hpp"
 #include "error_of.hpp"
 #include "powersgd/outer_optimizer.hpp"
@@ -117,6 +121,32 @@ std::vector<float> copy(std::span<const float> s) { return {s.begin(), s.end()};
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// What a failed outer step must leave as it was: the caller's parameters, the start point, the outer momentum,
+// the error memory, the outer step count.
+struct Snapshot {
+  Params params;
+  std::vector<std::vector<float>> start, momentum, error;
+  int64_t outer_steps;
+  explicit Snapshot(const Job& job) : params(job.params), outer_steps(job.outer->outer_steps()) {
+    for (int b = 0; b < 2; ++b) {
+      start.push_back(copy(job.outer->start(b)));
+      momentum.push_back(copy(job.outer->momentum(b)));
+      error.push_back(error_feedback(*job.reducer, b));
+    }
+  }
+  void check_unchanged(const Job& job) const {
+    CHECK(job.params.b0 == params.b0);
+    CHECK(job.params.b1 == params.b1);
+    for (int b = 0; b < 2; ++b) {
+      CAPTURE(b);
+      CHECK(copy(job.outer->start(b)) == start[size_t(b)]);
+      CHECK(copy(job.outer->momentum(b)) == momentum[size_t(b)]);
+      CHECK(error_feedback(*job.reducer, b) == error[size_t(b)]);
+    }
+    CHECK(job.outer->outer_steps() == outer_steps);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("outer: replicas bitwise identical after every outer step") {
@@ -185,21 +215,9 @@ TEST_CASE("outer: a failed outer step changes nothing on any rank, and the next 
   }
   local_steps(job.params, 2, me);
   const Params before = job.params;
-  const std::vector<float> start0 = copy(job.outer->start(0)), start1 = copy(job.outer->start(1));
-  const std::vector<float> momentum0 = copy(job.outer->momentum(0)), momentum1 = copy(job.outer->momentum(1));
-  const std::vector<float> error0 = error_feedback(*job.reducer, 0), error1 = error_feedback(*job.reducer, 1);
-  REQUIRE(error0 != std::vector<float>(error0.size(), 0.0f));
-  const auto unchanged = [&] {
-    CHECK(job.params.b0 == before.b0);
-    CHECK(job.params.b1 == before.b1);
-    CHECK(copy(job.outer->start(0)) == start0);
-    CHECK(copy(job.outer->start(1)) == start1);
-    CHECK(copy(job.outer->momentum(0)) == momentum0);
-    CHECK(copy(job.outer->momentum(1)) == momentum1);
-    CHECK(job.outer->outer_steps() == 2);
-    CHECK(error_feedback(*job.reducer, 0) == error0);
-    CHECK(error_feedback(*job.reducer, 1) == error1);
-  };
+  const Snapshot snapshot(job);
+  REQUIRE(snapshot.error[0] != std::vector<float>(snapshot.error[0].size(), 0.0f));
+  const auto unchanged = [&] { snapshot.check_unchanged(job); };
 
   // NaN in one parameter of the last rank: NonFiniteError on every rank.
   if (me == culprit) job.params.b1[7] = std::nan("");
@@ -232,6 +250,116 @@ TEST_CASE("outer: a failed outer step changes nothing on any rank, and the next 
     check_identical(*comm, job);
   }
   CHECK(job.outer->outer_steps() == 5);
+}
+
+// Bucket 1 is not moved by any rank in outer steps 0-2 (a layer that gets no gradient at first: its
+// pseudo-gradient is exactly zero), then every rank moves it along one rank-1 direction, by (rank + 1) times a
+// step size: the mean pseudo-gradient is rank 1, and PowerSGD of rank >= 1 gives it back within rounding once
+// the warm start recovers from the zero steps. Outer lr 1 and momentum 0: the start point moves by the mean.
+TEST_CASE("outer: a bucket whose pseudo-gradient is zero in the first outer steps is learned afterwards, alike on every rank") {
+  auto comm = connect("outer-zero");
+  const int me = comm->rank(), world = comm->size();
+  std::vector<float> direction(12 * 10);  // u v^T, u and v dyadic and non-zero: exact in float
+  for (size_t i = 0; i < 12; ++i)
+    for (size_t j = 0; j < 10; ++j) direction[i * 10 + j] = (value(1, i) + 0.75f) * (value(2, j) - 0.75f);
+  for (const int rank : {1, 2}) {
+    CAPTURE(rank);
+    Config config = compressed();
+    config.rank = rank;
+    Job job(*comm, config, OuterConfig{4, 1.0, 0.0});
+    const std::vector<float> initial = copy(job.outer->start(1));
+    std::vector<float> memory(initial.size(), 0.0f);  // this rank's error memory of bucket 1
+    for (int t = 0; t < 6; ++t) {
+      CAPTURE(t);
+      const bool zero = t < 3;
+      const float size = 0.25f * static_cast<float>(t - 2);  // the step size of outer step t, dyadic
+      const std::vector<float> before = copy(job.outer->start(1));
+      const std::vector<float> b1 = job.params.b1;
+      local_steps(job.params, uint64_t(t), me);
+      job.params.b1 = b1;  // bucket 1 only as this case moves it
+      if (!zero)
+        for (size_t i = 0; i < direction.size(); ++i)
+          job.params.b1[i] -= static_cast<float>(me + 1) * size * direction[i];
+      job.step();
+      check_identical(*comm, job);
+      const std::vector<float> error = error_feedback(*job.reducer, 1);
+      if (zero) {
+        CHECK(copy(job.outer->start(1)) == initial);
+        CHECK(copy(job.outer->momentum(1)) == std::vector<float>(initial.size(), 0.0f));
+        CHECK(error == std::vector<float>(initial.size(), 0.0f));
+        continue;
+      }
+      // The mean pseudo-gradient: (W + 1) / 2 x size x direction. This rank's error memory: its own
+      // pseudo-gradient plus the memory it had, minus what the ranks got back.
+      const float scale = static_cast<float>(world + 1) / 2.0f * size;
+      double worst = 0, worst_error = 0, largest = 0;
+      for (size_t i = 0; i < direction.size(); ++i) {
+        const double mean = double(scale) * double(direction[i]);
+        const double own = double(me + 1) * double(size) * double(direction[i]);
+        const double output = double(before[i]) - double(job.outer->start(1)[i]);
+        largest = std::max({largest, std::abs(own), std::abs(double(memory[i]))});
+        worst = std::max(worst, std::abs(output - mean));
+        worst_error = std::max(worst_error, std::abs(double(error[i]) - (double(memory[i]) + own - output)));
+      }
+      CHECK(worst < 1e-4 * largest);
+      CHECK(worst_error < 1e-4 * largest);
+      memory = error;
+      CHECK(job.params.b1 == copy(job.outer->start(1)));
+    }
+    CHECK(job.outer->outer_steps() == 6);
+  }
+}
+
+namespace {
+
+// A rank that dies or stalls inside outer step 2, at `point` of its Reducer's step (Prepare: before its first
+// collective; Between: after the P collective succeeded everywhere, before Q): every survivor's step fails
+// within the timeout with a PeerError, and nothing it can see changed: parameters, start point, outer momentum,
+// error memory, the step counts. A stalled rank, continued after its peers gave up, fails the same way.
+void lost_in_outer_step(engine::FaultPoint point, engine::FaultEffect effect, const char* run_id) {
+  constexpr int kLostTimeoutMs = 3000;  // also the rendezvous's: ample for processes started together
+  constexpr int kStopMs = 8000;  // longer than a survivor may take, so that none succeeds by waiting it out
+  CommOptions o = CommOptions::from_env();
+  o.run_id = run_id;
+  o.timeout = std::chrono::milliseconds(kLostTimeoutMs);
+  auto comm = Communicator::create(o);
+  const int me = comm->rank();
+  const int victim = comm->size() - 1;  // not rank 0: it would take the test's output with it
+  if (me == victim) engine::arm_fault({point, 2, false, effect, kStopMs});
+  Job job(*comm, compressed());
+  for (int t = 0; t < 2; ++t) {
+    local_steps(job.params, uint64_t(t), me);
+    job.step();
+  }
+  local_steps(job.params, 2, me);
+  const Snapshot snapshot(job);
+  REQUIRE(snapshot.error[1] != std::vector<float>(snapshot.error[1].size(), 0.0f));
+  comm->barrier();  // every rank has its snapshot before the victim goes
+
+  const Outcome lost = outcome_of([&] { job.step(); });
+  INFO(lost.message);
+  CHECK(lost.code != 0);  // a PeerError: its code is Io (a peer closed) or Timeout
+  CHECK((lost.code == static_cast<int>(ErrorCode::Io) || lost.code == static_cast<int>(ErrorCode::Timeout)));
+  if (me != victim) {
+    if (effect == engine::FaultEffect::Exit) CHECK(lost.seconds < 5.0);
+    else CHECK(lost.seconds < (kLostTimeoutMs + 3000) / 1000.0);
+    if (effect == engine::FaultEffect::Stop && comm->size() == 2)
+      CHECK(lost.code == static_cast<int>(ErrorCode::Timeout));
+  }
+  snapshot.check_unchanged(job);
+  CHECK(job.reducer->iteration() == 3);  // a failed step counts as taken (docs/errors.md)
+}
+
+}  // namespace
+
+TEST_CASE("outer: a rank that dies before its first collective of an outer step") {
+  lost_in_outer_step(engine::FaultPoint::Prepare, engine::FaultEffect::Exit, "outer-dies-prepare");
+}
+TEST_CASE("outer: a rank that dies between the P and Q collectives of an outer step") {
+  lost_in_outer_step(engine::FaultPoint::Between, engine::FaultEffect::Exit, "outer-dies-between");
+}
+TEST_CASE("outer: a rank that stalls between the P and Q collectives of an outer step") {
+  lost_in_outer_step(engine::FaultPoint::Between, engine::FaultEffect::Stop, "outer-stalls-between");
 }
 
 TEST_CASE("outer: the ranks agree on the config and on what they load") {
