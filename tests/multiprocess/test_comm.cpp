@@ -190,6 +190,58 @@ TEST_CASE("direct: one round, the same bits on every rank, chosen below PSGD_DIR
     CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * x.size(), x.size() * sizeof(float)) == 0);
 }
 
+// The eager path (receives posted one direct collective ahead, PSGD_DIRECT_EAGER=1, the default) takes per-peer
+// messages up to min(1 MiB, bound / (size - 1)); larger ones take Gloo's alltoall, and every other collective
+// runs between them. The same bits as with the eager path off, in every order of sizes around the boundary.
+TEST_CASE("direct: eager and not, mixed with larger messages and other collectives: the same bits") {
+  setenv("PSGD_DIRECT_MAX_BYTES", "65536", 1);
+  auto eager = connect("direct-eager");
+  setenv("PSGD_DIRECT_EAGER", "0", 1);
+  auto plain = connect("direct-not-eager");
+  unsetenv("PSGD_DIRECT_EAGER");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  const int n = eager->size();
+  if (n < 2) return;
+  const size_t capacity = 65536 / static_cast<size_t>(n - 1) / sizeof(float);  // floats per peer posted ahead
+  const size_t counts[] = {1, capacity, capacity + 1, 7, 3 * capacity, capacity - 1, capacity, 2};
+  for (int pass = 0; pass < 3; ++pass)
+    for (size_t count : counts) {
+      CAPTURE(pass);
+      CAPTURE(count);
+      std::vector<float> x(count);  // sums that round
+      for (size_t i = 0; i < count; ++i)
+        x[i] = 1.0f / static_cast<float>(3 + i % 101 + 7 * static_cast<size_t>(eager->rank()) + static_cast<size_t>(pass));
+      std::vector<float> y = x;
+      eager->allreduce_async(x.data(), count, DataType::Float32, Algorithm::Direct).wait();
+      plain->allreduce_async(y.data(), count, DataType::Float32, Algorithm::Direct).wait();
+      CHECK(std::memcmp(x.data(), y.data(), count * sizeof(float)) == 0);
+      // Collectives of other kinds between direct ones.
+      if (count % 2 == 0) check_allreduce(*eager, DataType::Float64, count, Algorithm::Bcube);
+      float root_value = static_cast<float>(eager->rank() + 1);
+      eager->broadcast(&root_value, sizeof root_value, n - 1);
+      CHECK(root_value == static_cast<float>(n));
+    }
+  // Every rank has the same bits (each adds the contributions in rank order).
+  std::vector<float> x(capacity);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 1.0f / static_cast<float>(3 + i + 7 * static_cast<size_t>(eager->rank()));
+  eager->allreduce_async(x.data(), x.size(), DataType::Float32, Algorithm::Direct).wait();
+  std::vector<float> all(x.size() * static_cast<size_t>(n));
+  eager->allgather(x.data(), all.data(), x.size() * sizeof(float));
+  for (int r = 1; r < n; ++r)
+    CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * x.size(), x.size() * sizeof(float)) == 0);
+  // Eager on one rank and off on another: named at creation.
+  if (eager->rank() == n - 1) setenv("PSGD_DIRECT_EAGER", "0", 1);
+  try {
+    connect("direct-eager-mismatch");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("rank " + std::to_string(n - 1) + " has PSGD_DIRECT_EAGER 0 (rank 0: 1)") != std::string::npos);
+  }
+  unsetenv("PSGD_DIRECT_EAGER");
+}
+
 TEST_CASE("direct: PSGD_DIRECT_MAX_BYTES=auto chooses one bound on every rank from the measured latency") {
   CHECK(GlooCommunicator::direct_bound_for(50e-6) == 262144);
   CHECK(GlooCommunicator::direct_bound_for(2e-3) == 1048576);

@@ -214,6 +214,28 @@ TEST_CASE("require_same_fingerprints names a rank with another PSGD_HOST_STAGE")
                        MismatchError);
 }
 
+TEST_CASE("PSGD_DIRECT_EAGER is 0 or 1, 1 by default, and in the fingerprint") {
+  unsetenv("PSGD_DIRECT_EAGER");
+  CHECK(eager_direct_from_env());
+  setenv("PSGD_DIRECT_EAGER", "0", 1);
+  CHECK_FALSE(eager_direct_from_env());
+  setenv("PSGD_DIRECT_EAGER", "yes", 1);
+  CHECK_THROWS_WITH_AS(eager_direct_from_env(),
+                       "environment variable PSGD_DIRECT_EAGER='yes' is invalid: expected 1 (receives posted one "
+                       "collective ahead, the default) or 0 (off)",
+                       InvalidArgumentError);
+  unsetenv("PSGD_DIRECT_EAGER");
+  CommOptions options;
+  options.world_size = 2;
+  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, true, true);
+  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, true, false);
+  CHECK(on.flags == kFlagHostStage);  // eager on sets no bit: a fingerprint of an older version reads as on
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({on, off}),
+                       "process group configuration mismatch: rank 1 has PSGD_DIRECT_EAGER 0 (rank 0: 1); every "
+                       "rank must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
+}
+
 TEST_CASE("group_hosts: hosts in the order of their lowest rank, keys compared whole, degenerate groupings") {
   const HostGroups g = group_hosts({"b", "a", "b", "a", "c"});
   CHECK(g.hosts == std::vector<std::vector<int>>{{0, 2}, {1, 3}, {4}});

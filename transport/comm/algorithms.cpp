@@ -14,7 +14,10 @@
 #include <gloo/math.h>
 #include <gloo/types.h>
 
+#include <gloo/transport/unbound_buffer.h>
+
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cstring>
 #include <vector>
@@ -117,12 +120,95 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
   uint64_t barrier_rounds(int n) const override { return ceil_log2(n); }  // dissemination
 
+  void enable_eager_direct(size_t bound) override { eager_bound_ = bound; }
+  void release_eager_direct() override { eager_.clear(); }
+
  private:
+  // Gloo's unbound buffers rendezvous: a send leaves only once the receiver's "ready to receive" notice has
+  // arrived, so an exchange whose receives are posted when its sends are costs two one-way delays. The eager
+  // direct allreduce posts the receives of a context's next direct collective at the start of the current
+  // one (into the other of two buffers), so their notices cross the network while it runs, and the next
+  // one's data leaves at once: one one-way delay per collective after the first. A message larger than the
+  // receives posted ahead (`capacity`) takes Gloo's alltoall, as every rank decides alike; the sums are the
+  // same either way (rank order).
+  static constexpr size_t kMaxEagerBytesPerPeer = size_t{1} << 20;
+  static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;  // beside Gloo's 0x01-0x08 and host_stage's 0x50-0x51
+
+  struct Eager {
+    const gloo::Context* context = nullptr;
+    size_t capacity = 0;    // bytes per peer of each receive posted ahead
+    uint32_t sequence = 0;  // the eager direct collectives done on this context: the slot of the next
+    std::array<std::vector<uint8_t>, 2> in;  // collective `sequence` receives into in[sequence % 2]
+    std::array<std::unique_ptr<gloo::transport::UnboundBuffer>, 2> in_buffers;
+    std::vector<uint8_t> out;
+    std::unique_ptr<gloo::transport::UnboundBuffer> out_buffer;
+  };
+
+  // Receives of eager collective `sequence` from every peer, posted now.
+  static void post_receives(const gloo::Context& context, Eager& e, uint32_t sequence) {
+    const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
+    auto& buffer = *e.in_buffers[sequence % 2];
+    for (int peer = 0; peer < context.size; ++peer)
+      if (peer != context.rank) buffer.recv(peer, slot, static_cast<size_t>(peer) * e.capacity, e.capacity);
+  }
+
+  // This context's eager state, made (with the first collective's receives posted) on its first use; null
+  // where messages of `bytes` per peer do not fit the receives posted ahead.
+  Eager* eager_for(const std::shared_ptr<gloo::Context>& context, size_t bytes) {
+    if (eager_bound_ == 0) return nullptr;
+    const size_t n = static_cast<size_t>(context->size);
+    const size_t capacity = std::min(kMaxEagerBytesPerPeer, eager_bound_ / (n - 1));
+    if (bytes > capacity) return nullptr;
+    for (Eager& e : eager_)
+      if (e.context == context.get()) return &e;
+    Eager& e = eager_.emplace_back();
+    e.context = context.get();
+    e.capacity = capacity;
+    for (size_t i = 0; i < 2; ++i) {
+      e.in[i].resize(n * capacity);
+      e.in_buffers[i] = context->createUnboundBuffer(e.in[i].data(), e.in[i].size());
+    }
+    e.out.resize(capacity);
+    e.out_buffer = context->createUnboundBuffer(e.out.data(), e.out.size());
+    post_receives(*context, e, 0);
+    return &e;
+  }
+
+  // Returns false where the eager path does not take this message (then nothing was sent or posted).
+  bool eager_direct_allreduce(const std::shared_ptr<gloo::Context>& context, void* data, size_t count,
+                              DataType type) {
+    const size_t bytes = count * size_of(type);
+    Eager* found = eager_for(context, bytes);
+    if (found == nullptr) return false;
+    Eager& e = *found;
+    const int n = context->size, me = context->rank;
+    const uint32_t sequence = e.sequence;
+    post_receives(*context, e, sequence + 1);
+    std::memcpy(e.out.data(), data, bytes);
+    const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
+    for (int peer = 0; peer < n; ++peer)
+      if (peer != me) e.out_buffer->send(peer, slot, 0, bytes);
+    auto& in = *e.in_buffers[sequence % 2];
+    for (int i = 1; i < n; ++i) in.waitRecv(timeout_);
+    for (int i = 1; i < n; ++i) e.out_buffer->waitSend(timeout_);
+    ++e.sequence;
+    // The contributions in rank order, as the alltoall path adds them.
+    const uint8_t* received = e.in[sequence % 2].data();
+    const auto contribution = [&](int r) {
+      return r == me ? e.out.data() : received + static_cast<size_t>(r) * e.capacity;
+    };
+    const SumFn sum = sum_function(type);
+    std::memcpy(data, contribution(0), bytes);
+    for (int r = 1; r < n; ++r) sum(data, data, contribution(r), count);
+    return true;
+  }
+
   // One round: every rank sends its buffer to every other at once (an alltoall
   // of size() copies), then sums the size() contributions in rank order, the
   // same additions in the same order on every rank: bitwise the same sums.
   void direct_allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
                         DataType type) {
+    if (eager_direct_allreduce(context, data, count, type)) return;
     const size_t n = static_cast<size_t>(context->size);
     const size_t bytes = count * size_of(type);
     // Kept between calls (the communication thread's alone): a reduction's three small collectives allocate
@@ -152,6 +238,8 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   std::chrono::milliseconds timeout_;
   std::vector<uint8_t> direct_in_, direct_out_;  // direct_allreduce's staging: size() copies each way
+  size_t eager_bound_ = 0;                       // 0: the eager path is off
+  std::vector<Eager> eager_;                     // per context (the group's; the host leaders')
 };
 
 // ---- legacy: the old-style algorithm classes ----
@@ -198,6 +286,8 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
                  "allreduce: bcube needs Gloo's new API (not available on ibverbs)");
   }
   size_t max_allgather_bytes() const override { return INT_MAX; }
+  void enable_eager_direct(size_t) override {}  // no direct algorithm here
+  void release_eager_direct() override {}
 
   void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
     FlushedBarrier<gloo::BarrierAllToAll>(context).run();

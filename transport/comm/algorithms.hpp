@@ -43,6 +43,15 @@ class CollectiveAlgorithms {
                          size_t bytes) = 0;
   virtual void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;
 
+  // From now on the direct allreduce posts its receives one direct collective ahead, on every context it
+  // runs on, for messages up to min(1 MiB, bound / (context size - 1)) per peer (docs/transport.md, "Eager
+  // direct allreduce"). Every rank calls it at the same point of its sequence of collectives, with the same
+  // bound. No effect with the legacy API.
+  virtual void enable_eager_direct(size_t bound) = 0;
+  // Drops the receives posted ahead and the buffers behind them: they hold the contexts' connections open,
+  // which a broken group must close now.
+  virtual void release_eager_direct() = 0;
+
   // Sequential communication rounds of each collective on `n` ranks: the
   // message exchanges one after the other, each of which waits for the one
   // before (so each costs at least one one-way delay of the network). What

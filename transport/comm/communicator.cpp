@@ -111,6 +111,7 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   algorithms_ = make_algorithms(api_, options_.timeout);
   direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
   host_stage_ = host_stage_from_env();
+  eager_direct_ = api_ == GlooApi::New && eager_direct_from_env();
 }
 
 namespace {
@@ -257,6 +258,8 @@ void GlooCommunicator::connect() {
   check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
   if (host_stage_) setup_host_stage(*scoped);
   if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
+  // Every rank at the same point, with the same bound (the fingerprint; auto is agreed).
+  if (eager_direct_) algorithms_->enable_eager_direct(direct_max_bytes_);
 }
 
 void GlooCommunicator::connect_mesh(gloo::rendezvous::Context& context, Store& store, const std::string& what) {
@@ -354,7 +357,7 @@ void GlooCommunicator::check_fingerprint() {
   for (int peer = 0; peer < n; ++peer)
     if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
   peers_ = exchange_fingerprints(
-      options_, api_, direct_max_bytes_, host_stage_, pair_addresses,
+      options_, api_, direct_max_bytes_, host_stage_, eager_direct_, pair_addresses,
       [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }, &established_connections);
 }
 
@@ -414,6 +417,7 @@ void GlooCommunicator::execute(Op& op) {
       // Closing every connection makes the failure reach all peers now,
       // instead of the ranks not connected to the culprit waiting for
       // their timeout.
+      algorithms_->release_eager_direct();  // its receives posted ahead hold the connections open
       context_.reset();
       if (stage_ != nullptr) stage_->close();
     }

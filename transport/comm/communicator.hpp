@@ -112,6 +112,7 @@ class GlooCommunicator final : public Communicator {
   GlooApi api_;
   size_t direct_max_bytes_ = 0;
   bool host_stage_ = false;  // PSGD_HOST_STAGE
+  bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
   int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.
   std::atomic<uint64_t> rounds_{0};

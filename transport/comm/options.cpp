@@ -111,6 +111,13 @@ void apply_env_settings(CommOptions& o) {
       static_cast<size_t>(env::get_int("PSGD_RING_THRESHOLD_BYTES", 0, std::numeric_limits<int64_t>::max()));
 }
 
+bool eager_direct_from_env() {
+  const std::string value = env::get_or_default("PSGD_DIRECT_EAGER");
+  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_DIRECT_EAGER='", value,
+               "' is invalid: expected 1 (receives posted one collective ahead, the default) or 0 (off)");
+  return value == "1";
+}
+
 size_t direct_max_bytes_from_env() {
   if (env::get_or_default("PSGD_DIRECT_MAX_BYTES") == "auto") return kDirectAuto;
   return static_cast<size_t>(env::get_int("PSGD_DIRECT_MAX_BYTES", 0, std::numeric_limits<int64_t>::max()));

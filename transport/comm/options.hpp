@@ -18,5 +18,8 @@ void apply_env_settings(CommOptions& options);
 // "auto": kDirectAuto, measured once the group is connected (GlooCommunicator::measure_direct_bound).
 inline constexpr size_t kDirectAuto = static_cast<size_t>(-1);
 size_t direct_max_bytes_from_env();
+// PSGD_DIRECT_EAGER: 1 (the default) posts the direct allreduce's receives one collective ahead (docs/transport.md,
+// "Eager direct allreduce"); 0 leaves each exchange to Gloo's alltoall. Equal on every rank (the fingerprint).
+bool eager_direct_from_env();
 
 }  // namespace powersgd::transport
