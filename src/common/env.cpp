@@ -75,7 +75,7 @@ constexpr Variable kVariables[] = {
     {"PSGD_DIRECT_EAGER", "1",
      "1: the direct allreduce posts its receives one direct collective ahead, so that a peer's data leaves "
      "without waiting for Gloo's ready-to-receive notice: one one-way delay per collective instead of two "
-     "(messages up to min(1 MiB, PSGD_DIRECT_MAX_BYTES / (world size - 1)) per peer). 0: off. The sums are the "
+     "(messages up to min(1 MiB, PSGD_DIRECT_MAX_BYTES / (world size - 1)) per peer; among host-staged leaders, hosts - 1). 0: off. The sums are the "
      "same bits either way. Must be equal on every rank. docs/transport.md, \"Eager direct allreduce\"."},
     {"PSGD_HOST_STAGE", "0",
      "1: host-staged allreduce (tcp): the ranks that share a host send their buffers to its lowest rank, which "

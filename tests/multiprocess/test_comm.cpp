@@ -202,7 +202,7 @@ TEST_CASE("direct: eager and not, mixed with larger messages and other collectiv
   unsetenv("PSGD_DIRECT_MAX_BYTES");
   const int n = eager->size();
   if (n < 2) return;
-  const size_t capacity = 65536 / static_cast<size_t>(n - 1) / sizeof(float);  // floats per peer posted ahead
+  const size_t capacity = 65536 / static_cast<size_t>(n - 1) / 64 * 64 / sizeof(float);  // floats per peer posted ahead
   const size_t counts[] = {1, capacity, capacity + 1, 7, 3 * capacity, capacity - 1, capacity, 2};
   for (int pass = 0; pass < 3; ++pass)
     for (size_t count : counts) {
@@ -221,6 +221,22 @@ TEST_CASE("direct: eager and not, mixed with larger messages and other collectiv
       eager->broadcast(&root_value, sizeof root_value, n - 1);
       CHECK(root_value == static_cast<float>(n));
     }
+  // Counted per path: `counts` has 6 of 8 within the capacity, each run 3 times; none on `plain`.
+  CHECK(eager->eager_direct_collectives() == 18);
+  CHECK(plain->eager_direct_collectives() == 0);
+  // Ranks that pass different counts: a MismatchError naming both, the group still usable.
+  std::vector<float> z(8, 1.0f);
+  const size_t mine = eager->rank() == n - 1 ? 7 : 8;
+  try {
+    eager->allreduce_async(z.data(), mine, DataType::Float32, Algorithm::Direct).wait();
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find(eager->rank() == n - 1 ? " sent 32 bytes where this rank" : " sent 28 bytes where this rank") !=
+          std::string::npos);
+  }
+  eager->barrier();
   // Every rank has the same bits (each adds the contributions in rank order).
   std::vector<float> x(capacity);
   for (size_t i = 0; i < x.size(); ++i) x[i] = 1.0f / static_cast<float>(3 + i + 7 * static_cast<size_t>(eager->rank()));

@@ -30,6 +30,12 @@ namespace {
 
 // ---- new style: free functions, options with tag and timeout ----
 
+// Gloo's waits return false only when aborted, which nothing here does; were one to, it is a transport
+// failure (fatal: the group breaks).
+void require_done(bool done, const char* what) {
+  if (!done) throw ::gloo::IoException(std::string(what) + " was aborted");
+}
+
 // Gloo's element size comes from the pointer type.
 void set_output(gloo::AllreduceOptions& opts, void* data, size_t count, DataType type) {
   switch (type) {
@@ -122,6 +128,11 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   void enable_eager_direct(size_t bound) override { eager_bound_ = bound; }
   void release_eager_direct() override { eager_.clear(); }
+  uint64_t eager_direct_collectives() const override {
+    uint64_t done = 0;
+    for (const Eager& e : eager_) done += e.sequence;
+    return done;
+  }
 
  private:
   // Gloo's unbound buffers rendezvous: a send leaves only once the receiver's "ready to receive" notice has
@@ -134,9 +145,15 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   static constexpr size_t kMaxEagerBytesPerPeer = size_t{1} << 20;
   static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;  // beside Gloo's 0x01-0x08 and host_stage's 0x50-0x51
 
+  // Each message starts with its payload's byte count (kHeader bytes, so the payload stays 8-byte aligned; the
+  // stride of the peers' slots is a multiple of 64): ranks that pass different counts get a MismatchError
+  // naming both instead of summing stale bytes (Gloo's alltoall enforced equal sizes by aborting).
+  static constexpr size_t kHeader = 8;
+
   struct Eager {
     const gloo::Context* context = nullptr;
-    size_t capacity = 0;    // bytes per peer of each receive posted ahead
+    size_t capacity = 0;    // payload bytes per peer of each receive posted ahead
+    size_t stride = 0;      // kHeader + capacity, rounded up to 64: a peer's slot in `in`
     uint32_t sequence = 0;  // the eager direct collectives done on this context: the slot of the next
     std::array<std::vector<uint8_t>, 2> in;  // collective `sequence` receives into in[sequence % 2]
     std::array<std::unique_ptr<gloo::transport::UnboundBuffer>, 2> in_buffers;
@@ -149,7 +166,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
     auto& buffer = *e.in_buffers[sequence % 2];
     for (int peer = 0; peer < context.size; ++peer)
-      if (peer != context.rank) buffer.recv(peer, slot, static_cast<size_t>(peer) * e.capacity, e.capacity);
+      if (peer != context.rank) buffer.recv(peer, slot, static_cast<size_t>(peer) * e.stride, kHeader + e.capacity);
   }
 
   // This context's eager state, made (with the first collective's receives posted) on its first use; null
@@ -157,18 +174,20 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   Eager* eager_for(const std::shared_ptr<gloo::Context>& context, size_t bytes) {
     if (eager_bound_ == 0) return nullptr;
     const size_t n = static_cast<size_t>(context->size);
-    const size_t capacity = std::min(kMaxEagerBytesPerPeer, eager_bound_ / (n - 1));
+    // A multiple of 64, the same on every rank (same bound, same context size): so is the choice below.
+    const size_t capacity = std::min(kMaxEagerBytesPerPeer, eager_bound_ / (n - 1)) / 64 * 64;
     if (bytes > capacity) return nullptr;
     for (Eager& e : eager_)
       if (e.context == context.get()) return &e;
     Eager& e = eager_.emplace_back();
     e.context = context.get();
     e.capacity = capacity;
+    e.stride = (kHeader + capacity + 63) / 64 * 64;
     for (size_t i = 0; i < 2; ++i) {
-      e.in[i].resize(n * capacity);
+      e.in[i].resize(n * e.stride);
       e.in_buffers[i] = context->createUnboundBuffer(e.in[i].data(), e.in[i].size());
     }
-    e.out.resize(capacity);
+    e.out.resize(kHeader + capacity);
     e.out_buffer = context->createUnboundBuffer(e.out.data(), e.out.size());
     post_receives(*context, e, 0);
     return &e;
@@ -184,18 +203,28 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const int n = context->size, me = context->rank;
     const uint32_t sequence = e.sequence;
     post_receives(*context, e, sequence + 1);
-    std::memcpy(e.out.data(), data, bytes);
+    const uint64_t header = bytes;
+    std::memcpy(e.out.data(), &header, kHeader);
+    std::memcpy(e.out.data() + kHeader, data, bytes);
     const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
     for (int peer = 0; peer < n; ++peer)
-      if (peer != me) e.out_buffer->send(peer, slot, 0, bytes);
+      if (peer != me) e.out_buffer->send(peer, slot, 0, kHeader + bytes);
     auto& in = *e.in_buffers[sequence % 2];
-    for (int i = 1; i < n; ++i) in.waitRecv(timeout_);
-    for (int i = 1; i < n; ++i) e.out_buffer->waitSend(timeout_);
+    for (int i = 1; i < n; ++i) require_done(in.waitRecv(timeout_), "direct allreduce: a receive");
+    for (int i = 1; i < n; ++i) require_done(e.out_buffer->waitSend(timeout_), "direct allreduce: a send");
     ++e.sequence;
     // The contributions in rank order, as the alltoall path adds them.
     const uint8_t* received = e.in[sequence % 2].data();
+    for (int r = 0; r < n; ++r) {
+      if (r == me) continue;
+      uint64_t sent = 0;
+      std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
+      PSGD_REQUIRE(sent == bytes, MismatchError, "direct allreduce: rank ", r, " sent ", sent,
+                   " bytes where this rank (", me, ") reduces ", bytes,
+                   ": every rank must pass the same count and type");
+    }
     const auto contribution = [&](int r) {
-      return r == me ? e.out.data() : received + static_cast<size_t>(r) * e.capacity;
+      return r == me ? e.out.data() + kHeader : received + static_cast<size_t>(r) * e.stride + kHeader;
     };
     const SumFn sum = sum_function(type);
     std::memcpy(data, contribution(0), bytes);
@@ -288,6 +317,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   size_t max_allgather_bytes() const override { return INT_MAX; }
   void enable_eager_direct(size_t) override {}  // no direct algorithm here
   void release_eager_direct() override {}
+  uint64_t eager_direct_collectives() const override { return 0; }
 
   void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
     FlushedBarrier<gloo::BarrierAllToAll>(context).run();

@@ -51,6 +51,8 @@ class CollectiveAlgorithms {
   // Drops the receives posted ahead and the buffers behind them: they hold the contexts' connections open,
   // which a broken group must close now.
   virtual void release_eager_direct() = 0;
+  // Direct collectives that took the eager path since creation (on every context; for tests and benchmarks).
+  virtual uint64_t eager_direct_collectives() const = 0;
 
   // Sequential communication rounds of each collective on `n` ranks: the
   // message exchanges one after the other, each of which waits for the one

@@ -111,7 +111,8 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   algorithms_ = make_algorithms(api_, options_.timeout);
   direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
   host_stage_ = host_stage_from_env();
-  eager_direct_ = api_ == GlooApi::New && eager_direct_from_env();
+  const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
+  eager_direct_ = api_ == GlooApi::New && eager;
 }
 
 namespace {
@@ -367,8 +368,12 @@ GlooCommunicator::~GlooCommunicator() {
   detail::detach_all_comm_users(static_cast<const Communicator*>(this));
   if (worker_ != nullptr)
     worker_->stop(std::make_exception_ptr(IoError("communicator destroyed before the operation ran")));
+  // The receives posted ahead hold the contexts; the worker has stopped, so nothing uses them now.
+  algorithms_->release_eager_direct();
   // context_ and device_ close their sockets here; with peers gone that is immediate.
 }
+
+uint64_t GlooCommunicator::eager_direct_collectives() const { return algorithms_->eager_direct_collectives(); }
 
 Algorithm GlooCommunicator::choose(size_t bytes) const {
   if (bytes >= options_.ring_threshold_bytes) return Algorithm::Ring;

@@ -76,6 +76,9 @@ class GlooCommunicator final : public Communicator {
   // Auto picks Direct for a message of `bytes` when (size() - 1) * bytes is at
   // most this (PSGD_DIRECT_MAX_BYTES; 0: never; new API only).
   size_t direct_max_bytes() const { return direct_max_bytes_; }
+  // Direct allreduces that took the eager path (PSGD_DIRECT_EAGER=1; docs/transport.md), counted on the
+  // communication thread: read it between operations, not while one runs.
+  uint64_t eager_direct_collectives() const;
   // The bound PSGD_DIRECT_MAX_BYTES=auto chooses from the slowest rank's
   // one-round exchange time (docs/transport.md, "Rounds"): a pure function, so
   // every rank that sees the same agreed time chooses the same bound.
