@@ -224,19 +224,6 @@ TEST_CASE("direct: eager and not, mixed with larger messages and other collectiv
   // Counted per path: `counts` has 6 of 8 within the capacity, each run 3 times; none on `plain`.
   CHECK(eager->eager_direct_collectives() == 18);
   CHECK(plain->eager_direct_collectives() == 0);
-  // Ranks that pass different counts: a MismatchError naming both, the group still usable.
-  std::vector<float> z(8, 1.0f);
-  const size_t mine = eager->rank() == n - 1 ? 7 : 8;
-  try {
-    eager->allreduce_async(z.data(), mine, DataType::Float32, Algorithm::Direct).wait();
-    FAIL("expected a MismatchError");
-  } catch (const MismatchError& e) {
-    const std::string what = e.what();
-    INFO(what);
-    CHECK(what.find(eager->rank() == n - 1 ? " sent 32 bytes where this rank" : " sent 28 bytes where this rank") !=
-          std::string::npos);
-  }
-  eager->barrier();
   // Every rank has the same bits (each adds the contributions in rank order).
   std::vector<float> x(capacity);
   for (size_t i = 0; i < x.size(); ++i) x[i] = 1.0f / static_cast<float>(3 + i + 7 * static_cast<size_t>(eager->rank()));
@@ -256,6 +243,28 @@ TEST_CASE("direct: eager and not, mixed with larger messages and other collectiv
     CHECK(what.find("rank " + std::to_string(n - 1) + " has PSGD_DIRECT_EAGER 0 (rank 0: 1)") != std::string::npos);
   }
   unsetenv("PSGD_DIRECT_EAGER");
+}
+
+// Not in the tsan suite: the error crosses from the communication thread to the caller inside libstdc++'s
+// uninstrumented exception_ptr, which TSan reports as a race on the exception's destruction.
+TEST_CASE("direct: ranks that pass different counts get a MismatchError naming both; the group goes on") {
+  auto eager = connect("direct-eager-count");
+  const int n = eager->size();
+  if (n < 2) return;
+  std::vector<float> z(8, 1.0f);
+  const size_t mine = eager->rank() == n - 1 ? 7 : 8;
+  try {
+    eager->allreduce_async(z.data(), mine, DataType::Float32, Algorithm::Direct).wait();
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find(eager->rank() == n - 1 ? " sent 32 bytes where this rank" : " sent 28 bytes where this rank") !=
+          std::string::npos);
+  }
+  CHECK(eager->eager_direct_collectives() == 1);
+  eager->barrier();
+  check_allreduce(*eager, DataType::Float32, 8, Algorithm::Direct);
 }
 
 TEST_CASE("direct: PSGD_DIRECT_MAX_BYTES=auto chooses one bound on every rank from the measured latency") {
