@@ -345,6 +345,9 @@ void lost_in_outer_step(engine::FaultPoint point, engine::FaultEffect effect, co
     else CHECK(lost.seconds < (kLostTimeoutMs + 3000) / 1000.0);
     if (effect == engine::FaultEffect::Stop && comm->size() == 2)
       CHECK(lost.code == static_cast<int>(ErrorCode::Timeout));
+    // A timeout names no survivor as the peer (docs/errors.md).
+    if (lost.code == static_cast<int>(ErrorCode::Timeout))
+      for (int r = 0; r < victim; ++r) CHECK(!contains(lost.message, "with peer rank " + std::to_string(r) + ":"));
   }
   snapshot.check_unchanged(job);
   CHECK(job.reducer->iteration() == 3);  // a failed step counts as taken (docs/errors.md)

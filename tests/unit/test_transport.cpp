@@ -164,6 +164,7 @@ TEST_CASE("attribute_peer: without an address, the rank whose connection is gone
   CHECK(attribute_peer(peers, reset, rank1_moved) == 1);
 
   CHECK(attribute_peer(peers, reset, ConnectionTable{}) == 1);  // both gone: the first known one
+  CHECK(peer_named_in(peers, reset) == -1);  // what a timeout uses: only an address in the message
   CHECK(attribute_peer(PeerTable{}, reset, ConnectionTable{}) == -1);
 }
 

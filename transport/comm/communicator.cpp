@@ -442,7 +442,9 @@ std::exception_ptr GlooCommunicator::translate(const std::string& op, std::excep
     message = e.what();
   }
   bool timeout = is_timeout_message(message);
-  int peer = attribute_peer(peers_, message, established_connections());
+  // A timeout names a peer only where Gloo's message does: the first connection found closed is then most often
+  // another rank that gave up first (with 3 ranks and one stalled, the two others named each other).
+  int peer = timeout ? peer_named_in(peers_, message) : attribute_peer(peers_, message, established_connections());
   std::string who = peer >= 0 ? detail::concat(" with peer rank ", peer) : std::string(" (peer unknown)");
   std::string what = timeout ? detail::concat(op, " timed out after ", options_.timeout.count(), " ms", who, ": ",
                                               message, " (a peer stalled or is unreachable; PSGD_TIMEOUT_MS)")

@@ -34,13 +34,18 @@ ConnectionTable established_connections() {
   return parse_tcp_table(table);
 }
 
-int attribute_peer(const PeerTable& peers, const std::string& message, const ConnectionTable& connections) {
+int peer_named_in(const PeerTable& peers, const std::string& message) {
   for (size_t r = 0; r < peers.addresses.size(); ++r) {
     const std::string& address = peers.addresses[r];
     size_t at = address.empty() ? std::string::npos : message.find(address);
     if (at != std::string::npos && !std::isdigit(static_cast<unsigned char>(message[at + address.size()])))
       return static_cast<int>(r);
   }
+  return -1;
+}
+
+int attribute_peer(const PeerTable& peers, const std::string& message, const ConnectionTable& connections) {
+  if (const int named = peer_named_in(peers, message); named >= 0) return named;
   for (size_t r = 0; r < peers.sockets.size(); ++r) {
     auto [local, remote] = peers.sockets[r];
     auto it = connections.find(local);

@@ -44,6 +44,9 @@ ConnectionTable established_connections();
 //    socket, i.e. garbage) the first rank whose known connection is no longer
 //    established in `connections`, or now leads elsewhere.
 int attribute_peer(const PeerTable& peers, const std::string& message, const ConnectionTable& connections);
+// Only step 1 of attribute_peer: the rank whose pair address `message` names, or -1. For a timeout: Gloo's names
+// no peer, and a connection closed meanwhile is most often another rank that timed out first, not the culprit.
+int peer_named_in(const PeerTable& peers, const std::string& message);
 
 // True when a Gloo or store message reports a timeout rather than a broken connection.
 bool is_timeout_message(const std::string& message);
