@@ -39,10 +39,10 @@ namespace {
 
 constexpr int kTimeoutMs = 20000;
 
-std::unique_ptr<Communicator> connect(const char* run_id) {
+std::unique_ptr<Communicator> connect(const char* run_id, int timeout_ms = kTimeoutMs) {
   CommOptions o = CommOptions::from_env();
   o.run_id = run_id;
-  o.timeout = std::chrono::milliseconds(kTimeoutMs);
+  o.timeout = std::chrono::milliseconds(timeout_ms);
   return Communicator::create(o);
 }
 
@@ -319,10 +319,7 @@ namespace {
 void lost_in_outer_step(engine::FaultPoint point, engine::FaultEffect effect, const char* run_id) {
   constexpr int kLostTimeoutMs = 3000;  // also the rendezvous's: ample for processes started together
   constexpr int kStopMs = 8000;  // longer than a survivor may take, so that none succeeds by waiting it out
-  CommOptions o = CommOptions::from_env();
-  o.run_id = run_id;
-  o.timeout = std::chrono::milliseconds(kLostTimeoutMs);
-  auto comm = Communicator::create(o);
+  auto comm = connect(run_id, kLostTimeoutMs);
   const int me = comm->rank();
   const int victim = comm->size() - 1;  // not rank 0: it would take the test's output with it
   if (me == victim) engine::arm_fault({point, 2, false, effect, kStopMs});
@@ -345,7 +342,7 @@ void lost_in_outer_step(engine::FaultPoint point, engine::FaultEffect effect, co
     else CHECK(lost.seconds < (kLostTimeoutMs + 3000) / 1000.0);
     if (effect == engine::FaultEffect::Stop && comm->size() == 2)
       CHECK(lost.code == static_cast<int>(ErrorCode::Timeout));
-    // A timeout names no survivor as the peer (docs/errors.md).
+    // A timeout names no survivor as the peer (docs/transport.md, "Failures").
     if (lost.code == static_cast<int>(ErrorCode::Timeout))
       for (int r = 0; r < victim; ++r) CHECK(!contains(lost.message, "with peer rank " + std::to_string(r) + ":"));
   }

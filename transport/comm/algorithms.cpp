@@ -11,6 +11,7 @@
 #include <gloo/barrier_all_to_one.h>
 #include <gloo/broadcast.h>
 #include <gloo/broadcast_one_to_all.h>
+#include <gloo/common/error.h>
 #include <gloo/math.h>
 #include <gloo/types.h>
 
@@ -29,12 +30,6 @@ namespace powersgd::transport {
 namespace {
 
 // ---- new style: free functions, options with tag and timeout ----
-
-// Gloo's waits return false only when aborted, which nothing here does; were one to, it is a transport
-// failure (fatal: the group breaks).
-void require_done(bool done, const char* what) {
-  if (!done) throw ::gloo::IoException(std::string(what) + " was aborted");
-}
 
 // Gloo's element size comes from the pointer type.
 void set_output(gloo::AllreduceOptions& opts, void* data, size_t count, DataType type) {
@@ -385,6 +380,10 @@ SumFn sum_function(DataType type) {
 }
 
 uint64_t ring_allreduce_rounds(int n) { return 2 * static_cast<uint64_t>(n - 1); }
+
+void require_done(bool done, const char* what) {
+  if (!done) throw ::gloo::IoException(std::string(what) + " was aborted");
+}
 
 uint64_t ceil_log2(int n) {
   uint64_t log = 0;

@@ -69,6 +69,11 @@ class CollectiveAlgorithms {
 using SumFn = void (*)(void* c, const void* a, const void* b, size_t n);
 SumFn sum_function(DataType type);
 
+// Gloo's unbound-buffer waits return false only when aborted, which nothing here does; were one to, it is a
+// transport failure: throws gloo::IoException (fatal: the group breaks, so no pair is left with a dropped
+// buffer's pending operation). For the direct and the host-staged allreduce.
+void require_done(bool done, const char* what);
+
 // Rounds of the algorithms both APIs share: ring allreduce (reduce-scatter,
 // then allgather: 2 (n - 1)), the ring allgather (n - 1), and ceil(log2 n).
 uint64_t ring_allreduce_rounds(int n);

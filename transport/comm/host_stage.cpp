@@ -20,12 +20,6 @@ namespace {
 constexpr uint8_t kToLeaderSlotPrefix = 0x50;
 constexpr uint8_t kFromLeaderSlotPrefix = 0x51;
 
-// Gloo's waits return false only when aborted, which nothing here does; were one to, it is a transport
-// failure (fatal: the group breaks, so no pair is left with a dropped buffer's pending operation).
-void require_done(bool done, const char* what) {
-  if (!done) throw ::gloo::IoException(std::string(what) + " was aborted");
-}
-
 }  // namespace
 
 bool host_stage_from_env() {
