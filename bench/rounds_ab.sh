@@ -23,7 +23,9 @@
 #         "staged" sets PSGD_HOST_STAGE=1 (the host-staged allreduce, docs/transport.md: with RANKS_PER_HOST
 #         above 1 only the hosts' leaders cross the network), e.g. SIDES="direct staged"; a side starting with
 #         "noeager" sets PSGD_DIRECT_EAGER=0 (each direct exchange waits for Gloo's ready-to-receive notices:
-#         the transport before the eager direct allreduce, docs/transport.md), e.g. SIDES="noeager direct"
+#         the transport before the eager direct allreduce, docs/transport.md), e.g. SIDES="noeager direct"; a side
+#         starting with "nosg" sets PSGD_SCATTER_GATHER=0 (Gloo's bcube between the direct bound and the ring
+#         threshold: the algorithms before the scatter-gather allreduce), e.g. SIDES="nosg direct"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -58,12 +60,14 @@ for hosts in $HOSTS; do
         idle=; case $side in *-idle0) idle=0 ;; esac
         stage=; case $side in staged*) stage=1 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
+        sg=; case $side in nosg*) sg=0 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \
           --timeout 900 --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 \
           ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} ${fuse:+--env PSGD_FUSE_REDUCTIONS=$fuse} \
-          ${stage:+--env PSGD_HOST_STAGE=$stage} ${eager:+--env PSGD_DIRECT_EAGER=$eager} $ENV_ARGS \
+          ${stage:+--env PSGD_HOST_STAGE=$stage} ${eager:+--env PSGD_DIRECT_EAGER=$eager} \
+          ${sg:+--env PSGD_SCATTER_GATHER=$sg} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$BENCH" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
           --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {

@@ -130,21 +130,23 @@ class PSGD_API Communicator {
 
   // Whether an allreduce of `count` elements of `type` adds each element's n
   // contributions in one fixed order that does not depend on the element's
-  // offset in the buffer: rank order (the direct algorithm; a world of one),
-  // or with PSGD_HOST_STAGE=1 within each host in rank order, then the hosts
-  // in order (direct among the hosts' leaders; docs/transport.md, "Host-staged
-  // allreduce"). Then one allreduce of two buffers laid end to end gives the
+  // offset in the buffer: rank order (the direct and the scatter-gather
+  // algorithms; a world of one), or with PSGD_HOST_STAGE=1 within each host in
+  // rank order, then the hosts in order (direct or scatter-gather among the
+  // hosts' leaders; docs/transport.md, "Host-staged allreduce"). Then one allreduce of two buffers laid end to end gives the
   // same bits as two allreduces. The engine fuses queued reductions into one
   // only where this holds (docs/engine.md, "Fusing queued reductions"). False
   // for a Communicator not made by create().
   bool sums_in_rank_order(size_t count, DataType type) const;
   // An allreduce (sum, in place) that adds each element's contributions in the
-  // order of sums_in_rank_order whatever its size (the direct algorithm: every
-  // rank receives (size() - 1) * count elements, in one round; host-staged,
-  // direct among the leaders, which receive (hosts - 1) * count): for buffers that join
-  // allreduces each of which sums_in_rank_order, so the joined one keeps their
-  // bits and moves the same bytes. UnsupportedError where sums_in_rank_order
-  // is false for every size (not made by create(), or the legacy Gloo API).
+  // order of sums_in_rank_order whatever its size (direct where every rank
+  // receives (size() - 1) * count elements within PSGD_DIRECT_MAX_BYTES, one
+  // round; else scatter-gather, two rounds of about count elements each way;
+  // host-staged, among the hosts' leaders): for buffers that join allreduces
+  // each of which sums_in_rank_order, so the joined one keeps their bits and
+  // moves the same bytes. UnsupportedError where sums_in_rank_order is false
+  // for every size (not made by create(), the legacy Gloo API, or both
+  // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0).
   Work allreduce_in_rank_order_async(void* data, size_t count, DataType type);
 };
 

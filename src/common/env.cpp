@@ -63,7 +63,7 @@ constexpr Variable kVariables[] = {
                       "address this host uses to reach MASTER_ADDR."},
     {"PSGD_TIMEOUT_MS", "300000", "Timeout of rendezvous and of every collective, in milliseconds."},
     {"PSGD_RING_THRESHOLD_BYTES", "8388608",
-     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones direct or bcube (tcp, "
+     "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones direct or scatter-gather (tcp, "
      "see PSGD_DIRECT_MAX_BYTES) or halving-doubling (ibverbs). Must be equal on every rank. Measured crossover: "
      "docs/transport.md."},
     {"PSGD_DIRECT_MAX_BYTES", "262144",
@@ -77,9 +77,14 @@ constexpr Variable kVariables[] = {
      "without waiting for Gloo's ready-to-receive notice: one one-way delay per collective instead of two "
      "(messages up to min(1 MiB, PSGD_DIRECT_MAX_BYTES / (world size - 1)) per peer; among host-staged leaders, hosts - 1). 0: off. The sums are the "
      "same bits either way. Must be equal on every rank. docs/transport.md, \"Eager direct allreduce\"."},
+    {"PSGD_SCATTER_GATHER", "1",
+     "1: allreduce messages between the direct bound and the ring threshold use the scatter-gather algorithm "
+     "(tcp): two rounds on any number of ranks, rank r adds everyone's r-th chunk in rank order and sends the "
+     "sum to all, the same bits as direct. 0: Gloo's bcube there (2 log2(world size) rounds), as before it. "
+     "Must be equal on every rank. docs/transport.md, \"Scatter-gather allreduce\"."},
     {"PSGD_HOST_STAGE", "0",
      "1: host-staged allreduce (tcp): the ranks that share a host send their buffers to its lowest rank, which "
-     "adds them in rank order; only these leaders allreduce across hosts (direct, bcube or ring chosen for the "
+     "adds them in rank order; only these leaders allreduce across hosts (direct, scatter-gather or ring chosen for the "
      "number of hosts), then send the result back, so the rounds count hosts, not ranks. The hops within a host "
      "go over the same TCP connections (loopback), not shared memory. No effect with one host or one rank per "
      "host. 0: off. Must be equal on every rank. docs/transport.md, \"Host-staged allreduce\"."},

@@ -237,6 +237,29 @@ TEST_CASE("PSGD_DIRECT_EAGER is 0 or 1, 1 by default, and in the fingerprint") {
                        MismatchError);
 }
 
+TEST_CASE("PSGD_SCATTER_GATHER is 0 or 1, 1 by default, and in the fingerprint") {
+  unsetenv("PSGD_SCATTER_GATHER");
+  CHECK(scatter_gather_from_env());
+  setenv("PSGD_SCATTER_GATHER", "0", 1);
+  CHECK_FALSE(scatter_gather_from_env());
+  setenv("PSGD_SCATTER_GATHER", "bcube", 1);
+  CHECK_THROWS_WITH_AS(scatter_gather_from_env(),
+                       "environment variable PSGD_SCATTER_GATHER='bcube' is invalid: expected 1 (scatter-gather "
+                       "above the direct bound, the default) or 0 (bcube)",
+                       InvalidArgumentError);
+  unsetenv("PSGD_SCATTER_GATHER");
+  CommOptions options;
+  options.world_size = 2;
+  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, false, true, true);
+  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, false, true, false);
+  CHECK(on.flags == 0);  // on sets no bit: a fingerprint of an older version reads as on
+  CHECK(off.flags == kFlagNoScatterGather);
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({on, off}),
+                       "process group configuration mismatch: rank 1 has PSGD_SCATTER_GATHER 0 (rank 0: 1); every "
+                       "rank must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
+}
+
 TEST_CASE("group_hosts: hosts in the order of their lowest rank, keys compared whole, degenerate groupings") {
   const HostGroups g = group_hosts({"b", "a", "b", "a", "c"});
   CHECK(g.hosts == std::vector<std::vector<int>>{{0, 2}, {1, 3}, {4}});

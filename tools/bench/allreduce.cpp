@@ -37,6 +37,7 @@ const std::map<std::string, Variant> kVariants = {
     {"ring", {Algorithm::Ring, GlooApi::New}},
     {"bcube", {Algorithm::Bcube, GlooApi::New}},
     {"direct", {Algorithm::Direct, GlooApi::New}},
+    {"scatter-gather", {Algorithm::ScatterGather, GlooApi::New}},
     {"halving-doubling", {Algorithm::HalvingDoubling, GlooApi::Legacy}},
     {"ring-legacy", {Algorithm::Ring, GlooApi::Legacy}},
 };
@@ -161,7 +162,7 @@ void add_allreduce_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(size_t{4}, size_t{1} << 40));
   cmd->add_option("--algorithms", settings->algorithms,
-                  "Algorithms: ring, bcube, direct (Gloo's new API), halving-doubling, ring-legacy (old API, as on ibverbs)")
+                  "Algorithms: ring, bcube, direct, scatter-gather (Gloo's new API), halving-doubling, ring-legacy (old API, as on ibverbs)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--seconds-per-size", settings->seconds_per_size, "Target measuring time per size")

@@ -59,7 +59,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
  public:
   explicit NewStyleAlgorithms(std::chrono::milliseconds timeout) : timeout_(timeout) {}
   GlooApi api() const override { return GlooApi::New; }
-  Algorithm small_message_algorithm() const override { return Algorithm::Bcube; }
+  Algorithm small_message_algorithm() const override { return Algorithm::ScatterGather; }
   void require_supported(Algorithm algorithm) const override {
     PSGD_REQUIRE(algorithm != Algorithm::HalvingDoubling, InvalidArgumentError,
                  "allreduce: halving-doubling needs Gloo's legacy API");
@@ -79,6 +79,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
                  DataType type, Algorithm algorithm) override {
     if (algorithm == Algorithm::Direct) return direct_allreduce(context, tag, data, count, type);
+    if (algorithm == Algorithm::ScatterGather) return scatter_gather_allreduce(context, tag, data, count, type);
     gloo::AllreduceOptions opts(context);
     opts.setAlgorithm(algorithm == Algorithm::Ring ? gloo::AllreduceOptions::Algorithm::RING
                                                    : gloo::AllreduceOptions::Algorithm::BCUBE);
@@ -115,6 +116,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   uint64_t allreduce_rounds(Algorithm algorithm, int n) const override {
     if (algorithm == Algorithm::Direct) return 1;
+    if (algorithm == Algorithm::ScatterGather) return 2;
     return algorithm == Algorithm::Ring ? ring_allreduce_rounds(n) : bcube_rounds(n);
   }
   uint64_t broadcast_rounds(int n) const override { return ceil_log2(n); }  // a binomial tree
@@ -132,11 +134,11 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
  private:
   // Gloo's unbound buffers rendezvous: a send leaves only once the receiver's "ready to receive" notice has
   // arrived, so an exchange whose receives are posted when its sends are costs two one-way delays. The eager
-  // direct allreduce posts the receives of a context's next direct collective at the start of the current
-  // one (into the other of two buffers), so their notices cross the network while it runs, and the next
-  // one's data leaves at once: one one-way delay per collective after the first. A message larger than the
-  // receives posted ahead (`capacity`) takes Gloo's alltoall, as every rank decides alike; the sums are the
-  // same either way (rank order).
+  // path posts the receives of a context's next direct or scatter-gather collective at the start of the
+  // current one (into the other of two buffers), so their notices cross the network while it runs, and the
+  // next one's first exchange leaves at once: one one-way delay per exchange after the first. A message to a
+  // peer larger than the receives posted ahead (`capacity`) takes the path without them, as every rank
+  // decides alike; the sums are the same either way (rank order).
   static constexpr size_t kMaxEagerBytesPerPeer = size_t{1} << 20;
   static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;  // beside Gloo's 0x01-0x08 and host_stage's 0x50-0x51
 
@@ -152,7 +154,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     uint32_t sequence = 0;  // the eager direct collectives done on this context: the slot of the next
     std::array<std::vector<uint8_t>, 2> in;  // collective `sequence` receives into in[sequence % 2]
     std::array<std::unique_ptr<gloo::transport::UnboundBuffer>, 2> in_buffers;
-    std::vector<uint8_t> out;
+    std::vector<uint8_t> out;  // a slot of `stride` per peer (direct sends slot 0 to every peer)
     std::unique_ptr<gloo::transport::UnboundBuffer> out_buffer;
   };
 
@@ -182,7 +184,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       e.in[i].resize(n * e.stride);
       e.in_buffers[i] = context->createUnboundBuffer(e.in[i].data(), e.in[i].size());
     }
-    e.out.resize(kHeader + capacity);
+    e.out.resize(n * e.stride);
     e.out_buffer = context->createUnboundBuffer(e.out.data(), e.out.size());
     post_receives(*context, e, 0);
     return &e;
@@ -254,6 +256,130 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     for (size_t r = 1; r < n; ++r) sum(data, data, out + r * bytes, count);
   }
 
+  // Rank order, in two rounds at any size (docs/transport.md, "Scatter-gather allreduce"): each rank sends
+  // chunk r of its buffer to rank r (a reduce-scatter), rank r adds the size() contributions to its chunk
+  // in rank order, then sends the sum to every rank (an allgather). Each element is the sum the direct
+  // algorithm computes, the same additions in the same order: the same bits on every rank, and the same
+  // bits as direct. Bytes per rank 2 (n - 1) / n x the buffer each way, as bcube and the ring. Every
+  // message starts with the sender's byte count (kHeader): ranks that pass different counts get a
+  // MismatchError naming both once both exchanges are done (each rank sends its second one in any case,
+  // with no payload after a mismatch, so that no receive is left posted).
+  static constexpr uint8_t kScatterSlotPrefix = 0x53;  // the first exchange where it is not posted ahead
+  static constexpr uint8_t kGatherSlotPrefix = 0x54;
+
+  // Elements [first, first + length) of chunk r of `count` over n ranks: the first count % n chunks one longer.
+  struct Chunk {
+    size_t first = 0, length = 0;
+  };
+  static Chunk chunk_of(size_t count, size_t n, size_t r) {
+    const size_t base = count / n, longer = count % n;
+    return {r * base + std::min(r, longer), base + (r < longer ? 1 : 0)};
+  }
+
+  void scatter_gather_allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data,
+                                size_t count, DataType type) {
+    const size_t n = static_cast<size_t>(context->size), me = static_cast<size_t>(context->rank);
+    const size_t element = size_of(type), bytes = count * element;
+    auto* values = static_cast<uint8_t*>(data);
+    const Chunk mine = chunk_of(count, n, me);
+    const size_t most = chunk_of(count, n, 0).length * element;  // the longest chunk's bytes
+    const size_t stride = (kHeader + most + 63) / 64 * 64;       // a message's slot: payloads stay aligned
+    const uint64_t header = bytes;
+
+    // The second exchange's receives first, so that their notices cross the network during the first.
+    if (gather_in_.size() < n * stride) gather_in_.resize(n * stride);
+    if (gather_out_.size() < stride) gather_out_.resize(stride);
+    auto gather_in = context->createUnboundBuffer(gather_in_.data(), n * stride);
+    auto gather_out = context->createUnboundBuffer(gather_out_.data(), stride);
+    const uint64_t gather_slot = gloo::Slot::build(kGatherSlotPrefix, tag);
+    for (size_t peer = 0; peer < n; ++peer)
+      if (peer != me) gather_in->recv(static_cast<int>(peer), gather_slot, peer * stride, stride);
+
+    // The first exchange: into the receives posted ahead where every chunk fits them.
+    const uint8_t* received = nullptr;  // peer r's contribution to this rank's chunk at received + r * step
+    size_t step = 0;
+    const auto fill = [&](uint8_t* out, size_t out_stride) {
+      for (size_t peer = 0; peer < n; ++peer) {
+        if (peer == me) continue;
+        const Chunk c = chunk_of(count, n, peer);
+        std::memcpy(out + peer * out_stride, &header, kHeader);
+        std::memcpy(out + peer * out_stride + kHeader, values + c.first * element, c.length * element);
+      }
+    };
+    if (Eager* e = eager_for(context, most)) {
+      const uint32_t sequence = e->sequence;
+      post_receives(*context, *e, sequence + 1);
+      fill(e->out.data(), e->stride);
+      const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
+      for (size_t peer = 0; peer < n; ++peer)
+        if (peer != me)
+          e->out_buffer->send(static_cast<int>(peer), slot, peer * e->stride,
+                              kHeader + chunk_of(count, n, peer).length * element);
+      auto& in = *e->in_buffers[sequence % 2];
+      for (size_t i = 1; i < n; ++i) require_done(in.waitRecv(timeout_), "scatter-gather allreduce: a receive");
+      for (size_t i = 1; i < n; ++i)
+        require_done(e->out_buffer->waitSend(timeout_), "scatter-gather allreduce: a send");
+      ++e->sequence;
+      received = e->in[sequence % 2].data();
+      step = e->stride;
+    } else {
+      if (scatter_in_.size() < n * stride) scatter_in_.resize(n * stride);
+      if (scatter_out_.size() < n * stride) scatter_out_.resize(n * stride);
+      auto in = context->createUnboundBuffer(scatter_in_.data(), n * stride);
+      auto out = context->createUnboundBuffer(scatter_out_.data(), n * stride);
+      const uint64_t slot = gloo::Slot::build(kScatterSlotPrefix, tag);
+      for (size_t peer = 0; peer < n; ++peer)
+        if (peer != me) in->recv(static_cast<int>(peer), slot, peer * stride, stride);
+      fill(scatter_out_.data(), stride);
+      for (size_t peer = 0; peer < n; ++peer)
+        if (peer != me)
+          out->send(static_cast<int>(peer), slot, peer * stride, kHeader + chunk_of(count, n, peer).length * element);
+      for (size_t i = 1; i < n; ++i) require_done(in->waitRecv(timeout_), "scatter-gather allreduce: a receive");
+      for (size_t i = 1; i < n; ++i) require_done(out->waitSend(timeout_), "scatter-gather allreduce: a send");
+      received = scatter_in_.data();
+      step = stride;
+    }
+    int mismatched = -1;  // the first peer whose count differs from this rank's
+    uint64_t theirs = 0;
+    const auto check = [&](const uint8_t* message, size_t peer) {
+      uint64_t sent = 0;
+      std::memcpy(&sent, message, kHeader);
+      if (sent != bytes && mismatched < 0) {
+        mismatched = static_cast<int>(peer);
+        theirs = sent;
+      }
+    };
+    for (size_t peer = 0; peer < n; ++peer)
+      if (peer != me) check(received + peer * step, peer);
+
+    // This rank's chunk: the contributions in rank order, as direct adds them.
+    uint8_t* sum = gather_out_.data() + kHeader;
+    std::memcpy(gather_out_.data(), &header, kHeader);
+    const size_t payload = mismatched < 0 ? mine.length * element : 0;
+    if (payload > 0) {
+      const auto contribution = [&](size_t r) {
+        return r == me ? values + mine.first * element : received + r * step + kHeader;
+      };
+      const SumFn add = sum_function(type);
+      std::memcpy(sum, contribution(0), payload);
+      for (size_t r = 1; r < n; ++r) add(sum, sum, contribution(r), mine.length);
+    }
+    for (size_t peer = 0; peer < n; ++peer)
+      if (peer != me) gather_out->send(static_cast<int>(peer), gather_slot, 0, kHeader + payload);
+    for (size_t i = 1; i < n; ++i) require_done(gather_in->waitRecv(timeout_), "scatter-gather allreduce: a receive");
+    for (size_t i = 1; i < n; ++i) require_done(gather_out->waitSend(timeout_), "scatter-gather allreduce: a send");
+    for (size_t peer = 0; peer < n; ++peer)
+      if (peer != me) check(gather_in_.data() + peer * stride, peer);
+    PSGD_REQUIRE(mismatched < 0, MismatchError, "scatter-gather allreduce: rank ", mismatched, " sent ", theirs,
+                 " bytes where this rank (", me, ") reduces ", bytes, ": every rank must pass the same count and type");
+    for (size_t peer = 0; peer < n; ++peer) {
+      if (peer == me) continue;
+      const Chunk c = chunk_of(count, n, peer);
+      std::memcpy(values + c.first * element, gather_in_.data() + peer * stride + kHeader, c.length * element);
+    }
+    std::memcpy(values + mine.first * element, sum, mine.length * element);
+  }
+
   template <typename Options>
   void configure(Options& opts, uint32_t tag) const {
     opts.setTag(tag);
@@ -262,6 +388,9 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   std::chrono::milliseconds timeout_;
   std::vector<uint8_t> direct_in_, direct_out_;  // direct_allreduce's staging: size() copies each way
+  // scatter_gather_allreduce's messages, kept between calls as direct's: about the buffer's bytes each
+  // (scatter_*: the first exchange where it is not posted ahead; gather_out_: one chunk).
+  std::vector<uint8_t> scatter_in_, scatter_out_, gather_in_, gather_out_;
   size_t eager_bound_ = 0;                       // 0: the eager path is off
   std::vector<Eager> eager_;                     // per context (the group's; the host leaders')
 };
@@ -308,6 +437,8 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
                  "allreduce: direct needs Gloo's new API (not available on ibverbs)");
     PSGD_REQUIRE(algorithm != Algorithm::Bcube, InvalidArgumentError,
                  "allreduce: bcube needs Gloo's new API (not available on ibverbs)");
+    PSGD_REQUIRE(algorithm != Algorithm::ScatterGather, InvalidArgumentError,
+                 "allreduce: scatter-gather needs Gloo's new API (not available on ibverbs)");
   }
   size_t max_allgather_bytes() const override { return INT_MAX; }
   void enable_eager_direct(size_t) override {}  // no direct algorithm here

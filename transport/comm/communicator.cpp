@@ -58,15 +58,20 @@ uint64_t Communicator::communication_rounds() const {
 bool Communicator::sums_in_rank_order(size_t count, DataType type) const {
   const auto* gloo = gloo_of(this);
   if (gloo == nullptr) return false;
-  return gloo->size() == 1 || gloo->choose(count * size_of(type)) == transport::Algorithm::Direct;
+  if (gloo->size() == 1) return true;
+  const transport::Algorithm chosen = gloo->choose(count * size_of(type));
+  return chosen == transport::Algorithm::Direct || chosen == transport::Algorithm::ScatterGather;
 }
 
 Work Communicator::allreduce_in_rank_order_async(void* data, size_t count, DataType type) {
   auto* gloo = gloo_of(this);
-  PSGD_REQUIRE(gloo != nullptr && gloo->direct_max_bytes() > 0, UnsupportedError,
-               "allreduce_in_rank_order_async: this communicator has no direct allreduce (made by create() with "
-               "Gloo's new API and PSGD_DIRECT_MAX_BYTES above 0 only)");
-  return gloo->allreduce_async(data, count, type, transport::Algorithm::Direct);
+  const transport::Algorithm algorithm =
+      gloo != nullptr ? gloo->choose_in_rank_order(count * size_of(type)) : transport::Algorithm::Auto;
+  PSGD_REQUIRE(algorithm != transport::Algorithm::Auto, UnsupportedError,
+               "allreduce_in_rank_order_async: this communicator has neither the direct nor the scatter-gather "
+               "allreduce (made by create() with Gloo's new API, and PSGD_DIRECT_MAX_BYTES above 0 or "
+               "PSGD_SCATTER_GATHER=1, only)");
+  return gloo->allreduce_async(data, count, type, algorithm);
 }
 
 }  // namespace powersgd
@@ -102,6 +107,8 @@ const char* to_string(Algorithm algorithm) {
       return "halving-doubling";
     case Algorithm::Direct:
       return "direct";
+    case Algorithm::ScatterGather:
+      return "scatter-gather";
   }
   return "?";
 }
@@ -113,6 +120,8 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   host_stage_ = host_stage_from_env();
   const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
   eager_direct_ = api_ == GlooApi::New && eager;
+  const bool scatter_gather = scatter_gather_from_env();
+  scatter_gather_ = api_ == GlooApi::New && scatter_gather;
 }
 
 namespace {
@@ -358,7 +367,7 @@ void GlooCommunicator::check_fingerprint() {
   for (int peer = 0; peer < n; ++peer)
     if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
   peers_ = exchange_fingerprints(
-      options_, api_, direct_max_bytes_, host_stage_, eager_direct_, pair_addresses,
+      options_, api_, direct_max_bytes_, host_stage_, eager_direct_, scatter_gather_, pair_addresses,
       [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }, &established_connections);
 }
 
@@ -381,7 +390,15 @@ Algorithm GlooCommunicator::choose(size_t bytes) const {
   // the leaders run the algorithm: a leader receives (hosts - 1) * bytes.
   const auto others = static_cast<size_t>((stage_ != nullptr ? staged_hosts_ : options_.world_size) - 1);
   if (others > 0 && bytes <= direct_max_bytes_ / others) return Algorithm::Direct;
-  return algorithms_->small_message_algorithm();
+  return scatter_gather_ || api_ != GlooApi::New ? algorithms_->small_message_algorithm() : Algorithm::Bcube;
+}
+
+Algorithm GlooCommunicator::choose_in_rank_order(size_t bytes) const {
+  if (api_ != GlooApi::New) return Algorithm::Auto;
+  const auto others = static_cast<size_t>((stage_ != nullptr ? staged_hosts_ : options_.world_size) - 1);
+  if (direct_max_bytes_ > 0 && (others == 0 || bytes <= direct_max_bytes_ / others)) return Algorithm::Direct;
+  if (scatter_gather_) return Algorithm::ScatterGather;
+  return direct_max_bytes_ > 0 ? Algorithm::Direct : Algorithm::Auto;
 }
 
 Work GlooCommunicator::submit(std::string name, RunFn run) {

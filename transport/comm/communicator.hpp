@@ -26,15 +26,18 @@ enum class GlooApi { New, Legacy };
 
 // Allreduce algorithms. Auto: ring at or above ring_threshold_bytes; below it,
 // with the new API, direct where every rank receives at most
-// direct_max_bytes() in all ((size - 1) * bytes), else bcube; with the legacy
-// API halving-doubling. Direct (new API only): one round, every rank sends
-// its whole buffer to every other (Gloo's alltoall) and each sums the size()
-// contributions in rank order, so every rank computes the same bits.
+// direct_max_bytes() in all ((size - 1) * bytes), else scatter-gather
+// (PSGD_SCATTER_GATHER=0: bcube); with the legacy API halving-doubling.
+// Direct (new API only): one round, every rank sends its whole buffer to every
+// other and each sums the size() contributions in rank order, so every rank
+// computes the same bits. ScatterGather (new API only): two rounds, rank r sums
+// the contributions to the r-th chunk in rank order and sends the sum to every
+// rank: the same bits as Direct, with the bytes of bcube or the ring.
 // With host staging on (staged_hosts() > 0) the algorithm is the one the
 // hosts' leaders run among themselves, and Auto chooses it for
 // staged_hosts() participants instead of size() (docs/transport.md,
 // "Host-staged allreduce").
-enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling, Direct };
+enum class Algorithm { Auto, Ring, Bcube, HalvingDoubling, Direct, ScatterGather };
 const char* to_string(Algorithm algorithm);
 
 class CollectiveAlgorithms;
@@ -73,6 +76,9 @@ class GlooCommunicator final : public Communicator {
 
   // The algorithm Auto picks for a message of `bytes`.
   Algorithm choose(size_t bytes) const;
+  // The algorithm allreduce_in_rank_order_async runs for a message of `bytes`: Direct or ScatterGather, as Auto
+  // chooses below the ring threshold (Direct where scatter-gather is off); Auto where neither is available.
+  Algorithm choose_in_rank_order(size_t bytes) const;
   // Auto picks Direct for a message of `bytes` when (size() - 1) * bytes is at
   // most this (PSGD_DIRECT_MAX_BYTES; 0: never; new API only).
   size_t direct_max_bytes() const { return direct_max_bytes_; }
@@ -116,6 +122,7 @@ class GlooCommunicator final : public Communicator {
   size_t direct_max_bytes_ = 0;
   bool host_stage_ = false;  // PSGD_HOST_STAGE
   bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
+  bool scatter_gather_ = false;  // PSGD_SCATTER_GATHER (new API only)
   int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.
   std::atomic<uint64_t> rounds_{0};

@@ -14,7 +14,7 @@
 namespace powersgd::transport {
 
 Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes, bool host_stage,
-                             bool eager_direct) {
+                             bool eager_direct, bool scatter_gather) {
   Fingerprint header{};
   std::snprintf(header.version, sizeof(header.version), "%s", PSGD_VERSION);
   header.world_size = options.world_size;
@@ -22,7 +22,8 @@ Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t dir
   header.api = static_cast<int32_t>(api);
   header.ring_threshold_bytes = options.ring_threshold_bytes;
   header.direct_max_bytes = direct_max_bytes;
-  header.flags = (host_stage ? kFlagHostStage : 0) | (eager_direct ? 0 : kFlagDirectNotEager);
+  header.flags = (host_stage ? kFlagHostStage : 0) | (eager_direct ? 0 : kFlagDirectNotEager) |
+                 (scatter_gather ? 0 : kFlagNoScatterGather);
   return header;
 }
 
@@ -44,13 +45,15 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     field("PSGD_DIRECT_MAX_BYTES", direct(ref.direct_max_bytes), direct(f.direct_max_bytes));
     field("PSGD_HOST_STAGE", ref.flags & kFlagHostStage ? 1 : 0, f.flags & kFlagHostStage ? 1 : 0);
     field("PSGD_DIRECT_EAGER", ref.flags & kFlagDirectNotEager ? 0 : 1, f.flags & kFlagDirectNotEager ? 0 : 1);
+    field("PSGD_SCATTER_GATHER", ref.flags & kFlagNoScatterGather ? 0 : 1, f.flags & kFlagNoScatterGather ? 0 : 1);
     PSGD_REQUIRE(diff.empty(), MismatchError, "process group configuration mismatch: rank ", r, " has ", diff,
                  "; every rank must use the same powersgd version and PSGD_* settings");
   }
 }
 
 PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, bool host_stage,
-                                bool eager_direct, const std::vector<std::string>& pair_addresses,
+                                bool eager_direct, bool scatter_gather,
+                                const std::vector<std::string>& pair_addresses,
                                 const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
                                 const std::function<ConnectionTable()>& connections) {
   const size_t n = static_cast<size_t>(options.world_size);
@@ -58,7 +61,7 @@ PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t 
   PSGD_ASSERT(pair_addresses.size() == n, pair_addresses.size(), " pair addresses for ", n, " ranks");
   const size_t record = sizeof(Fingerprint) + n * sizeof(uint16_t);
   std::vector<uint8_t> mine(record, 0);
-  Fingerprint header = make_fingerprint(options, api, direct_max_bytes, host_stage, eager_direct);
+  Fingerprint header = make_fingerprint(options, api, direct_max_bytes, host_stage, eager_direct, scatter_gather);
   for (size_t peer = 0; peer < n; ++peer) {
     if (peer == rank) continue;
     auto [ip, port] = split_pair_address(pair_addresses[peer]);

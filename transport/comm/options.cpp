@@ -118,6 +118,13 @@ bool eager_direct_from_env() {
   return value == "1";
 }
 
+bool scatter_gather_from_env() {
+  const std::string value = env::get_or_default("PSGD_SCATTER_GATHER");
+  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_SCATTER_GATHER='",
+               value, "' is invalid: expected 1 (scatter-gather above the direct bound, the default) or 0 (bcube)");
+  return value == "1";
+}
+
 size_t direct_max_bytes_from_env() {
   if (env::get_or_default("PSGD_DIRECT_MAX_BYTES") == "auto") return kDirectAuto;
   return static_cast<size_t>(env::get_int("PSGD_DIRECT_MAX_BYTES", 0, std::numeric_limits<int64_t>::max()));

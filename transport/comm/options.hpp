@@ -21,5 +21,9 @@ size_t direct_max_bytes_from_env();
 // PSGD_DIRECT_EAGER: 1 (the default) posts the direct allreduce's receives one collective ahead (docs/transport.md,
 // "Eager direct allreduce"); 0 leaves each exchange to Gloo's alltoall. Equal on every rank (the fingerprint).
 bool eager_direct_from_env();
+// PSGD_SCATTER_GATHER: 1 (the default) has Auto choose the scatter-gather allreduce (two rounds, sums in rank
+// order) between the direct bound and the ring threshold; 0 chooses Gloo's bcube there (2 log2 n rounds), as
+// before it. Equal on every rank (the fingerprint).
+bool scatter_gather_from_env();
 
 }  // namespace powersgd::transport
