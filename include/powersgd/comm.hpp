@@ -46,8 +46,9 @@ struct PSGD_API CommOptions {
   int ib_port = 1;
   int ib_gid_index = 0;
   std::chrono::milliseconds timeout{300000};
-  // Allreduce: ring at or above, bcube (tcp) or halving-doubling (ibverbs)
-  // below. Default: the crossover measured in docs/transport.md.
+  // Allreduce: ring at or above, direct or scatter-gather (tcp) or
+  // halving-doubling (ibverbs) below. Default: the crossover measured in
+  // docs/transport.md.
   size_t ring_threshold_bytes = size_t{8} << 20;
 
   // From RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (or OMPI_*, PMI_*, SLURM_*) and

@@ -73,7 +73,8 @@ constexpr Variable kVariables[] = {
      "exchange, 1 MiB below 4 ms, else 4 MiB; for hosts far apart). Must be equal on every rank. Measured: "
      "docs/scaling.md."},
     {"PSGD_DIRECT_EAGER", "1",
-     "1: the direct allreduce posts its receives one direct collective ahead, so that a peer's data leaves "
+     "1: the direct allreduce posts its receives one direct collective ahead (and scatter-gather those of "
+     "its first exchange), so that a peer's data leaves "
      "without waiting for Gloo's ready-to-receive notice: one one-way delay per collective instead of two "
      "(messages up to min(1 MiB, PSGD_DIRECT_MAX_BYTES / (world size - 1)) per peer; among host-staged leaders, hosts - 1). 0: off. The sums are the "
      "same bits either way. Must be equal on every rank. docs/transport.md, \"Eager direct allreduce\"."},

@@ -327,8 +327,19 @@ TEST_CASE("scatter-gather: the same bits as direct at every size, eager and not,
       comm->allgather(x.data(), all.data(), count * sizeof(float));
       for (size_t r = 1; r < ranks; ++r)
         CHECK(std::memcmp(all.data(), all.data() + r * count, count * sizeof(float)) == 0);
-      // Every type, exact sums; other collectives between.
-      for (DataType type : kTypes) check_allreduce(*comm, type, count, Algorithm::ScatterGather);
+      // Every type: exact sums, and sums that round give direct's bits.
+      for (DataType type : kTypes) {
+        check_allreduce(*comm, type, count, Algorithm::ScatterGather);
+        Buffer sg(type, count);
+        for (size_t i = 0; i < count; ++i)
+          sg.set(i, 1.0 / static_cast<double>(3 + i % 97 + 5 * static_cast<size_t>(comm->rank())));
+        Buffer direct = sg;
+        comm->allreduce_async(sg.bytes.data(), count, type, Algorithm::ScatterGather).wait();
+        comm->allreduce_async(direct.bytes.data(), count, type, Algorithm::Direct).wait();
+        INFO(to_string(type));
+        CHECK(sg.bytes == direct.bytes);
+      }
+      // Other collectives between.
       if (count % 2 == 0) check_allreduce(*comm, DataType::Float64, count, Algorithm::Bcube);
       float root_value = static_cast<float>(comm->rank() + 1);
       comm->broadcast(&root_value, sizeof root_value, n - 1);
@@ -350,6 +361,38 @@ TEST_CASE("scatter-gather: the same bits as direct at every size, eager and not,
     CHECK(what.find("rank " + std::to_string(n - 1) + " has PSGD_SCATTER_GATHER 0 (rank 0: 1)") != std::string::npos);
   }
   unsetenv("PSGD_SCATTER_GATHER");
+}
+
+// An algorithm forced unlike on the ranks (raw GlooCommunicator use; Auto and the engine never do): the rank
+// that runs direct where its peers run scatter-gather with the same count gets a MismatchError naming both, and
+// its buffer is left as it was; its peers wait for its second exchange and fail (PeerError: a timeout, or the
+// connection closed when that rank's test ends).
+TEST_CASE("scatter-gather: a rank that runs direct where its peers run scatter-gather is refused, not summed") {
+  CommOptions o = options("scatter-gather-vs-direct");
+  if (o.world_size < 2) return;
+  o.timeout = std::chrono::milliseconds(1000);
+  auto comm = GlooCommunicator::create(o);
+  const int n = comm->size();
+  std::vector<float> z(8, 1.0f);
+  const bool direct = comm->rank() == n - 1;
+  try {
+    comm->allreduce_async(z.data(), z.size(), DataType::Float32, direct ? Algorithm::Direct : Algorithm::ScatterGather)
+        .wait();
+    FAIL("expected an error");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(direct);
+    CHECK(what.find("direct allreduce: rank 0 sent 32 bytes with scatter-gather where this rank (" +
+                    std::to_string(n - 1) + ") reduces 32 with direct") != std::string::npos);
+    CHECK(std::count(z.begin(), z.end(), 1.0f) == 8);
+  } catch (const PeerError& e) {
+    INFO(std::string(e.what()));
+    CHECK_FALSE(direct);
+    // A timeout, or the connection closed once the direct rank's test ended: never a hang, never a sum.
+    CHECK((e.code() == ErrorCode::Timeout || e.code() == ErrorCode::Io));
+    CHECK(std::count(z.begin(), z.end(), 1.0f) == 8);
+  }
 }
 
 // Not in the tsan suite, as the direct case above. Within the receives posted ahead: a count beyond them on some
@@ -672,7 +715,7 @@ TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {
 }
 
 // Scatter-gather: the first exchange into the receives posted ahead (4096 floats: every chunk fits them), and
-// not (300,000 floats: 1.2 MB, more than the default capacity per peer on any number of ranks).
+// not (300,000 floats, 1.2 MB: chunks of 1.2 MB / n, more than the default capacity per peer on 2 to 5 ranks).
 TEST_CASE("failure: scatter-gather with a killed peer makes every survivor fail within a second") {
   killed_peer_case("killed-sg", Algorithm::ScatterGather, 4096);
 }

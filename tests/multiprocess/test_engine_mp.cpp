@@ -330,12 +330,14 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
   // One after the other per reduction: the order guard's announce, then the
   // plain collective (a step before start_iter) or P and then Q (compressed).
   // All are small: the direct algorithm, one round each by default; with
-  // PSGD_DIRECT_MAX_BYTES=0 Gloo's bcube, on 2 or 3 ranks one exchange each
-  // way (2 rounds).
+  // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 Gloo's bcube, on 2 or 3
+  // ranks one exchange each way (2 rounds).
   for (const bool direct : {true, false}) {
     if (!direct) setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
+    if (!direct) setenv("PSGD_SCATTER_GATHER", "0", 1);
     auto comm = connect(direct ? "engine-rounds" : "engine-rounds-bcube");
     unsetenv("PSGD_DIRECT_MAX_BYTES");
+    unsetenv("PSGD_SCATTER_GATHER");
     REQUIRE(comm->size() <= 3);
     const uint64_t per_collective = direct ? 1 : 2;
     Config c;

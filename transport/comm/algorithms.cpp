@@ -140,12 +140,30 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // peer larger than the receives posted ahead (`capacity`) takes the path without them, as every rank
   // decides alike; the sums are the same either way (rank order).
   static constexpr size_t kMaxEagerBytesPerPeer = size_t{1} << 20;
-  static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;  // beside Gloo's 0x01-0x08 and host_stage's 0x50-0x51
+  // Beside Gloo's 0x01-0x08, host_stage's 0x50-0x51 and scatter-gather's 0x53-0x54 (below).
+  static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;
 
   // Each message starts with its payload's byte count (kHeader bytes, so the payload stays 8-byte aligned; the
   // stride of the peers' slots is a multiple of 64): ranks that pass different counts get a MismatchError
   // naming both instead of summing stale bytes (Gloo's alltoall enforced equal sizes by aborting).
   static constexpr size_t kHeader = 8;
+  // Set in the header of scatter-gather's messages: a rank that runs direct where a peer runs scatter-gather with
+  // the same count (an algorithm forced unlike on every rank) sees another header, not a peer's chunk as its
+  // whole buffer.
+  static constexpr uint64_t kScatterGatherHeaderBit = uint64_t{1} << 63;
+
+  // "rank 2 sent 28 bytes where this rank (0) reduces 32": why a peer's header is not this rank's.
+  static void require_same_header(uint64_t sent, uint64_t mine, const char* algorithm, int peer, size_t me) {
+    if (sent == mine) return;
+    const auto with = [](uint64_t header) {
+      return (header & kScatterGatherHeaderBit) != 0 ? " with scatter-gather" : " with direct";
+    };
+    const bool same_algorithm = ((sent ^ mine) & kScatterGatherHeaderBit) == 0;
+    PSGD_THROW(MismatchError, algorithm, " allreduce: rank ", peer, " sent ", sent & ~kScatterGatherHeaderBit,
+               " bytes", same_algorithm ? "" : with(sent), " where this rank (", me, ") reduces ",
+               mine & ~kScatterGatherHeaderBit, same_algorithm ? "" : with(mine),
+               ": every rank must pass the same count and type", same_algorithm ? "" : " and algorithm");
+  }
 
   struct Eager {
     const gloo::Context* context = nullptr;
@@ -216,9 +234,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       if (r == me) continue;
       uint64_t sent = 0;
       std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
-      PSGD_REQUIRE(sent == bytes, MismatchError, "direct allreduce: rank ", r, " sent ", sent,
-                   " bytes where this rank (", me, ") reduces ", bytes,
-                   ": every rank must pass the same count and type");
+      require_same_header(sent, header, "direct", r, static_cast<size_t>(me));
     }
     const auto contribution = [&](int r) {
       return r == me ? e.out.data() + kHeader : received + static_cast<size_t>(r) * e.stride + kHeader;
@@ -264,8 +280,9 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // message starts with the sender's byte count (kHeader): ranks that pass different counts get a
   // MismatchError naming both once both exchanges are done (each rank sends its second one in any case,
   // with no payload after a mismatch, so that no receive is left posted).
-  static constexpr uint8_t kScatterSlotPrefix = 0x53;  // the first exchange where it is not posted ahead
-  static constexpr uint8_t kGatherSlotPrefix = 0x54;
+  // (Names of their own: Gloo's gloo::kScatterSlotPrefix and gloo::kGatherSlotPrefix are other values.)
+  static constexpr uint8_t kSumScatterSlotPrefix = 0x53;  // the first exchange where it is not posted ahead
+  static constexpr uint8_t kSumGatherSlotPrefix = 0x54;
 
   // Elements [first, first + length) of chunk r of `count` over n ranks: the first count % n chunks one longer.
   struct Chunk {
@@ -284,14 +301,14 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const Chunk mine = chunk_of(count, n, me);
     const size_t most = chunk_of(count, n, 0).length * element;  // the longest chunk's bytes
     const size_t stride = (kHeader + most + 63) / 64 * 64;       // a message's slot: payloads stay aligned
-    const uint64_t header = bytes;
+    const uint64_t header = bytes | kScatterGatherHeaderBit;
 
     // The second exchange's receives first, so that their notices cross the network during the first.
     if (gather_in_.size() < n * stride) gather_in_.resize(n * stride);
     if (gather_out_.size() < stride) gather_out_.resize(stride);
     auto gather_in = context->createUnboundBuffer(gather_in_.data(), n * stride);
     auto gather_out = context->createUnboundBuffer(gather_out_.data(), stride);
-    const uint64_t gather_slot = gloo::Slot::build(kGatherSlotPrefix, tag);
+    const uint64_t gather_slot = gloo::Slot::build(kSumGatherSlotPrefix, tag);
     for (size_t peer = 0; peer < n; ++peer)
       if (peer != me) gather_in->recv(static_cast<int>(peer), gather_slot, peer * stride, stride);
 
@@ -327,7 +344,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       if (scatter_out_.size() < n * stride) scatter_out_.resize(n * stride);
       auto in = context->createUnboundBuffer(scatter_in_.data(), n * stride);
       auto out = context->createUnboundBuffer(scatter_out_.data(), n * stride);
-      const uint64_t slot = gloo::Slot::build(kScatterSlotPrefix, tag);
+      const uint64_t slot = gloo::Slot::build(kSumScatterSlotPrefix, tag);
       for (size_t peer = 0; peer < n; ++peer)
         if (peer != me) in->recv(static_cast<int>(peer), slot, peer * stride, stride);
       fill(scatter_out_.data(), stride);
@@ -339,12 +356,12 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       received = scatter_in_.data();
       step = stride;
     }
-    int mismatched = -1;  // the first peer whose count differs from this rank's
+    int mismatched = -1;  // the first peer whose header differs from this rank's
     uint64_t theirs = 0;
     const auto check = [&](const uint8_t* message, size_t peer) {
       uint64_t sent = 0;
       std::memcpy(&sent, message, kHeader);
-      if (sent != bytes && mismatched < 0) {
+      if (sent != header && mismatched < 0) {
         mismatched = static_cast<int>(peer);
         theirs = sent;
       }
@@ -370,8 +387,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     for (size_t i = 1; i < n; ++i) require_done(gather_out->waitSend(timeout_), "scatter-gather allreduce: a send");
     for (size_t peer = 0; peer < n; ++peer)
       if (peer != me) check(gather_in_.data() + peer * stride, peer);
-    PSGD_REQUIRE(mismatched < 0, MismatchError, "scatter-gather allreduce: rank ", mismatched, " sent ", theirs,
-                 " bytes where this rank (", me, ") reduces ", bytes, ": every rank must pass the same count and type");
+    if (mismatched >= 0) require_same_header(theirs, header, "scatter-gather", mismatched, me);
     for (size_t peer = 0; peer < n; ++peer) {
       if (peer == me) continue;
       const Chunk c = chunk_of(count, n, peer);
