@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "asio.hpp"
@@ -49,14 +50,18 @@ class TcpStore final : public Store {
     // A server under a flood of unauthenticated connections may close this one
     // before reading its HELLO (it keeps the newest), and one at its connection
     // caps answers Busy: connect again until the deadline. A refusal is final.
+    std::optional<std::string> busy;  // the server's last Busy reason: why, if the deadline ends a later attempt
+    const auto no_room = [&] {
+      PSGD_THROW(IoError, "store at ", where_, " had no room for this client within ", timeout.count(), " ms: ",
+                 *busy);
+    };
     for (;;) {
       connect(host, port, deadline);
       try {
         auto [type, payload] = exchange(hello, deadline, "HELLO");
         if (type == Reply::Busy) {
-          if (Clock::now() + kReconnectDelay >= deadline)
-            PSGD_THROW(IoError, "store at ", where_, " had no room for this client within ", timeout.count(),
-                       " ms: ", message(payload));
+          busy = message(payload);
+          if (Clock::now() + kReconnectDelay >= deadline) no_room();
         } else {
           if (type == Reply::Refused || type == Reply::Error) {
             broken_ = true;
@@ -65,6 +70,10 @@ class TcpStore final : public Store {
           expect_ok(type, payload, "HELLO");
           return;
         }
+      } catch (const TimeoutError&) {
+        // The deadline ended an attempt after a Busy reply (a slow server): the Busy is the reason.
+        if (busy) no_room();
+        throw;
       } catch (const IoError&) {
         if (!connection_lost_ || Clock::now() + kReconnectDelay >= deadline) throw;
       }
