@@ -799,7 +799,10 @@ TEST_CASE("tcp store: authenticated connections are capped per address; the exce
     CHECK(r->first == kBusy);
     CHECK(f->closed_by_server(2s));
   }
-  CHECK(server.refused_clients() == refused_before_flood + 20);
+  // The refused fourth client's last HELLO may have been answered after its deadline cut the wait (it retries
+  // on Busy until then), so the count may hold it too.
+  const uint64_t refused_in_flood = server.refused_clients() - refused_before_flood;
+  CHECK((refused_in_flood == 20 || refused_in_flood == 21));
   for (size_t i = 0; i < clients.size(); ++i) {
     clients[i]->set("k" + std::to_string(i), bytes("v"));
     CHECK(text(clients[i]->get("k" + std::to_string(i))) == "v");
