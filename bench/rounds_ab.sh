@@ -2,7 +2,7 @@
 # The direct algorithm's before/after (issue 28): powersgd-bench engine (the
 # reduction alone, no training compute) on emulated clusters of HOSTS hosts
 # (one rank each, links shaped to RATE, --link-delay one way into each host),
-# with PSGD_DIRECT_MAX_BYTES=0 (bcube for every allreduce below the ring
+# with PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 (bcube for every allreduce below the ring
 # threshold: the algorithms before the direct one) and with the default,
 # alternated within each round, ROUNDS rounds. The table gives per side the
 # median over rounds of the slowest rank's median step (ms) and the
@@ -60,7 +60,7 @@ for hosts in $HOSTS; do
         idle=; case $side in *-idle0) idle=0 ;; esac
         stage=; case $side in staged*) stage=1 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
-        sg=; case $side in nosg*) sg=0 ;; esac
+        sg=; case $side in nosg*|bcube*) sg=0 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \

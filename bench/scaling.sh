@@ -15,8 +15,8 @@
 #                     ranks); the trainer prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
 #   RANK [2]          PowerSGD rank
 #   CONFIGS ["allreduce powersgd alternating"]: also powersgd-bcube (PowerSGD with
-#                     PSGD_DIRECT_MAX_BYTES=0: bcube for every small allreduce, as before the
-#                     direct algorithm) and powersgd-before (PowerSGD with the trainer BEFORE, e.g.
+#                     PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0: bcube for every small
+#                     allreduce, as before the direct and scatter-gather algorithms) and powersgd-before (PowerSGD with the trainer BEFORE, e.g.
 #                     one copied from an older build with its libpowersgd beside it in ../src)
 # Time: the trainer's own "epoch 1: ... N s" (its first step to the end of the
 # epoch's test pass of 500 images; start-up and data loading excluded), rank 0,
@@ -55,6 +55,7 @@ run() {  # hosts model delay config round trainer-options...
   # shellcheck disable=SC2086  # trainer options without blanks
   "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 1800 \
     --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} \
+    ${direct:+--env PSGD_SCATTER_GATHER=0} \
     -- "$train" --model "$model" --rank "$RANK" \
     --start-iter 0 --epochs 1 --train-limit "$TRAIN_LIMIT" --test-limit 500 --batch "$BATCH" "$@" > "$log" 2>&1 || {
     echo "scaling.sh: $config on $hosts hosts at $delay (round $round) failed; its output:" >&2
