@@ -57,9 +57,10 @@ uint64_t bcube_rounds(int n) {
 
 class NewStyleAlgorithms final : public CollectiveAlgorithms {
  public:
-  explicit NewStyleAlgorithms(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  NewStyleAlgorithms(std::chrono::milliseconds timeout, bool scatter_gather)
+      : timeout_(timeout), small_(scatter_gather ? Algorithm::ScatterGather : Algorithm::Bcube) {}
   GlooApi api() const override { return GlooApi::New; }
-  Algorithm small_message_algorithm() const override { return Algorithm::ScatterGather; }
+  Algorithm small_message_algorithm() const override { return small_; }
   void require_supported(Algorithm algorithm) const override {
     PSGD_REQUIRE(algorithm != Algorithm::HalvingDoubling, InvalidArgumentError,
                  "allreduce: halving-doubling needs Gloo's legacy API");
@@ -165,6 +166,15 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
                ": every rank must pass the same count and type", same_algorithm ? "" : " and algorithm");
   }
 
+  // Waits for the receives on `in` and the sends from `out` of one exchange with `peers` peers.
+  void wait_exchange(gloo::transport::UnboundBuffer& in, gloo::transport::UnboundBuffer& out, size_t peers,
+                     const char* what) const {
+    for (size_t i = 0; i < peers; ++i)
+      if (!in.waitRecv(timeout_)) require_done(false, (std::string(what) + ": a receive").c_str());
+    for (size_t i = 0; i < peers; ++i)
+      if (!out.waitSend(timeout_)) require_done(false, (std::string(what) + ": a send").c_str());
+  }
+
   struct Eager {
     const gloo::Context* context = nullptr;
     size_t capacity = 0;    // payload bytes per peer of each receive posted ahead
@@ -224,9 +234,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
     for (int peer = 0; peer < n; ++peer)
       if (peer != me) e.out_buffer->send(peer, slot, 0, kHeader + bytes);
-    auto& in = *e.in_buffers[sequence % 2];
-    for (int i = 1; i < n; ++i) require_done(in.waitRecv(timeout_), "direct allreduce: a receive");
-    for (int i = 1; i < n; ++i) require_done(e.out_buffer->waitSend(timeout_), "direct allreduce: a send");
+    wait_exchange(*e.in_buffers[sequence % 2], *e.out_buffer, static_cast<size_t>(n - 1), "direct allreduce");
     ++e.sequence;
     // The contributions in rank order, as the alltoall path adds them.
     const uint8_t* received = e.in[sequence % 2].data();
@@ -312,30 +320,27 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     for (size_t peer = 0; peer < n; ++peer)
       if (peer != me) gather_in->recv(static_cast<int>(peer), gather_slot, peer * stride, stride);
 
-    // The first exchange: into the receives posted ahead where every chunk fits them.
-    const uint8_t* received = nullptr;  // peer r's contribution to this rank's chunk at received + r * step
-    size_t step = 0;
-    const auto fill = [&](uint8_t* out, size_t out_stride) {
+    // The first exchange: peer p's chunk behind the header, from slot p of `out` (every rank passed the same
+    // count, so the receives posted for it are at least that long); into the receives posted ahead where every
+    // chunk fits them.
+    const auto scatter = [&](uint8_t* out, gloo::transport::UnboundBuffer& out_buffer, size_t out_stride,
+                             gloo::transport::UnboundBuffer& in_buffer, uint64_t slot) {
       for (size_t peer = 0; peer < n; ++peer) {
         if (peer == me) continue;
         const Chunk c = chunk_of(count, n, peer);
         std::memcpy(out + peer * out_stride, &header, kHeader);
         std::memcpy(out + peer * out_stride + kHeader, values + c.first * element, c.length * element);
+        out_buffer.send(static_cast<int>(peer), slot, peer * out_stride, kHeader + c.length * element);
       }
+      wait_exchange(in_buffer, out_buffer, n - 1, "scatter-gather allreduce");
     };
+    const uint8_t* received = nullptr;  // peer r's contribution to this rank's chunk at received + r * step
+    size_t step = 0;
     if (Eager* e = eager_for(context, most)) {
       const uint32_t sequence = e->sequence;
       post_receives(*context, *e, sequence + 1);
-      fill(e->out.data(), e->stride);
-      const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
-      for (size_t peer = 0; peer < n; ++peer)
-        if (peer != me)
-          e->out_buffer->send(static_cast<int>(peer), slot, peer * e->stride,
-                              kHeader + chunk_of(count, n, peer).length * element);
-      auto& in = *e->in_buffers[sequence % 2];
-      for (size_t i = 1; i < n; ++i) require_done(in.waitRecv(timeout_), "scatter-gather allreduce: a receive");
-      for (size_t i = 1; i < n; ++i)
-        require_done(e->out_buffer->waitSend(timeout_), "scatter-gather allreduce: a send");
+      scatter(e->out.data(), *e->out_buffer, e->stride, *e->in_buffers[sequence % 2],
+              gloo::Slot::build(kEagerDirectSlotPrefix, sequence));
       ++e->sequence;
       received = e->in[sequence % 2].data();
       step = e->stride;
@@ -347,27 +352,19 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       const uint64_t slot = gloo::Slot::build(kSumScatterSlotPrefix, tag);
       for (size_t peer = 0; peer < n; ++peer)
         if (peer != me) in->recv(static_cast<int>(peer), slot, peer * stride, stride);
-      fill(scatter_out_.data(), stride);
-      for (size_t peer = 0; peer < n; ++peer)
-        if (peer != me)
-          out->send(static_cast<int>(peer), slot, peer * stride, kHeader + chunk_of(count, n, peer).length * element);
-      for (size_t i = 1; i < n; ++i) require_done(in->waitRecv(timeout_), "scatter-gather allreduce: a receive");
-      for (size_t i = 1; i < n; ++i) require_done(out->waitSend(timeout_), "scatter-gather allreduce: a send");
+      scatter(scatter_out_.data(), *out, stride, *in, slot);
       received = scatter_in_.data();
       step = stride;
     }
+    // Every rank sees every other's header: where two counts differ, every rank finds one that differs from
+    // its own, so the second exchange's headers need no check of their own.
     int mismatched = -1;  // the first peer whose header differs from this rank's
     uint64_t theirs = 0;
-    const auto check = [&](const uint8_t* message, size_t peer) {
-      uint64_t sent = 0;
-      std::memcpy(&sent, message, kHeader);
-      if (sent != header && mismatched < 0) {
-        mismatched = static_cast<int>(peer);
-        theirs = sent;
-      }
-    };
-    for (size_t peer = 0; peer < n; ++peer)
-      if (peer != me) check(received + peer * step, peer);
+    for (size_t peer = 0; peer < n && mismatched < 0; ++peer) {
+      if (peer == me) continue;
+      std::memcpy(&theirs, received + peer * step, kHeader);
+      if (theirs != header) mismatched = static_cast<int>(peer);
+    }
 
     // This rank's chunk: the contributions in rank order, as direct adds them.
     uint8_t* sum = gather_out_.data() + kHeader;
@@ -383,10 +380,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     }
     for (size_t peer = 0; peer < n; ++peer)
       if (peer != me) gather_out->send(static_cast<int>(peer), gather_slot, 0, kHeader + payload);
-    for (size_t i = 1; i < n; ++i) require_done(gather_in->waitRecv(timeout_), "scatter-gather allreduce: a receive");
-    for (size_t i = 1; i < n; ++i) require_done(gather_out->waitSend(timeout_), "scatter-gather allreduce: a send");
-    for (size_t peer = 0; peer < n; ++peer)
-      if (peer != me) check(gather_in_.data() + peer * stride, peer);
+    wait_exchange(*gather_in, *gather_out, n - 1, "scatter-gather allreduce");
     if (mismatched >= 0) require_same_header(theirs, header, "scatter-gather", mismatched, me);
     for (size_t peer = 0; peer < n; ++peer) {
       if (peer == me) continue;
@@ -403,6 +397,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   }
 
   std::chrono::milliseconds timeout_;
+  Algorithm small_;                              // ScatterGather, or Bcube with PSGD_SCATTER_GATHER=0
   std::vector<uint8_t> direct_in_, direct_out_;  // direct_allreduce's staging: size() copies each way
   // scatter_gather_allreduce's messages, kept between calls as direct's: about the buffer's bytes each
   // (scatter_*: the first exchange where it is not posted ahead; gather_out_: one chunk).
@@ -538,9 +533,10 @@ uint64_t ceil_log2(int n) {
   return log;
 }
 
-std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout) {
+std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout,
+                                                      bool scatter_gather) {
   if (api == GlooApi::Legacy) return std::make_unique<LegacyAlgorithms>();
-  return std::make_unique<NewStyleAlgorithms>(timeout);
+  return std::make_unique<NewStyleAlgorithms>(timeout, scatter_gather);
 }
 
 }  // namespace powersgd::transport

@@ -25,7 +25,7 @@ class CollectiveAlgorithms {
   virtual ~CollectiveAlgorithms() = default;
   virtual GlooApi api() const = 0;
 
-  // The allreduce algorithm Auto picks below the ring threshold.
+  // The allreduce algorithm Auto picks below the ring threshold where direct does not take the message.
   virtual Algorithm small_message_algorithm() const = 0;
   // Throws InvalidArgumentError when this API has no `algorithm` (not Auto).
   virtual void require_supported(Algorithm algorithm) const = 0;
@@ -80,7 +80,9 @@ uint64_t ring_allreduce_rounds(int n);
 uint64_t ceil_log2(int n);
 
 // `timeout` bounds each new-style collective (the legacy classes use the
-// context's timeout, set before the pairs connected).
-std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout);
+// context's timeout, set before the pairs connected). `scatter_gather`: the new API's small-message algorithm is
+// scatter-gather, else bcube (PSGD_SCATTER_GATHER).
+std::unique_ptr<CollectiveAlgorithms> make_algorithms(GlooApi api, std::chrono::milliseconds timeout,
+                                                      bool scatter_gather);
 
 }  // namespace powersgd::transport

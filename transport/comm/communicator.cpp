@@ -115,13 +115,13 @@ const char* to_string(Algorithm algorithm) {
 
 GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : options_(options), api_(api) {
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
-  algorithms_ = make_algorithms(api_, options_.timeout);
   direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
   host_stage_ = host_stage_from_env();
   const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
   eager_direct_ = api_ == GlooApi::New && eager;
   const bool scatter_gather = scatter_gather_from_env();
   scatter_gather_ = api_ == GlooApi::New && scatter_gather;
+  algorithms_ = make_algorithms(api_, options_.timeout, scatter_gather_);
 }
 
 namespace {
@@ -384,19 +384,21 @@ GlooCommunicator::~GlooCommunicator() {
 
 uint64_t GlooCommunicator::eager_direct_collectives() const { return algorithms_->eager_direct_collectives(); }
 
-Algorithm GlooCommunicator::choose(size_t bytes) const {
-  if (bytes >= options_.ring_threshold_bytes) return Algorithm::Ring;
+bool GlooCommunicator::direct_takes(size_t bytes) const {
   // Every rank receives (size - 1) * bytes: one round where that is cheap (docs/transport.md, "Rounds"). Staged,
   // the leaders run the algorithm: a leader receives (hosts - 1) * bytes.
   const auto others = static_cast<size_t>((stage_ != nullptr ? staged_hosts_ : options_.world_size) - 1);
-  if (others > 0 && bytes <= direct_max_bytes_ / others) return Algorithm::Direct;
-  return scatter_gather_ || api_ != GlooApi::New ? algorithms_->small_message_algorithm() : Algorithm::Bcube;
+  return direct_max_bytes_ > 0 && (others == 0 || bytes <= direct_max_bytes_ / others);
+}
+
+Algorithm GlooCommunicator::choose(size_t bytes) const {
+  if (bytes >= options_.ring_threshold_bytes) return Algorithm::Ring;
+  return direct_takes(bytes) ? Algorithm::Direct : algorithms_->small_message_algorithm();
 }
 
 Algorithm GlooCommunicator::choose_in_rank_order(size_t bytes) const {
   if (api_ != GlooApi::New) return Algorithm::Auto;
-  const auto others = static_cast<size_t>((stage_ != nullptr ? staged_hosts_ : options_.world_size) - 1);
-  if (direct_max_bytes_ > 0 && (others == 0 || bytes <= direct_max_bytes_ / others)) return Algorithm::Direct;
+  if (direct_takes(bytes)) return Algorithm::Direct;
   if (scatter_gather_) return Algorithm::ScatterGather;
   return direct_max_bytes_ > 0 ? Algorithm::Direct : Algorithm::Auto;
 }

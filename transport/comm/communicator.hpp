@@ -79,6 +79,7 @@ class GlooCommunicator final : public Communicator {
   // The algorithm allreduce_in_rank_order_async runs for a message of `bytes`: Direct or ScatterGather, as Auto
   // chooses below the ring threshold (Direct where scatter-gather is off); Auto where neither is available.
   Algorithm choose_in_rank_order(size_t bytes) const;
+
   // Auto picks Direct for a message of `bytes` when (size() - 1) * bytes is at
   // most this (PSGD_DIRECT_MAX_BYTES; 0: never; new API only).
   size_t direct_max_bytes() const { return direct_max_bytes_; }
@@ -116,6 +117,9 @@ class GlooCommunicator final : public Communicator {
   // exchanges, agrees on the slowest rank's fastest one, sets direct_max_bytes_.
   void measure_direct_bound();
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
+  // Whether a message of `bytes` is within the direct bound (for size() - 1 peers, or the other hosts' leaders
+  // when staged).
+  bool direct_takes(size_t bytes) const;
 
   CommOptions options_;
   GlooApi api_;
