@@ -103,7 +103,9 @@ class Backend {
   // (batch of them, `stride` floats apart; batch == 1 ignores the stride).
   // cols <= kMaxOrthoCols; epsilon finite and >= 0.
   // GramSchmidt: as the reference, column i /= (||column i|| + epsilon), then removed
-  // from the later columns. Qr: Householder QR, Q's columns written back (sign
+  // from the later columns; with epsilon 0, a column that lost more than 3/4 of
+  // its squared norm to those projections is projected out once more first
+  // (degenerate.hpp). Qr: Householder QR, Q's columns written back (sign
   // convention of LAPACK). Either way the first min(rows, cols) columns come out
   // orthonormal for ANY input: a degenerate column (what is left of it after
   // projecting out the columns before it is at most 1e-4 of its own norm: a zero

@@ -23,6 +23,20 @@ PSGD_HOST_DEVICE inline bool is_degenerate(double remaining2, double own2) {
   return remaining2 <= kTolerance * kTolerance * own2;
 }
 
+// Gram-Schmidt in float leaves a column that lost most of its norm to the
+// projections with a component along the earlier columns of about 1e-7 of its
+// own norm: next to a remainder of 1e-3 of it, a column 1e-4 from orthogonal,
+// and the product P Q^T then no longer reproduces what P spans. Such a column
+// (remaining squared norm below a quarter of its own, not degenerate) is
+// projected out a second time ("twice is enough", Kahan), which leaves it
+// orthogonal to rounding. Other columns take one pass: their bits do not change.
+// Only with epsilon 0 (the default): with epsilon > 0 the columns divided by
+// (norm + epsilon) are not unit vectors, and the reference's one pass is the contract.
+inline constexpr double kSecondProjection = 0.25;
+PSGD_HOST_DEVICE inline bool needs_second_projection(double remaining2, double own2) {
+  return remaining2 < kSecondProjection * own2 && !is_degenerate(remaining2, own2);
+}
+
 // Pseudo-random candidates tried before the canonical basis vectors.
 inline constexpr int64_t kDraws = 4;
 

@@ -1000,6 +1000,31 @@ TEST_CASE("orthogonalize: zero and rank-deficient inputs give an orthonormal bas
   });
 }
 
+// A column that differs from a combination of the earlier ones by 1e-4 to 1e-2 of its norm is data, not
+// rounding noise (degenerate.hpp), but one float projection leaves it with a component along them of about
+// 1e-7 of its norm: 1e-5 to 1e-3 of what is left. The second projection makes it orthogonal to rounding, so
+// that P P^T M reproduces what P spans (a rank-1 gradient at rank 2 drifted 2e-4 without it).
+TEST_CASE("orthogonalize: a nearly dependent column comes out orthogonal by a second projection") {
+  const Matrix u = random_matrix(4096, 3, 900);
+  for_each_backend([&](Backend& be) {
+    for (const int64_t rows : {64, 4096})
+      for (const double delta : {2e-4, 1e-3, 1e-2, 0.3}) {
+        CAPTURE(rows);
+        CAPTURE(delta);
+        Matrix a{rows, 3, {}};
+        for (int64_t r = 0; r < rows; ++r) {
+          a.data.push_back(float(u.at(r, 0)));
+          a.data.push_back(float(u.at(r, 0) + delta * u.at(r, 1)));
+          a.data.push_back(float(u.at(r, 0) - 2 * u.at(r, 1) + delta * u.at(r, 2)));
+        }
+        const Matrix q = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f, 7);
+        REQUIRE(all_finite(q));
+        CHECK(orthogonality_error(q, 3) < kOrthoTol);
+        CHECK(span_error(q, a, 3) < 1e-4);
+      }
+  });
+}
+
 TEST_CASE("orthogonalize: fewer rows than columns") {
   for_each_backend([](Backend& be) {
     const Matrix a = random_matrix(3, 5, 400);

@@ -283,9 +283,10 @@ class CpuBackend final : public Backend {
   // The reference's _orthogonalize_gram_schmidt on a column-major copy
   // (contiguous columns): column i is divided by (its norm + epsilon), then its
   // projection is removed from every later column. Sums in double, in index
-  // order. A degenerate column (degenerate.hpp) becomes 0 there, so it removes
-  // nothing from the later ones, and is replaced at the end; columns after the
-  // first `rows` become 0.
+  // order. A column that lost most of its norm to the projections is projected
+  // out once more (degenerate.hpp). A degenerate column becomes 0 there, so it
+  // removes nothing from the later ones, and is replaced at the end; columns
+  // after the first `rows` become 0.
   void gram_schmidt(float* matrix, int64_t rows, int64_t cols, float epsilon, uint64_t seed, int64_t item) {
     const auto n = static_cast<size_t>(rows);
     const auto k = static_cast<size_t>(std::min(rows, cols));
@@ -297,7 +298,17 @@ class CpuBackend final : public Backend {
     flagged_.assign(k, 0);
     for (size_t i = 0; i < static_cast<size_t>(cols); ++i) {
       float* q = colmajor_.data() + i * n;
-      const double sum = i < k ? squares(q, n) : 0.0;
+      double sum = i < k ? squares(q, n) : 0.0;
+      if (epsilon == 0.0f && i < k && degenerate::needs_second_projection(sum, own_[i])) {
+        for (size_t j = 0; j < i; ++j) {  // flagged columns are 0: they remove nothing
+          const float* p = colmajor_.data() + j * n;
+          double projection = 0.0;
+          for (size_t r = 0; r < n; ++r) projection += static_cast<double>(p[r]) * q[r];
+          const auto d = static_cast<float>(projection);
+          for (size_t r = 0; r < n; ++r) q[r] -= d * p[r];
+        }
+        sum = squares(q, n);
+      }
       if (i >= k || degenerate::is_degenerate(sum, own_[i])) {
         std::fill_n(q, n, 0.0f);
         if (i < k) flagged_[i] = 1;

@@ -91,6 +91,28 @@ __device__ double block_sum(double own, double* slot) {
   return total;
 }
 
+// Projects the columns c < `columns` other than `i` (orthonormal; those flagged are skipped) out of column
+// i, `passes` times, and returns what is left of its squared norm. Element r of column c is m[r * rs + c *
+// cs]; thread t owns rows t, t + blockDim, ... Every thread of the block calls it; *slot is shared scratch.
+__device__ double project_out_others(float* m, int64_t rows, int64_t rs, int64_t cs, int64_t i, int64_t columns,
+                                     const int* flags, int passes, double* slot) {
+  for (int pass = 0; pass < passes; ++pass)
+    for (int64_t c = 0; c < columns; ++c) {
+      if (c == i || flags[c] != 0) continue;
+      double dot = 0.0;
+      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+        dot += static_cast<double>(m[r * rs + c * cs]) * static_cast<double>(m[r * rs + i * cs]);
+      const auto d = static_cast<float>(block_sum(dot, slot));
+      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) m[r * rs + i * cs] -= d * m[r * rs + c * cs];
+    }
+  double left = 0.0;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+    const double v = m[r * rs + i * cs];
+    left += v * v;
+  }
+  return block_sum(left, slot);
+}
+
 // The CPU backend's replace_degenerate (cpu/backend.cpp) for one block: each
 // column j < k of the rows x k matrix m (element (r, c) at m[r * rs + c * cs])
 // flagged in the shared flags[] becomes the first candidate that keeps more
@@ -110,21 +132,7 @@ __device__ void replace_degenerate(float* m, int64_t rows, int64_t k, int64_t rs
         own += static_cast<double>(v) * v;
       }
       own = block_sum(own, slot);
-      for (int pass = 0; pass < 2; ++pass)
-        for (int64_t c = 0; c < k; ++c) {
-          if (c == j || flags[c] != 0) continue;
-          double dot = 0.0;
-          for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
-            dot += static_cast<double>(m[r * rs + c * cs]) * static_cast<double>(m[r * rs + j * cs]);
-          const auto d = static_cast<float>(block_sum(dot, slot));
-          for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) m[r * rs + j * cs] -= d * m[r * rs + c * cs];
-        }
-      double left = 0.0;
-      for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
-        const double v = m[r * rs + j * cs];
-        left += v * v;
-      }
-      left = block_sum(left, slot);
+      const double left = project_out_others(m, rows, rs, cs, j, k, flags, 2, slot);
       found = own > 0.0 && !degenerate::is_degenerate(left, own);
       if (found) {
         const double norm = sqrt(left);
@@ -175,6 +183,12 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
     norm2 = warp_sum(norm2);
     if (threadIdx.x % 32 == 0) atomicAdd(&sums[i], norm2);
     __syncthreads();
+    // The CPU backend's second projection (degenerate.hpp): sums[i] and own[i] are the same on every thread.
+    if (epsilon == 0.0f && i < k && degenerate::needs_second_projection(sums[i], own[i])) {
+      const double again = project_out_others(m, rows, cols, 1, i, i, flags, 1, &slot);
+      if (threadIdx.x == 0) sums[i] = again;
+      __syncthreads();
+    }
     if (i >= k || degenerate::is_degenerate(sums[i], own[i])) {
       for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) m[r * cols + i] = 0.0f;
       if (threadIdx.x == 0 && i < k) flags[i] = 1;
@@ -244,21 +258,7 @@ __global__ void rebuild_basis_kernel(const float* input, int64_t rows, int64_t c
       own += static_cast<double>(v) * v;
     }
     own = block_sum(own, &slot);
-    for (int pass = 0; pass < 2; ++pass)
-      for (int64_t c = 0; c < i; ++c) {
-        if (shared_flags[c] != 0) continue;
-        double dot = 0.0;
-        for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
-          dot += static_cast<double>(q[c * rows + r]) * static_cast<double>(q[i * rows + r]);
-        const auto d = static_cast<float>(block_sum(dot, &slot));
-        for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) q[i * rows + r] -= d * q[c * rows + r];
-      }
-    double left = 0.0;
-    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
-      const double v = q[i * rows + r];
-      left += v * v;
-    }
-    left = block_sum(left, &slot);
+    const double left = project_out_others(q, rows, 1, rows, i, i, shared_flags, 2, &slot);
     const bool flagged = degenerate::is_degenerate(left, own);
     const double norm = sqrt(left);
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
