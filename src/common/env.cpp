@@ -66,12 +66,13 @@ constexpr Variable kVariables[] = {
      "Allreduce messages of at least this many bytes use the ring algorithm; smaller ones direct or scatter-gather (tcp, "
      "see PSGD_DIRECT_MAX_BYTES) or halving-doubling (ibverbs). Must be equal on every rank. Measured crossover: "
      "docs/transport.md."},
-    {"PSGD_DIRECT_MAX_BYTES", "262144",
+    {"PSGD_DIRECT_MAX_BYTES", "auto",
      "Allreduce messages below the ring threshold whose copies from all other ranks add up to at most this "
      "many bytes ((world size - 1) * message bytes) use the direct algorithm, one round (tcp; 0: never). "
      "auto: chosen at creation from the measured latency between the ranks (256 KiB below 1 ms per one-round "
-     "exchange, 1 MiB below 4 ms, else 4 MiB; for hosts far apart). Must be equal on every rank. Measured: "
-     "docs/scaling.md."},
+     "exchange, 1 MiB below 4 ms, else 4 MiB): the same bits at any bound, as direct and scatter-gather add "
+     "in the same order. Unset with PSGD_SCATTER_GATHER=0: 262144 (bcube's sums differ from direct's, so the "
+     "bound would change the bits). Must be equal on every rank. Measured: docs/scaling.md."},
     {"PSGD_DIRECT_EAGER", "1",
      "1: the direct allreduce posts its receives one direct collective ahead (and scatter-gather those of "
      "its first exchange), so that a peer's data leaves "

@@ -437,9 +437,19 @@ TEST_CASE("direct: PSGD_DIRECT_MAX_BYTES=auto chooses one bound on every rank fr
   comm->allgather(&mine, all.data(), sizeof(mine));
   for (uint64_t bound : all) CHECK(bound == mine);
   check_allreduce(*comm, DataType::Float32, 1001, Algorithm::Auto);
+  // Unset: auto (scatter-gather above the bound adds as direct does); with bcube above it 256 KiB.
+  auto by_default = connect("direct-auto-default");
+  const uint64_t measured = by_default->direct_max_bytes();
+  CHECK((measured == 262144 || measured == 1048576 || measured == 4194304));
+  by_default->allgather(&measured, all.data(), sizeof(measured));
+  for (uint64_t bound : all) CHECK(bound == measured);
+  setenv("PSGD_SCATTER_GATHER", "0", 1);
+  auto with_bcube = connect("direct-auto-bcube");
+  unsetenv("PSGD_SCATTER_GATHER");
+  CHECK(with_bcube->direct_max_bytes() == 262144);
   // auto on one rank, a number on another: named at creation, as any setting that differs.
   if (comm->size() < 2) return;
-  if (comm->rank() == 1) setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
+  setenv("PSGD_DIRECT_MAX_BYTES", comm->rank() == 1 ? "auto" : "262144", 1);
   try {
     connect("direct-auto-mismatch");
     FAIL("expected a MismatchError");

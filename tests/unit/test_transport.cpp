@@ -237,6 +237,27 @@ TEST_CASE("PSGD_DIRECT_EAGER is 0 or 1, 1 by default, and in the fingerprint") {
                        MismatchError);
 }
 
+TEST_CASE("PSGD_DIRECT_MAX_BYTES: auto by default where it cannot change the bits and 256 KiB with bcube") {
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  CHECK(direct_max_bytes_from_env(true) == kDirectAuto);  // scatter-gather above the bound: direct's bits
+  CHECK(direct_max_bytes_from_env(false) == 262144);      // bcube above it: the bound would change the bits
+  setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
+  CHECK(direct_max_bytes_from_env(false) == kDirectAuto);
+  setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
+  CHECK(direct_max_bytes_from_env(true) == 0);
+  setenv("PSGD_DIRECT_MAX_BYTES", "65536", 1);
+  CHECK(direct_max_bytes_from_env(true) == 65536);
+  setenv("PSGD_DIRECT_MAX_BYTES", "-1", 1);
+  try {
+    direct_max_bytes_from_env(true);
+    FAIL("expected an InvalidArgumentError");
+  } catch (const InvalidArgumentError& e) {
+    CHECK(std::string(e.what()).find("PSGD_DIRECT_MAX_BYTES") != std::string::npos);
+    CHECK(std::string(e.what()).find("-1") != std::string::npos);
+  }
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+}
+
 TEST_CASE("PSGD_SCATTER_GATHER is 0 or 1, 1 by default, and in the fingerprint") {
   unsetenv("PSGD_SCATTER_GATHER");
   CHECK(scatter_gather_from_env());

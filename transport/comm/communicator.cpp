@@ -115,12 +115,13 @@ const char* to_string(Algorithm algorithm) {
 
 GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : options_(options), api_(api) {
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
-  direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes_from_env() : 0;
   host_stage_ = host_stage_from_env();
   const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
   eager_direct_ = api_ == GlooApi::New && eager;
   const bool scatter_gather = scatter_gather_from_env();
   scatter_gather_ = api_ == GlooApi::New && scatter_gather;
+  const size_t direct_max_bytes = direct_max_bytes_from_env(scatter_gather);
+  direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes : 0;
   algorithms_ = make_algorithms(api_, options_.timeout, scatter_gather_);
 }
 

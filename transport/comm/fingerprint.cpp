@@ -41,11 +41,13 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     field("transport", ref.transport == 0 ? "tcp" : "ibverbs", f.transport == 0 ? "tcp" : "ibverbs");
     field("gloo api", ref.api == 0 ? "new" : "legacy", f.api == 0 ? "new" : "legacy");
     field("PSGD_RING_THRESHOLD_BYTES", ref.ring_threshold_bytes, f.ring_threshold_bytes);
+    // Before the bound: with PSGD_DIRECT_MAX_BYTES unset it follows PSGD_SCATTER_GATHER (options.hpp), so the
+    // setting the user changed is named first.
+    field("PSGD_SCATTER_GATHER", ref.flags & kFlagNoScatterGather ? 0 : 1, f.flags & kFlagNoScatterGather ? 0 : 1);
     const auto direct = [](uint64_t bytes) { return bytes == kDirectAuto ? std::string("auto") : std::to_string(bytes); };
     field("PSGD_DIRECT_MAX_BYTES", direct(ref.direct_max_bytes), direct(f.direct_max_bytes));
     field("PSGD_HOST_STAGE", ref.flags & kFlagHostStage ? 1 : 0, f.flags & kFlagHostStage ? 1 : 0);
     field("PSGD_DIRECT_EAGER", ref.flags & kFlagDirectNotEager ? 0 : 1, f.flags & kFlagDirectNotEager ? 0 : 1);
-    field("PSGD_SCATTER_GATHER", ref.flags & kFlagNoScatterGather ? 0 : 1, f.flags & kFlagNoScatterGather ? 0 : 1);
     PSGD_REQUIRE(diff.empty(), MismatchError, "process group configuration mismatch: rank ", r, " has ", diff,
                  "; every rank must use the same powersgd version and PSGD_* settings");
   }

@@ -4,6 +4,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include "common/check.hpp"
 #include "common/env.hpp"
@@ -125,8 +127,10 @@ bool scatter_gather_from_env() {
   return value == "1";
 }
 
-size_t direct_max_bytes_from_env() {
-  if (env::get_or_default("PSGD_DIRECT_MAX_BYTES") == "auto") return kDirectAuto;
+size_t direct_max_bytes_from_env(bool scatter_gather) {
+  const std::optional<std::string> value = env::get("PSGD_DIRECT_MAX_BYTES");
+  if (!value) return scatter_gather ? kDirectAuto : kDirectFixedBytes;
+  if (*value == "auto") return kDirectAuto;
   return static_cast<size_t>(env::get_int("PSGD_DIRECT_MAX_BYTES", 0, std::numeric_limits<int64_t>::max()));
 }
 

@@ -16,8 +16,12 @@ void apply_env_settings(CommOptions& options);
 // direct allreduce (GlooCommunicator::choose). Not in CommOptions, whose layout
 // is the C++ ABI's (docs/abi.md); compared between ranks at creation like it.
 // "auto": kDirectAuto, measured once the group is connected (GlooCommunicator::measure_direct_bound).
+// Unset: auto where `scatter_gather` (then the bound changes the rounds, never the bits: direct and
+// scatter-gather add in the same order), else kDirectFixedBytes (bcube's sums differ from direct's, so a
+// bound measured from the network would make the bits depend on it).
 inline constexpr size_t kDirectAuto = static_cast<size_t>(-1);
-size_t direct_max_bytes_from_env();
+inline constexpr size_t kDirectFixedBytes = size_t{256} << 10;
+size_t direct_max_bytes_from_env(bool scatter_gather);
 // PSGD_DIRECT_EAGER: 1 (the default) posts the direct allreduce's receives one collective ahead (docs/transport.md,
 // "Eager direct allreduce"); 0 leaves each exchange to Gloo's alltoall. Equal on every rank (the fingerprint).
 bool eager_direct_from_env();
