@@ -19,7 +19,8 @@
 #         each emulated host (a per-namespace sysctl: TCP keeps its window across idle gaps); a side
 #         starting with "unfused" sets PSGD_FUSE_REDUCTIONS=0 (each reduction on its own: the engine
 #         before fusing queued reductions, docs/engine.md); a side named directNk (e.g. direct1024k) sets
-#         PSGD_DIRECT_MAX_BYTES=N KiB, one named directauto PSGD_DIRECT_MAX_BYTES=auto; a side starting with
+#         PSGD_DIRECT_MAX_BYTES=N KiB (direct256k: the default before auto), one named directauto
+#         PSGD_DIRECT_MAX_BYTES=auto (the default, with scatter-gather on); a side starting with
 #         "staged" sets PSGD_HOST_STAGE=1 (the host-staged allreduce, docs/transport.md: with RANKS_PER_HOST
 #         above 1 only the hosts' leaders cross the network), e.g. SIDES="direct staged"; a side starting with
 #         "noeager" sets PSGD_DIRECT_EAGER=0 (each direct exchange waits for Gloo's ready-to-receive notices:
