@@ -300,13 +300,8 @@ class CpuBackend final : public Backend {
       float* q = colmajor_.data() + i * n;
       double sum = i < k ? squares(q, n) : 0.0;
       if (epsilon == 0.0f && i < k && degenerate::needs_second_projection(sum, own_[i])) {
-        for (size_t j = 0; j < i; ++j) {  // flagged columns are 0: they remove nothing
-          const float* p = colmajor_.data() + j * n;
-          double projection = 0.0;
-          for (size_t r = 0; r < n; ++r) projection += static_cast<double>(p[r]) * q[r];
-          const auto d = static_cast<float>(projection);
-          for (size_t r = 0; r < n; ++r) q[r] -= d * p[r];
-        }
+        // Flagged columns are 0: they remove nothing.
+        for (size_t j = 0; j < i; ++j) remove_component(q, colmajor_.data() + j * n, n);
         sum = squares(q, n);
       }
       if (i >= k || degenerate::is_degenerate(sum, own_[i])) {
@@ -316,17 +311,22 @@ class CpuBackend final : public Backend {
       }
       const float denom = static_cast<float>(std::sqrt(sum)) + epsilon;
       for (size_t r = 0; r < n; ++r) q[r] /= denom;
-      for (size_t j = i + 1; j < k; ++j) {
-        float* v = colmajor_.data() + j * n;
-        double projection = 0.0;
-        for (size_t r = 0; r < n; ++r) projection += static_cast<double>(q[r]) * v[r];
-        const auto d = static_cast<float>(projection);
-        for (size_t r = 0; r < n; ++r) v[r] -= d * q[r];
-      }
+      for (size_t j = i + 1; j < k; ++j) remove_component(colmajor_.data() + j * n, q, n);
     }
     replace_degenerate(colmajor_.data(), n, k, seed, item);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) matrix[r * cols + c] = colmajor_[static_cast<size_t>(c * rows + r)];
+  }
+
+  // x -= d * unit over n elements, d the dot product of `unit` and x summed in
+  // double in index order, rounded to T: one Gram-Schmidt projection, the same
+  // bits on every host.
+  template <typename T>
+  static void remove_component(T* x, const T* unit, size_t n) {
+    double d = 0.0;
+    for (size_t r = 0; r < n; ++r) d += static_cast<double>(unit[r]) * static_cast<double>(x[r]);
+    const auto dt = static_cast<T>(d);
+    for (size_t r = 0; r < n; ++r) x[r] -= dt * unit[r];
   }
 
   // Sum of squares in double, in index order.
@@ -354,14 +354,8 @@ class CpuBackend final : public Backend {
           z[r] = degenerate::candidate(seed, item, static_cast<int64_t>(j), attempt, static_cast<int64_t>(r));
         const double own = squares(z, rows);
         for (int pass = 0; pass < 2; ++pass)
-          for (size_t c = 0; c < k; ++c) {
-            if (c == j || flagged_[c] != 0) continue;
-            const T* v = q + c * rows;
-            double d = 0.0;
-            for (size_t r = 0; r < rows; ++r) d += static_cast<double>(v[r]) * static_cast<double>(z[r]);
-            const auto dt = static_cast<T>(d);
-            for (size_t r = 0; r < rows; ++r) z[r] -= dt * v[r];
-          }
+          for (size_t c = 0; c < k; ++c)
+            if (c != j && flagged_[c] == 0) remove_component(z, q + c * rows, rows);
         const double left = squares(z, rows);
         found = own > 0.0 && !degenerate::is_degenerate(left, own);
         if (found) {
