@@ -26,7 +26,9 @@
 #         "noeager" sets PSGD_DIRECT_EAGER=0 (each direct exchange waits for Gloo's ready-to-receive notices:
 #         the transport before the eager direct allreduce, docs/transport.md), e.g. SIDES="noeager direct"; a side
 #         starting with "nosg" sets PSGD_SCATTER_GATHER=0 (Gloo's bcube between the direct bound and the ring
-#         threshold: the algorithms before the scatter-gather allreduce), e.g. SIDES="nosg direct"
+#         threshold: the algorithms before the scatter-gather allreduce), e.g. SIDES="nosg direct"; a side
+#         starting with "nocarry" sets PSGD_CARRY_FIRST=0 (the order guard's announce carries no P: the
+#         engine before the lead exchange, docs/engine.md), e.g. SIDES="nocarry direct"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -62,13 +64,14 @@ for hosts in $HOSTS; do
         stage=; case $side in staged*) stage=1 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
+        carry=; case $side in nocarry*) carry=0 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \
           --timeout 900 --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 \
           ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} ${fuse:+--env PSGD_FUSE_REDUCTIONS=$fuse} \
           ${stage:+--env PSGD_HOST_STAGE=$stage} ${eager:+--env PSGD_DIRECT_EAGER=$eager} \
-          ${sg:+--env PSGD_SCATTER_GATHER=$sg} $ENV_ARGS \
+          ${sg:+--env PSGD_SCATTER_GATHER=$sg} ${carry:+--env PSGD_CARRY_FIRST=$carry} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$BENCH" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
           --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {

@@ -210,9 +210,29 @@ void add_warm_state(Fnv& h, const BucketState& s) {
   h.add(s.boost_left);  // the rank policy's state decides the next levels
 }
 
+OrderGuard::OrderGuard(const Config& config, Communicator& comm, compute::Backend& backend,
+                       const std::vector<std::unique_ptr<BucketState>>& buckets, const Arenas& arenas, Stats& stats)
+    : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats) {
+  // The same on every rank (the communicator's settings are agreed): so is which collective announces.
+  const size_t capacity = comm.size() > 1 ? comm.lead_exchange_capacity() : 0;
+  if (capacity >= kAnnounceBytes) {
+    lead_capacity_ = capacity;
+    leads_.assign(static_cast<size_t>(comm.size()) * kMaxFused * kBlock, 0.0);
+  }
+}
+
+bool OrderGuard::can_carry(const Reduction& r) const {
+  if (lead_capacity_ == 0 || !r.compressed || r.poisoned || config_.wire_dtype != WireDType::Float32) return false;
+  const uint64_t count = first_collective_count(r);
+  return kAnnounceBytes + count * sizeof(float) <= lead_capacity_ &&
+         comm_.sums_in_rank_order(static_cast<size_t>(count), DataType::Float32);
+}
+
 void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
-                       std::span<const Reduction* const> proposals) {
+                       std::span<const Reduction* const> proposals, bool carry) {
   PSGD_ASSERT(proposals.size() < kMaxFused, proposals.size(), " proposals, at most ", kMaxFused - 1);
+  PSGD_ASSERT(!carry || (proposals.empty() && can_carry(r)), "an announce carries a first collective it cannot");
+  first_summed_ = false;
   pending_.resize(buckets_.size());
   std::vector<uint64_t>& mine = mine_;
   mine.assign(kValueCount, 0);
@@ -261,7 +281,21 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
     encode_agreement(identity, block);
     block[2 * kChunks] = 1.0;  // proposed by this rank
   }
-  announced_ = comm_.allreduce_async(sums_, kMaxFused * kBlock, DataType::Float64);
+  if (carry) {
+    deferred_ = true;  // carry() sends it
+  } else if (lead_capacity_ > 0) {
+    announced_ = comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, nullptr, 0, DataType::Float32,
+                                           &first_summed_);
+  } else {
+    announced_ = comm_.allreduce_async(sums_, kMaxFused * kBlock, DataType::Float64);
+  }
+}
+
+void OrderGuard::carry(float* data, size_t count) {
+  PSGD_ASSERT(deferred_, "carry() without begin(carry)");
+  announced_ = comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, data, count, DataType::Float32,
+                                         &first_summed_);
+  deferred_ = false;  // only once sent: else settle() sends it
 }
 
 uint64_t OrderGuard::identity_hash(const Reduction& r, std::vector<int>& carried, uint64_t& numel,
@@ -297,6 +331,13 @@ size_t OrderGuard::finish(const Reduction& r) {
   announced_ = Work();
   announced.wait();
   stats_.guard_seconds += seconds_since(start);
+  if (lead_capacity_ > 0) {
+    // The leads in rank order: sums of small integers, exact, so the allreduce's values on every rank.
+    constexpr size_t kValues = kMaxFused * kBlock;
+    std::fill(std::begin(sums_), std::end(sums_), 0.0);
+    for (size_t rank = 0; rank < static_cast<size_t>(comm_.size()); ++rank)
+      for (size_t v = 0; v < kValues; ++v) sums_[v] += leads_[rank * kValues + v];
+  }
   if (sums_[2 * kChunks] == 0.0 && all_agree(sums_, comm_.size())) {
     compared();
     // The proposals every rank made alike, as a prefix: the sums are the same on every rank.
@@ -319,6 +360,22 @@ void OrderGuard::compared() {
 }
 
 void OrderGuard::settle() noexcept {
+  if (deferred_) {
+    // Begun with carry, never sent (nothing throws in between today): sent alone, flagged as this rank's local
+    // failure, which the other ranks then gather the reports of (raise): this rank takes part with the error
+    // being handled, so every rank fails this reduction with it and the ranks stay in step.
+    deferred_ = false;
+    sums_[2 * kChunks] = 1.0;
+    std::exception_ptr error = std::current_exception();
+    if (!error) error = std::make_exception_ptr(InternalError("the announce was begun and not sent"));
+    try {
+      comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, nullptr, 0, DataType::Float32, &first_summed_)
+          .wait();
+      gather_reports(comm_, report_failure(error));
+    } catch (...) {
+    }
+    return;
+  }
   if (!announced_.valid()) return;
   try {
     announced_.wait();  // sums_ is the collective's buffer until it completed

@@ -79,10 +79,10 @@ class OrderGuard {
  public:
   // Everything by reference is owned by the Reducer and outlives the guard.
   OrderGuard(const Config& config, Communicator& comm, compute::Backend& backend,
-             const std::vector<std::unique_ptr<BucketState>>& buckets, const Arenas& arenas, Stats& stats)
-      : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats) {}
+             const std::vector<std::unique_ptr<BucketState>>& buckets, const Arenas& arenas, Stats& stats);
 
-  // Collective (one Float64 allreduce of 2 * kChunks + 1 values), in two
+  // Collective (one Float64 allreduce of kMaxFused blocks of 2 * kChunks + 1
+  // values, or the lead exchange of the same values: below), in two
   // halves around the reduction's local prepare, so the announce's latency
   // hides behind it: begin() issues the announce (nothing of the reduction has
   // run: prepare changes no lasting state); finish(), before the data
@@ -101,10 +101,30 @@ class OrderGuard {
   // finish() returns how many of them, as a prefix, every rank offered alike
   // plus one: the same number on every rank, from the sums. The others were not
   // announced (they announce when they run).
+  //
+  // The lead exchange (Communicator::lead_exchange_capacity holds the
+  // announce; docs/engine.md, "The announce carries P"): the announce travels
+  // as a lead, every rank's arriving at every rank, which adds them in rank
+  // order into the sums the allreduce would give. `carry` (can_carry, no
+  // proposals): begin() only prepares the announce, and carry() sends it with
+  // the reduction's first collective behind it, after prepare; first_summed()
+  // then says, the same on every rank, whether every rank carried its first
+  // collective alike and it came back summed (else every rank issues it as
+  // usual). Between begin(carry) and carry() nothing may throw.
   void begin(const Reduction& reduction, uint64_t layout, bool loaded,
-             std::span<const Reduction* const> proposals = {});
+             std::span<const Reduction* const> proposals = {}, bool carry = false);
+  // Whether this rank's announce of `reduction` can carry its first collective: the lead exchange, a compressed
+  // reduction with the float32 wire whose first collective fits beside the announce and sums in rank order (so
+  // its bits are those of the collective it saves). A pure function of agreed state and this rank's call.
+  bool can_carry(const Reduction& reduction) const;
+  // Sends the announce begun with `carry`, the first collective's `count` floats at `data` (its host range) behind
+  // it: summed in place when first_summed().
+  void carry(float* data, size_t count);
   size_t finish(const Reduction& reduction);
-  // Waits for an announce begun and not finished (its buffer is this object's). For error paths.
+  // After finish(): whether the announce carried the first collective and it came back summed.
+  bool first_summed() const { return first_summed_; }
+  // Waits for an announce begun and not finished (its buffer is this object's). For error paths (in a catch
+  // block: an announce begun with carry and not sent leaves as this rank's failure, with the error handled).
   void settle() noexcept;
 
   // After a reduction succeeded: hashes each bucket's output, P and Q when its
@@ -141,8 +161,15 @@ class OrderGuard {
   // Block 0: the reduction's hash chunks and failure flag; block j > 0: proposal
   // j's hash chunks and whether this rank proposes it.
   static constexpr size_t kBlock = 2 * kChunks + 1;
+  static constexpr size_t kAnnounceBytes = kMaxFused * kBlock * sizeof(double);
   double sums_[kMaxFused * kBlock] = {};
   Work announced_;
+  // The lead exchange: every rank's sums_ (size() * kMaxFused * kBlock), its
+  // capacity (0: none, the announce is an allreduce), and the announce begun with carry and not sent yet.
+  std::vector<double> leads_;
+  size_t lead_capacity_ = 0;
+  bool deferred_ = false;
+  bool first_summed_ = false;  // written by the communication thread until announced_ completed
   std::vector<float> host_scratch_;  // device outputs staged for hashing
 };
 

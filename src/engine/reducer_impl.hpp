@@ -215,12 +215,14 @@ class Reducer::Impl final : public detail::CommUser {
   // Worker thread, after every rank agreed: `reduction` and `members` as one,
   // each member's handle finished with its outcome; rethrows the reduction's.
   void run_fused(Reduction& reduction, Claimed& members);
-  // Worker thread: a reduction agreed in an announce, its collectives and the state after success.
-  void run_agreed(Reduction& reduction);
   // Worker thread, once: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any rank that
   // proposes nothing makes every rank run its reductions one by one).
-  const bool fuse_ = fuse_reductions_from_env();
-  static bool fuse_reductions_from_env();
+  const bool fuse_ = switch_from_env("PSGD_FUSE_REDUCTIONS");
+  // PSGD_CARRY_FIRST=0: this rank's announces never carry the first collective (OrderGuard::carry; bench A/B;
+  // a rank that carries nothing makes every rank issue the first collective of its own).
+  const bool carry_first_ = switch_from_env("PSGD_CARRY_FIRST");
+  // An on/off switch of this rank's: on unless the variable is "0".
+  static bool switch_from_env(const char* name);
   // Runs fn on the worker after everything queued before it; rethrows its exception.
   void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn), {}})->wait(); }
   // The same for a call that issues collectives: in its turn among the communicator's users.

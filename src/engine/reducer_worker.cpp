@@ -28,8 +28,8 @@ void Reducer::Impl::start() {
   allocated_ = true;
 }
 
-bool Reducer::Impl::fuse_reductions_from_env() {
-  const char* value = std::getenv("PSGD_FUSE_REDUCTIONS");
+bool Reducer::Impl::switch_from_env(const char* name) {
+  const char* value = std::getenv(name);
   return value == nullptr || std::string(value) != "0";
 }
 
@@ -42,8 +42,11 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
   try {
     std::vector<const Reduction*> proposals;
     for (const auto& c : claimed) proposals.push_back(c.item.reduction.get());
+    // Without proposals the announce may carry the first collective (OrderGuard::carry), sent after prepare.
+    const bool carry = carry_first_ && claimed.empty() && !reduction.poisoned && !noted(reduction) &&
+                       guard_->can_carry(reduction);
     // layout_fingerprint_ is final since the first reduce (start()).
-    guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals);
+    guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals, carry);
     if (!reduction.poisoned && noted(reduction)) {
       // The note changes the buckets' levels, and so what prepare computes:
       // only once every rank announced it (the lookahead left this reduction alone).
@@ -57,7 +60,13 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       // later as prepared, like the lookahead's).
       runner_->prepare_once(reduction);
       for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
+      if (carry) {
+        const engine::Segment first = runner_->first_for_carry(reduction);
+        guard_->carry(first.host, first.count);
+        runner_->lookahead(reduction);  // while the announce and the first collective travel
+      }
       const size_t fused = guard_->finish(reduction);
+      reduction.first_summed = guard_->first_summed();
       loaded_on_worker_ = false;
       // The claimed reductions not agreed go back first, so the lookahead sees the true next one.
       Claimed members(std::make_move_iterator(claimed.begin()),
@@ -128,6 +137,7 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
       std::exception_ptr error;
       try {
         one->prepared = false;  // the failed collectives overwrote its prepared ranges
+        one->first_summed = false;
         one->prepare_error = nullptr;
         runner_->run(*one);
         guard_->after_success(*one);

@@ -181,6 +181,32 @@ void StepRunner::send_first(const Reduction& job, const Segment& unc, const Rang
   send_segment(unc, factors, !job.prepare_error, works);
 }
 
+Segment StepRunner::first_for_carry(Reduction& job) noexcept {
+  const Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
+  if (!job.prepare_error && unc.host != unc.dev) {
+    try {
+      be_.copy_to_host(unc.host, unc.dev, unc.count);
+    } catch (...) {
+      job.prepare_error = std::current_exception();
+    }
+  }
+  if (job.prepare_error)
+    for (size_t i = 0; i < job.buckets.size(); ++i) flag(job, i, unc) = kFailedFlag;
+  return unc;
+}
+
+void StepRunner::first_collective(Reduction& job, const Segment& unc, const Ranges& factors) {
+  if (!job.first_summed) {
+    std::vector<Work> works;
+    send_first(job, unc, factors, works);
+    lookahead(job);
+    wait_segment(works, unc, factors, !job.prepare_error);
+    return;
+  }
+  stats_.bytes_sent += unc.count * sizeof(float);
+  if (!job.prepare_error && unc.host != unc.dev) be_.copy_from_host(unc.dev, unc.host, unc.count);
+}
+
 void StepRunner::prepare(Reduction& job) {
   const auto start = Clock::now();
   const size_t n = job.buckets.size();
@@ -486,10 +512,7 @@ void StepRunner::run_compressed(Reduction& job) {
   // Wire order: packed uncompressed tensors, finite flag and P in one
   // collective, then Q (reduce_all: all buckets' in one collective each).
   const Ranges factors = factor_ranges(job);
-  std::vector<Work> works;
-  send_first(job, unc, factors, works);
-  lookahead(job);
-  wait_segment(works, unc, factors, !job.prepare_error);
+  first_collective(job, unc, factors);
   check_flags(job, unc);
   if (config_.adaptive)
     for (size_t i = 0; i < job.buckets.size(); ++i)
@@ -519,7 +542,7 @@ void StepRunner::run_compressed(Reduction& job) {
   // A rank whose work between the collectives failed poisons Q with NaN: every
   // rank then sees a non-finite sum and takes part in the report gather, which
   // tells a local failure from an overflow.
-  works.clear();
+  std::vector<Work> works;
   const Ranges all_of_q{{0, static_cast<int64_t>(q.count)}};  // Q is all factor
   if (q.count > 0) {
     if (between_failed) q.host[0] = std::numeric_limits<float>::quiet_NaN();
@@ -550,10 +573,7 @@ void StepRunner::run_compressed(Reduction& job) {
 void StepRunner::run_alternating(Reduction& job) {
   Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
   const Ranges factors = factor_ranges(job);
-  std::vector<Work> works;
-  send_first(job, unc, factors, works);
-  lookahead(job);
-  wait_segment(works, unc, factors, !job.prepare_error);
+  first_collective(job, unc, factors);
   check_flags(job, unc);
 
   // Commit point. ||output|| = ||P Q^^T|| = ||P|| in a P half, ||P^ Q^T|| = ||Q|| in a Q half.

@@ -53,6 +53,9 @@ struct Reduction {
   std::vector<char> q_half;
   // Adaptive: ||sum over ranks of the output's factors and packed tensors||^2, per bucket.
   std::vector<double> out2;
+  // The order guard's announce carried the first collective and every rank's came back summed, into its host
+  // range (OrderGuard::carry): run() goes on from there.
+  bool first_summed = false;
 };
 
 class StepRunner {
@@ -79,6 +82,13 @@ class StepRunner {
   // Prepares `job` now unless it is (a failure is kept in job.prepare_error and
   // sent poisoned, as run does). Local; no lasting state changes.
   void prepare_once(Reduction& job);
+  // The first collective of a prepared compressed `job` (float32 wire) as send_first sends it, for the order
+  // guard to carry: its host range, staged from the device, every finite flag kFailedFlag after a local
+  // failure (a failed staging becomes job.prepare_error). Throws nothing: the announce must leave.
+  Segment first_for_carry(Reduction& job) noexcept;
+  // Prepares the reduction queued after `current` unless it shares a bucket with it (or with a reduction not
+  // settled): local work while `current`'s collectives travel.
+  void lookahead(const Reduction& current);
 
   // Fusing queued reductions (docs/engine.md, "Fusing queued reductions"):
   // whether single-bucket compressed reductions of `buckets` (in any order)
@@ -121,7 +131,6 @@ class StepRunner {
   // Orthonormalizes every group's P or Q in `factor` (the bucket's P or Q range) in place.
   enum class Factor { P, Q };
   void orthogonalize(float* factor, const BucketPlan& plan, Factor which, int b, int64_t step);
-  void lookahead(const Reduction& current);
 
   void run_plain(Reduction& job);
   void run_compressed(Reduction& job);
@@ -174,6 +183,9 @@ class StepRunner {
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
   // The first collective's flags said a rank failed locally: raise it on every rank.
   void send_first(const Reduction& job, const Segment& unc, const Ranges& factors, std::vector<Work>& works);
+  // The compressed step's first collective (send_first, then wait_segment), or where the announce carried it
+  // (job.first_summed) its sums copied back to the device.
+  void first_collective(Reduction& job, const Segment& unc, const Ranges& factors);
   [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);
   [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
 

@@ -329,21 +329,32 @@ TEST_CASE("stats: counts and bytes follow the formula") {
 TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communicator::communication_rounds)") {
   // One after the other per reduction: the order guard's announce, then the
   // plain collective (a step before start_iter) or P and then Q (compressed).
-  // All are small: the direct algorithm, one round each by default; with
-  // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 Gloo's bcube, on 2 or 3
-  // ranks one exchange each way (2 rounds).
-  for (const bool direct : {true, false}) {
+  // All are small: the direct algorithm, one round each by default, and the
+  // announce carries P (the lead exchange; OrderGuard::carry), so a compressed
+  // reduction costs 2; with PSGD_CARRY_FIRST=0 on rank 0 only, that rank's
+  // announce carries nothing, so no rank's P is summed in it: 3 again. With
+  // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 Gloo's bcube and no lead
+  // exchange, on 2 or 3 ranks one exchange each way (2 rounds) each of 3.
+  enum Variant { Carried, OneRankCarriesNothing, Bcube };
+  for (const Variant variant : {Carried, OneRankCarriesNothing, Bcube}) {
+    const bool direct = variant != Bcube;
     if (!direct) setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
     if (!direct) setenv("PSGD_SCATTER_GATHER", "0", 1);
-    auto comm = connect(direct ? "engine-rounds" : "engine-rounds-bcube");
+    const char* rank = std::getenv("RANK");
+    if (variant == OneRankCarriesNothing && rank != nullptr && std::string(rank) == "0")
+      setenv("PSGD_CARRY_FIRST", "0", 1);
+    auto comm = connect(variant == Carried ? "engine-rounds" : variant == Bcube ? "engine-rounds-bcube"
+                                                                                 : "engine-rounds-one-carries-nothing");
     unsetenv("PSGD_DIRECT_MAX_BYTES");
     unsetenv("PSGD_SCATTER_GATHER");
     REQUIRE(comm->size() <= 3);
     const uint64_t per_collective = direct ? 1 : 2;
+    const uint64_t compressed = variant == Carried ? 2 : 3;  // collectives of a compressed reduction
     Config c;
     c.rank = 2;
     c.start_iter = 1;
     Reducer reducer(*comm, c);
+    unsetenv("PSGD_CARRY_FIRST");  // read when the Reducer was made
     reducer.add_bucket(kShapes);
     reducer.add_bucket({{64, 64}});
     for (int step = 0; step < 4; ++step)
@@ -351,8 +362,8 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
         auto g = gradients(reducer.bucket_size(b), comm->rank(), step);
         const uint64_t before = comm->communication_rounds();
         reducer.reduce(b, g.data());
-        INFO("step ", step, " bucket ", b, " direct ", direct);
-        CHECK(comm->communication_rounds() - before == (step == 0 ? 2 : 3) * per_collective);
+        INFO("step ", step, " bucket ", b, " variant ", static_cast<int>(variant));
+        CHECK(comm->communication_rounds() - before == (step == 0 ? 2 : compressed) * per_collective);
       }
     // reduce_all: one announce, one P and one Q collective for both buckets.
     std::vector<std::vector<float>> g{gradients(reducer.bucket_size(0), comm->rank(), 4),
@@ -360,7 +371,14 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
     const std::vector<float*> data{g[0].data(), g[1].data()};
     const uint64_t before = comm->communication_rounds();
     reducer.reduce_all(std::span<float* const>(data));
-    CHECK(comm->communication_rounds() - before == 3 * per_collective);
+    CHECK(comm->communication_rounds() - before == compressed * per_collective);
+    // Every rank's outputs are the same bits (the carried sums are direct's, on every rank).
+    for (const auto& out : g) {
+      std::vector<float> all(out.size() * static_cast<size_t>(comm->size()));
+      comm->allgather(out.data(), all.data(), out.size() * sizeof(float));
+      for (int r = 1; r < comm->size(); ++r)
+        CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * out.size(), out.size() * sizeof(float)) == 0);
+    }
   }
 }
 

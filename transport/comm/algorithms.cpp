@@ -125,6 +125,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   uint64_t barrier_rounds(int n) const override { return ceil_log2(n); }  // dissemination
 
   void enable_eager_direct(size_t bound) override { eager_bound_ = bound; }
+  size_t lead_capacity(int n) const override { return n > 1 ? eager_capacity(static_cast<size_t>(n)) : 0; }
   void release_eager_direct() override { eager_.clear(); }
   uint64_t eager_direct_collectives() const override {
     uint64_t done = 0;
@@ -194,13 +195,18 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       if (peer != context.rank) buffer.recv(peer, slot, static_cast<size_t>(peer) * e.stride, kHeader + e.capacity);
   }
 
+  // Payload bytes per peer of the receives posted ahead on a context of n > 1 ranks (0: the eager path is off):
+  // a multiple of 64, the same on every rank (same bound, same context size), so is every choice made by it.
+  size_t eager_capacity(size_t n) const {
+    return eager_bound_ == 0 ? 0 : std::min(kMaxEagerBytesPerPeer, eager_bound_ / (n - 1)) / 64 * 64;
+  }
+
   // This context's eager state, made (with the first collective's receives posted) on its first use; null
   // where messages of `bytes` per peer do not fit the receives posted ahead.
   Eager* eager_for(const std::shared_ptr<gloo::Context>& context, size_t bytes) {
     if (eager_bound_ == 0) return nullptr;
     const size_t n = static_cast<size_t>(context->size);
-    // A multiple of 64, the same on every rank (same bound, same context size): so is the choice below.
-    const size_t capacity = std::min(kMaxEagerBytesPerPeer, eager_bound_ / (n - 1)) / 64 * 64;
+    const size_t capacity = eager_capacity(n);
     if (bytes > capacity) return nullptr;
     for (Eager& e : eager_)
       if (e.context == context.get()) return &e;
@@ -246,6 +252,68 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     }
     const auto contribution = [&](int r) {
       return r == me ? e.out.data() + kHeader : received + static_cast<size_t>(r) * e.stride + kHeader;
+    };
+    const SumFn sum = sum_function(type);
+    std::memcpy(data, contribution(0), bytes);
+    for (int r = 1; r < n; ++r) sum(data, data, contribution(r), count);
+    return true;
+  }
+
+  // The lead exchange's header (kHeader bytes): the data's bytes (0: a lead alone), the lead's bytes and the
+  // data's type; kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one.
+  static constexpr uint64_t kLeadHeaderBit = uint64_t{1} << 62;
+  static constexpr int kLeadBytesShift = 32, kLeadTypeShift = 56;
+  static uint64_t lead_header(size_t lead_bytes, size_t data_bytes, DataType type) {
+    return kLeadHeaderBit | (static_cast<uint64_t>(type) << kLeadTypeShift) |
+           (static_cast<uint64_t>(lead_bytes) << kLeadBytesShift) | static_cast<uint64_t>(data_bytes);
+  }
+  static size_t lead_bytes_of(uint64_t header) {
+    return static_cast<size_t>((header >> kLeadBytesShift) & ((uint64_t{1} << (kLeadTypeShift - kLeadBytesShift)) - 1));
+  }
+  static size_t data_bytes_of(uint64_t header) { return static_cast<size_t>(header & 0xFFFFFFFFULL); }
+
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, const void* lead, void* leads,
+                      size_t lead_bytes, void* data, size_t count, DataType type) override {
+    const int n = context->size, me = context->rank;
+    Eager* found = eager_for(context, lead_bytes);
+    // The Communicator checked lead_bytes against lead_capacity: the same on every rank.
+    PSGD_ASSERT(found != nullptr && lead_bytes % 8 == 0, "lead exchange of ", lead_bytes, " bytes");
+    Eager& e = *found;
+    const size_t element = size_of(type);
+    // Data that does not fit beside the lead stays behind (as on every rank that passes as many bytes).
+    const size_t bytes = count <= (e.capacity - lead_bytes) / element ? count * element : 0;
+    const uint64_t header = lead_header(lead_bytes, bytes, bytes > 0 ? type : DataType::Float32);
+    const uint32_t sequence = e.sequence;
+    post_receives(*context, e, sequence + 1);
+    std::memcpy(e.out.data(), &header, kHeader);
+    std::memcpy(e.out.data() + kHeader, lead, lead_bytes);
+    if (bytes > 0) std::memcpy(e.out.data() + kHeader + lead_bytes, data, bytes);
+    const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
+    for (int peer = 0; peer < n; ++peer)
+      if (peer != me) e.out_buffer->send(peer, slot, 0, kHeader + lead_bytes + bytes);
+    wait_exchange(*e.in_buffers[sequence % 2], *e.out_buffer, static_cast<size_t>(n - 1), "lead exchange");
+    ++e.sequence;
+    const uint8_t* received = e.in[sequence % 2].data();
+    bool summed = bytes > 0;
+    for (int r = 0; r < n; ++r) {
+      if (r == me) continue;
+      uint64_t sent = 0;
+      std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
+      if ((sent & kLeadHeaderBit) == 0 || lead_bytes_of(sent) != lead_bytes)
+        PSGD_THROW(MismatchError, "lead exchange: rank ", r, " sent header ", std::hex, sent, " where this rank (",
+                   std::dec, me, ") sends a lead of ", lead_bytes, " bytes: every rank must pass the same lead");
+      summed = summed && sent == header;  // the same data bytes and type
+    }
+    auto* out = static_cast<uint8_t*>(leads);
+    for (int r = 0; r < n; ++r)
+      std::memcpy(out + static_cast<size_t>(r) * lead_bytes,
+                  r == me ? static_cast<const uint8_t*>(lead) : received + static_cast<size_t>(r) * e.stride + kHeader,
+                  lead_bytes);
+    if (!summed) return false;
+    // The contributions in rank order, as the direct algorithm adds them: the same bits.
+    const auto contribution = [&](int r) {
+      return r == me ? e.out.data() + kHeader + lead_bytes
+                     : received + static_cast<size_t>(r) * e.stride + kHeader + lead_bytes;
     };
     const SumFn sum = sum_function(type);
     std::memcpy(data, contribution(0), bytes);
@@ -453,6 +521,12 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   }
   size_t max_allgather_bytes() const override { return INT_MAX; }
   void enable_eager_direct(size_t) override {}  // no direct algorithm here
+  size_t lead_capacity(int) const override { return 0; }
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>&, const void*, void*, size_t, void*, size_t,
+                      DataType) override {
+    PSGD_ASSERT(false, "the lead exchange needs Gloo's new API");
+    return false;
+  }
   void release_eager_direct() override {}
   uint64_t eager_direct_collectives() const override { return 0; }
 

@@ -54,6 +54,17 @@ class CollectiveAlgorithms {
   // Direct collectives that took the eager path since creation (on every context; for tests and benchmarks).
   virtual uint64_t eager_direct_collectives() const = 0;
 
+  // The lead exchange (docs/transport.md, "Lead exchange"): the bytes one message carries behind its header
+  // (lead and data together) on a context of `n` ranks, the same on every rank; 0 without the eager path.
+  virtual size_t lead_capacity(int n) const = 0;
+  // One exchange on the eager path (lead_bytes + ... within lead_capacity): every rank's `lead_bytes` arrive in
+  // `leads` (rank r's at r * lead_bytes); `data` (count elements of `type`; count 0: none) is summed in rank
+  // order, the direct algorithm's additions, where every rank passed the same nonzero count and type that fit
+  // with the lead. Returns whether it was: the same answer on every rank (every rank sees every header); when
+  // not, `data` is unchanged. MismatchError where the ranks' lead_bytes differ.
+  virtual bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, const void* lead, void* leads,
+                              size_t lead_bytes, void* data, size_t count, DataType type) = 0;
+
   // Sequential communication rounds of each collective on `n` ranks: the
   // message exchanges one after the other, each of which waits for the one
   // before (so each costs at least one one-way delay of the network). What

@@ -74,6 +74,21 @@ Work Communicator::allreduce_in_rank_order_async(void* data, size_t count, DataT
   return gloo->allreduce_async(data, count, type, algorithm);
 }
 
+size_t Communicator::lead_exchange_capacity() const {
+  const auto* gloo = gloo_of(this);
+  return gloo != nullptr ? gloo->lead_capacity() : 0;
+}
+
+Work Communicator::lead_exchange_async(const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
+                                       DataType type, bool* summed) {
+  auto* gloo = gloo_of(this);
+  const size_t capacity = lead_exchange_capacity();
+  PSGD_REQUIRE(capacity > 0, InvalidArgumentError,
+               "lead exchange: this communicator has none (made by create() with Gloo's new API, more than one rank, "
+               "PSGD_DIRECT_EAGER=1, PSGD_DIRECT_MAX_BYTES above 0 and no host staging, only)");
+  return gloo->lead_allreduce_async(lead, leads, lead_bytes, data, count, type, summed);
+}
+
 }  // namespace powersgd
 
 namespace powersgd::transport {
@@ -494,6 +509,28 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
     }
     add_rounds(algorithms_->allreduce_rounds(algorithm, context->size));
     algorithms_->allreduce(context, tag, data, count, type, algorithm);
+  });
+}
+
+size_t GlooCommunicator::lead_capacity() const {
+  if (!eager_direct_ || stage_ != nullptr) return 0;
+  return algorithms_->lead_capacity(options_.world_size);
+}
+
+Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data,
+                                            size_t count, DataType type, bool* summed) {
+  const size_t capacity = lead_capacity();
+  PSGD_REQUIRE(lead != nullptr && leads != nullptr && summed != nullptr, InvalidArgumentError,
+               "lead exchange: null lead, leads or summed");
+  PSGD_REQUIRE(lead_bytes > 0 && lead_bytes % 8 == 0 && lead_bytes <= capacity, InvalidArgumentError,
+               "lead exchange: a lead of ", lead_bytes, " bytes; expected a positive multiple of 8 up to the capacity ",
+               capacity);
+  PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
+               " elements");
+  std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type), ")");
+  return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t) {
+    add_rounds(1);
+    *summed = algorithms_->lead_allreduce(context, lead, leads, lead_bytes, data, count, type);
   });
 }
 

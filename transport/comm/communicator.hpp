@@ -74,6 +74,11 @@ class GlooCommunicator final : public Communicator {
   // least two hosts, one of them with two ranks or more); 0: not staged.
   int staged_hosts() const { return staged_hosts_; }
 
+  // Communicator::lead_exchange_capacity and lead_exchange_async (the eager path's; docs/transport.md, "Lead exchange").
+  size_t lead_capacity() const;
+  Work lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data, size_t count, DataType type,
+                            bool* summed);
+
   // The algorithm Auto picks for a message of `bytes`.
   Algorithm choose(size_t bytes) const;
   // The algorithm allreduce_in_rank_order_async runs for a message of `bytes`: Direct or ScatterGather, as Auto
