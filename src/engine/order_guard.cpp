@@ -284,8 +284,7 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
   if (carry) {
     deferred_ = true;  // carry() sends it
   } else if (lead_capacity_ > 0) {
-    announced_ = comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, nullptr, 0, DataType::Float32,
-                                           &first_summed_);
+    announced_ = send_lead(nullptr, 0);
   } else {
     announced_ = comm_.allreduce_async(sums_, kMaxFused * kBlock, DataType::Float64);
   }
@@ -293,9 +292,13 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
 
 void OrderGuard::carry(float* data, size_t count) {
   PSGD_ASSERT(deferred_, "carry() without begin(carry)");
-  announced_ = comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, data, count, DataType::Float32,
-                                         &first_summed_);
+  announced_ = send_lead(data, count);
   deferred_ = false;  // only once sent: else settle() sends it
+}
+
+Work OrderGuard::send_lead(float* data, size_t count) {
+  return comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, data, count, DataType::Float32,
+                                   &first_summed_);
 }
 
 uint64_t OrderGuard::identity_hash(const Reduction& r, std::vector<int>& carried, uint64_t& numel,
@@ -369,8 +372,7 @@ void OrderGuard::settle() noexcept {
     std::exception_ptr error = std::current_exception();
     if (!error) error = std::make_exception_ptr(InternalError("the announce was begun and not sent"));
     try {
-      comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, nullptr, 0, DataType::Float32, &first_summed_)
-          .wait();
+      send_lead(nullptr, 0).wait();
       gather_reports(comm_, report_failure(error));
     } catch (...) {
     }

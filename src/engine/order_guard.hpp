@@ -142,6 +142,8 @@ class OrderGuard {
   // announce covers; the buckets whose pending divergence hash it carries go to `carried`.
   uint64_t identity_hash(const Reduction& reduction, std::vector<int>& carried, uint64_t& numel,
                          int64_t& check_step, uint64_t& check) const;
+  // The announce (sums_) as this rank's lead in the lead exchange, `count` floats at `data` behind it.
+  Work send_lead(float* data, size_t count);
   // The announce in flight compared the pending hashes it carried: they are consumed.
   void compared();
   [[noreturn]] void raise(const Reduction& reduction, const std::vector<uint64_t>& mine, bool loaded);

@@ -61,7 +61,7 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       runner_->prepare_once(reduction);
       for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
       if (carry) {
-        const engine::Segment first = runner_->first_for_carry(reduction);
+        const engine::Segment first = runner_->stage_first(reduction);
         guard_->carry(first.host, first.count);
         runner_->lookahead(reduction);  // while the announce and the first collective travel
       }

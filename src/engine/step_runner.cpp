@@ -171,17 +171,7 @@ void StepRunner::fail_flagged(const Reduction& job, std::exception_ptr own) {
   PSGD_THROW(InternalError, "step ", job.iteration, ": a rank flagged a local failure but none reported one");
 }
 
-// The compressed step's first collective; after a failed prepare, this rank's
-// host range as it is with kFailedFlag in every bucket's finite flag.
-void StepRunner::send_first(const Reduction& job, const Segment& unc, const Ranges& factors,
-                            std::vector<Work>& works) {
-  if (job.prepare_error)
-    for (size_t i = 0; i < job.buckets.size(); ++i)
-      flag(job, i, unc) = kFailedFlag;
-  send_segment(unc, factors, !job.prepare_error, works);
-}
-
-Segment StepRunner::first_for_carry(Reduction& job) noexcept {
+Segment StepRunner::stage_first(Reduction& job) noexcept {
   const Segment unc = arenas_.unc_segment(job.unc_begin, job.unc_count);
   if (!job.prepare_error && unc.host != unc.dev) {
     try {
@@ -198,7 +188,8 @@ Segment StepRunner::first_for_carry(Reduction& job) noexcept {
 void StepRunner::first_collective(Reduction& job, const Segment& unc, const Ranges& factors) {
   if (!job.first_summed) {
     std::vector<Work> works;
-    send_first(job, unc, factors, works);
+    stage_first(job);
+    send_segment(unc, factors, false, works);
     lookahead(job);
     wait_segment(works, unc, factors, !job.prepare_error);
     return;

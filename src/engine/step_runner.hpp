@@ -82,10 +82,11 @@ class StepRunner {
   // Prepares `job` now unless it is (a failure is kept in job.prepare_error and
   // sent poisoned, as run does). Local; no lasting state changes.
   void prepare_once(Reduction& job);
-  // The first collective of a prepared compressed `job` (float32 wire) as send_first sends it, for the order
-  // guard to carry: its host range, staged from the device, every finite flag kFailedFlag after a local
-  // failure (a failed staging becomes job.prepare_error). Throws nothing: the announce must leave.
-  Segment first_for_carry(Reduction& job) noexcept;
+  // The first collective of a prepared compressed `job` as it is sent, issued on its own or carried by the
+  // order guard's announce: its host range, staged from the device, after a local failure (a failed staging
+  // becomes job.prepare_error) as it is with kFailedFlag in every bucket's finite flag. Throws nothing: the
+  // collective, or the announce, must leave.
+  Segment stage_first(Reduction& job) noexcept;
   // Prepares the reduction queued after `current` unless it shares a bucket with it (or with a reduction not
   // settled): local work while `current`'s collectives travel.
   void lookahead(const Reduction& current);
@@ -174,18 +175,17 @@ class StepRunner {
   void send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works);
   void wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back);
   // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
-  // computed once per step for send_first and wait_segment.
+  // computed once per step for send_segment and wait_segment.
   Ranges factor_ranges(const Reduction& job);
   void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back = true);
   // Collective, on the error path only (every rank saw from the sums that one
   // failed, or that Q is not finite): throws the failure on every rank when a
   // rank reports one (`own` on the failing rank); returns when none did.
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
-  // The first collective's flags said a rank failed locally: raise it on every rank.
-  void send_first(const Reduction& job, const Segment& unc, const Ranges& factors, std::vector<Work>& works);
-  // The compressed step's first collective (send_first, then wait_segment), or where the announce carried it
+  // The compressed step's first collective (stage_first, sent, waited for), or where the announce carried it
   // (job.first_summed) its sums copied back to the device.
   void first_collective(Reduction& job, const Segment& unc, const Ranges& factors);
+  // The first collective's flags said a rank failed locally: raise it on every rank.
   [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);
   [[noreturn]] void throw_nonfinite(const Reduction& job, int bucket, const std::string& what);
 

@@ -195,6 +195,29 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       if (peer != context.rank) buffer.recv(peer, slot, static_cast<size_t>(peer) * e.stride, kHeader + e.capacity);
   }
 
+  // One eager exchange: the first `message_bytes` of e.out (header and payload, written by the caller) to every
+  // peer on the slot of collective e.sequence, the next collective's receives posted first; waits for it and
+  // returns the peers' messages (peer r's at r * e.stride).
+  const uint8_t* exchange_eager(const gloo::Context& context, Eager& e, size_t message_bytes, const char* what) const {
+    const uint32_t sequence = e.sequence;
+    post_receives(context, e, sequence + 1);
+    const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
+    for (int peer = 0; peer < context.size; ++peer)
+      if (peer != context.rank) e.out_buffer->send(peer, slot, 0, message_bytes);
+    wait_exchange(*e.in_buffers[sequence % 2], *e.out_buffer, static_cast<size_t>(context.size - 1), what);
+    ++e.sequence;
+    return e.in[sequence % 2].data();
+  }
+
+  // `out` = the n contributions (`count` elements of `type` at contribution(r)) added in rank order, the first
+  // copied and each next one added: the additions of every rank-order algorithm here, so the same bits.
+  template <typename Contribution>
+  static void add_in_rank_order(void* out, size_t count, DataType type, size_t n, Contribution contribution) {
+    std::memcpy(out, contribution(0), count * size_of(type));
+    const SumFn sum = sum_function(type);
+    for (size_t r = 1; r < n; ++r) sum(out, out, contribution(r), count);
+  }
+
   // Payload bytes per peer of the receives posted ahead on a context of n > 1 ranks (0: the eager path is off):
   // a multiple of 64, the same on every rank (same bound, same context size), so is every choice made by it.
   size_t eager_capacity(size_t n) const {
@@ -232,30 +255,20 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     if (found == nullptr) return false;
     Eager& e = *found;
     const int n = context->size, me = context->rank;
-    const uint32_t sequence = e.sequence;
-    post_receives(*context, e, sequence + 1);
     const uint64_t header = bytes;
     std::memcpy(e.out.data(), &header, kHeader);
     std::memcpy(e.out.data() + kHeader, data, bytes);
-    const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
-    for (int peer = 0; peer < n; ++peer)
-      if (peer != me) e.out_buffer->send(peer, slot, 0, kHeader + bytes);
-    wait_exchange(*e.in_buffers[sequence % 2], *e.out_buffer, static_cast<size_t>(n - 1), "direct allreduce");
-    ++e.sequence;
-    // The contributions in rank order, as the alltoall path adds them.
-    const uint8_t* received = e.in[sequence % 2].data();
+    const uint8_t* received = exchange_eager(*context, e, kHeader + bytes, "direct allreduce");
     for (int r = 0; r < n; ++r) {
       if (r == me) continue;
       uint64_t sent = 0;
       std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
       require_same_header(sent, header, "direct", r, static_cast<size_t>(me));
     }
-    const auto contribution = [&](int r) {
-      return r == me ? e.out.data() + kHeader : received + static_cast<size_t>(r) * e.stride + kHeader;
-    };
-    const SumFn sum = sum_function(type);
-    std::memcpy(data, contribution(0), bytes);
-    for (int r = 1; r < n; ++r) sum(data, data, contribution(r), count);
+    // The contributions in rank order, as the alltoall path adds them.
+    add_in_rank_order(data, count, type, static_cast<size_t>(n), [&](size_t r) {
+      return r == static_cast<size_t>(me) ? e.out.data() + kHeader : received + r * e.stride + kHeader;
+    });
     return true;
   }
 
@@ -270,7 +283,6 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   static size_t lead_bytes_of(uint64_t header) {
     return static_cast<size_t>((header >> kLeadBytesShift) & ((uint64_t{1} << (kLeadTypeShift - kLeadBytesShift)) - 1));
   }
-  static size_t data_bytes_of(uint64_t header) { return static_cast<size_t>(header & 0xFFFFFFFFULL); }
 
   bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, const void* lead, void* leads,
                       size_t lead_bytes, void* data, size_t count, DataType type) override {
@@ -283,17 +295,10 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     // Data that does not fit beside the lead stays behind (as on every rank that passes as many bytes).
     const size_t bytes = count <= (e.capacity - lead_bytes) / element ? count * element : 0;
     const uint64_t header = lead_header(lead_bytes, bytes, bytes > 0 ? type : DataType::Float32);
-    const uint32_t sequence = e.sequence;
-    post_receives(*context, e, sequence + 1);
     std::memcpy(e.out.data(), &header, kHeader);
     std::memcpy(e.out.data() + kHeader, lead, lead_bytes);
     if (bytes > 0) std::memcpy(e.out.data() + kHeader + lead_bytes, data, bytes);
-    const uint64_t slot = gloo::Slot::build(kEagerDirectSlotPrefix, sequence);
-    for (int peer = 0; peer < n; ++peer)
-      if (peer != me) e.out_buffer->send(peer, slot, 0, kHeader + lead_bytes + bytes);
-    wait_exchange(*e.in_buffers[sequence % 2], *e.out_buffer, static_cast<size_t>(n - 1), "lead exchange");
-    ++e.sequence;
-    const uint8_t* received = e.in[sequence % 2].data();
+    const uint8_t* received = exchange_eager(*context, e, kHeader + lead_bytes + bytes, "lead exchange");
     bool summed = bytes > 0;
     for (int r = 0; r < n; ++r) {
       if (r == me) continue;
@@ -311,13 +316,9 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
                   lead_bytes);
     if (!summed) return false;
     // The contributions in rank order, as the direct algorithm adds them: the same bits.
-    const auto contribution = [&](int r) {
-      return r == me ? e.out.data() + kHeader + lead_bytes
-                     : received + static_cast<size_t>(r) * e.stride + kHeader + lead_bytes;
-    };
-    const SumFn sum = sum_function(type);
-    std::memcpy(data, contribution(0), bytes);
-    for (int r = 1; r < n; ++r) sum(data, data, contribution(r), count);
+    add_in_rank_order(data, count, type, static_cast<size_t>(n), [&](size_t r) {
+      return (r == static_cast<size_t>(me) ? e.out.data() : received + r * e.stride) + kHeader + lead_bytes;
+    });
     return true;
   }
 
@@ -343,9 +344,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     opts.setOutput(out, n * bytes);
     configure(opts, tag);
     gloo::alltoall(opts);
-    const SumFn sum = sum_function(type);
-    std::memcpy(data, out, bytes);
-    for (size_t r = 1; r < n; ++r) sum(data, data, out + r * bytes, count);
+    add_in_rank_order(data, count, type, n, [&](size_t r) { return out + r * bytes; });
   }
 
   // Rank order, in two rounds at any size (docs/transport.md, "Scatter-gather allreduce"): each rank sends
@@ -438,14 +437,10 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     uint8_t* sum = gather_out_.data() + kHeader;
     std::memcpy(gather_out_.data(), &header, kHeader);
     const size_t payload = mismatched < 0 ? mine.length * element : 0;
-    if (payload > 0) {
-      const auto contribution = [&](size_t r) {
+    if (payload > 0)
+      add_in_rank_order(sum, mine.length, type, n, [&](size_t r) {
         return r == me ? values + mine.first * element : received + r * step + kHeader;
-      };
-      const SumFn add = sum_function(type);
-      std::memcpy(sum, contribution(0), payload);
-      for (size_t r = 1; r < n; ++r) add(sum, sum, contribution(r), mine.length);
-    }
+      });
     for (size_t peer = 0; peer < n; ++peer)
       if (peer != me) gather_out->send(static_cast<int>(peer), gather_slot, 0, kHeader + payload);
     wait_exchange(*gather_in, *gather_out, n - 1, "scatter-gather allreduce");
