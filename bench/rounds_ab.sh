@@ -27,8 +27,9 @@
 #         the transport before the eager direct allreduce, docs/transport.md), e.g. SIDES="noeager direct"; a side
 #         starting with "nosg" sets PSGD_SCATTER_GATHER=0 (Gloo's bcube between the direct bound and the ring
 #         threshold: the algorithms before the scatter-gather allreduce), e.g. SIDES="nosg direct"; a side
-#         starting with "nocarry" sets PSGD_CARRY_FIRST=0 (the order guard's announce carries no P: the
-#         engine before the lead exchange, docs/engine.md), e.g. SIDES="nocarry direct"
+#         containing "nocarry" sets PSGD_CARRY_FIRST=0 (the order guard's announce carries no P: the
+#         engine before the lead exchange, docs/engine.md), e.g. SIDES="nocarry direct" or
+#         SIDES="staged-nocarry staged"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -64,7 +65,7 @@ for hosts in $HOSTS; do
         stage=; case $side in staged*) stage=1 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
-        carry=; case $side in nocarry*) carry=0 ;; esac
+        carry=; case $side in *nocarry*) carry=0 ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \

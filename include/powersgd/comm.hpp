@@ -155,14 +155,16 @@ class PSGD_API Communicator {
   // lead_exchange_capacity() is the bytes one rank's message carries (a lead
   // and its data together), the same on every rank; 0 where the communicator
   // has no lead exchange (not made by create(), a world of one, the legacy Gloo
-  // API, PSGD_DIRECT_EAGER=0, PSGD_DIRECT_MAX_BYTES=0, PSGD_HOST_STAGE in effect).
+  // API, PSGD_DIRECT_EAGER=0, PSGD_DIRECT_MAX_BYTES=0). With PSGD_HOST_STAGE in
+  // effect it is staged (the leaders exchange their hosts' leads and sums).
   size_t lead_exchange_capacity() const;
   // Collective, one round: every rank's `lead_bytes` (a multiple of 8, the same
   // on every rank, within the capacity) arrive in `leads` (size() * lead_bytes:
   // rank r's at r * lead_bytes, as allgather), and `data` (`count` elements of
-  // `type`, in place; count 0: none) is summed in rank order, with the bits of
-  // allreduce_in_rank_order_async, where every rank passed the same nonzero
-  // count and type and lead_bytes + count * size fits the capacity. `*summed`
+  // `type`, in place; count 0: none) is summed with the bits of
+  // allreduce_in_rank_order_async (rank order; staged: host, then hosts), where
+  // every rank passed the same nonzero count and type and lead_bytes + count *
+  // size fits the capacity. `*summed`
   // says whether it was, the same on every rank (each sees every rank's
   // header); when not, `data` is unchanged. Where the ranks' lead_bytes differ:
   // MismatchError on every rank. InvalidArgumentError where the lead does not

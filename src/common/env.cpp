@@ -87,7 +87,8 @@ constexpr Variable kVariables[] = {
     {"PSGD_HOST_STAGE", "0",
      "1: host-staged allreduce (tcp): the ranks that share a host send their buffers to its lowest rank, which "
      "adds them in rank order; only these leaders allreduce across hosts (direct, scatter-gather or ring chosen for the "
-     "number of hosts), then send the result back, so the rounds count hosts, not ranks. The hops within a host "
+     "number of hosts), then send the result back, so the rounds count hosts, not ranks; the lead exchange (the "
+     "order guard's announce carrying P) is staged alike. The hops within a host "
      "go over the same TCP connections (loopback), not shared memory. No effect with one host or one rank per "
      "host. 0: off. Must be equal on every rank. docs/transport.md, \"Host-staged allreduce\"."},
     {"PSGD_HOST_ID", "",

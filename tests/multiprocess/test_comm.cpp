@@ -295,18 +295,14 @@ TEST_CASE("direct: ranks that pass different counts get a MismatchError naming b
 // The lead exchange (Communicator::lead_exchange_async): every rank's lead arrives everywhere, and the data is
 // summed with direct's bits exactly where every rank passed the same count and type within the capacity; else no
 // rank's data changes, and every rank says so alike. One round each; the group goes on after each case.
-TEST_CASE("lead exchange: leads everywhere, data summed with direct's bits only where every rank passed it alike") {
-  setenv("PSGD_DIRECT_MAX_BYTES", "65536", 1);
-  auto comm = connect("lead-exchange");
-  unsetenv("PSGD_DIRECT_MAX_BYTES");
+// Staged (PSGD_HOST_STAGE=1), the same with staged allreduce's bits (direct among the leaders): the host's
+// data summed in rank order, then the hosts'.
+namespace {
+
+void lead_exchange_cases(GlooCommunicator* comm, size_t capacity) {
   const int n = comm->size();
   const auto ranks = static_cast<size_t>(n);
   const int me = comm->rank();
-  if (n < 2) {
-    CHECK(comm->lead_exchange_capacity() == 0);
-    return;
-  }
-  const size_t capacity = 65536 / (ranks - 1) / 64 * 64;
   REQUIRE(comm->lead_exchange_capacity() == capacity);
   constexpr size_t kLead = 4;  // doubles
   std::vector<double> lead(kLead), leads(kLead * ranks);
@@ -377,6 +373,22 @@ TEST_CASE("lead exchange: leads everywhere, data summed with direct's bits only 
   comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double), nullptr, 0, DataType::Float32, &summed)
       .wait();
   check_leads();
+}
+
+}  // namespace
+
+TEST_CASE("lead exchange: leads everywhere, data summed with direct's bits only where every rank passed it alike") {
+  setenv("PSGD_DIRECT_MAX_BYTES", "65536", 1);
+  auto comm = connect("lead-exchange");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  const int n = comm->size();
+  if (n < 2) {
+    CHECK(comm->lead_exchange_capacity() == 0);
+    return;
+  }
+  lead_exchange_cases(comm.get(), 65536 / static_cast<size_t>(n - 1) / 64 * 64);
+  std::vector<double> lead(4), leads(4 * static_cast<size_t>(n));
+  bool summed = false;
   // Without the eager path there is none.
   setenv("PSGD_DIRECT_EAGER", "0", 1);
   auto plain = connect("lead-exchange-not-eager");
@@ -1037,6 +1049,69 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
   CHECK(comm->communication_rounds() - before_barrier == log2n);
 }
 
+// The lead exchange staged: the same cases as without staging, the capacity that of the leaders' exchange
+// shared by the largest host's leads.
+TEST_CASE("host stage: the lead exchange sums with the staged bits only where every rank passed it alike") {
+  const auto hosts = test_hosts();
+  REQUIRE(hosts.size() >= 2);
+  setenv("PSGD_DIRECT_MAX_BYTES", "65536", 1);
+  auto comm = connect_staged("host-stage-lead");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  size_t largest = 0;
+  for (const auto& host : hosts) largest = std::max(largest, host.size());
+  const size_t leaders = 65536 / (hosts.size() - 1) / 64 * 64;
+  lead_exchange_cases(comm.get(), (leaders - 8) / largest / 64 * 64);
+  // One round: the leaders' exchange.
+  std::vector<double> lead(2, 1.0), leads(2 * static_cast<size_t>(comm->size()));
+  std::vector<float> x(100, 1.0f);
+  bool summed = false;
+  const uint64_t before = comm->communication_rounds();
+  comm->lead_exchange_async(lead.data(), leads.data(), 16, x.data(), x.size(), DataType::Float32, &summed).wait();
+  CHECK(comm->communication_rounds() - before == 1);
+  CHECK(summed);
+  CHECK(x[99] == static_cast<float>(comm->size()));
+}
+
+// A rank of a host (not its leader), a host's leader and rank 0 in turn pass a lead of another size: every rank
+// gets a MismatchError, and the next lead exchange pairs as usual.
+TEST_CASE("host stage: a lead of another size on a member or a leader gives a MismatchError on every rank") {
+  const auto hosts = test_hosts();
+  REQUIRE(hosts.size() >= 2);
+  int member = -1;
+  for (const auto& host : hosts)
+    if (host.size() >= 2) member = host.back();
+  REQUIRE(member > 0);
+  auto comm = connect_staged("host-stage-lead-mismatch", std::chrono::seconds(20));
+  const int n = comm->size(), me = comm->rank();
+  std::vector<double> lead(4, 1.0 + me), leads(4 * static_cast<size_t>(n));
+  std::vector<float> x(5, 1.0f);
+  for (int odd : {member, hosts[1].front(), 0}) {
+    CAPTURE(odd);
+    const std::vector<float> before = x;
+    bool summed = false;
+    try {
+      comm->lead_exchange_async(lead.data(), leads.data(), me == odd ? 3 * sizeof(double) : 4 * sizeof(double),
+                                x.data(), x.size(), DataType::Float32, &summed)
+          .wait();
+      FAIL("expected a MismatchError");
+    } catch (const MismatchError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find("lead exchange: ") == 0);
+      CHECK(what.find("every rank must pass the same lead") != std::string::npos);
+    }
+    CHECK(x == before);
+    comm->barrier();
+    comm->lead_exchange_async(lead.data(), leads.data(), 4 * sizeof(double), x.data(), x.size(), DataType::Float32,
+                              &summed)
+        .wait();
+    CHECK(summed);
+    CHECK(x[4] == static_cast<float>(n));
+    std::fill(x.begin(), x.end(), 1.0f);
+    for (int r = 0; r < n; ++r) CHECK(leads[4 * static_cast<size_t>(r) + 3] == 1.0 + r);
+  }
+}
+
 TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named at creation on every rank") {
   setenv("PSGD_HOST_STAGE", "yes", 1);
   try {
@@ -1086,20 +1161,38 @@ TEST_CASE("host stage: no effect on one host (loopback ranks); refused with the 
 
 namespace {
 
+// The staged failure cases' operation: an allreduce of 4096 floats, or (`lead`) a lead exchange carrying 1024.
+struct StagedOperation {
+  StagedOperation(GlooCommunicator& comm_, bool lead_)
+      : comm(comm_), lead(lead_), data(lead_ ? 1024 : 4096, 1.0f), leads(8 * static_cast<size_t>(comm_.size())) {}
+  void operator()() {
+    if (!lead) return comm.allreduce(data.data(), data.size(), DataType::Float32);
+    comm.lead_exchange_async(one_lead.data(), leads.data(), 8 * sizeof(double), data.data(), data.size(),
+                             DataType::Float32, &summed)
+        .wait();
+  }
+  GlooCommunicator& comm;
+  bool lead;
+  std::vector<float> data;
+  std::vector<double> one_lead = std::vector<double>(8, 0.0), leads;
+  bool summed = false;
+};
+
 // A rank of a staged group exits in the middle of a sequence of allreduces (after its third): every survivor's
 // fourth fails with a PeerError within seconds (not its 60 s timeout), and the group is broken.
-void staged_exit(bool leader) {
+void staged_exit(bool leader, bool lead = false) {
   const auto hosts = test_hosts();
   REQUIRE(hosts.size() >= 2);
   int victim = -1;
   for (const auto& host : hosts)
     if (host.size() >= 2) victim = leader ? host.front() : host.back();  // of the last host with two ranks
   REQUIRE(victim > 0);  // not rank 0: it would take the test's output with it
-  auto comm = connect_staged(leader ? "host-stage-leader-exits" : "host-stage-member-exits");
+  auto comm = connect_staged(lead ? (leader ? "host-stage-lead-leader-exits" : "host-stage-lead-member-exits")
+                                  : (leader ? "host-stage-leader-exits" : "host-stage-member-exits"));
   comm->barrier();
-  std::vector<float> data(4096, 1.0f);
+  StagedOperation operation(*comm, lead);
   if (comm->rank() == victim) {
-    for (int k = 0; k < 3; ++k) comm->allreduce(data.data(), data.size(), DataType::Float32);
+    for (int k = 0; k < 3; ++k) operation();
     // The others' fourth allreduces are pending by then. Exiting without cleanup closes the sockets as SIGKILL
     // would, and exit status 0 keeps the launcher from cancelling the job.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -1109,18 +1202,19 @@ void staged_exit(bool leader) {
   for (int k = 0; k < 10 && failed_at < 0; ++k) {
     const auto start = Clock::now();
     try {
-      comm->allreduce(data.data(), data.size(), DataType::Float32);
+      operation();
     } catch (const PeerError& e) {
       failed_at = k;
       MESSAGE(std::string(e.what()));
       CHECK(e.code() == ErrorCode::Io);
-      CHECK(e.operation().find("allreduce(4096 x float32, host-staged") == 0);
+      CHECK(e.operation().find(lead ? "lead exchange(64 bytes + 1024 x float32, host-staged)"
+                                    : "allreduce(4096 x float32, host-staged") == 0);
       CHECK(Clock::now() - start < std::chrono::seconds(5) + kSanitizerSlack);
     }
   }
   CHECK(failed_at == 3);
   const auto start = Clock::now();
-  CHECK_THROWS_AS(comm->allreduce(data.data(), data.size(), DataType::Float32), PeerError);
+  CHECK_THROWS_AS(comm->allreduce(operation.data.data(), operation.data.size(), DataType::Float32), PeerError);
   CHECK(Clock::now() - start < std::chrono::milliseconds(50));
 }
 
@@ -1130,25 +1224,36 @@ TEST_CASE("host stage: a leader that exits makes every survivor fail at once") {
 
 TEST_CASE("host stage: a rank that is not a leader exits: every survivor fails at once") { staged_exit(false); }
 
-TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeout, not later") {
+TEST_CASE("host stage: a leader that exits during lead exchanges makes every survivor fail at once") {
+  staged_exit(true, true);
+}
+
+TEST_CASE("host stage: a rank that is not a leader exits during lead exchanges: every survivor fails at once") {
+  staged_exit(false, true);
+}
+
+namespace {
+
+// A rank that is not a leader stopped (SIGSTOP) during an allreduce or a lead exchange (`lead`).
+void staged_stopped(bool lead) {
   const auto hosts = test_hosts();
   REQUIRE(hosts.size() >= 2);
   int victim = -1, victim_leader = -1;
   for (const auto& host : hosts)
     if (host.size() >= 2) victim = host.back(), victim_leader = host.front();
   REQUIRE(victim > 0);
-  auto comm = connect_staged("host-stage-stopped", std::chrono::milliseconds(1000));
+  auto comm = connect_staged(lead ? "host-stage-lead-stopped" : "host-stage-stopped", std::chrono::milliseconds(1000));
   comm->barrier();
-  std::vector<float> data(4096, 1.0f);
+  StagedOperation operation(*comm, lead);
   if (comm->rank() == victim) {
     const pid_t child = stop_with_watchdog(std::chrono::seconds(4));
-    CHECK_THROWS_AS(comm->allreduce(data.data(), data.size(), DataType::Float32), PeerError);
+    CHECK_THROWS_AS(operation(), PeerError);
     waitpid(child, nullptr, 0);
     return;
   }
   const auto start = Clock::now();
   try {
-    comm->allreduce(data.data(), data.size(), DataType::Float32);
+    operation();
     FAIL("expected a PeerError");
   } catch (const PeerError& e) {
     const auto elapsed = Clock::now() - start;
@@ -1158,6 +1263,16 @@ TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeou
     if (comm->rank() == victim_leader) CHECK(elapsed >= std::chrono::milliseconds(900));
     CHECK(elapsed < std::chrono::seconds(4));
   }
+}
+
+}  // namespace
+
+TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeout, not later") {
+  staged_stopped(false);
+}
+
+TEST_CASE("host stage: a rank stopped during a lead exchange makes every survivor fail after the timeout") {
+  staged_stopped(true);
 }
 
 TEST_CASE("torchrun: rank 0 hosts the store on MASTER_PORT") {

@@ -209,15 +209,6 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     return e.in[sequence % 2].data();
   }
 
-  // `out` = the n contributions (`count` elements of `type` at contribution(r)) added in rank order, the first
-  // copied and each next one added: the additions of every rank-order algorithm here, so the same bits.
-  template <typename Contribution>
-  static void add_in_rank_order(void* out, size_t count, DataType type, size_t n, Contribution contribution) {
-    std::memcpy(out, contribution(0), count * size_of(type));
-    const SumFn sum = sum_function(type);
-    for (size_t r = 1; r < n; ++r) sum(out, out, contribution(r), count);
-  }
-
   // Payload bytes per peer of the receives posted ahead on a context of n > 1 ranks (0: the eager path is off):
   // a multiple of 64, the same on every rank (same bound, same context size), so is every choice made by it.
   size_t eager_capacity(size_t n) const {

@@ -10,9 +10,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "comm/communicator.hpp"
+#include "comm/dtype.hpp"
 
 namespace powersgd::transport {
 
@@ -79,6 +81,16 @@ class CollectiveAlgorithms {
 // function): the additions of the direct algorithm and of the host-staged one.
 using SumFn = void (*)(void* c, const void* a, const void* b, size_t n);
 SumFn sum_function(DataType type);
+
+// `out` = the n contributions (`count` elements of `type` at contribution(r)) added in rank order, the first
+// copied and each next one added: the additions of every rank-order algorithm here (direct, scatter-gather,
+// the lead exchange, a host's sum when staged), so the same bits. contribution(0) may be `out` itself.
+template <typename Contribution>
+void add_in_rank_order(void* out, size_t count, DataType type, size_t n, Contribution contribution) {
+  std::memmove(out, contribution(0), count * size_of(type));
+  const SumFn sum = sum_function(type);
+  for (size_t r = 1; r < n; ++r) sum(out, out, contribution(r), count);
+}
 
 // Gloo's unbound-buffer waits return false only when aborted, which nothing here does; were one to, it is a
 // transport failure: throws gloo::IoException (fatal: the group breaks, so no pair is left with a dropped

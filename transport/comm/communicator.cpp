@@ -85,7 +85,7 @@ Work Communicator::lead_exchange_async(const void* lead, void* leads, size_t lea
   const size_t capacity = lead_exchange_capacity();
   PSGD_REQUIRE(capacity > 0, InvalidArgumentError,
                "lead exchange: this communicator has none (made by create() with Gloo's new API, more than one rank, "
-               "PSGD_DIRECT_EAGER=1, PSGD_DIRECT_MAX_BYTES above 0 and no host staging, only)");
+               "PSGD_DIRECT_EAGER=1 and PSGD_DIRECT_MAX_BYTES above 0, only)");
   return gloo->lead_allreduce_async(lead, leads, lead_bytes, data, count, type, summed);
 }
 
@@ -513,7 +513,9 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
 }
 
 size_t GlooCommunicator::lead_capacity() const {
-  if (!eager_direct_ || stage_ != nullptr) return 0;
+  if (!eager_direct_) return 0;
+  // Staged: the leaders' exchange carries every rank of the largest host's lead beside the host's data.
+  if (stage_ != nullptr) return stage_->lead_capacity(algorithms_->lead_capacity(staged_hosts_));
   return algorithms_->lead_capacity(options_.world_size);
 }
 
@@ -527,10 +529,13 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
                capacity);
   PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
                " elements");
-  std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type), ")");
-  return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t) {
-    add_rounds(1);
-    *summed = algorithms_->lead_allreduce(context, lead, leads, lead_bytes, data, count, type);
+  std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type),
+                                     stage_ != nullptr ? ", host-staged)" : ")");
+  return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
+    add_rounds(1);  // staged: the leaders' exchange; the hops within a host cost no network delay
+    *summed = stage_ != nullptr
+                  ? stage_->lead_allreduce(context, tag, lead, leads, lead_bytes, data, count, type, *algorithms_)
+                  : algorithms_->lead_allreduce(context, lead, leads, lead_bytes, data, count, type);
   });
 }
 

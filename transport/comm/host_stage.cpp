@@ -81,44 +81,194 @@ std::vector<std::string> exchange_host_keys(const std::string& mine, int world_s
 
 HostStage::HostStage(HostGroups groups, int rank, std::shared_ptr<gloo::Context> leaders,
                      std::chrono::milliseconds timeout)
-    : groups_(std::move(groups)), rank_(rank), leaders_(std::move(leaders)), timeout_(timeout) {}
+    : groups_(std::move(groups)), rank_(rank), leaders_(std::move(leaders)), timeout_(timeout) {
+  for (const auto& ranks : groups_.hosts) largest_host_ = std::max(largest_host_, ranks.size());
+}
+
+// The hops within a host, for the staged allreduce and lead exchange; `what` prefixes their failures' text.
+
+// A rank that is not its host's leader: `out_bytes` at `out` to the leader, then the leader's reply (at most
+// `in_bytes`) into `in`. The leader replies only once it has every byte of the send, so `in` may be `out`.
+void HostStage::exchange_with_leader(gloo::Context& global, int leader, uint32_t tag, void* out, size_t out_bytes,
+                                     void* in, size_t in_bytes, const char* what) const {
+  auto send = global.createUnboundBuffer(out, out_bytes);
+  send->send(leader, gloo::Slot::build(kToLeaderSlotPrefix, tag));
+  require_done(send->waitSend(timeout_), detail::concat(what, "send to the host's leader").c_str());
+  auto receive = global.createUnboundBuffer(in, in_bytes);
+  receive->recv(leader, gloo::Slot::build(kFromLeaderSlotPrefix, tag));
+  require_done(receive->waitRecv(timeout_), detail::concat(what, "receive from the host's leader").c_str());
+}
+
+// A leader: the host's other ranks' sends (at most `stride` bytes each) into received_ (rank host[i + 1]'s at
+// i * stride), all posted at once; returns once every one has arrived.
+void HostStage::receive_from_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, size_t stride,
+                                  const char* what) {
+  const size_t others = host.size() - 1;
+  if (received_.size() < others * stride) received_.resize(others * stride);
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
+  for (size_t i = 0; i < others; ++i) {
+    in.push_back(global.createUnboundBuffer(received_.data() + i * stride, stride));
+    in.back()->recv(host[i + 1], gloo::Slot::build(kToLeaderSlotPrefix, tag));
+  }
+  for (size_t i = 0; i < others; ++i)
+    require_done(in[i]->waitRecv(timeout_), detail::concat(what, "receive from a rank of the host").c_str());
+}
+
+// A leader: `bytes` at `data` to the host's other ranks.
+void HostStage::send_to_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, void* data,
+                             size_t bytes, const char* what) const {
+  if (host.size() < 2) return;
+  auto out = global.createUnboundBuffer(data, bytes);
+  for (size_t i = 1; i < host.size(); ++i) out->send(host[i], gloo::Slot::build(kFromLeaderSlotPrefix, tag));
+  for (size_t i = 1; i < host.size(); ++i)
+    require_done(out->waitSend(timeout_), detail::concat(what, "send to a rank of the host").c_str());
+}
+
+const std::vector<int>& HostStage::my_host() const {
+  return groups_.hosts[static_cast<size_t>(groups_.host_of[static_cast<size_t>(rank_)])];
+}
 
 void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, void* data, size_t count,
                           DataType type, Algorithm inter, CollectiveAlgorithms& algorithms) {
   const size_t bytes = count * size_of(type);
-  const std::vector<int>& host = groups_.hosts[static_cast<size_t>(groups_.host_of[static_cast<size_t>(rank_)])];
-  const int leader = host.front();
-  const uint64_t to_leader = gloo::Slot::build(kToLeaderSlotPrefix, tag);
-  const uint64_t from_leader = gloo::Slot::build(kFromLeaderSlotPrefix, tag);
-  if (rank_ != leader) {
-    // The leader sends the result only once it has every byte of this send, so the buffer is free by then.
-    auto buffer = global->createUnboundBuffer(data, bytes);
-    buffer->send(leader, to_leader);
-    require_done(buffer->waitSend(timeout_), "send to the host's leader");
-    buffer->recv(leader, from_leader);
-    require_done(buffer->waitRecv(timeout_), "receive from the host's leader");
-    return;
-  }
+  const std::vector<int>& host = my_host();
+  if (rank_ != host.front()) return exchange_with_leader(*global, host.front(), tag, data, bytes, data, bytes, "");
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
   // Every other rank of the host at once, then added in rank order: the additions, and so the bits, do not
   // depend on which arrives first.
-  const size_t others = host.size() - 1;
-  if (received_.size() < others * bytes) received_.resize(others * bytes);
-  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
-  for (size_t i = 0; i < others; ++i) {
-    in.push_back(global->createUnboundBuffer(received_.data() + i * bytes, bytes));
-    in.back()->recv(host[i + 1], to_leader);
-  }
-  const SumFn sum = sum_function(type);
-  for (size_t i = 0; i < others; ++i) {
-    require_done(in[i]->waitRecv(timeout_), "receive from a rank of the host");
-    sum(data, data, received_.data() + i * bytes, count);
-  }
+  receive_from_host(*global, host, tag, bytes, "");
+  add_in_rank_order(data, count, type, host.size(),
+                    [&](size_t i) { return i == 0 ? data : received_.data() + (i - 1) * bytes; });
   algorithms.allreduce(leaders_, tag, data, count, type, inter);
-  if (others == 0) return;
-  auto out = global->createUnboundBuffer(data, bytes);
-  for (size_t i = 0; i < others; ++i) out->send(host[i + 1], from_leader);
-  for (size_t i = 0; i < others; ++i) require_done(out->waitSend(timeout_), "send to a rank of the host");
+  send_to_host(*global, host, tag, data, bytes, "");
+}
+
+namespace {
+
+// lead_allreduce's messages. A rank to its leader: kStageHeader bytes (its lead's bytes, its data's bytes, the
+// data's type), the lead, the data. A leader to its ranks, and each leader's lead among the leaders: a status
+// word first.
+constexpr size_t kStageHeader = 3 * sizeof(uint64_t);
+constexpr size_t kStatus = sizeof(uint64_t);
+// Status words: the data not summed / summed; a rank of this host passed a lead of another size (its rank and
+// bytes in the upper bits); a host's leader passed one (the leaders' exchange failed).
+constexpr uint64_t kNotSummed = 0, kSummed = 1, kRankMismatch = 2, kLeaderMismatch = 3;
+constexpr int kStatusRankShift = 8, kStatusBytesShift = 32;
+
+uint64_t rank_mismatch(int rank, uint64_t lead_bytes) {
+  return kRankMismatch | (static_cast<uint64_t>(rank) << kStatusRankShift) | (lead_bytes << kStatusBytesShift);
+}
+
+// Throws the MismatchError a mismatch status word says, on the rank `me` that passed `lead_bytes`.
+[[noreturn]] void throw_mismatch(uint64_t status, int me, size_t lead_bytes) {
+  if ((status & 0xff) == kRankMismatch)
+    PSGD_THROW(MismatchError, "lead exchange: rank ", (status >> kStatusRankShift) & 0xffffff, " passed a lead of ",
+               status >> kStatusBytesShift, " bytes where its host's leader passed another (this rank, ", me, ": ",
+               lead_bytes, " bytes): every rank must pass the same lead");
+  PSGD_THROW(MismatchError, "lead exchange: the leaders of the hosts passed leads of different sizes (this rank, ", me,
+             ": ", lead_bytes, " bytes): every rank must pass the same lead");
+}
+
+}  // namespace
+
+size_t HostStage::lead_capacity(size_t leaders_capacity) const {
+  if (leaders_capacity <= kStatus) return 0;
+  return (leaders_capacity - kStatus) / largest_host_ / 64 * 64;
+}
+
+bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, const void* lead,
+                               void* leads, size_t lead_bytes, void* data, size_t count, DataType type,
+                               CollectiveAlgorithms& algorithms) {
+  const size_t capacity = lead_capacity(algorithms.lead_capacity(hosts()));
+  const size_t element = size_of(type);
+  // Data that does not fit beside the lead stays behind, as without staging.
+  const size_t bytes = count > 0 && count <= (capacity - lead_bytes) / element ? count * element : 0;
+  const uint64_t header[3] = {lead_bytes, bytes, static_cast<uint64_t>(bytes > 0 ? type : DataType::Float32)};
+  const size_t world = groups_.host_of.size();
+  const std::vector<int>& host = my_host();
+  const size_t reply_bytes = kStatus + world * lead_bytes;  // and the data where it was summed
+  if (rank_ != host.front()) {
+    lead_out_.resize(kStageHeader + lead_bytes + bytes);
+    std::memcpy(lead_out_.data(), header, kStageHeader);
+    std::memcpy(lead_out_.data() + kStageHeader, lead, lead_bytes);
+    if (bytes > 0) std::memcpy(lead_out_.data() + kStageHeader + lead_bytes, data, bytes);
+    lead_in_.resize(reply_bytes + bytes);  // the leader's reply is at most this long (shorter where not summed)
+    exchange_with_leader(*global, host.front(), tag, lead_out_.data(), lead_out_.size(), lead_in_.data(),
+                         lead_in_.size(), "lead exchange: ");
+    uint64_t status = 0;
+    std::memcpy(&status, lead_in_.data(), kStatus);
+    if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes);
+    std::memcpy(leads, lead_in_.data() + kStatus, world * lead_bytes);
+    if (status == kSummed) std::memcpy(data, lead_in_.data() + reply_bytes, bytes);
+    return status == kSummed;
+  }
+  PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
+  // The host's other ranks' messages, each at most the capacity behind its header.
+  const size_t others = host.size() - 1, stride = kStageHeader + capacity;
+  receive_from_host(*global, host, tag, stride, "lead exchange: ");
+  // This host's status and leads (host order, padded to the largest host) and, where every rank of the host
+  // passed the same data as this one, its sum in rank order (the leader's first), in scratch: no rank's data
+  // changes unless every host's is summed.
+  const size_t leaders_lead = kStatus + largest_host_ * lead_bytes;
+  std::vector<uint8_t>& host_lead = lead_in_;
+  std::vector<uint8_t>& all = leaders_leads_;
+  host_lead.assign(leaders_lead, 0);
+  all.resize(groups_.hosts.size() * leaders_lead);
+  uint64_t status = kNotSummed;
+  bool alike = bytes > 0;
+  std::memcpy(host_lead.data() + kStatus, lead, lead_bytes);
+  for (size_t i = 0; i < others; ++i) {
+    const uint8_t* message = received_.data() + i * stride;
+    uint64_t sent[3] = {};
+    std::memcpy(sent, message, kStageHeader);
+    if (sent[0] != lead_bytes) {
+      if (status == kNotSummed) status = rank_mismatch(host[i + 1], sent[0]);
+      alike = false;
+      continue;
+    }
+    alike = alike && std::memcmp(sent, header, kStageHeader) == 0;
+    std::memcpy(host_lead.data() + kStatus + (i + 1) * lead_bytes, message + kStageHeader, lead_bytes);
+  }
+  std::memcpy(host_lead.data(), &status, kStatus);
+  sum_.resize(bytes);
+  if (alike)
+    add_in_rank_order(sum_.data(), count, type, host.size(), [&](size_t i) {
+      return i == 0 ? data : received_.data() + (i - 1) * stride + kStageHeader + lead_bytes;
+    });
+  // The reply to the host's ranks: sent whatever happens among the leaders, so that they fail alike.
+  lead_out_.assign(reply_bytes + bytes, 0);
+  const auto reply = [&](uint64_t word, bool with_data) {
+    std::memcpy(lead_out_.data(), &word, kStatus);
+    const size_t length = word == kSummed || word == kNotSummed ? reply_bytes + (with_data ? bytes : 0) : kStatus;
+    send_to_host(*global, host, tag, lead_out_.data(), length, "lead exchange: ");
+  };
+  bool summed = false;
+  try {
+    summed = algorithms.lead_allreduce(leaders_, host_lead.data(), all.data(), leaders_lead, sum_.data(),
+                                       alike ? count : 0, type);
+  } catch (const MismatchError&) {
+    reply(kLeaderMismatch, false);
+    throw_mismatch(kLeaderMismatch, rank_, lead_bytes);
+  }
+  // Every leader sees every host's status: the first mismatch fails every rank alike.
+  for (size_t k = 0; k < groups_.hosts.size(); ++k) {
+    uint64_t word = 0;
+    std::memcpy(&word, all.data() + k * leaders_lead, kStatus);
+    if (word != kNotSummed) {
+      reply(word, false);
+      throw_mismatch(word, rank_, lead_bytes);
+    }
+  }
+  auto* out = static_cast<uint8_t*>(leads);
+  for (size_t k = 0; k < groups_.hosts.size(); ++k)
+    for (size_t j = 0; j < groups_.hosts[k].size(); ++j)
+      std::memcpy(out + static_cast<size_t>(groups_.hosts[k][j]) * lead_bytes,
+                  all.data() + k * leaders_lead + kStatus + j * lead_bytes, lead_bytes);
+  std::memcpy(lead_out_.data() + kStatus, leads, world * lead_bytes);
+  if (summed) std::memcpy(lead_out_.data() + reply_bytes, sum_.data(), bytes);
+  reply(summed ? kSummed : kNotSummed, summed);
+  if (summed) std::memcpy(data, sum_.data(), bytes);
+  return summed;
 }
 
 }  // namespace powersgd::transport

@@ -70,16 +70,44 @@ class HostStage {
   void allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, void* data, size_t count, DataType type,
                  Algorithm inter, CollectiveAlgorithms& algorithms);
 
+  // The lead exchange (Communicator::lead_exchange_async) staged: each rank
+  // sends its header, lead and data to its host's leader; the leader checks
+  // them against its own, adds the host's data in rank order into scratch
+  // where every rank of the host passed the same, and runs one lead exchange
+  // among the leaders (`algorithms`) whose lead is its host's status and
+  // leads; it sends every rank's lead, whether the data was summed and the sum
+  // back to its host. One round across hosts; the sums are those of
+  // allreduce() with Direct among the leaders. The data travels where
+  // lead_bytes + its bytes fit lead_capacity(algorithms.lead_capacity(hosts())).
+  // MismatchError on every rank where any lead size differs.
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, const void* lead, void* leads,
+                      size_t lead_bytes, void* data, size_t count, DataType type, CollectiveAlgorithms& algorithms);
+  // The bytes a rank's lead and data may take in lead_allreduce, given the
+  // leaders' lead exchange capacity: the leaders' lead (a status word and the
+  // largest host's leads) and the host's data fit theirs. The same on every rank.
+  size_t lead_capacity(size_t leaders_capacity) const;
+
   // After a fatal failure: closes the leaders' connections, so that the other
   // leaders fail now rather than after their timeout.
   void close() { leaders_.reset(); }
 
  private:
+  const std::vector<int>& my_host() const;
+  void exchange_with_leader(gloo::Context& global, int leader, uint32_t tag, void* out, size_t out_bytes, void* in,
+                            size_t in_bytes, const char* what) const;
+  void receive_from_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, size_t stride,
+                         const char* what);
+  void send_to_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, void* data, size_t bytes,
+                    const char* what) const;
+
   HostGroups groups_;
   int rank_;
   std::shared_ptr<gloo::Context> leaders_;
   std::chrono::milliseconds timeout_;
   std::vector<uint8_t> received_;  // a leader's copies of its host's other buffers, kept between calls
+  size_t largest_host_ = 0;  // ranks of the largest host
+  // lead_allreduce's messages, a leader's sum and the leaders' leads, kept between calls.
+  std::vector<uint8_t> lead_in_, lead_out_, sum_, leaders_leads_;
 };
 
 }  // namespace powersgd::transport
