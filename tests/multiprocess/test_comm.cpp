@@ -922,6 +922,15 @@ std::vector<std::vector<int>> test_hosts() {
   return hosts;
 }
 
+// The last host with two ranks or more (at least two hosts in all): it is the victim's or odd rank's host.
+const std::vector<int>& last_shared_host(const std::vector<std::vector<int>>& hosts) {
+  REQUIRE(hosts.size() >= 2);
+  for (auto host = hosts.rbegin(); host != hosts.rend(); ++host)
+    if (host->size() >= 2) return *host;
+  FAIL("no host has two ranks");
+  return hosts.front();
+}
+
 // A staged communicator (the test's hosts are not degenerate), with the settings restored after creation.
 std::unique_ptr<GlooCommunicator> connect_staged(const char* run_id,
                                                  std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
@@ -1072,25 +1081,25 @@ TEST_CASE("host stage: the lead exchange sums with the staged bits only where ev
   CHECK(x[99] == static_cast<float>(comm->size()));
 }
 
-// A rank of a host (not its leader), a host's leader and rank 0 in turn pass a lead of another size: every rank
-// gets a MismatchError, and the next lead exchange pairs as usual.
+// A rank of a host (not its leader), a host's leader, rank 0, the last host's leader (alone on its host in
+// n5/n6) and two hosts at once in turn pass a lead of another size: every rank gets a MismatchError, and the
+// next lead exchange pairs as usual.
 TEST_CASE("host stage: a lead of another size on a member or a leader gives a MismatchError on every rank") {
   const auto hosts = test_hosts();
-  REQUIRE(hosts.size() >= 2);
-  int member = -1;
-  for (const auto& host : hosts)
-    if (host.size() >= 2) member = host.back();
-  REQUIRE(member > 0);
+  const int member = last_shared_host(hosts).back();
   auto comm = connect_staged("host-stage-lead-mismatch", std::chrono::seconds(20));
   const int n = comm->size(), me = comm->rank();
   std::vector<double> lead(4, 1.0 + me), leads(4 * static_cast<size_t>(n));
   std::vector<float> x(5, 1.0f);
-  for (int odd : {member, hosts[1].front(), 0}) {
-    CAPTURE(odd);
+  const int last_leader = hosts.back().front();
+  const std::vector<std::vector<int>> odd_sets = {{member}, {hosts[1].front()}, {0}, {last_leader}, {0, last_leader}};
+  for (const std::vector<int>& odd : odd_sets) {
+    CAPTURE(odd.back());
+    const bool is_odd = std::find(odd.begin(), odd.end(), me) != odd.end();
     const std::vector<float> before = x;
     bool summed = false;
     try {
-      comm->lead_exchange_async(lead.data(), leads.data(), me == odd ? 3 * sizeof(double) : 4 * sizeof(double),
+      comm->lead_exchange_async(lead.data(), leads.data(), is_odd ? 3 * sizeof(double) : 4 * sizeof(double),
                                 x.data(), x.size(), DataType::Float32, &summed)
           .wait();
       FAIL("expected a MismatchError");
@@ -1182,10 +1191,8 @@ struct StagedOperation {
 // fourth fails with a PeerError within seconds (not its 60 s timeout), and the group is broken.
 void staged_exit(bool leader, bool lead = false) {
   const auto hosts = test_hosts();
-  REQUIRE(hosts.size() >= 2);
-  int victim = -1;
-  for (const auto& host : hosts)
-    if (host.size() >= 2) victim = leader ? host.front() : host.back();  // of the last host with two ranks
+  const std::vector<int>& host = last_shared_host(hosts);
+  const int victim = leader ? host.front() : host.back();
   REQUIRE(victim > 0);  // not rank 0: it would take the test's output with it
   auto comm = connect_staged(lead ? (leader ? "host-stage-lead-leader-exits" : "host-stage-lead-member-exits")
                                   : (leader ? "host-stage-leader-exits" : "host-stage-member-exits"));
@@ -1237,11 +1244,8 @@ namespace {
 // A rank that is not a leader stopped (SIGSTOP) during an allreduce or a lead exchange (`lead`).
 void staged_stopped(bool lead) {
   const auto hosts = test_hosts();
-  REQUIRE(hosts.size() >= 2);
-  int victim = -1, victim_leader = -1;
-  for (const auto& host : hosts)
-    if (host.size() >= 2) victim = host.back(), victim_leader = host.front();
-  REQUIRE(victim > 0);
+  const std::vector<int>& host = last_shared_host(hosts);
+  const int victim = host.back(), victim_leader = host.front();
   auto comm = connect_staged(lead ? "host-stage-lead-stopped" : "host-stage-stopped", std::chrono::milliseconds(1000));
   comm->barrier();
   StagedOperation operation(*comm, lead);
@@ -1273,6 +1277,31 @@ TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeou
 
 TEST_CASE("host stage: a rank stopped during a lead exchange makes every survivor fail after the timeout") {
   staged_stopped(true);
+}
+
+// A rank that is not a leader runs a lead exchange where every other rank runs an allreduce of as many bytes
+// (callers out of step): the hops within a host of the two operations use slots of their own, so no rank reads
+// one's message as the other's (a leader would read the member's header as floats, or a message longer than
+// its receive); every rank fails with a PeerError after about the timeout, the member's data as it was.
+TEST_CASE("host stage: a rank at a lead exchange while the others allreduce: every rank fails, nothing misread") {
+  const auto hosts = test_hosts();
+  const int member = last_shared_host(hosts).back();
+  auto comm = connect_staged("host-stage-out-of-step", std::chrono::milliseconds(1000));
+  comm->barrier();
+  StagedOperation operation(*comm, comm->rank() == member);
+  operation.data.assign(1024, 1.0f);
+  const auto start = Clock::now();
+  try {
+    operation();
+    FAIL("expected a PeerError");
+  } catch (const PeerError& e) {
+    MESSAGE(std::string(e.what()));
+    CHECK(Clock::now() - start < std::chrono::seconds(4) + kSanitizerSlack);
+  }
+  if (comm->rank() == member) {
+    CHECK(!operation.summed);
+    CHECK(std::all_of(operation.data.begin(), operation.data.end(), [](float v) { return v == 1.0f; }));
+  }
 }
 
 TEST_CASE("torchrun: rank 0 hosts the store on MASTER_PORT") {

@@ -14,14 +14,6 @@
 #include "common/env.hpp"
 
 namespace powersgd::transport {
-namespace {
-
-// Slot prefixes of the hops within a host, apart from Gloo's collectives' (0x01-0x08, gloo/types.h).
-constexpr uint8_t kToLeaderSlotPrefix = 0x50;
-constexpr uint8_t kFromLeaderSlotPrefix = 0x51;
-
-}  // namespace
-
 bool host_stage_from_env() {
   const std::string value = env::get_or_default("PSGD_HOST_STAGE");
   PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_HOST_STAGE='", value,
@@ -85,43 +77,46 @@ HostStage::HostStage(HostGroups groups, int rank, std::shared_ptr<gloo::Context>
   for (const auto& ranks : groups_.hosts) largest_host_ = std::max(largest_host_, ranks.size());
 }
 
-// The hops within a host, for the staged allreduce and lead exchange; `what` prefixes their failures' text.
+// The hops within a host, for the staged allreduce and lead exchange. Slot prefixes apart from Gloo's
+// collectives' (0x01-0x08, gloo/types.h) and the communicator's own (0x52-0x54, algorithms.cpp).
+const HostStage::Hop HostStage::kAllreduceHop = {0x50, 0x51, ""};
+const HostStage::Hop HostStage::kLeadExchangeHop = {0x55, 0x56, "lead exchange: "};
 
 // A rank that is not its host's leader: `out_bytes` at `out` to the leader, then the leader's reply (at most
 // `in_bytes`) into `in`. The leader replies only once it has every byte of the send, so `in` may be `out`.
-void HostStage::exchange_with_leader(gloo::Context& global, int leader, uint32_t tag, void* out, size_t out_bytes,
-                                     void* in, size_t in_bytes, const char* what) const {
+void HostStage::exchange_with_leader(gloo::Context& global, const Hop& hop, int leader, uint32_t tag, void* out,
+                                     size_t out_bytes, void* in, size_t in_bytes) const {
   auto send = global.createUnboundBuffer(out, out_bytes);
-  send->send(leader, gloo::Slot::build(kToLeaderSlotPrefix, tag));
-  require_done(send->waitSend(timeout_), detail::concat(what, "send to the host's leader").c_str());
+  send->send(leader, gloo::Slot::build(hop.to_leader_slot_prefix, tag));
+  require_done(send->waitSend(timeout_), detail::concat(hop.what, "send to the host's leader").c_str());
   auto receive = global.createUnboundBuffer(in, in_bytes);
-  receive->recv(leader, gloo::Slot::build(kFromLeaderSlotPrefix, tag));
-  require_done(receive->waitRecv(timeout_), detail::concat(what, "receive from the host's leader").c_str());
+  receive->recv(leader, gloo::Slot::build(hop.from_leader_slot_prefix, tag));
+  require_done(receive->waitRecv(timeout_), detail::concat(hop.what, "receive from the host's leader").c_str());
 }
 
 // A leader: the host's other ranks' sends (at most `stride` bytes each) into received_ (rank host[i + 1]'s at
 // i * stride), all posted at once; returns once every one has arrived.
-void HostStage::receive_from_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, size_t stride,
-                                  const char* what) {
+void HostStage::receive_from_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host,
+                                  uint32_t tag, size_t stride) {
   const size_t others = host.size() - 1;
   if (received_.size() < others * stride) received_.resize(others * stride);
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
   for (size_t i = 0; i < others; ++i) {
     in.push_back(global.createUnboundBuffer(received_.data() + i * stride, stride));
-    in.back()->recv(host[i + 1], gloo::Slot::build(kToLeaderSlotPrefix, tag));
+    in.back()->recv(host[i + 1], gloo::Slot::build(hop.to_leader_slot_prefix, tag));
   }
   for (size_t i = 0; i < others; ++i)
-    require_done(in[i]->waitRecv(timeout_), detail::concat(what, "receive from a rank of the host").c_str());
+    require_done(in[i]->waitRecv(timeout_), detail::concat(hop.what, "receive from a rank of the host").c_str());
 }
 
 // A leader: `bytes` at `data` to the host's other ranks.
-void HostStage::send_to_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, void* data,
-                             size_t bytes, const char* what) const {
+void HostStage::send_to_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host, uint32_t tag,
+                             void* data, size_t bytes) const {
   if (host.size() < 2) return;
   auto out = global.createUnboundBuffer(data, bytes);
-  for (size_t i = 1; i < host.size(); ++i) out->send(host[i], gloo::Slot::build(kFromLeaderSlotPrefix, tag));
+  for (size_t i = 1; i < host.size(); ++i) out->send(host[i], gloo::Slot::build(hop.from_leader_slot_prefix, tag));
   for (size_t i = 1; i < host.size(); ++i)
-    require_done(out->waitSend(timeout_), detail::concat(what, "send to a rank of the host").c_str());
+    require_done(out->waitSend(timeout_), detail::concat(hop.what, "send to a rank of the host").c_str());
 }
 
 const std::vector<int>& HostStage::my_host() const {
@@ -132,15 +127,15 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
                           DataType type, Algorithm inter, CollectiveAlgorithms& algorithms) {
   const size_t bytes = count * size_of(type);
   const std::vector<int>& host = my_host();
-  if (rank_ != host.front()) return exchange_with_leader(*global, host.front(), tag, data, bytes, data, bytes, "");
+  if (rank_ != host.front()) return exchange_with_leader(*global, kAllreduceHop, host.front(), tag, data, bytes, data, bytes);
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
   // Every other rank of the host at once, then added in rank order: the additions, and so the bits, do not
   // depend on which arrives first.
-  receive_from_host(*global, host, tag, bytes, "");
+  receive_from_host(*global, kAllreduceHop, host, tag, bytes);
   add_in_rank_order(data, count, type, host.size(),
                     [&](size_t i) { return i == 0 ? data : received_.data() + (i - 1) * bytes; });
   algorithms.allreduce(leaders_, tag, data, count, type, inter);
-  send_to_host(*global, host, tag, data, bytes, "");
+  send_to_host(*global, kAllreduceHop, host, tag, data, bytes);
 }
 
 namespace {
@@ -193,8 +188,8 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     std::memcpy(lead_out_.data() + kStageHeader, lead, lead_bytes);
     if (bytes > 0) std::memcpy(lead_out_.data() + kStageHeader + lead_bytes, data, bytes);
     lead_in_.resize(reply_bytes + bytes);  // the leader's reply is at most this long (shorter where not summed)
-    exchange_with_leader(*global, host.front(), tag, lead_out_.data(), lead_out_.size(), lead_in_.data(),
-                         lead_in_.size(), "lead exchange: ");
+    exchange_with_leader(*global, kLeadExchangeHop, host.front(), tag, lead_out_.data(), lead_out_.size(),
+                         lead_in_.data(), lead_in_.size());
     uint64_t status = 0;
     std::memcpy(&status, lead_in_.data(), kStatus);
     if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes);
@@ -205,7 +200,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
   // The host's other ranks' messages, each at most the capacity behind its header.
   const size_t others = host.size() - 1, stride = kStageHeader + capacity;
-  receive_from_host(*global, host, tag, stride, "lead exchange: ");
+  receive_from_host(*global, kLeadExchangeHop, host, tag, stride);
   // This host's status and leads (host order, padded to the largest host) and, where every rank of the host
   // passed the same data as this one, its sum in rank order (the leader's first), in scratch: no rank's data
   // changes unless every host's is summed.
@@ -240,7 +235,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   const auto reply = [&](uint64_t word, bool with_data) {
     std::memcpy(lead_out_.data(), &word, kStatus);
     const size_t length = word == kSummed || word == kNotSummed ? reply_bytes + (with_data ? bytes : 0) : kStatus;
-    send_to_host(*global, host, tag, lead_out_.data(), length, "lead exchange: ");
+    send_to_host(*global, kLeadExchangeHop, host, tag, lead_out_.data(), length);
   };
   bool summed = false;
   try {

@@ -92,13 +92,23 @@ class HostStage {
   void close() { leaders_.reset(); }
 
  private:
+  // The hops within a host of one kind of operation: its slot prefixes (each kind its own, so that ranks at
+  // different operations time out rather than read one's message as the other's) and its failures' prefix.
+  struct Hop {
+    uint8_t to_leader_slot_prefix;
+    uint8_t from_leader_slot_prefix;
+    const char* what;
+  };
+  static const Hop kAllreduceHop;
+  static const Hop kLeadExchangeHop;
+
   const std::vector<int>& my_host() const;
-  void exchange_with_leader(gloo::Context& global, int leader, uint32_t tag, void* out, size_t out_bytes, void* in,
-                            size_t in_bytes, const char* what) const;
-  void receive_from_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, size_t stride,
-                         const char* what);
-  void send_to_host(gloo::Context& global, const std::vector<int>& host, uint32_t tag, void* data, size_t bytes,
-                    const char* what) const;
+  void exchange_with_leader(gloo::Context& global, const Hop& hop, int leader, uint32_t tag, void* out,
+                            size_t out_bytes, void* in, size_t in_bytes) const;
+  void receive_from_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host, uint32_t tag,
+                         size_t stride);
+  void send_to_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host, uint32_t tag, void* data,
+                    size_t bytes) const;
 
   HostGroups groups_;
   int rank_;
