@@ -357,6 +357,22 @@ void lead_exchange_cases(GlooCommunicator* comm, size_t capacity) {
       .wait();
   CHECK(summed);
   CHECK(d[15] == static_cast<double>(ranks * (ranks + 1) / 2));
+  // The 16-bit types, with sums that round: summed in the type, with the bits of the direct allreduce (staged:
+  // of the staged one with direct among the leaders).
+  for (DataType type : {DataType::Float16, DataType::BFloat16}) {
+    CAPTURE(to_string(type));
+    Buffer x(type, 200), direct(type, 200);
+    for (size_t i = 0; i < x.count(); ++i) x.set(i, 1.0 / static_cast<double>(3 + i % 89 + 11 * static_cast<size_t>(me)));
+    direct.bytes = x.bytes;
+    summed = false;
+    comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double), x.bytes.data(), x.count(), type,
+                              &summed)
+        .wait();
+    CHECK(summed);
+    check_leads();
+    comm->allreduce_async(direct.bytes.data(), direct.count(), type, Algorithm::Direct).wait();
+    CHECK(x.bytes == direct.bytes);
+  }
   // The same bytes in another type on one rank: not summed.
   std::vector<uint8_t> raw(64, 0);
   comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double), raw.data(), me == n - 1 ? 32 : 16,
@@ -1241,12 +1257,15 @@ TEST_CASE("host stage: a rank that is not a leader exits during lead exchanges: 
 
 namespace {
 
-// A rank that is not a leader stopped (SIGSTOP) during an allreduce or a lead exchange (`lead`).
-void staged_stopped(bool lead) {
+// A rank stopped (SIGSTOP) during an allreduce or a lead exchange (`lead`): a rank that is not a leader, or
+// (`leader`) a host's leader, whose host's other ranks and the other leaders wait on it.
+void staged_stopped(bool lead, bool leader) {
   const auto hosts = test_hosts();
   const std::vector<int>& host = last_shared_host(hosts);
-  const int victim = host.back(), victim_leader = host.front();
-  auto comm = connect_staged(lead ? "host-stage-lead-stopped" : "host-stage-stopped", std::chrono::milliseconds(1000));
+  const int victim = leader ? host.front() : host.back(), victim_leader = host.front();
+  REQUIRE(victim > 0);  // not rank 0: it hosts the store
+  const std::string run_id = detail::concat("host-stage-", lead ? "lead-" : "", "stopped", leader ? "-leader" : "");
+  auto comm = connect_staged(run_id.c_str(), std::chrono::milliseconds(1000));
   comm->barrier();
   StagedOperation operation(*comm, lead);
   if (comm->rank() == victim) {
@@ -1262,21 +1281,34 @@ void staged_stopped(bool lead) {
   } catch (const PeerError& e) {
     const auto elapsed = Clock::now() - start;
     MESSAGE(std::string(e.what()));
-    // Only the victim's leader waits on the victim, for the whole timeout from its own start; the others fail
-    // when it does, measured from their own starts, which may be later than its start on a loaded machine.
-    if (comm->rank() == victim_leader) CHECK(elapsed >= std::chrono::milliseconds(900));
+    // Only those that wait on the victim itself wait the whole timeout from their own start (a stopped member:
+    // its leader); the others fail when one of those does, measured from their own starts, which may be later
+    // on a loaded machine. A stopped leader's host's ranks may wait twice: their send, then the reply.
+    if (!leader && comm->rank() == victim_leader) CHECK(elapsed >= std::chrono::milliseconds(900));
     CHECK(elapsed < std::chrono::seconds(4));
+  }
+  if (lead) {
+    CHECK(!operation.summed);
+    CHECK(std::all_of(operation.data.begin(), operation.data.end(), [](float v) { return v == 1.0f; }));
   }
 }
 
 }  // namespace
 
 TEST_CASE("host stage: a stopped rank makes every survivor fail after the timeout, not later") {
-  staged_stopped(false);
+  staged_stopped(false, false);
+}
+
+TEST_CASE("host stage: a stopped leader makes every survivor fail after the timeout, not later") {
+  staged_stopped(false, true);
 }
 
 TEST_CASE("host stage: a rank stopped during a lead exchange makes every survivor fail after the timeout") {
-  staged_stopped(true);
+  staged_stopped(true, false);
+}
+
+TEST_CASE("host stage: a leader stopped during a lead exchange makes every survivor fail after the timeout") {
+  staged_stopped(true, true);
 }
 
 // A rank that is not a leader runs a lead exchange where every other rank runs an allreduce of as many bytes

@@ -534,7 +534,8 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     add_rounds(1);  // staged: the leaders' exchange; the hops within a host cost no network delay
     *summed = stage_ != nullptr
-                  ? stage_->lead_allreduce(context, tag, lead, leads, lead_bytes, data, count, type, *algorithms_)
+                  ? stage_->lead_allreduce(context, tag, lead, leads, lead_bytes, data, count, type, capacity,
+                                           *algorithms_)
                   : algorithms_->lead_allreduce(context, lead, leads, lead_bytes, data, count, type);
   });
 }

@@ -173,8 +173,7 @@ size_t HostStage::lead_capacity(size_t leaders_capacity) const {
 
 bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, const void* lead,
                                void* leads, size_t lead_bytes, void* data, size_t count, DataType type,
-                               CollectiveAlgorithms& algorithms) {
-  const size_t capacity = lead_capacity(algorithms.lead_capacity(hosts()));
+                               size_t capacity, CollectiveAlgorithms& algorithms) {
   const size_t element = size_of(type);
   // Data that does not fit beside the lead stays behind, as without staging.
   const size_t bytes = count > 0 && count <= (capacity - lead_bytes) / element ? count * element : 0;
@@ -202,8 +201,8 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   const size_t others = host.size() - 1, stride = kStageHeader + capacity;
   receive_from_host(*global, kLeadExchangeHop, host, tag, stride);
   // This host's status and leads (host order, padded to the largest host) and, where every rank of the host
-  // passed the same data as this one, its sum in rank order (the leader's first), in scratch: no rank's data
-  // changes unless every host's is summed.
+  // passed the same data as this one, its sum in rank order (the leader's first), in the reply's data: no
+  // rank's data changes unless every host's is summed.
   const size_t leaders_lead = kStatus + largest_host_ * lead_bytes;
   std::vector<uint8_t>& host_lead = lead_in_;
   std::vector<uint8_t>& all = leaders_leads_;
@@ -225,13 +224,14 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     std::memcpy(host_lead.data() + kStatus + (i + 1) * lead_bytes, message + kStageHeader, lead_bytes);
   }
   std::memcpy(host_lead.data(), &status, kStatus);
-  sum_.resize(bytes);
+  // The reply to the host's ranks (status, every rank's lead, the sum): sent whatever happens among the
+  // leaders, so that they fail alike.
+  lead_out_.resize(reply_bytes + bytes);
+  uint8_t* const sum = lead_out_.data() + reply_bytes;
   if (alike)
-    add_in_rank_order(sum_.data(), count, type, host.size(), [&](size_t i) {
+    add_in_rank_order(sum, count, type, host.size(), [&](size_t i) {
       return i == 0 ? data : received_.data() + (i - 1) * stride + kStageHeader + lead_bytes;
     });
-  // The reply to the host's ranks: sent whatever happens among the leaders, so that they fail alike.
-  lead_out_.assign(reply_bytes + bytes, 0);
   const auto reply = [&](uint64_t word, bool with_data) {
     std::memcpy(lead_out_.data(), &word, kStatus);
     const size_t length = word == kSummed || word == kNotSummed ? reply_bytes + (with_data ? bytes : 0) : kStatus;
@@ -239,7 +239,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   };
   bool summed = false;
   try {
-    summed = algorithms.lead_allreduce(leaders_, host_lead.data(), all.data(), leaders_lead, sum_.data(),
+    summed = algorithms.lead_allreduce(leaders_, host_lead.data(), all.data(), leaders_lead, sum,
                                        alike ? count : 0, type);
   } catch (const MismatchError&) {
     reply(kLeaderMismatch, false);
@@ -260,9 +260,8 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
       std::memcpy(out + static_cast<size_t>(groups_.hosts[k][j]) * lead_bytes,
                   all.data() + k * leaders_lead + kStatus + j * lead_bytes, lead_bytes);
   std::memcpy(lead_out_.data() + kStatus, leads, world * lead_bytes);
-  if (summed) std::memcpy(lead_out_.data() + reply_bytes, sum_.data(), bytes);
   reply(summed ? kSummed : kNotSummed, summed);
-  if (summed) std::memcpy(data, sum_.data(), bytes);
+  if (summed) std::memcpy(data, sum, bytes);
   return summed;
 }
 

@@ -78,10 +78,12 @@ class HostStage {
   // leads; it sends every rank's lead, whether the data was summed and the sum
   // back to its host. One round across hosts; the sums are those of
   // allreduce() with Direct among the leaders. The data travels where
-  // lead_bytes + its bytes fit lead_capacity(algorithms.lead_capacity(hosts())).
+  // lead_bytes + its bytes fit `capacity`, the communicator's
+  // lead_capacity(algorithms.lead_capacity(hosts())), the same on every rank.
   // MismatchError on every rank where any lead size differs.
   bool lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, const void* lead, void* leads,
-                      size_t lead_bytes, void* data, size_t count, DataType type, CollectiveAlgorithms& algorithms);
+                      size_t lead_bytes, void* data, size_t count, DataType type, size_t capacity,
+                      CollectiveAlgorithms& algorithms);
   // The bytes a rank's lead and data may take in lead_allreduce, given the
   // leaders' lead exchange capacity: the leaders' lead (a status word and the
   // largest host's leads) and the host's data fit theirs. The same on every rank.
@@ -116,8 +118,9 @@ class HostStage {
   std::chrono::milliseconds timeout_;
   std::vector<uint8_t> received_;  // a leader's copies of its host's other buffers, kept between calls
   size_t largest_host_ = 0;  // ranks of the largest host
-  // lead_allreduce's messages, a leader's sum and the leaders' leads, kept between calls.
-  std::vector<uint8_t> lead_in_, lead_out_, sum_, leaders_leads_;
+  // lead_allreduce's messages (a leader sums its host's data into its reply) and the leaders' leads, kept
+  // between calls.
+  std::vector<uint8_t> lead_in_, lead_out_, leaders_leads_;
 };
 
 }  // namespace powersgd::transport
