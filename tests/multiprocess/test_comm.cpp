@@ -1137,6 +1137,39 @@ TEST_CASE("host stage: a lead of another size on a member or a leader gives a Mi
   }
 }
 
+// The last host's ranks pass one element more to a staged allreduce: the leaders' allreduce finds the
+// mismatch, and since their hosts' other ranks wait for a result that cannot come, the group breaks at once:
+// every leader gets a MismatchError, every other rank a PeerError within seconds (not its 60 s timeout), no
+// rank that is not a leader has its data changed, and the next collective fails at once on every rank.
+TEST_CASE("host stage: counts that differ between hosts fail every rank at once, the group broken") {
+  const auto hosts = test_hosts();
+  auto comm = connect_staged("host-stage-count-mismatch");
+  const int me = comm->rank();
+  const bool odd = std::find(hosts.back().begin(), hosts.back().end(), me) != hosts.back().end();
+  bool leader = false;
+  for (const auto& host : hosts) leader = leader || host.front() == me;
+  std::vector<float> x(odd ? 101 : 100, 1.0f);
+  comm->barrier();
+  const auto start = Clock::now();
+  try {
+    comm->allreduce_async(x.data(), x.size(), DataType::Float32, Algorithm::Direct).wait();
+    FAIL("expected a failure");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(leader);
+    CHECK(what.find("the group is broken") != std::string::npos);
+  } catch (const PeerError& e) {
+    INFO(std::string(e.what()));
+    CHECK(!leader);
+    CHECK(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+  }
+  CHECK(Clock::now() - start < std::chrono::seconds(10) + kSanitizerSlack);
+  const auto again = Clock::now();
+  CHECK_THROWS(comm->allreduce(x.data(), 100, DataType::Float32));
+  CHECK(Clock::now() - again < std::chrono::seconds(1));
+}
+
 TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named at creation on every rank") {
   setenv("PSGD_HOST_STAGE", "yes", 1);
   try {

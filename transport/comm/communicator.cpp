@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "comm/address.hpp"
@@ -447,6 +448,8 @@ void GlooCommunicator::execute(Op& op) {
       std::rethrow_exception(error);
     } catch (const PeerError&) {
       fatal = true;
+    } catch (const MismatchError&) {
+      fatal = std::exchange(staged_mismatch_breaks_group_, false);
     } catch (...) {
     }
     if (fatal) {
@@ -505,7 +508,16 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
     if (stage_ != nullptr) {
       // Only the leaders' rounds cross hosts; the hops within a host cost no network delay.
       add_rounds(algorithms_->allreduce_rounds(algorithm, staged_hosts_));
-      return stage_->allreduce(context, tag, data, count, type, algorithm, *algorithms_);
+      try {
+        stage_->allreduce(context, tag, data, count, type, algorithm, *algorithms_);
+      } catch (const MismatchError& e) {
+        // The leaders' (their counts differ): the hosts' other ranks wait for a result that cannot come, so
+        // the group breaks now and they fail at once, not after the timeout.
+        staged_mismatch_breaks_group_ = true;
+        PSGD_THROW(MismatchError, e.what(), "; host-staged (PSGD_HOST_STAGE=1), the hosts' other ranks wait for ",
+                   "the result: the group is broken");
+      }
+      return;
     }
     add_rounds(algorithms_->allreduce_rounds(algorithm, context->size));
     algorithms_->allreduce(context, tag, data, count, type, algorithm);
