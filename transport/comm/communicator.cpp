@@ -437,6 +437,7 @@ void GlooCommunicator::execute(Op& op) {
     std::lock_guard lock(broken_mutex_);
     if (broken_ != nullptr) std::rethrow_exception(broken_);
   }
+  staged_mismatch_breaks_group_ = false;
   try {
     op.run(context_, next_tag_++);
   } catch (...) {
