@@ -1138,37 +1138,58 @@ TEST_CASE("host stage: a lead of another size on a member or a leader gives a Mi
   }
 }
 
-// The last host's ranks pass one element more to a staged allreduce: the leaders' allreduce finds the
-// mismatch, and since their hosts' other ranks wait for a result that cannot come, the group breaks at once:
-// every leader gets a MismatchError, every other rank a PeerError within seconds (not its 60 s timeout), no
-// rank that is not a leader has its data changed, and the next collective fails at once on every rank.
-TEST_CASE("host stage: counts that differ between hosts fail every rank at once, the group broken") {
+// Ranks that pass another count to a staged allreduce (a direct caller's error; the engine compares sizes
+// first): no process aborts (Gloo does on a message longer than its receive), no rank waits out its 60 s
+// timeout, and the group breaks at once. Odd ranks in turn, each on a new group:
+//  - the last host's ranks, one element more: every leader's algorithm finds the mismatch; every rank gets a
+//    MismatchError, no rank that is not a leader has its data changed;
+//  - a rank of a host, not its leader, one element more, then one fewer; a host's leader one more: that host's
+//    ranks get a MismatchError, their data unchanged; every other rank a PeerError (their leaders wait for the
+//    odd host's leader, which breaks the group).
+// Then the next collective fails at once on every rank.
+TEST_CASE("host stage: counts that differ fail every rank at once, nothing aborts, the group broken") {
   const auto hosts = test_hosts();
-  auto comm = connect_staged("host-stage-count-mismatch");
-  const int me = comm->rank();
-  const bool odd = std::find(hosts.back().begin(), hosts.back().end(), me) != hosts.back().end();
-  bool leader = false;
-  for (const auto& host : hosts) leader = leader || host.front() == me;
-  std::vector<float> x(odd ? 101 : 100, 1.0f);
-  comm->barrier();
-  const auto start = Clock::now();
-  try {
-    comm->allreduce_async(x.data(), x.size(), DataType::Float32, Algorithm::Direct).wait();
-    FAIL("expected a failure");
-  } catch (const MismatchError& e) {
-    const std::string what = e.what();
-    INFO(what);
-    CHECK(leader);
-    CHECK(what.find("the group is broken") != std::string::npos);
-  } catch (const PeerError& e) {
-    INFO(std::string(e.what()));
-    CHECK(!leader);
-    CHECK(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+  const std::vector<int>& shared = last_shared_host(hosts);
+  struct Case {
+    const char* what;
+    std::vector<int> odd;
+    int extra;  // elements the odd ranks pass beyond the others' 100
+    bool between_hosts;
+  };
+  const Case cases[] = {{"between-hosts", hosts.back(), 1, true},
+                        {"member-longer", {shared.back()}, 1, false},
+                        {"member-shorter", {shared.back()}, -1, false},
+                        {"leader-longer", {shared.front()}, 1, false}};
+  for (const Case& c : cases) {
+    INFO(c.what);
+    auto comm = connect_staged(detail::concat("host-stage-count-mismatch-", c.what).c_str());
+    const int me = comm->rank();
+    const bool odd = std::find(c.odd.begin(), c.odd.end(), me) != c.odd.end();
+    const bool odd_host = std::find(shared.begin(), shared.end(), me) != shared.end();
+    bool leader = false;
+    for (const auto& host : hosts) leader = leader || host.front() == me;
+    std::vector<float> x(static_cast<size_t>(100 + (odd ? c.extra : 0)), 1.0f);
+    comm->barrier();
+    const auto start = Clock::now();
+    try {
+      comm->allreduce_async(x.data(), x.size(), DataType::Float32, Algorithm::Direct).wait();
+      FAIL("expected a failure");
+    } catch (const MismatchError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK((c.between_hosts || odd_host));
+      CHECK(what.find("the group is broken") != std::string::npos);
+      if (!leader || !c.between_hosts)
+        CHECK(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+    } catch (const PeerError& e) {
+      INFO(std::string(e.what()));
+      CHECK((!c.between_hosts && !odd_host));
+    }
+    CHECK(Clock::now() - start < std::chrono::seconds(10) + kSanitizerSlack);
+    const auto again = Clock::now();
+    CHECK_THROWS(comm->allreduce(x.data(), x.size(), DataType::Float32));
+    CHECK(Clock::now() - again < std::chrono::seconds(1));
   }
-  CHECK(Clock::now() - start < std::chrono::seconds(10) + kSanitizerSlack);
-  const auto again = Clock::now();
-  CHECK_THROWS(comm->allreduce(x.data(), 100, DataType::Float32));
-  CHECK(Clock::now() - again < std::chrono::seconds(1));
 }
 
 TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named at creation on every rank") {

@@ -512,11 +512,11 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
       try {
         stage_->allreduce(context, tag, data, count, type, algorithm, *algorithms_);
       } catch (const MismatchError& e) {
-        // The leaders' (their counts differ): the hosts' other ranks wait for a result that cannot come, so
-        // the group breaks now and they fail at once, not after the timeout.
+        // Counts that differ within a host leave the other hosts' leaders waiting for its leader, and the
+        // leaders' buffers hold their hosts' sums where theirs differ: the group breaks now, so that every rank
+        // fails at once rather than after the timeout.
         staged_mismatch_breaks_group_ = true;
-        PSGD_THROW(MismatchError, e.what(), "; host-staged (PSGD_HOST_STAGE=1), the hosts' other ranks wait for ",
-                   "the result: the group is broken");
+        PSGD_THROW(MismatchError, e.what(), "; host-staged (PSGD_HOST_STAGE=1): the group is broken");
       }
       return;
     }

@@ -123,19 +123,110 @@ const std::vector<int>& HostStage::my_host() const {
   return groups_.hosts[static_cast<size_t>(groups_.host_of[static_cast<size_t>(rank_)])];
 }
 
+namespace {
+
+// The staged allreduce's hops within a host carry, beside the data (HostStage::kAllreduceHop), a rank's header
+// to its leader (its count and type) and the leader's status to it, on slots of their own. The leader posts
+// its receives of the data only once it has every header, each of the size its rank announced: Gloo aborts the
+// process on a message longer than its receive.
+constexpr uint8_t kAllreduceHeaderSlotPrefix = 0x57, kAllreduceStatusSlotPrefix = 0x58;
+// Status words: the sum follows; the data sent back is the rank's own, unchanged, because a rank of the host
+// (its number in the upper bits) passed another count or type than the leader, or the leaders' counts differ.
+constexpr uint64_t kAllreduceSummed = 0, kAllreduceRankMismatch = 1, kAllreduceLeaderMismatch = 2;
+constexpr int kAllreduceRankShift = 8;
+
+// Throws the MismatchError a mismatch status word says, on the rank `me` of the host led by `leader` that passed
+// `count` x `type`.
+[[noreturn]] void throw_allreduce_mismatch(uint64_t status, int me, int leader, size_t count, DataType type) {
+  if ((status & 0xff) == kAllreduceRankMismatch)
+    PSGD_THROW(MismatchError, "allreduce: rank ", status >> kAllreduceRankShift, " and its host's leader, rank ",
+               leader, ", passed different counts or types (this rank, ", me, ": ", count, " x ", to_string(type),
+               "): every rank must pass the same");
+  PSGD_THROW(MismatchError, "allreduce: the hosts' leaders passed different counts (this rank, ", me, ": ", count,
+             " x ", to_string(type), "): every rank must pass the same");
+}
+
+}  // namespace
+
 void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, void* data, size_t count,
                           DataType type, Algorithm inter, CollectiveAlgorithms& algorithms) {
   const size_t bytes = count * size_of(type);
+  const uint64_t header[2] = {bytes, static_cast<uint64_t>(type)};
   const std::vector<int>& host = my_host();
-  if (rank_ != host.front()) return exchange_with_leader(*global, kAllreduceHop, host.front(), tag, data, bytes, data, bytes);
+  const int leader = host.front();
+  if (rank_ != leader) {
+    // The header and the data, then the leader's status and the sum (or this rank's data back, unchanged).
+    auto header_out = global->createUnboundBuffer(const_cast<uint64_t*>(header), sizeof header);
+    header_out->send(leader, gloo::Slot::build(kAllreduceHeaderSlotPrefix, tag));
+    auto data_out = global->createUnboundBuffer(data, bytes);
+    data_out->send(leader, gloo::Slot::build(kAllreduceHop.to_leader_slot_prefix, tag));
+    require_done(header_out->waitSend(timeout_), "send to the host's leader");
+    require_done(data_out->waitSend(timeout_), "send to the host's leader");
+    uint64_t status = kAllreduceSummed;
+    auto status_in = global->createUnboundBuffer(&status, sizeof status);
+    status_in->recv(leader, gloo::Slot::build(kAllreduceStatusSlotPrefix, tag));
+    auto data_in = global->createUnboundBuffer(data, bytes);
+    data_in->recv(leader, gloo::Slot::build(kAllreduceHop.from_leader_slot_prefix, tag));
+    require_done(status_in->waitRecv(timeout_), "receive from the host's leader");
+    require_done(data_in->waitRecv(timeout_), "receive from the host's leader");
+    if (status != kAllreduceSummed) throw_allreduce_mismatch(status, rank_, leader, count, type);
+    return;
+  }
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
-  // Every other rank of the host at once, then added in rank order: the additions, and so the bits, do not
-  // depend on which arrives first.
-  receive_from_host(*global, kAllreduceHop, host, tag, bytes);
+  // Every other rank's header, then its data as long as it announced, all posted at once.
+  const size_t others = host.size() - 1;
+  headers_.assign(2 * others, 0);
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
+  for (size_t i = 0; i < others; ++i) {
+    in.push_back(global->createUnboundBuffer(&headers_[2 * i], 2 * sizeof(uint64_t)));
+    in.back()->recv(host[i + 1], gloo::Slot::build(kAllreduceHeaderSlotPrefix, tag));
+  }
+  for (auto& header_in : in) require_done(header_in->waitRecv(timeout_), "receive from a rank of the host");
+  uint64_t status = kAllreduceSummed;
+  size_t stride = bytes;
+  for (size_t i = 0; i < others; ++i) {
+    stride = std::max(stride, static_cast<size_t>(headers_[2 * i]));
+    if (status == kAllreduceSummed && (headers_[2 * i] != header[0] || headers_[2 * i + 1] != header[1]))
+      status = kAllreduceRankMismatch | (static_cast<uint64_t>(host[i + 1]) << kAllreduceRankShift);
+  }
+  if (received_.size() < others * stride) received_.resize(others * stride);
+  in.clear();
+  for (size_t i = 0; i < others; ++i) {
+    in.push_back(global->createUnboundBuffer(received_.data() + i * stride, static_cast<size_t>(headers_[2 * i])));
+    in.back()->recv(host[i + 1], gloo::Slot::build(kAllreduceHop.to_leader_slot_prefix, tag));
+  }
+  for (auto& data_in : in) require_done(data_in->waitRecv(timeout_), "receive from a rank of the host");
+  // On a mismatch each rank gets its own data back, so that no rank's data changes and no receive stays posted.
+  const auto reply = [&](uint64_t word) {
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> out;
+    auto status_out = global->createUnboundBuffer(&word, sizeof word);
+    for (size_t i = 0; i < others; ++i) {
+      status_out->send(host[i + 1], gloo::Slot::build(kAllreduceStatusSlotPrefix, tag));
+      out.push_back(word == kAllreduceSummed
+                        ? global->createUnboundBuffer(data, bytes)
+                        : global->createUnboundBuffer(received_.data() + i * stride,
+                                                      static_cast<size_t>(headers_[2 * i])));
+      out.back()->send(host[i + 1], gloo::Slot::build(kAllreduceHop.from_leader_slot_prefix, tag));
+    }
+    for (size_t i = 0; i < others; ++i) {
+      require_done(status_out->waitSend(timeout_), "send to a rank of the host");
+      require_done(out[i]->waitSend(timeout_), "send to a rank of the host");
+    }
+  };
+  if (status != kAllreduceSummed) {
+    reply(status);
+    throw_allreduce_mismatch(status, rank_, leader, count, type);
+  }
+  // Added in rank order: the additions, and so the bits, do not depend on which rank's data arrived first.
   add_in_rank_order(data, count, type, host.size(),
-                    [&](size_t i) { return i == 0 ? data : received_.data() + (i - 1) * bytes; });
-  algorithms.allreduce(leaders_, tag, data, count, type, inter);
-  send_to_host(*global, kAllreduceHop, host, tag, data, bytes);
+                    [&](size_t i) { return i == 0 ? data : received_.data() + (i - 1) * stride; });
+  try {
+    algorithms.allreduce(leaders_, tag, data, count, type, inter);
+  } catch (const MismatchError&) {
+    reply(kAllreduceLeaderMismatch);
+    throw;
+  }
+  reply(kAllreduceSummed);
 }
 
 namespace {

@@ -66,7 +66,12 @@ class HostStage {
   // Bcube or Ring) among the leaders; every rank ends with the leaders' bits.
   // `global` is the communicator's context (its pairs carry the hops within a
   // host), `tag` unique among operations in flight. Gloo's exceptions pass
-  // through; a send or receive waits at most the timeout.
+  // through; a send or receive waits at most the timeout. MismatchError where
+  // a rank's count or type differs from its leader's (that host's ranks; no
+  // data changed) or the leaders' algorithm finds their counts differ (every
+  // leader, its buffer then holding its host's sum, and its host's ranks, their
+  // data unchanged); the other hosts' leaders then wait, so the caller breaks
+  // the group.
   void allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, void* data, size_t count, DataType type,
                  Algorithm inter, CollectiveAlgorithms& algorithms);
 
@@ -117,6 +122,7 @@ class HostStage {
   std::shared_ptr<gloo::Context> leaders_;
   std::chrono::milliseconds timeout_;
   std::vector<uint8_t> received_;  // a leader's copies of its host's other buffers, kept between calls
+  std::vector<uint64_t> headers_;  // a leader's headers of its host's other ranks (allreduce: count, type)
   size_t largest_host_ = 0;  // ranks of the largest host
   // lead_allreduce's messages (a leader sums its host's data into its reply) and the leaders' leads, kept
   // between calls.
