@@ -1138,56 +1138,74 @@ TEST_CASE("host stage: a lead of another size on a member or a leader gives a Mi
   }
 }
 
-// Ranks that pass another count to a staged allreduce (a direct caller's error; the engine compares sizes
-// first): no process aborts (Gloo does on a message longer than its receive), no rank waits out its 60 s
+// Ranks that pass another count or type to a staged allreduce (a direct caller's error; the engine compares
+// sizes first): no process aborts (Gloo does on a message longer than its receive), no rank waits out its 60 s
 // timeout, and the group breaks at once. Odd ranks in turn, each on a new group:
 //  - the last host's ranks, one element more: every leader's algorithm finds the mismatch; every rank gets a
 //    MismatchError, no rank that is not a leader has its data changed;
-//  - a rank of a host, not its leader, one element more, then one fewer; a host's leader one more: that host's
-//    ranks get a MismatchError, their data unchanged; every other rank a PeerError (their leaders wait for the
-//    odd host's leader, which breaks the group).
-// Then the next collective fails at once on every rank.
+//  - on the largest host (3 ranks in n6, so that buffers sit at several offsets): its last rank one element
+//    more, one fewer, the same bytes as float16; its leader one more. That host's ranks get a MismatchError
+//    naming the odd rank's and the leader's sizes, their data unchanged; every other rank a PeerError (their
+//    leaders wait for the odd host's leader, which breaks the group).
+// Every rank's data differs (1 + rank), so a buffer sent back to the wrong rank shows. Then the next allreduce,
+// alike on every rank, fails at once: the group is broken.
 TEST_CASE("host stage: counts that differ fail every rank at once, nothing aborts, the group broken") {
   const auto hosts = test_hosts();
-  const std::vector<int>& shared = last_shared_host(hosts);
+  const std::vector<int>* largest = &hosts.front();
+  for (const auto& host : hosts)
+    if (host.size() > largest->size()) largest = &host;
+  const std::vector<int>& odd_host = *largest;
+  REQUIRE(odd_host.size() >= 2);
   struct Case {
     const char* what;
     std::vector<int> odd;
-    int extra;  // elements the odd ranks pass beyond the others' 100
+    int extra;     // elements the odd ranks pass beyond the others' 100 float32
+    bool as_half;  // the odd ranks pass the same bytes as float16
     bool between_hosts;
   };
-  const Case cases[] = {{"between-hosts", hosts.back(), 1, true},
-                        {"member-longer", {shared.back()}, 1, false},
-                        {"member-shorter", {shared.back()}, -1, false},
-                        {"leader-longer", {shared.front()}, 1, false}};
+  const Case cases[] = {{"between-hosts", hosts.back(), 1, false, true},
+                        {"member-longer", {odd_host.back()}, 1, false, false},
+                        {"member-shorter", {odd_host.back()}, -1, false, false},
+                        {"member-half", {odd_host.back()}, 0, true, false},
+                        {"leader-longer", {odd_host.front()}, 1, false, false}};
   for (const Case& c : cases) {
     INFO(c.what);
     auto comm = connect_staged(detail::concat("host-stage-count-mismatch-", c.what).c_str());
     const int me = comm->rank();
     const bool odd = std::find(c.odd.begin(), c.odd.end(), me) != c.odd.end();
-    const bool odd_host = std::find(shared.begin(), shared.end(), me) != shared.end();
+    const bool on_odd_host = std::find(odd_host.begin(), odd_host.end(), me) != odd_host.end();
     bool leader = false;
     for (const auto& host : hosts) leader = leader || host.front() == me;
-    std::vector<float> x(static_cast<size_t>(100 + (odd ? c.extra : 0)), 1.0f);
+    const float mine = static_cast<float>(1 + me);
+    std::vector<float> x(static_cast<size_t>(100 + (odd ? c.extra : 0)), mine);
+    const bool half = odd && c.as_half;
     comm->barrier();
     const auto start = Clock::now();
     try {
-      comm->allreduce_async(x.data(), x.size(), DataType::Float32, Algorithm::Direct).wait();
+      comm->allreduce_async(x.data(), half ? 2 * x.size() : x.size(), half ? DataType::Float16 : DataType::Float32,
+                            Algorithm::Direct)
+          .wait();
       FAIL("expected a failure");
     } catch (const MismatchError& e) {
       const std::string what = e.what();
       INFO(what);
-      CHECK((c.between_hosts || odd_host));
+      CHECK((c.between_hosts || on_odd_host));
       CHECK(what.find("the group is broken") != std::string::npos);
+      if (!c.between_hosts) {
+        CHECK(what.find(detail::concat("allreduce: rank ", c.odd.front() == odd_host.front() ? odd_host[1] : c.odd.front(),
+                                       " passed ")) == 0);
+        CHECK(what.find(detail::concat("its host's leader, rank ", odd_host.front(), ", passed ")) != std::string::npos);
+      }
       if (!leader || !c.between_hosts)
-        CHECK(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+        CHECK(std::all_of(x.begin(), x.end(), [&](float v) { return v == mine; }));
     } catch (const PeerError& e) {
       INFO(std::string(e.what()));
-      CHECK((!c.between_hosts && !odd_host));
+      CHECK((!c.between_hosts && !on_odd_host));
     }
     CHECK(Clock::now() - start < std::chrono::seconds(10) + kSanitizerSlack);
+    std::vector<float> alike(100, 1.0f);
     const auto again = Clock::now();
-    CHECK_THROWS(comm->allreduce(x.data(), x.size(), DataType::Float32));
+    CHECK_THROWS(comm->allreduce(alike.data(), alike.size(), DataType::Float32));
     CHECK(Clock::now() - again < std::chrono::seconds(1));
   }
 }

@@ -130,20 +130,29 @@ namespace {
 // its receives of the data only once it has every header, each of the size its rank announced: Gloo aborts the
 // process on a message longer than its receive.
 constexpr uint8_t kAllreduceHeaderSlotPrefix = 0x57, kAllreduceStatusSlotPrefix = 0x58;
-// Status words: the sum follows; the data sent back is the rank's own, unchanged, because a rank of the host
-// (its number in the upper bits) passed another count or type than the leader, or the leaders' counts differ.
+// The leader's status to a rank: the sum follows (kAllreduceSummed), or the data sent back is the rank's own,
+// unchanged, because a rank of the host passed another count or type than the leader (kAllreduceRankMismatch:
+// that rank, its header and the leader's) or the leaders' counts differ (kAllreduceLeaderMismatch).
 constexpr uint64_t kAllreduceSummed = 0, kAllreduceRankMismatch = 1, kAllreduceLeaderMismatch = 2;
-constexpr int kAllreduceRankShift = 8;
+struct AllreduceStatus {
+  uint64_t kind = kAllreduceSummed;
+  uint64_t rank = 0;
+  uint64_t header[2] = {};         // the rank's: bytes, type
+  uint64_t leader_header[2] = {};  // the leader's
+};
 
-// Throws the MismatchError a mismatch status word says, on the rank `me` of the host led by `leader` that passed
-// `count` x `type`.
-[[noreturn]] void throw_allreduce_mismatch(uint64_t status, int me, int leader, size_t count, DataType type) {
-  if ((status & 0xff) == kAllreduceRankMismatch)
-    PSGD_THROW(MismatchError, "allreduce: rank ", status >> kAllreduceRankShift, " and its host's leader, rank ",
-               leader, ", passed different counts or types (this rank, ", me, ": ", count, " x ", to_string(type),
-               "): every rank must pass the same");
-  PSGD_THROW(MismatchError, "allreduce: the hosts' leaders passed different counts (this rank, ", me, ": ", count,
-             " x ", to_string(type), "): every rank must pass the same");
+std::string describe_header(const uint64_t header[2]) {
+  return detail::concat(header[0], " bytes of ", to_string(static_cast<DataType>(header[1])));
+}
+
+// Throws the MismatchError `status` says, on the rank `me` of the host led by `leader`.
+[[noreturn]] void throw_allreduce_mismatch(const AllreduceStatus& status, int me, int leader) {
+  if (status.kind == kAllreduceRankMismatch)
+    PSGD_THROW(MismatchError, "allreduce: rank ", status.rank, " passed ", describe_header(status.header),
+               " where its host's leader, rank ", leader, ", passed ", describe_header(status.leader_header),
+               " (this rank: ", me, "): every rank must pass the same count and type");
+  PSGD_THROW(MismatchError, "allreduce: the hosts' leaders passed different counts (this rank: ", me,
+             "): every rank must pass the same count and type");
 }
 
 }  // namespace
@@ -162,14 +171,14 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
     data_out->send(leader, gloo::Slot::build(kAllreduceHop.to_leader_slot_prefix, tag));
     require_done(header_out->waitSend(timeout_), "send to the host's leader");
     require_done(data_out->waitSend(timeout_), "send to the host's leader");
-    uint64_t status = kAllreduceSummed;
+    AllreduceStatus status;
     auto status_in = global->createUnboundBuffer(&status, sizeof status);
     status_in->recv(leader, gloo::Slot::build(kAllreduceStatusSlotPrefix, tag));
     auto data_in = global->createUnboundBuffer(data, bytes);
     data_in->recv(leader, gloo::Slot::build(kAllreduceHop.from_leader_slot_prefix, tag));
     require_done(status_in->waitRecv(timeout_), "receive from the host's leader");
     require_done(data_in->waitRecv(timeout_), "receive from the host's leader");
-    if (status != kAllreduceSummed) throw_allreduce_mismatch(status, rank_, leader, count, type);
+    if (status.kind != kAllreduceSummed) throw_allreduce_mismatch(status, rank_, leader);
     return;
   }
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
@@ -182,29 +191,35 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
     in.back()->recv(host[i + 1], gloo::Slot::build(kAllreduceHeaderSlotPrefix, tag));
   }
   for (auto& header_in : in) require_done(header_in->waitRecv(timeout_), "receive from a rank of the host");
-  uint64_t status = kAllreduceSummed;
-  size_t stride = bytes;
+  // Each rank's data at the sum of the sizes before it: what is kept is what the host's ranks announced.
+  AllreduceStatus status;
+  std::memcpy(status.leader_header, header, sizeof header);
+  std::vector<size_t> offsets(others + 1, 0);
   for (size_t i = 0; i < others; ++i) {
-    stride = std::max(stride, static_cast<size_t>(headers_[2 * i]));
-    if (status == kAllreduceSummed && (headers_[2 * i] != header[0] || headers_[2 * i + 1] != header[1]))
-      status = kAllreduceRankMismatch | (static_cast<uint64_t>(host[i + 1]) << kAllreduceRankShift);
+    offsets[i + 1] = offsets[i] + static_cast<size_t>(headers_[2 * i]);
+    if (status.kind == kAllreduceSummed && (headers_[2 * i] != header[0] || headers_[2 * i + 1] != header[1])) {
+      status.kind = kAllreduceRankMismatch;
+      status.rank = static_cast<uint64_t>(host[i + 1]);
+      std::memcpy(status.header, &headers_[2 * i], sizeof status.header);
+    }
   }
-  if (received_.size() < others * stride) received_.resize(others * stride);
+  if (received_.size() < offsets[others]) received_.resize(offsets[others]);
   in.clear();
   for (size_t i = 0; i < others; ++i) {
-    in.push_back(global->createUnboundBuffer(received_.data() + i * stride, static_cast<size_t>(headers_[2 * i])));
+    in.push_back(global->createUnboundBuffer(received_.data() + offsets[i], static_cast<size_t>(headers_[2 * i])));
     in.back()->recv(host[i + 1], gloo::Slot::build(kAllreduceHop.to_leader_slot_prefix, tag));
   }
   for (auto& data_in : in) require_done(data_in->waitRecv(timeout_), "receive from a rank of the host");
   // On a mismatch each rank gets its own data back, so that no rank's data changes and no receive stays posted.
-  const auto reply = [&](uint64_t word) {
+  const auto reply = [&](uint64_t kind) {
+    status.kind = kind;
     std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> out;
-    auto status_out = global->createUnboundBuffer(&word, sizeof word);
+    auto status_out = global->createUnboundBuffer(&status, sizeof status);
     for (size_t i = 0; i < others; ++i) {
       status_out->send(host[i + 1], gloo::Slot::build(kAllreduceStatusSlotPrefix, tag));
-      out.push_back(word == kAllreduceSummed
+      out.push_back(kind == kAllreduceSummed
                         ? global->createUnboundBuffer(data, bytes)
-                        : global->createUnboundBuffer(received_.data() + i * stride,
+                        : global->createUnboundBuffer(received_.data() + offsets[i],
                                                       static_cast<size_t>(headers_[2 * i])));
       out.back()->send(host[i + 1], gloo::Slot::build(kAllreduceHop.from_leader_slot_prefix, tag));
     }
@@ -213,18 +228,18 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
       require_done(out[i]->waitSend(timeout_), "send to a rank of the host");
     }
   };
-  if (status != kAllreduceSummed) {
-    reply(status);
-    throw_allreduce_mismatch(status, rank_, leader, count, type);
+  if (status.kind != kAllreduceSummed) {
+    reply(status.kind);
+    throw_allreduce_mismatch(status, rank_, leader);
   }
   // Added in rank order: the additions, and so the bits, do not depend on which rank's data arrived first.
   add_in_rank_order(data, count, type, host.size(),
-                    [&](size_t i) { return i == 0 ? data : received_.data() + (i - 1) * stride; });
+                    [&](size_t i) { return i == 0 ? data : received_.data() + offsets[i - 1]; });
   try {
     algorithms.allreduce(leaders_, tag, data, count, type, inter);
   } catch (const MismatchError&) {
     reply(kAllreduceLeaderMismatch);
-    throw;
+    throw;  // the algorithm's, naming the leader and both sizes
   }
   reply(kAllreduceSummed);
 }
