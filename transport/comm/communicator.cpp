@@ -95,6 +95,13 @@ Work Communicator::lead_exchange_async(const void* lead, void* leads, size_t lea
 namespace powersgd::transport {
 namespace {
 
+// A MismatchError that breaks the group (execute()): a host-staged allreduce's, where the other hosts' leaders
+// wait for the odd one and the leaders' buffers may hold their hosts' sums.
+class GroupBreakingMismatchError : public MismatchError {
+ public:
+  using MismatchError::MismatchError;
+};
+
 constexpr const char* kTokenFix =
     "set PSGD_TOKEN to the same secret on every rank (in a batch script, before srun or mpirun: export "
     "PSGD_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')), or use powersgd-run, which does "
@@ -437,7 +444,6 @@ void GlooCommunicator::execute(Op& op) {
     std::lock_guard lock(broken_mutex_);
     if (broken_ != nullptr) std::rethrow_exception(broken_);
   }
-  staged_mismatch_breaks_group_ = false;
   try {
     op.run(context_, next_tag_++);
   } catch (...) {
@@ -449,8 +455,8 @@ void GlooCommunicator::execute(Op& op) {
       std::rethrow_exception(error);
     } catch (const PeerError&) {
       fatal = true;
-    } catch (const MismatchError&) {
-      fatal = std::exchange(staged_mismatch_breaks_group_, false);
+    } catch (const GroupBreakingMismatchError&) {
+      fatal = true;
     } catch (...) {
     }
     if (fatal) {
@@ -515,8 +521,8 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
         // Counts that differ within a host leave the other hosts' leaders waiting for its leader, and the
         // leaders' buffers hold their hosts' sums where theirs differ: the group breaks now, so that every rank
         // fails at once rather than after the timeout.
-        staged_mismatch_breaks_group_ = true;
-        PSGD_THROW(MismatchError, e.what(), "; host-staged (PSGD_HOST_STAGE=1): the group is broken");
+        throw GroupBreakingMismatchError(
+            detail::concat(e.what(), "; host-staged (PSGD_HOST_STAGE=1): the group is broken"));
       }
       return;
     }

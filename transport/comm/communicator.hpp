@@ -150,8 +150,6 @@ class GlooCommunicator final : public Communicator {
   std::mutex broken_mutex_;
   std::exception_ptr broken_;  // first failure; every later op fails with it
   uint32_t next_tag_ = 0;      // touched by the communication thread only
-  // A staged allreduce's MismatchError among the leaders breaks the group (execute); the communication thread's.
-  bool staged_mismatch_breaks_group_ = false;
   // Last member: stopped (pending operations cancelled) before the rest goes.
   std::unique_ptr<SerialWorker<Op, Completion>> worker_;
 };

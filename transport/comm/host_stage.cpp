@@ -77,46 +77,35 @@ HostStage::HostStage(HostGroups groups, int rank, std::shared_ptr<gloo::Context>
   for (const auto& ranks : groups_.hosts) largest_host_ = std::max(largest_host_, ranks.size());
 }
 
-// The hops within a host, for the staged allreduce and lead exchange. Slot prefixes apart from Gloo's
-// collectives' (0x01-0x08, gloo/types.h) and the communicator's own (0x52-0x54, algorithms.cpp).
-const HostStage::Hop HostStage::kAllreduceHop = {0x50, 0x51, ""};
-const HostStage::Hop HostStage::kLeadExchangeHop = {0x55, 0x56, "lead exchange: "};
+namespace {
 
-// A rank that is not its host's leader: `out_bytes` at `out` to the leader, then the leader's reply (at most
-// `in_bytes`) into `in`. The leader replies only once it has every byte of the send, so `in` may be `out`.
-void HostStage::exchange_with_leader(gloo::Context& global, const Hop& hop, int leader, uint32_t tag, void* out,
-                                     size_t out_bytes, void* in, size_t in_bytes) const {
-  auto send = global.createUnboundBuffer(out, out_bytes);
-  send->send(leader, gloo::Slot::build(hop.to_leader_slot_prefix, tag));
-  require_done(send->waitSend(timeout_), detail::concat(hop.what, "send to the host's leader").c_str());
-  auto receive = global.createUnboundBuffer(in, in_bytes);
-  receive->recv(leader, gloo::Slot::build(hop.from_leader_slot_prefix, tag));
-  require_done(receive->waitRecv(timeout_), detail::concat(hop.what, "receive from the host's leader").c_str());
-}
+// The slots of the hops within a host: apart from Gloo's collectives' (0x01-0x08, gloo/types.h) and the
+// communicator's own (0x52-0x54, algorithms.cpp), and each kind of message its own, so that ranks at different
+// operations time out rather than read one's message as the other's.
+// The staged allreduce: a rank's header (its count and type) and data to its leader, the leader's status and
+// the sum (or the rank's own data) back.
+constexpr uint8_t kAllreduceHeaderSlot = 0x57, kAllreduceDataSlot = 0x50, kAllreduceStatusSlot = 0x58,
+                  kAllreduceReplySlot = 0x51;
+// The staged lead exchange: a rank's message to its leader, the leader's reply.
+constexpr uint8_t kLeadExchangeSlot = 0x55, kLeadExchangeReplySlot = 0x56;
 
-// A leader: the host's other ranks' sends (at most `stride` bytes each) into received_ (rank host[i + 1]'s at
-// i * stride), all posted at once; returns once every one has arrived.
-void HostStage::receive_from_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host,
-                                  uint32_t tag, size_t stride) {
-  const size_t others = host.size() - 1;
-  if (received_.size() < others * stride) received_.resize(others * stride);
-  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
-  for (size_t i = 0; i < others; ++i) {
-    in.push_back(global.createUnboundBuffer(received_.data() + i * stride, stride));
-    in.back()->recv(host[i + 1], gloo::Slot::build(hop.to_leader_slot_prefix, tag));
+}  // namespace
+
+// Posts every send (or receive) at once, then waits for each, at most the timeout apiece: a failure names `what`.
+void HostStage::transfer(gloo::Context& global, Direction direction, uint32_t tag,
+                         const std::vector<HostMessage>& messages, const char* what) const {
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> posted;
+  posted.reserve(messages.size());
+  for (const HostMessage& message : messages) {
+    posted.push_back(global.createUnboundBuffer(message.data, message.bytes));
+    const gloo::Slot slot = gloo::Slot::build(message.slot_prefix, tag);
+    if (direction == Direction::Send)
+      posted.back()->send(message.peer, slot);
+    else
+      posted.back()->recv(message.peer, slot);
   }
-  for (size_t i = 0; i < others; ++i)
-    require_done(in[i]->waitRecv(timeout_), detail::concat(hop.what, "receive from a rank of the host").c_str());
-}
-
-// A leader: `bytes` at `data` to the host's other ranks.
-void HostStage::send_to_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host, uint32_t tag,
-                             void* data, size_t bytes) const {
-  if (host.size() < 2) return;
-  auto out = global.createUnboundBuffer(data, bytes);
-  for (size_t i = 1; i < host.size(); ++i) out->send(host[i], gloo::Slot::build(hop.from_leader_slot_prefix, tag));
-  for (size_t i = 1; i < host.size(); ++i)
-    require_done(out->waitSend(timeout_), detail::concat(hop.what, "send to a rank of the host").c_str());
+  for (auto& buffer : posted)
+    require_done(direction == Direction::Send ? buffer->waitSend(timeout_) : buffer->waitRecv(timeout_), what);
 }
 
 const std::vector<int>& HostStage::my_host() const {
@@ -125,11 +114,6 @@ const std::vector<int>& HostStage::my_host() const {
 
 namespace {
 
-// The staged allreduce's hops within a host carry, beside the data (HostStage::kAllreduceHop), a rank's header
-// to its leader (its count and type) and the leader's status to it, on slots of their own. The leader posts
-// its receives of the data only once it has every header, each of the size its rank announced: Gloo aborts the
-// process on a message longer than its receive.
-constexpr uint8_t kAllreduceHeaderSlotPrefix = 0x57, kAllreduceStatusSlotPrefix = 0x58;
 // The leader's status to a rank: the sum follows (kAllreduceSummed), or the data sent back is the rank's own,
 // unchanged, because a rank of the host passed another count or type than the leader (kAllreduceRankMismatch:
 // that rank, its header and the leader's) or the leaders' counts differ (kAllreduceLeaderMismatch).
@@ -160,81 +144,68 @@ std::string describe_header(const uint64_t header[2]) {
 void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, void* data, size_t count,
                           DataType type, Algorithm inter, CollectiveAlgorithms& algorithms) {
   const size_t bytes = count * size_of(type);
-  const uint64_t header[2] = {bytes, static_cast<uint64_t>(type)};
+  uint64_t header[2] = {bytes, static_cast<uint64_t>(type)};
   const std::vector<int>& host = my_host();
   const int leader = host.front();
   if (rank_ != leader) {
     // The header and the data, then the leader's status and the sum (or this rank's data back, unchanged).
-    auto header_out = global->createUnboundBuffer(const_cast<uint64_t*>(header), sizeof header);
-    header_out->send(leader, gloo::Slot::build(kAllreduceHeaderSlotPrefix, tag));
-    auto data_out = global->createUnboundBuffer(data, bytes);
-    data_out->send(leader, gloo::Slot::build(kAllreduceHop.to_leader_slot_prefix, tag));
-    require_done(header_out->waitSend(timeout_), "send to the host's leader");
-    require_done(data_out->waitSend(timeout_), "send to the host's leader");
+    transfer(*global, Direction::Send, tag,
+             {{leader, kAllreduceHeaderSlot, header, sizeof header}, {leader, kAllreduceDataSlot, data, bytes}},
+             "send to the host's leader");
     AllreduceStatus status;
-    auto status_in = global->createUnboundBuffer(&status, sizeof status);
-    status_in->recv(leader, gloo::Slot::build(kAllreduceStatusSlotPrefix, tag));
-    auto data_in = global->createUnboundBuffer(data, bytes);
-    data_in->recv(leader, gloo::Slot::build(kAllreduceHop.from_leader_slot_prefix, tag));
-    require_done(status_in->waitRecv(timeout_), "receive from the host's leader");
-    require_done(data_in->waitRecv(timeout_), "receive from the host's leader");
+    transfer(*global, Direction::Receive, tag,
+             {{leader, kAllreduceStatusSlot, &status, sizeof status}, {leader, kAllreduceReplySlot, data, bytes}},
+             "receive from the host's leader");
     if (status.kind != kAllreduceSummed) throw_allreduce_mismatch(status, rank_, leader);
     return;
   }
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
-  // Every other rank's header, then its data as long as it announced, all posted at once.
+  // Every other rank's header, then its data as long as it announced: Gloo aborts the process on a message
+  // longer than its receive.
   const size_t others = host.size() - 1;
   headers_.assign(2 * others, 0);
-  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> in;
-  for (size_t i = 0; i < others; ++i) {
-    in.push_back(global->createUnboundBuffer(&headers_[2 * i], 2 * sizeof(uint64_t)));
-    in.back()->recv(host[i + 1], gloo::Slot::build(kAllreduceHeaderSlotPrefix, tag));
-  }
-  for (auto& header_in : in) require_done(header_in->waitRecv(timeout_), "receive from a rank of the host");
+  messages_.clear();
+  for (size_t i = 0; i < others; ++i)
+    messages_.push_back({host[i + 1], kAllreduceHeaderSlot, &headers_[2 * i], 2 * sizeof(uint64_t)});
+  transfer(*global, Direction::Receive, tag, messages_, "receive from a rank of the host");
   // Each rank's data at the sum of the sizes before it: what is kept is what the host's ranks announced.
   AllreduceStatus status;
   std::memcpy(status.leader_header, header, sizeof header);
-  std::vector<size_t> offsets(others + 1, 0);
+  size_t kept = 0;
+  messages_.clear();
   for (size_t i = 0; i < others; ++i) {
-    offsets[i + 1] = offsets[i] + static_cast<size_t>(headers_[2 * i]);
+    const size_t announced = static_cast<size_t>(headers_[2 * i]);
     if (status.kind == kAllreduceSummed && (headers_[2 * i] != header[0] || headers_[2 * i + 1] != header[1])) {
       status.kind = kAllreduceRankMismatch;
       status.rank = static_cast<uint64_t>(host[i + 1]);
       std::memcpy(status.header, &headers_[2 * i], sizeof status.header);
     }
+    messages_.push_back({host[i + 1], kAllreduceDataSlot, nullptr, announced});
+    kept += announced;
   }
-  if (received_.size() < offsets[others]) received_.resize(offsets[others]);
-  in.clear();
-  for (size_t i = 0; i < others; ++i) {
-    in.push_back(global->createUnboundBuffer(received_.data() + offsets[i], static_cast<size_t>(headers_[2 * i])));
-    in.back()->recv(host[i + 1], gloo::Slot::build(kAllreduceHop.to_leader_slot_prefix, tag));
-  }
-  for (auto& data_in : in) require_done(data_in->waitRecv(timeout_), "receive from a rank of the host");
-  // On a mismatch each rank gets its own data back, so that no rank's data changes and no receive stays posted.
+  if (received_.size() < kept) received_.resize(kept);
+  for (size_t i = 0, offset = 0; i < others; offset += messages_[i].bytes, ++i)
+    messages_[i].data = received_.data() + offset;
+  transfer(*global, Direction::Receive, tag, messages_, "receive from a rank of the host");
+  // To each rank the status, then the sum or, on a mismatch, its own data back (in messages_), so that no
+  // rank's data changes and no receive stays posted.
   const auto reply = [&](uint64_t kind) {
     status.kind = kind;
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> out;
-    auto status_out = global->createUnboundBuffer(&status, sizeof status);
+    std::vector<HostMessage> replies;
     for (size_t i = 0; i < others; ++i) {
-      status_out->send(host[i + 1], gloo::Slot::build(kAllreduceStatusSlotPrefix, tag));
-      out.push_back(kind == kAllreduceSummed
-                        ? global->createUnboundBuffer(data, bytes)
-                        : global->createUnboundBuffer(received_.data() + offsets[i],
-                                                      static_cast<size_t>(headers_[2 * i])));
-      out.back()->send(host[i + 1], gloo::Slot::build(kAllreduceHop.from_leader_slot_prefix, tag));
+      replies.push_back({host[i + 1], kAllreduceStatusSlot, &status, sizeof status});
+      replies.push_back(kind == kAllreduceSummed ? HostMessage{host[i + 1], kAllreduceReplySlot, data, bytes}
+                                                 : HostMessage{host[i + 1], kAllreduceReplySlot, messages_[i].data,
+                                                               messages_[i].bytes});
     }
-    for (size_t i = 0; i < others; ++i) {
-      require_done(status_out->waitSend(timeout_), "send to a rank of the host");
-      require_done(out[i]->waitSend(timeout_), "send to a rank of the host");
-    }
+    transfer(*global, Direction::Send, tag, replies, "send to a rank of the host");
   };
   if (status.kind != kAllreduceSummed) {
     reply(status.kind);
     throw_allreduce_mismatch(status, rank_, leader);
   }
   // Added in rank order: the additions, and so the bits, do not depend on which rank's data arrived first.
-  add_in_rank_order(data, count, type, host.size(),
-                    [&](size_t i) { return i == 0 ? data : received_.data() + offsets[i - 1]; });
+  add_in_rank_order(data, count, type, host.size(), [&](size_t i) { return i == 0 ? data : messages_[i - 1].data; });
   try {
     algorithms.allreduce(leaders_, tag, data, count, type, inter);
   } catch (const MismatchError&) {
@@ -293,8 +264,11 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     std::memcpy(lead_out_.data() + kStageHeader, lead, lead_bytes);
     if (bytes > 0) std::memcpy(lead_out_.data() + kStageHeader + lead_bytes, data, bytes);
     lead_in_.resize(reply_bytes + bytes);  // the leader's reply is at most this long (shorter where not summed)
-    exchange_with_leader(*global, kLeadExchangeHop, host.front(), tag, lead_out_.data(), lead_out_.size(),
-                         lead_in_.data(), lead_in_.size());
+    transfer(*global, Direction::Send, tag, {{host.front(), kLeadExchangeSlot, lead_out_.data(), lead_out_.size()}},
+             "lead exchange: send to the host's leader");
+    transfer(*global, Direction::Receive, tag,
+             {{host.front(), kLeadExchangeReplySlot, lead_in_.data(), lead_in_.size()}},
+             "lead exchange: receive from the host's leader");
     uint64_t status = 0;
     std::memcpy(&status, lead_in_.data(), kStatus);
     if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes);
@@ -305,7 +279,11 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
   // The host's other ranks' messages, each at most the capacity behind its header.
   const size_t others = host.size() - 1, stride = kStageHeader + capacity;
-  receive_from_host(*global, kLeadExchangeHop, host, tag, stride);
+  if (received_.size() < others * stride) received_.resize(others * stride);
+  messages_.clear();
+  for (size_t i = 0; i < others; ++i)
+    messages_.push_back({host[i + 1], kLeadExchangeSlot, received_.data() + i * stride, stride});
+  transfer(*global, Direction::Receive, tag, messages_, "lead exchange: receive from a rank of the host");
   // This host's status and leads (host order, padded to the largest host) and, where every rank of the host
   // passed the same data as this one, its sum in rank order (the leader's first), in the reply's data: no
   // rank's data changes unless every host's is summed.
@@ -341,7 +319,8 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   const auto reply = [&](uint64_t word, bool with_data) {
     std::memcpy(lead_out_.data(), &word, kStatus);
     const size_t length = word == kSummed || word == kNotSummed ? reply_bytes + (with_data ? bytes : 0) : kStatus;
-    send_to_host(*global, kLeadExchangeHop, host, tag, lead_out_.data(), length);
+    for (size_t i = 0; i < others; ++i) messages_[i] = {host[i + 1], kLeadExchangeReplySlot, lead_out_.data(), length};
+    transfer(*global, Direction::Send, tag, messages_, "lead exchange: send to a rank of the host");
   };
   bool summed = false;
   try {

@@ -99,23 +99,19 @@ class HostStage {
   void close() { leaders_.reset(); }
 
  private:
-  // The hops within a host of one kind of operation: its slot prefixes (each kind its own, so that ranks at
-  // different operations time out rather than read one's message as the other's) and its failures' prefix.
-  struct Hop {
-    uint8_t to_leader_slot_prefix;
-    uint8_t from_leader_slot_prefix;
-    const char* what;
+  // One message of a hop within a host: `bytes` at `data` to or from rank `peer`, on slot (slot_prefix, tag).
+  struct HostMessage {
+    int peer;
+    uint8_t slot_prefix;
+    void* data;
+    size_t bytes;
   };
-  static const Hop kAllreduceHop;
-  static const Hop kLeadExchangeHop;
+  enum class Direction { Send, Receive };
 
   const std::vector<int>& my_host() const;
-  void exchange_with_leader(gloo::Context& global, const Hop& hop, int leader, uint32_t tag, void* out,
-                            size_t out_bytes, void* in, size_t in_bytes) const;
-  void receive_from_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host, uint32_t tag,
-                         size_t stride);
-  void send_to_host(gloo::Context& global, const Hop& hop, const std::vector<int>& host, uint32_t tag, void* data,
-                    size_t bytes) const;
+  // Posts every message's send (or receive) at once and returns once each is done; a failure names `what`.
+  void transfer(gloo::Context& global, Direction direction, uint32_t tag, const std::vector<HostMessage>& messages,
+                const char* what) const;
 
   HostGroups groups_;
   int rank_;
@@ -123,6 +119,7 @@ class HostStage {
   std::chrono::milliseconds timeout_;
   std::vector<uint8_t> received_;  // a leader's copies of its host's other buffers, kept between calls
   std::vector<uint64_t> headers_;  // a leader's headers of its host's other ranks (allreduce: count, type)
+  std::vector<HostMessage> messages_;  // a leader's messages from (or to) its host's other ranks
   size_t largest_host_ = 0;  // ranks of the largest host
   // lead_allreduce's messages (a leader sums its host's data into its reply) and the leaders' leads, kept
   // between calls.
