@@ -292,6 +292,78 @@ TEST_CASE("direct: ranks that pass different counts get a MismatchError naming b
   check_allreduce(*eager, DataType::Float32, 8, Algorithm::Direct);
 }
 
+// Float16 on every rank but the last, BFloat16 there: the same bytes, so only the header's type tells them
+// apart (before, their bits were summed as one format). Every rank gets a MismatchError naming both types, no
+// buffer changes, and the group goes on. Not in the tsan suite, as the case above.
+namespace {
+void check_types_refused(GlooCommunicator& comm, Algorithm algorithm, const char* name) {
+  const int n = comm.size(), me = comm.rank();
+  const bool odd = me == n - 1;
+  const size_t count = 8 * static_cast<size_t>(n);
+  const uint16_t one = odd ? 0x3F80 : 0x3C00;  // 1.0 in bfloat16, in float16
+  std::vector<uint16_t> z(count, one);
+  try {
+    comm.allreduce_async(z.data(), count, odd ? DataType::BFloat16 : DataType::Float16, algorithm).wait();
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    const std::string bytes = std::to_string(count * 2);
+    CHECK(what.find(detail::concat(name, " allreduce: rank ", odd ? 0 : n - 1, " sent ", bytes, " bytes of ",
+                                   odd ? "float16" : "bfloat16", " where this rank (", me, ") reduces ", bytes,
+                                   " bytes of ", odd ? "bfloat16" : "float16")) != std::string::npos);
+  }
+  CHECK(std::count(z.begin(), z.end(), one) == static_cast<long>(count));
+  comm.barrier();
+  check_allreduce(comm, DataType::Float16, count, algorithm);
+  check_allreduce(comm, DataType::BFloat16, count, algorithm);
+}
+}  // namespace
+
+TEST_CASE("direct: ranks that pass float16 where another passes bfloat16 get a MismatchError naming both") {
+  auto comm = connect("direct-eager-types");
+  if (comm->size() < 2) return;
+  check_types_refused(*comm, Algorithm::Direct, "direct");
+}
+
+TEST_CASE("scatter-gather: ranks that pass float16 where another passes bfloat16 get a MismatchError naming both") {
+  auto comm = connect("scatter-gather-types");
+  if (comm->size() < 2) return;
+  check_types_refused(*comm, Algorithm::ScatterGather, "scatter-gather");
+}
+
+// Callers out of step: the last rank runs a lead exchange of as many bytes where the others run a direct
+// allreduce. The lead exchange's header is marked, so each side names the other's message; nothing is summed
+// and the group goes on. Not in the tsan suite, as the cases above.
+TEST_CASE("direct: ranks that pass data where another passes a lead get a MismatchError naming it") {
+  auto comm = connect("direct-eager-lead");
+  const int n = comm->size(), me = comm->rank();
+  if (n < 2) return;
+  std::vector<float> z(8, 1.0f);
+  std::vector<double> lead(4, 1.0), leads(4 * static_cast<size_t>(n));
+  bool summed = true;
+  try {
+    if (me == n - 1)
+      comm->lead_exchange_async(lead.data(), leads.data(), lead.size() * sizeof(double), nullptr, 0,
+                                DataType::Float32, &summed)
+          .wait();
+    else
+      comm->allreduce_async(z.data(), z.size(), DataType::Float32, Algorithm::Direct).wait();
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find(me == n - 1 ? detail::concat("lead exchange: rank 0 sent a direct allreduce's 32 bytes of ",
+                                                 "float32 where this rank (", me, ") sends a lead of 32 bytes")
+                                : detail::concat("direct allreduce: rank ", n - 1,
+                                                 " sent a lead exchange's message where this rank (", me,
+                                                 ") reduces 32 bytes")) != std::string::npos);
+  }
+  CHECK(std::count(z.begin(), z.end(), 1.0f) == 8);
+  comm->barrier();
+  check_allreduce(*comm, DataType::Float32, 8, Algorithm::Direct);
+}
+
 // The lead exchange (Communicator::lead_exchange_async): every rank's lead arrives everywhere, and the data is
 // summed with direct's bits exactly where every rank passed the same count and type within the capacity; else no
 // rank's data changes, and every rank says so alike. One round each; the group goes on after each case.
@@ -1195,6 +1267,13 @@ TEST_CASE("host stage: counts that differ fail every rank at once, nothing abort
         CHECK(what.find(detail::concat("allreduce: rank ", c.odd.front() == odd_host.front() ? odd_host[1] : c.odd.front(),
                                        " passed ")) == 0);
         CHECK(what.find(detail::concat("its host's leader, rank ", odd_host.front(), ", passed ")) != std::string::npos);
+      }
+      if (c.between_hosts) {
+        std::string leaders;
+        for (const auto& host : hosts) leaders += detail::concat(leaders.empty() ? "" : ", ", host.front());
+        CHECK(what.find(leader ? detail::concat("where rank k is host k's leader: ranks ", leaders, ")")
+                               : std::string("allreduce: the hosts' leaders passed different counts or types")) !=
+              std::string::npos);
       }
       if (!leader || !c.between_hosts)
         CHECK(std::all_of(x.begin(), x.end(), [&](float v) { return v == mine; }));

@@ -145,26 +145,48 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // Beside Gloo's 0x01-0x08, host_stage's 0x50-0x51 and 0x55-0x58 and scatter-gather's 0x53-0x54 (below).
   static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;
 
-  // Each message starts with its payload's byte count (kHeader bytes, so the payload stays 8-byte aligned; the
-  // stride of the peers' slots is a multiple of 64): ranks that pass different counts get a MismatchError
-  // naming both instead of summing stale bytes (Gloo's alltoall enforced equal sizes by aborting).
+  // Each message starts with a header (kHeader bytes, so the payload stays 8-byte aligned; the stride of the
+  // peers' slots is a multiple of 64): its payload's byte count (bits 0-55) and type (56-61): ranks that pass
+  // different counts or types get a MismatchError naming both instead of summing stale bytes (Gloo's alltoall
+  // enforced equal sizes by aborting) or one 16-bit format's bits as the other's. Float32's header is its byte
+  // count alone.
   static constexpr size_t kHeader = 8;
+  static constexpr int kHeaderTypeShift = 56;
+  static constexpr uint64_t kHeaderBytesMask = (uint64_t{1} << kHeaderTypeShift) - 1;
   // Set in the header of scatter-gather's messages: a rank that runs direct where a peer runs scatter-gather with
   // the same count (an algorithm forced unlike on every rank) sees another header, not a peer's chunk as its
   // whole buffer.
   static constexpr uint64_t kScatterGatherHeaderBit = uint64_t{1} << 63;
+  // Set in the lead exchange's header (lead_header below), so that no header passes for another kind's.
+  static constexpr uint64_t kLeadHeaderBit = uint64_t{1} << 62;
 
-  // "rank 2 sent 28 bytes where this rank (0) reduces 32": why a peer's header is not this rank's.
+  static uint64_t data_header(size_t bytes, DataType type, bool scatter_gather) {
+    return static_cast<uint64_t>(bytes) | (static_cast<uint64_t>(type) << kHeaderTypeShift) |
+           (scatter_gather ? kScatterGatherHeaderBit : 0);
+  }
+
+  // "rank 2 sent 28 bytes where this rank (0) reduces 32", "rank 1 sent 16 bytes of bfloat16 where this rank
+  // (0) reduces 16 bytes of float16": why a peer's header is not this rank's.
   static void require_same_header(uint64_t sent, uint64_t mine, const char* algorithm, int peer, size_t me) {
     if (sent == mine) return;
-    const auto with = [](uint64_t header) {
-      return (header & kScatterGatherHeaderBit) != 0 ? " with scatter-gather" : " with direct";
-    };
+    PSGD_REQUIRE((sent & kLeadHeaderBit) == 0, MismatchError, algorithm, " allreduce: rank ", peer,
+                 " sent a lead exchange's message where this rank (", me, ") reduces ", mine & kHeaderBytesMask,
+                 " bytes: every rank must run the same collectives in the same order");
     const bool same_algorithm = ((sent ^ mine) & kScatterGatherHeaderBit) == 0;
-    PSGD_THROW(MismatchError, algorithm, " allreduce: rank ", peer, " sent ", sent & ~kScatterGatherHeaderBit,
-               " bytes", same_algorithm ? "" : with(sent), " where this rank (", me, ") reduces ",
-               mine & ~kScatterGatherHeaderBit, same_algorithm ? "" : with(mine),
-               ": every rank must pass the same count and type", same_algorithm ? "" : " and algorithm");
+    const bool same_type = (((sent ^ mine) & ~kScatterGatherHeaderBit) >> kHeaderTypeShift) == 0;
+    const auto with = [&](uint64_t header) {
+      std::string text;
+      if (!same_type)
+        text = detail::concat(" of ", to_string(static_cast<DataType>((header & ~kScatterGatherHeaderBit) >>
+                                                                      kHeaderTypeShift)));
+      if (!same_algorithm)
+        text += (header & kScatterGatherHeaderBit) != 0 ? " with scatter-gather" : " with direct";
+      return text;
+    };
+    PSGD_THROW(MismatchError, algorithm, " allreduce: rank ", peer, " sent ", sent & kHeaderBytesMask, " bytes",
+               with(sent), " where this rank (", me, ") reduces ", mine & kHeaderBytesMask,
+               same_type ? "" : " bytes", with(mine), ": every rank must pass the same count and type",
+               same_algorithm ? "" : " and algorithm");
   }
 
   // Waits for the receives on `in` and the sends from `out` of one exchange with `peers` peers.
@@ -246,7 +268,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     if (found == nullptr) return false;
     Eager& e = *found;
     const int n = context->size, me = context->rank;
-    const uint64_t header = bytes;
+    const uint64_t header = data_header(bytes, type, false);
     std::memcpy(e.out.data(), &header, kHeader);
     std::memcpy(e.out.data() + kHeader, data, bytes);
     const uint8_t* received = exchange_eager(*context, e, kHeader + bytes, "direct allreduce");
@@ -265,7 +287,6 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   // The lead exchange's header (kHeader bytes): the data's bytes (0: a lead alone), the lead's bytes and the
   // data's type; kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one.
-  static constexpr uint64_t kLeadHeaderBit = uint64_t{1} << 62;
   static constexpr int kLeadBytesShift = 32, kLeadTypeShift = 56;
   static uint64_t lead_header(size_t lead_bytes, size_t data_bytes, DataType type) {
     return kLeadHeaderBit | (static_cast<uint64_t>(type) << kLeadTypeShift) |
@@ -295,7 +316,13 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
       if (r == me) continue;
       uint64_t sent = 0;
       std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
-      if ((sent & kLeadHeaderBit) == 0 || lead_bytes_of(sent) != lead_bytes)
+      PSGD_REQUIRE((sent & kLeadHeaderBit) != 0, MismatchError, "lead exchange: rank ", r, " sent ",
+                   (sent & kScatterGatherHeaderBit) != 0 ? "a scatter-gather" : "a direct", " allreduce's ",
+                   sent & kHeaderBytesMask, " bytes of ",
+                   to_string(static_cast<DataType>((sent & ~kScatterGatherHeaderBit) >> kHeaderTypeShift)),
+                   " where this rank (", me, ") sends a lead of ", lead_bytes,
+                   " bytes: every rank must run the same collectives in the same order");
+      if (lead_bytes_of(sent) != lead_bytes)
         PSGD_THROW(MismatchError, "lead exchange: rank ", r, " sent header ", std::hex, sent, " where this rank (",
                    std::dec, me, ") sends a lead of ", lead_bytes, " bytes: every rank must pass the same lead");
       summed = summed && sent == header;  // the same data bytes and type
@@ -367,7 +394,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const Chunk mine = chunk_of(count, n, me);
     const size_t most = chunk_of(count, n, 0).length * element;  // the longest chunk's bytes
     const size_t stride = (kHeader + most + 63) / 64 * 64;       // a message's slot: payloads stay aligned
-    const uint64_t header = bytes | kScatterGatherHeaderBit;
+    const uint64_t header = data_header(bytes, type, true);
 
     // The second exchange's receives first, so that their notices cross the network during the first.
     if (gather_in_.size() < n * stride) gather_in_.resize(n * stride);

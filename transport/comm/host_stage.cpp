@@ -135,7 +135,7 @@ std::string describe_header(const uint64_t header[2]) {
     PSGD_THROW(MismatchError, "allreduce: rank ", status.rank, " passed ", describe_header(status.header),
                " where its host's leader, rank ", leader, ", passed ", describe_header(status.leader_header),
                " (this rank: ", me, "): every rank must pass the same count and type");
-  PSGD_THROW(MismatchError, "allreduce: the hosts' leaders passed different counts (this rank: ", me,
+  PSGD_THROW(MismatchError, "allreduce: the hosts' leaders passed different counts or types (this rank: ", me,
              "): every rank must pass the same count and type");
 }
 
@@ -208,9 +208,13 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
   add_in_rank_order(data, count, type, host.size(), [&](size_t i) { return i == 0 ? data : messages_[i - 1].data; });
   try {
     algorithms.allreduce(leaders_, tag, data, count, type, inter);
-  } catch (const MismatchError&) {
+  } catch (const MismatchError& e) {
     reply(kAllreduceLeaderMismatch);
-    throw;  // the algorithm's, naming the leader and both sizes
+    // The algorithm's, naming the other leader and both sizes by their ranks among the leaders.
+    std::string leaders;
+    for (const auto& ranks : groups_.hosts) leaders += detail::concat(leaders.empty() ? "" : ", ", ranks.front());
+    PSGD_THROW(MismatchError, e.what(), " (among the hosts' leaders, where rank k is host k's leader: ranks ",
+               leaders, ")");
   }
   reply(kAllreduceSummed);
 }

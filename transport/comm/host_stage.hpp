@@ -68,7 +68,7 @@ class HostStage {
   // host), `tag` unique among operations in flight. Gloo's exceptions pass
   // through; a send or receive waits at most the timeout. MismatchError where
   // a rank's count or type differs from its leader's (that host's ranks; no
-  // data changed) or the leaders' algorithm finds their counts differ (every
+  // data changed) or the leaders' algorithm finds their counts or types differ (every
   // leader, its buffer then holding its host's sum, and its host's ranks, their
   // data unchanged); the other hosts' leaders then wait, so the caller breaks
   // the group.
