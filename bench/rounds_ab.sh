@@ -22,7 +22,9 @@
 #         PSGD_DIRECT_MAX_BYTES=N KiB (direct256k: the default before auto), one named directauto
 #         PSGD_DIRECT_MAX_BYTES=auto (the default, with scatter-gather on); a side starting with
 #         "staged" sets PSGD_HOST_STAGE=1 (the host-staged allreduce, docs/transport.md: with RANKS_PER_HOST
-#         above 1 only the hosts' leaders cross the network), e.g. SIDES="direct staged"; a side starting with
+#         above 1 only the hosts' leaders cross the network), e.g. SIDES="direct staged"; one starting with
+#         "unstaged" PSGD_HOST_STAGE=0 (since 2026-12-04 the default, auto, stages where RANKS_PER_HOST is
+#         above 1; before, no side staged unless "staged"), e.g. SIDES="unstaged directauto"; a side starting with
 #         "noeager" sets PSGD_DIRECT_EAGER=0 (each direct exchange waits for Gloo's ready-to-receive notices:
 #         the transport before the eager direct allreduce, docs/transport.md), e.g. SIDES="noeager direct"; a side
 #         starting with "nosg" sets PSGD_SCATTER_GATHER=0 (Gloo's bcube between the direct bound and the ring
@@ -62,7 +64,7 @@ for hosts in $HOSTS; do
         direct=; case $side in bcube*) direct=0 ;; directauto*) direct=auto ;; direct[0-9]*k*) direct=${side#direct}; direct=$((${direct%%k*} * 1024)) ;; esac
         fuse=; case $side in unfused*) fuse=0 ;; esac
         idle=; case $side in *-idle0) idle=0 ;; esac
-        stage=; case $side in staged*) stage=1 ;; esac
+        stage=; case $side in staged*) stage=1 ;; unstaged*) stage=0 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
         carry=; case $side in *nocarry*) carry=0 ;; esac

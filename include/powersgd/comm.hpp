@@ -122,8 +122,9 @@ class PSGD_API Communicator {
   // far: each collective adds the number of message exchanges its algorithm
   // makes one after the other (each waits for the one before, so each costs at
   // least one one-way network delay): 1 for the direct allreduce, 2 (size - 1)
-  // for the ring, 2 log2(size) for bcube (docs/transport.md, "Rounds"); with
-  // PSGD_HOST_STAGE=1 an allreduce counts only the rounds that cross hosts (its
+  // for the ring, 2 log2(size) for bcube (docs/transport.md, "Rounds");
+  // host-staged (PSGD_HOST_STAGE: by default where ranks share a host) an
+  // allreduce counts only the rounds that cross hosts (its
   // algorithm's among the hosts' leaders). The collectives run one at a time,
   // so the difference over a training step is the rounds on the step's
   // critical path. 0 for a Communicator not made by create().
@@ -132,7 +133,7 @@ class PSGD_API Communicator {
   // Whether an allreduce of `count` elements of `type` adds each element's n
   // contributions in one fixed order that does not depend on the element's
   // offset in the buffer: rank order (the direct and the scatter-gather
-  // algorithms; a world of one), or with PSGD_HOST_STAGE=1 within each host in
+  // algorithms; a world of one), or host-staged within each host in
   // rank order, then the hosts in order (direct or scatter-gather among the
   // hosts' leaders; docs/transport.md, "Host-staged allreduce"). Then one allreduce of two buffers laid end to end gives the
   // same bits as two allreduces. The engine fuses queued reductions into one

@@ -15,7 +15,7 @@ Before the declaration, "layout" holds DDP's final layout when this process has 
 entries), so that a process resumed shortly before compression starts declares it at once.
 
 Loading (the choice agreed by one allreduce): every rank holds its own rank's data from a group of the same
-size -> each loads its own (bitwise the uninterrupted run); else every rank holds a job checkpoint -> the mean
+size -> each loads its own (bitwise the uninterrupted run on the same placement: host staging's sums follow it); else every rank holds a job checkpoint -> the mean
 error memory (psgd_reducer_load_job); else -> the data's shared state, error memory zero
 (psgd_reducer_load_shared: rank 0's file on every rank).
 
@@ -184,7 +184,7 @@ def _hook_name(engine):
 
 def _load_engine(state, comm, engine):
     """Collective: the engine's state from the checkpoint: every rank's own data where every rank has it (same
-    group size, its own rank's): bitwise the saved run; else the job checkpoint where every rank has one (the
+    group size, its own rank's): bitwise the saved run (on the same placement); else the job checkpoint where every rank has one (the
     ranks' mean error memory); else the data's shared state with error memory zero (one rank's state_dict() on
     every rank: another rank's error memory is not this rank's own residual, and the same one on W ranks would
     add it W times). The choice is agreed by one allreduce."""

@@ -679,7 +679,7 @@ class PowerSGDState:
         """The state as a dict of plain values (torch.save, pickle): iter, the configuration and, once the hook
         declared DDP's buckets, this rank's own engine checkpoint (error memory, warm start, step count). Local
         and cheap, as PyTorch's: no collective, so `if rank == 0: torch.save(...)` works. Loaded on the rank
-        that saved it (same group size): the run continues bitwise; loaded on other ranks (rank 0's file on
+        that saved it (same group size, the same ranks sharing hosts): the run continues bitwise; loaded on other ranks (rank 0's file on
         every rank): the warm start and step count, and error memory zero (docs/torch.md, "Checkpoints").
         Between iterations."""
         return _checkpoint.state_dict(self)

@@ -84,15 +84,18 @@ constexpr Variable kVariables[] = {
      "(tcp): two rounds on any number of ranks, rank r adds everyone's r-th chunk in rank order and sends the "
      "sum to all, the same bits as direct. 0: Gloo's bcube there (2 log2(world size) rounds), as before it. "
      "Must be equal on every rank. docs/transport.md, \"Scatter-gather allreduce\"."},
-    {"PSGD_HOST_STAGE", "0",
+    {"PSGD_HOST_STAGE", "auto",
      "1: host-staged allreduce (tcp): the ranks that share a host send their buffers to its lowest rank, which "
      "adds them in rank order; only these leaders allreduce across hosts (direct, scatter-gather or ring chosen for the "
      "number of hosts), then send the result back, so the rounds count hosts, not ranks; the lead exchange (the "
      "order guard's announce carrying P) is staged alike. The hops within a host "
      "go over the same TCP connections (loopback), not shared memory. No effect with one host or one rank per "
-     "host. 0: off. Must be equal on every rank. docs/transport.md, \"Host-staged allreduce\"."},
+     "host. auto (the default): as 1 where some host has two ranks or more, the API can stage (tcp, Gloo's new "
+     "API) and every host's leader has the file descriptors for the leaders' context; else off. 0: off (every "
+     "allreduce among all ranks, summed in rank order whatever the placement). Must be equal on every rank. "
+     "docs/transport.md, \"Host-staged allreduce\"."},
     {"PSGD_HOST_ID", "",
-     "With PSGD_HOST_STAGE=1: the name of this rank's host; ranks with the same name are staged together "
+     "With PSGD_HOST_STAGE=1 or auto: the name of this rank's host; ranks with the same name are staged together "
      "(compared whole). Default: the hostname and the transport's local address (hosts emulated by network "
      "namespaces share a hostname). Set it where hosts share names, or to split ranks of one host for tests."},
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},

@@ -9,6 +9,7 @@
 #include "support/doctest_main.hpp"
 #include <signal.h>
 #include <sys/wait.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
 #include <unistd.h>
@@ -26,6 +27,8 @@
 
 #include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
+#include "comm/host_stage.hpp"
+#include "common/fd.hpp"
 #include "store/store.hpp"
 #include <gloo/types.h>
 
@@ -50,6 +53,20 @@ CommOptions options(const char* run_id) {
 }
 
 int comm_world() { return std::atoi(std::getenv("WORLD_SIZE")); }
+
+// With Gloo's legacy API no rank may close its pairs before every rank is done with its last collective: a rank
+// that finished at once can close them while a peer still waits on it, and that peer fails with "Connection
+// closed by peer" (seen under load, after FlushedBarrier and after halving-doubling). Counted on the launcher's
+// store under `key` (one per use), not on Gloo's pairs.
+void leave_together(const Communicator& comm, const char* key) {
+  const CommOptions o = CommOptions::from_env();
+  auto store = powersgd::transport::connect_tcp_store(o.store_addr, o.store_port, o.token, std::chrono::seconds(30));
+  store->add(key, 1);
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (store->add(key, 0) < comm.size() && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(store->add(key, 0) == comm.size());
+}
 
 std::unique_ptr<GlooCommunicator> connect(const char* run_id, GlooApi api = GlooApi::New) {
   return GlooCommunicator::create(options(run_id), api);
@@ -730,16 +747,7 @@ TEST_CASE("legacy api: halving-doubling, ring-chunked, broadcast, allgather, bar
   comm->allgather(in.data(), out.data(), in.size() * sizeof(int32_t));
   for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == static_cast<int32_t>(i / 333));
   comm->barrier();
-  // No rank closes its pairs before every rank has left the barrier: a rank that exits at once can close them
-  // while a peer still waits for its release, and that peer fails with "Connection closed by peer" (seen once
-  // under load, after FlushedBarrier). Counted on the launcher's store, not on Gloo's pairs.
-  const CommOptions o = options("legacy");
-  auto store = powersgd::transport::connect_tcp_store(o.store_addr, o.store_port, o.token, std::chrono::seconds(30));
-  store->add("legacy-left-barrier", 1);
-  const auto deadline = Clock::now() + std::chrono::seconds(30);
-  while (store->add("legacy-left-barrier", 0) < comm->size() && Clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  CHECK(store->add("legacy-left-barrier", 0) == comm->size());
+  leave_together(*comm, "legacy-left-barrier");
 }
 
 TEST_CASE("broadcast: every root, 1 byte to several MiB") {
@@ -1147,6 +1155,110 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
   CHECK(comm->communication_rounds() - before_barrier == log2n);
 }
 
+namespace {
+
+// Whether `sum` (count float32, every rank's staged_input) holds the staged order's bits (within each host in
+// rank order, then the hosts in order) where `staged`, else rank order's (every rank in turn).
+size_t wrong_float_sums(const std::vector<float>& sum, const std::vector<std::vector<int>>& hosts, int world,
+                        bool staged) {
+  size_t wrong = 0;
+  for (size_t i = 0; i < sum.size(); ++i) {
+    float total = 0;
+    if (staged) {
+      for (size_t k = 0; k < hosts.size(); ++k) {
+        float partial = static_cast<float>(staged_input(hosts[k][0], i));
+        for (size_t j = 1; j < hosts[k].size(); ++j) partial += static_cast<float>(staged_input(hosts[k][j], i));
+        total = k == 0 ? partial : total + partial;
+      }
+    } else {
+      total = static_cast<float>(staged_input(0, i));
+      for (int r = 1; r < world; ++r) total += static_cast<float>(staged_input(r, i));
+    }
+    wrong += std::memcmp(&total, &sum[i], sizeof(float)) != 0;
+  }
+  return wrong;
+}
+
+// An allreduce of 1000 float32 (direct), its bits checked against the staged or the rank order.
+void check_sum_order(GlooCommunicator& comm, bool staged) {
+  std::vector<float> data(1000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(staged_input(comm.rank(), i));
+  comm.allreduce(data.data(), data.size(), DataType::Float32);
+  INFO("staged ", staged);
+  CHECK(wrong_float_sums(data, test_hosts(), comm.size(), staged) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("host stage: auto (the default) stages where ranks share a host; 0 leaves it off; legacy API: off") {
+  const auto hosts = test_hosts();
+  REQUIRE(hosts.size() >= 2);  // the Meson entry sets PSGD_TEST_HOSTS
+  unsetenv("PSGD_HOST_STAGE");
+  {
+    auto comm = connect("host-stage-auto");
+    REQUIRE(comm->staged_hosts() == static_cast<int>(hosts.size()));
+    check_sum_order(*comm, true);
+  }
+  setenv("PSGD_HOST_STAGE", "0", 1);
+  {
+    auto comm = connect("host-stage-off");
+    CHECK(comm->staged_hosts() == 0);
+    check_sum_order(*comm, false);
+  }
+  setenv("PSGD_HOST_STAGE", "auto", 1);
+  {
+    auto comm = connect("host-stage-auto-legacy", GlooApi::Legacy);  // PSGD_HOST_STAGE=1 is refused there
+    CHECK(comm->staged_hosts() == 0);
+    check_allreduce(*comm, DataType::Float32, 1001, Algorithm::Auto);
+    leave_together(*comm, "host-stage-auto-legacy-left");
+  }
+  unsetenv("PSGD_HOST_STAGE");
+}
+
+// With PSGD_HOST_STAGE=1 the check at creation (check_world_fits_host) already counts the leaders' context for
+// every peer, so a limit that passes it leaves room for it: only auto can meet a leader short of descriptors.
+TEST_CASE("host stage: a leader short of file descriptors: auto leaves staging off on every rank") {
+  const auto hosts = test_hosts();
+  const int victim = last_shared_host(hosts).front();  // a leader, not rank 0 (which also hosts the store)
+  const int rank = std::atoi(std::getenv("RANK"));
+  const int world = comm_world();
+  REQUIRE(victim != 0);
+  rlimit original{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &original) == 0);
+  // The descriptors an unstaged communicator holds once created (its pairs, its store client, Gloo's loop).
+  setenv("PSGD_HOST_STAGE", "0", 1);
+  size_t held = 0;
+  {
+    const size_t before = open_descriptor_count();
+    auto comm = connect("host-stage-fd-measure");
+    held = open_descriptor_count() - before;
+  }
+  // The victim's limit admits creation (Gloo's two per peer and the reserve, as checked first) and leaves it
+  // fewer than its leaders' context needs once connected (none spare where the first check allows it: a
+  // descriptor more or less than measured changes nothing).
+  const uint64_t reserve = 64, first_check = 2 * static_cast<uint64_t>(world - 1) + reserve;
+  rlimit lowered = original;
+  if (rank == victim) {
+    const uint64_t open = open_descriptor_count();
+    lowered.rlim_cur = static_cast<rlim_t>(open + std::max<uint64_t>(first_check, held + reserve));
+    const uint64_t spare = lowered.rlim_cur - open - held - reserve;
+    INFO("open ", open, ", held by a communicator ", held, ", spare ", spare);
+    REQUIRE(spare < transport::leader_descriptors(hosts.size()));
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &lowered) == 0);
+  }
+  setenv("PSGD_HOST_STAGE", "auto", 1);
+  {
+    auto comm = connect("host-stage-fd-auto");
+    CHECK(comm->staged_hosts() == 0);
+    check_sum_order(*comm, false);
+  }
+  unsetenv("PSGD_HOST_STAGE");
+  if (rank == victim) REQUIRE(::setrlimit(RLIMIT_NOFILE, &original) == 0);
+  // With the limit back, auto stages again.
+  auto comm = connect("host-stage-fd-restored");
+  CHECK(comm->staged_hosts() == static_cast<int>(hosts.size()));
+}
+
 // The lead exchange staged: the same cases as without staging, the capacity that of the leaders' exchange
 // shared by the largest host's leads.
 TEST_CASE("host stage: the lead exchange sums with the staged bits only where every rank passed it alike") {
@@ -1298,7 +1410,7 @@ TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named 
     const std::string what = e.what();
     INFO(what);
     CHECK(what.find("PSGD_HOST_STAGE='yes'") != std::string::npos);
-    CHECK(what.find("expected 0 (off) or 1") != std::string::npos);
+    CHECK(what.find("expected 0 (off), 1 (host-staged allreduce) or auto") != std::string::npos);
   }
   unsetenv("PSGD_HOST_STAGE");
   if (comm_world() < 2) return;
@@ -1309,7 +1421,7 @@ TEST_CASE("host stage: a bad PSGD_HOST_STAGE is refused, a mismatched one named 
   } catch (const MismatchError& e) {
     const std::string what = e.what();
     INFO(what);
-    CHECK(what.find("rank 1 has PSGD_HOST_STAGE 1 (rank 0: 0)") != std::string::npos);
+    CHECK(what.find("rank 1 has PSGD_HOST_STAGE 1 (rank 0: auto)") != std::string::npos);
   }
   unsetenv("PSGD_HOST_STAGE");
 }

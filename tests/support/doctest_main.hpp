@@ -11,7 +11,7 @@
 // Pretend hosts: with PSGD_TEST_HOSTS set to one host name per rank, comma-separated
 // ("a,a,b,b"), run_selected_tests() first sets this rank's PSGD_HOST_ID (indexed
 // by RANK), so that Meson can split loopback ranks into hosts for the
-// host-staged allreduce (PSGD_HOST_STAGE=1) by environment alone.
+// host-staged allreduce (PSGD_HOST_STAGE=1, or auto: the default) by environment alone.
 #pragma once
 
 #include <cstdio>

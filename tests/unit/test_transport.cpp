@@ -206,12 +206,24 @@ TEST_CASE("require_same_fingerprints names the first differing rank and each fie
 TEST_CASE("require_same_fingerprints names a rank with another PSGD_HOST_STAGE") {
   CommOptions options;
   options.world_size = 2;
-  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, false);
-  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, true);
+  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::Off);
+  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::On);
+  const Fingerprint automatic = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::Auto);
+  CHECK(off.flags == 0);  // as a fingerprint of a version before the setting
   CHECK_NOTHROW(require_same_fingerprints({on, on}));
+  CHECK_NOTHROW(require_same_fingerprints({automatic, automatic}));
   CHECK_THROWS_WITH_AS(require_same_fingerprints({off, on}),
                        "process group configuration mismatch: rank 1 has PSGD_HOST_STAGE 1 (rank 0: 0); every rank "
                        "must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
+  // auto and 1 stage alike where auto stages, but not where a leader lacks descriptors: never mixed.
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({automatic, automatic, on}),
+                       "process group configuration mismatch: rank 2 has PSGD_HOST_STAGE 1 (rank 0: auto); every "
+                       "rank must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({off, automatic}),
+                       "process group configuration mismatch: rank 1 has PSGD_HOST_STAGE auto (rank 0: 0); every "
+                       "rank must use the same powersgd version and PSGD_* settings",
                        MismatchError);
 }
 
@@ -228,8 +240,8 @@ TEST_CASE("PSGD_DIRECT_EAGER is 0 or 1, 1 by default, and in the fingerprint") {
   unsetenv("PSGD_DIRECT_EAGER");
   CommOptions options;
   options.world_size = 2;
-  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, true, true);
-  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, true, false);
+  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::On, true);
+  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::On, false);
   CHECK(on.flags == kFlagHostStage);  // eager on sets no bit: a fingerprint of an older version reads as on
   CHECK_THROWS_WITH_AS(require_same_fingerprints({on, off}),
                        "process group configuration mismatch: rank 1 has PSGD_DIRECT_EAGER 0 (rank 0: 1); every "
@@ -271,8 +283,8 @@ TEST_CASE("PSGD_SCATTER_GATHER is 0 or 1, 1 by default, and in the fingerprint")
   unsetenv("PSGD_SCATTER_GATHER");
   CommOptions options;
   options.world_size = 2;
-  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, false, true, true);
-  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, false, true, false);
+  const Fingerprint on = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::Off, true, true);
+  const Fingerprint off = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::Off, true, false);
   CHECK(on.flags == 0);  // on sets no bit: a fingerprint of an older version reads as on
   CHECK(off.flags == kFlagNoScatterGather);
   CHECK_THROWS_WITH_AS(require_same_fingerprints({on, off}),
@@ -295,15 +307,31 @@ TEST_CASE("group_hosts: hosts in the order of their lowest rank, keys compared w
   CHECK(group_hosts({"x"}).degenerate());
 }
 
-TEST_CASE("PSGD_HOST_STAGE is 0 or 1; PSGD_HOST_ID names the host") {
+TEST_CASE("host stage: the first leader short of descriptors for the leaders' context, on every rank alike") {
+  const HostGroups groups = group_hosts({"a", "a", "b", "b", "c"});  // leaders 0, 2, 4 among 3 hosts: 4 each
+  CHECK(leader_descriptors(3) == 4);
+  std::vector<HostReport> reports = {{"a", 4}, {"a", 0}, {"b", 4}, {"b", 0}, {"c", 4}};
+  CHECK(leader_short_of_descriptors(groups, reports) == -1);  // members need none
+  reports[4].spare_descriptors = 3;
+  CHECK(leader_short_of_descriptors(groups, reports) == 4);
+  reports[2].spare_descriptors = 0;
+  CHECK(leader_short_of_descriptors(groups, reports) == 2);  // the first by host
+}
+
+TEST_CASE("PSGD_HOST_STAGE is 0, 1 or auto (the default); PSGD_HOST_ID names the host") {
   unsetenv("PSGD_HOST_STAGE");
-  CHECK_FALSE(host_stage_from_env());
+  CHECK(host_stage_from_env() == HostStageMode::Auto);
+  setenv("PSGD_HOST_STAGE", "0", 1);
+  CHECK(host_stage_from_env() == HostStageMode::Off);
   setenv("PSGD_HOST_STAGE", "1", 1);
-  CHECK(host_stage_from_env());
+  CHECK(host_stage_from_env() == HostStageMode::On);
+  setenv("PSGD_HOST_STAGE", "auto", 1);
+  CHECK(host_stage_from_env() == HostStageMode::Auto);
+  CHECK(std::string(to_string(HostStageMode::Auto)) == "auto");
   setenv("PSGD_HOST_STAGE", "2", 1);
   CHECK_THROWS_WITH_AS(host_stage_from_env(),
-                       "environment variable PSGD_HOST_STAGE='2' is invalid: expected 0 (off) or 1 (host-staged "
-                       "allreduce)",
+                       "environment variable PSGD_HOST_STAGE='2' is invalid: expected 0 (off), 1 (host-staged "
+                       "allreduce) or auto (staged where ranks share a host)",
                        InvalidArgumentError);
   unsetenv("PSGD_HOST_STAGE");
   unsetenv("PSGD_HOST_ID");

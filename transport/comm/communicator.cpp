@@ -163,8 +163,10 @@ void check_world_fits_host(const CommOptions& options) {
   if (world <= 1) return;
   // Gloo: a pair and, until it connects, a listening socket per peer; the
   // store's host: a connection per rank; a host's leader with PSGD_HOST_STAGE=1:
-  // as many again at most for the leaders' context (rank 0 always leads).
-  const bool staged = host_stage_from_env();
+  // as many again at most for the leaders' context (rank 0 always leads). With
+  // auto the leaders' context is counted once the hosts are known, and staging
+  // is left off where a leader cannot hold it (setup_host_stage).
+  const bool staged = host_stage_from_env() == HostStageMode::On;
   uint64_t needed = 2 * (world - 1) * (staged ? 2 : 1) + (options.host_store ? world : 0) + kDescriptorReserve;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
@@ -290,7 +292,7 @@ void GlooCommunicator::connect() {
   connect_mesh(*context_, *scoped, detail::concat("rendezvous of ", options_.world_size, " ranks"));
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
-  if (host_stage_) setup_host_stage(*scoped);
+  if (host_stage_ != HostStageMode::Off) setup_host_stage(*scoped);
   if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
   // Every rank at the same point, with the same bound (the fingerprint; auto is agreed).
   if (eager_direct_) algorithms_->enable_eager_direct(direct_max_bytes_);
@@ -311,22 +313,73 @@ void GlooCommunicator::connect_mesh(gloo::rendezvous::Context& context, Store& s
   }
 }
 
+namespace {
+
+// File descriptors this process may still open beyond kDescriptorReserve (the most where unlimited; none where
+// the open ones cannot be counted: a connected communicator holds some, so a count of 0 means /proc is not
+// readable, and auto then does not stage rather than risk a leader running out).
+uint64_t spare_descriptors() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY)
+    return std::numeric_limits<uint64_t>::max();
+  const uint64_t open = open_descriptor_count();
+  if (open == 0) return 0;
+  const uint64_t used = open + kDescriptorReserve;
+  const auto soft = static_cast<uint64_t>(limit.rlim_cur);
+  return soft > used ? soft - used : 0;
+}
+
+}  // namespace
+
 void GlooCommunicator::setup_host_stage(Store& scoped) {
+  // Every decision below is the same on every rank: the setting and the API are in the fingerprint, the
+  // hosts and the leaders' descriptors come from one exchange.
+  const std::string setting = detail::concat("PSGD_HOST_STAGE=", to_string(host_stage_));
+  if (host_stage_ == HostStageMode::Auto && api_ != GlooApi::New) {
+    PSGD_LOG(Debug, setting, ": not staged: the legacy Gloo API (and ibverbs) have no unbound buffers");
+    return;
+  }
   PSGD_REQUIRE(api_ == GlooApi::New, UnsupportedError,
                "PSGD_HOST_STAGE=1 needs Gloo's new API (TCP; the legacy API and ibverbs have no unbound buffers): "
                "set PSGD_HOST_STAGE=0");
   if (options_.world_size == 1) {
-    PSGD_LOG(Info, "PSGD_HOST_STAGE=1 has no effect: a world of one");
+    PSGD_LOG(Debug, setting, " has no effect: a world of one");
     return;
   }
   // The transport's local address: that of this rank's pair towards any peer.
   const int peer = options_.rank == 0 ? 1 : 0;
   const std::string ip = split_pair_address(context_->getPair(peer)->address().str()).first;
-  HostGroups groups = group_hosts(exchange_host_keys(
-      host_key(ip), options_.world_size, [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }));
+  const std::vector<HostReport> reports =
+      exchange_host_reports(HostReport{host_key(ip), spare_descriptors()}, options_.world_size,
+                            [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); });
+  std::vector<std::string> keys;
+  for (const auto& report : reports) keys.push_back(report.key);
+  HostGroups groups = group_hosts(keys);
   if (groups.degenerate()) {
-    PSGD_LOG(Info, "PSGD_HOST_STAGE=1 has no effect: ", groups.describe(), " (staging needs two hosts or more and "
-             "one of them with two ranks or more)");
+    const std::string why = detail::concat(setting, " has no effect: ", groups.describe(),
+                                           " (staging needs two hosts or more and one of them with two ranks or more)");
+    if (host_stage_ == HostStageMode::On) {
+      PSGD_LOG(Info, why);
+    } else {
+      PSGD_LOG(Debug, why);
+    }
+    return;
+  }
+  if (const int short_leader = leader_short_of_descriptors(groups, reports); short_leader >= 0) {
+    const std::string why = detail::concat(
+        "rank ", short_leader, ", the leader of host ", groups.host_of[static_cast<size_t>(short_leader)], " of ",
+        groups.hosts.size(), ", has ", reports[static_cast<size_t>(short_leader)].spare_descriptors,
+        " file descriptors to spare (RLIMIT_NOFILE less those open and ", kDescriptorReserve,
+        " in reserve) where the leaders' context needs ", leader_descriptors(groups.hosts.size()),
+        " (two per other host)");
+    PSGD_REQUIRE(host_stage_ != HostStageMode::On, InvalidArgumentError, "PSGD_HOST_STAGE=1: ", why,
+                 ": raise its RLIMIT_NOFILE (ulimit -n) or set PSGD_HOST_STAGE=0");
+    // Said once by rank 0 and once by the rank short of descriptors, not by every rank.
+    if (options_.rank == 0 || options_.rank == short_leader) {
+      PSGD_LOG(Warn, "PSGD_HOST_STAGE=auto: not staged: ", why, "; the allreduce runs among every rank");
+    } else {
+      PSGD_LOG(Debug, "PSGD_HOST_STAGE=auto: not staged: ", why);
+    }
     return;
   }
   const int host = groups.host_of[static_cast<size_t>(options_.rank)];

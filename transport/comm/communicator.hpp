@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "comm/options.hpp"
 #include "comm/peer_attribution.hpp"
 #include "common/serial_worker.hpp"
 #include "powersgd/comm.hpp"
@@ -129,7 +130,7 @@ class GlooCommunicator final : public Communicator {
   CommOptions options_;
   GlooApi api_;
   size_t direct_max_bytes_ = 0;
-  bool host_stage_ = false;  // PSGD_HOST_STAGE
+  HostStageMode host_stage_ = HostStageMode::Off;  // PSGD_HOST_STAGE, the setting (stage_: whether it staged)
   bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
   bool scatter_gather_ = false;  // PSGD_SCATTER_GATHER (new API only)
   int staged_hosts_ = 0;     // set at creation, with stage_

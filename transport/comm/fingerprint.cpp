@@ -13,7 +13,7 @@
 
 namespace powersgd::transport {
 
-Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes, bool host_stage,
+Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes, HostStageMode host_stage,
                              bool eager_direct, bool scatter_gather) {
   Fingerprint header{};
   std::snprintf(header.version, sizeof(header.version), "%s", PSGD_VERSION);
@@ -22,7 +22,8 @@ Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t dir
   header.api = static_cast<int32_t>(api);
   header.ring_threshold_bytes = options.ring_threshold_bytes;
   header.direct_max_bytes = direct_max_bytes;
-  header.flags = (host_stage ? kFlagHostStage : 0) | (eager_direct ? 0 : kFlagDirectNotEager) |
+  header.flags = (host_stage == HostStageMode::On ? kFlagHostStage : 0) |
+                 (host_stage == HostStageMode::Auto ? kFlagHostStageAuto : 0) | (eager_direct ? 0 : kFlagDirectNotEager) |
                  (scatter_gather ? 0 : kFlagNoScatterGather);
   return header;
 }
@@ -46,14 +47,17 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     field("PSGD_SCATTER_GATHER", ref.flags & kFlagNoScatterGather ? 0 : 1, f.flags & kFlagNoScatterGather ? 0 : 1);
     const auto direct = [](uint64_t bytes) { return bytes == kDirectAuto ? std::string("auto") : std::to_string(bytes); };
     field("PSGD_DIRECT_MAX_BYTES", direct(ref.direct_max_bytes), direct(f.direct_max_bytes));
-    field("PSGD_HOST_STAGE", ref.flags & kFlagHostStage ? 1 : 0, f.flags & kFlagHostStage ? 1 : 0);
+    const auto stage = [](int32_t flags) {
+      return std::string(flags & kFlagHostStageAuto ? "auto" : flags & kFlagHostStage ? "1" : "0");
+    };
+    field("PSGD_HOST_STAGE", stage(ref.flags), stage(f.flags));
     field("PSGD_DIRECT_EAGER", ref.flags & kFlagDirectNotEager ? 0 : 1, f.flags & kFlagDirectNotEager ? 0 : 1);
     PSGD_REQUIRE(diff.empty(), MismatchError, "process group configuration mismatch: rank ", r, " has ", diff,
                  "; every rank must use the same powersgd version and PSGD_* settings");
   }
 }
 
-PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, bool host_stage,
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, HostStageMode host_stage,
                                 bool eager_direct, bool scatter_gather,
                                 const std::vector<std::string>& pair_addresses,
                                 const std::function<void(const void* in, void* out, size_t bytes)>& allgather,

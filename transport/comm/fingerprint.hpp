@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "comm/communicator.hpp"
+#include "comm/options.hpp"
 #include "comm/peer_attribution.hpp"
 
 namespace powersgd::transport {
@@ -22,7 +23,7 @@ struct Fingerprint {
   int32_t world_size;
   int32_t transport;
   int32_t api;
-  int32_t flags;  // kFlagHostStage | kFlagDirectNotEager | kFlagNoScatterGather (a reserved field before: the layout is unchanged)
+  int32_t flags;  // kFlagHostStage | kFlagHostStageAuto | kFlagDirectNotEager | kFlagNoScatterGather (a reserved field before: the layout is unchanged)
   uint64_t ring_threshold_bytes;
   uint64_t direct_max_bytes;
   char ip[48];
@@ -31,10 +32,12 @@ struct Fingerprint {
 inline constexpr int32_t kFlagHostStage = 1;        // PSGD_HOST_STAGE=1
 inline constexpr int32_t kFlagDirectNotEager = 2;   // PSGD_DIRECT_EAGER=0 (set where it is off: old fingerprints had 0)
 inline constexpr int32_t kFlagNoScatterGather = 4;  // PSGD_SCATTER_GATHER=0 (likewise)
+inline constexpr int32_t kFlagHostStageAuto = 8;    // PSGD_HOST_STAGE=auto (neither bit: 0, as older fingerprints)
 
 // This rank's settings (ip empty).
 Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes = 0,
-                             bool host_stage = false, bool eager_direct = true, bool scatter_gather = true);
+                             HostStageMode host_stage = HostStageMode::Off, bool eager_direct = true,
+                             bool scatter_gather = true);
 
 // Throws MismatchError naming the first rank that differs from rank 0 and every
 // field it differs in.
@@ -46,7 +49,7 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all);
 // established connections (established_connections()). Checks that every rank
 // has the same fingerprint (MismatchError), and returns what each rank's pair
 // towards this rank looks like from here.
-PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, bool host_stage,
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, HostStageMode host_stage,
                                 bool eager_direct, bool scatter_gather,
                                 const std::vector<std::string>& pair_addresses,
                                 const std::function<void(const void* in, void* out, size_t bytes)>& allgather,

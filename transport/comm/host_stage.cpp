@@ -14,13 +14,6 @@
 #include "common/env.hpp"
 
 namespace powersgd::transport {
-bool host_stage_from_env() {
-  const std::string value = env::get_or_default("PSGD_HOST_STAGE");
-  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_HOST_STAGE='", value,
-               "' is invalid: expected 0 (off) or 1 (host-staged allreduce)");
-  return value == "1";
-}
-
 std::string host_key(const std::string& ip) {
   if (auto id = env::get("PSGD_HOST_ID")) return *id;
   char name[HOST_NAME_MAX + 1] = {};
@@ -56,19 +49,30 @@ HostGroups group_hosts(const std::vector<std::string>& keys) {
   return groups;
 }
 
-std::vector<std::string> exchange_host_keys(const std::string& mine, int world_size,
-                                            const std::function<void(const void*, void*, size_t)>& allgather) {
+std::vector<HostReport> exchange_host_reports(const HostReport& mine, int world_size,
+                                              const std::function<void(const void*, void*, size_t)>& allgather) {
   const size_t n = static_cast<size_t>(world_size);
-  const uint64_t length = mine.size();
-  std::vector<uint64_t> lengths(n);
-  allgather(&length, lengths.data(), sizeof(length));
-  const size_t longest = static_cast<size_t>(*std::max_element(lengths.begin(), lengths.end()));
+  const uint64_t head[2] = {mine.key.size(), mine.spare_descriptors};
+  std::vector<uint64_t> heads(2 * n);
+  allgather(head, heads.data(), sizeof(head));
+  size_t longest = 0;
+  for (size_t r = 0; r < n; ++r) longest = std::max(longest, static_cast<size_t>(heads[2 * r]));
   std::vector<char> padded(std::max<size_t>(longest, 1), '\0'), all(padded.size() * n);
-  std::memcpy(padded.data(), mine.data(), mine.size());
+  std::memcpy(padded.data(), mine.key.data(), mine.key.size());
   allgather(padded.data(), all.data(), padded.size());
-  std::vector<std::string> keys(n);
-  for (size_t r = 0; r < n; ++r) keys[r].assign(all.data() + r * padded.size(), static_cast<size_t>(lengths[r]));
-  return keys;
+  std::vector<HostReport> reports(n);
+  for (size_t r = 0; r < n; ++r) {
+    reports[r].key.assign(all.data() + r * padded.size(), static_cast<size_t>(heads[2 * r]));
+    reports[r].spare_descriptors = heads[2 * r + 1];
+  }
+  return reports;
+}
+
+int leader_short_of_descriptors(const HostGroups& groups, const std::vector<HostReport>& reports) {
+  const uint64_t needed = leader_descriptors(groups.hosts.size());
+  for (const auto& ranks : groups.hosts)
+    if (reports.at(static_cast<size_t>(ranks.front())).spare_descriptors < needed) return ranks.front();
+  return -1;
 }
 
 HostStage::HostStage(HostGroups groups, int rank, std::shared_ptr<gloo::Context> leaders,

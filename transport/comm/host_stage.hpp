@@ -20,10 +20,6 @@
 
 namespace powersgd::transport {
 
-// PSGD_HOST_STAGE (docs/env.md): false for 0 (the default), true for 1;
-// InvalidArgumentError naming the value otherwise.
-bool host_stage_from_env();
-
 // This rank's host key: PSGD_HOST_ID when set, else "<hostname> <ip>", `ip`
 // being the transport's local address (hosts emulated by network namespaces
 // share a hostname but not an address).
@@ -44,10 +40,28 @@ struct HostGroups {
 // every rank given the same keys computes the same groups.
 HostGroups group_hosts(const std::vector<std::string>& keys);
 
-// Collective: every rank's key, through the communicator's blocking allgather
-// (two of them: the lengths, then the keys padded to the longest).
-std::vector<std::string> exchange_host_keys(const std::string& mine, int world_size,
-                                            const std::function<void(const void*, void*, size_t)>& allgather);
+// What a rank tells the others before staging: its host key, and the file
+// descriptors it has to spare (were it to lead, the leaders' context takes
+// leader_descriptors(hosts) of them).
+struct HostReport {
+  std::string key;
+  uint64_t spare_descriptors = 0;
+};
+
+// Collective: every rank's report, through the communicator's blocking
+// allgather (two of them: the key lengths and spare descriptors, then the keys
+// padded to the longest).
+std::vector<HostReport> exchange_host_reports(const HostReport& mine, int world_size,
+                                              const std::function<void(const void*, void*, size_t)>& allgather);
+
+// The descriptors a leader's context holds among `hosts` hosts: a pair and,
+// until it connects, a listening socket per other host.
+inline uint64_t leader_descriptors(size_t hosts) { return 2 * (hosts - 1); }
+
+// The first leader (its rank) of `groups` whose report spares fewer than
+// leader_descriptors; -1 where every leader can hold its context. The same on
+// every rank given the same reports.
+int leader_short_of_descriptors(const HostGroups& groups, const std::vector<HostReport>& reports);
 
 // The staged allreduce of one communicator. Touched by its communication
 // thread only, after creation.

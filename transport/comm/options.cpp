@@ -127,6 +127,26 @@ bool scatter_gather_from_env() {
   return value == "1";
 }
 
+HostStageMode host_stage_from_env() {
+  const std::string value = env::get_or_default("PSGD_HOST_STAGE");
+  PSGD_REQUIRE(value == "0" || value == "1" || value == "auto", InvalidArgumentError,
+               "environment variable PSGD_HOST_STAGE='", value,
+               "' is invalid: expected 0 (off), 1 (host-staged allreduce) or auto (staged where ranks share a host)");
+  return value == "0" ? HostStageMode::Off : value == "1" ? HostStageMode::On : HostStageMode::Auto;
+}
+
+const char* to_string(HostStageMode mode) {
+  switch (mode) {
+    case HostStageMode::Off:
+      return "0";
+    case HostStageMode::On:
+      return "1";
+    case HostStageMode::Auto:
+      return "auto";
+  }
+  return "?";
+}
+
 size_t direct_max_bytes_from_env(bool scatter_gather) {
   const std::optional<std::string> value = env::get("PSGD_DIRECT_MAX_BYTES");
   if (!value) return scatter_gather ? kDirectAuto : kDirectFixedBytes;

@@ -29,5 +29,13 @@ bool eager_direct_from_env();
 // order) between the direct bound and the ring threshold; 0 chooses Gloo's bcube there (2 log2 n rounds), as
 // before it. Equal on every rank (the fingerprint).
 bool scatter_gather_from_env();
+// PSGD_HOST_STAGE (docs/env.md): 0 off; 1 on (UnsupportedError where the
+// API cannot stage); auto (the default) on where the API can stage and the
+// leaders have the descriptors for their context. Staging takes effect only
+// where some host has two ranks or more (HostGroups::degenerate). Any other
+// value: InvalidArgumentError naming it.
+enum class HostStageMode { Off, On, Auto };
+HostStageMode host_stage_from_env();
+const char* to_string(HostStageMode mode);
 
 }  // namespace powersgd::transport
