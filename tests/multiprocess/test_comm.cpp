@@ -1053,6 +1053,20 @@ double round_to(DataType type, double v) {
   return b.get(0);
 }
 
+// Element i of the sum of every rank's staged_input, each addition rounded to `type`: within each group in
+// order, then the groups in order. The staged order for the hosts (test_hosts()); rank order for one rank per
+// group.
+double ordered_sum(DataType type, const std::vector<std::vector<int>>& groups, size_t i) {
+  double total = 0;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    double partial = round_to(type, staged_input(groups[k][0], i));
+    for (size_t j = 1; j < groups[k].size(); ++j)
+      partial = round_to(type, partial + round_to(type, staged_input(groups[k][j], i)));
+    total = k == 0 ? partial : round_to(type, total + partial);
+  }
+  return total;
+}
+
 uint64_t fnv1a(const std::vector<uint8_t>& bytes) {
   uint64_t h = 1469598103934665603ull;
   for (uint8_t b : bytes) h = (h ^ b) * 1099511628211ull;
@@ -1107,15 +1121,8 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
         if (expected != Algorithm::Ring) {
           // The documented order: within each host in rank order, then the hosts in order (direct or
           // scatter-gather among the leaders).
-          double total = 0;
-          for (size_t k = 0; k < hosts.size(); ++k) {
-            double partial = round_to(type, staged_input(hosts[k][0], i));
-            for (size_t j = 1; j < hosts[k].size(); ++j)
-              partial = round_to(type, partial + round_to(type, staged_input(hosts[k][j], i)));
-            total = k == 0 ? partial : round_to(type, total + partial);
-          }
           Buffer reference(type, 1);
-          reference.set(0, total);
+          reference.set(0, ordered_sum(type, hosts, i));
           wrong += std::memcmp(reference.bytes.data(), b.bytes.data() + i * size_of(type), size_of(type)) != 0;
         } else {
           double exact = 0;
@@ -1157,35 +1164,21 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
 
 namespace {
 
-// Whether `sum` (count float32, every rank's staged_input) holds the staged order's bits (within each host in
-// rank order, then the hosts in order) where `staged`, else rank order's (every rank in turn).
-size_t wrong_float_sums(const std::vector<float>& sum, const std::vector<std::vector<int>>& hosts, int world,
-                        bool staged) {
-  size_t wrong = 0;
-  for (size_t i = 0; i < sum.size(); ++i) {
-    float total = 0;
-    if (staged) {
-      for (size_t k = 0; k < hosts.size(); ++k) {
-        float partial = static_cast<float>(staged_input(hosts[k][0], i));
-        for (size_t j = 1; j < hosts[k].size(); ++j) partial += static_cast<float>(staged_input(hosts[k][j], i));
-        total = k == 0 ? partial : total + partial;
-      }
-    } else {
-      total = static_cast<float>(staged_input(0, i));
-      for (int r = 1; r < world; ++r) total += static_cast<float>(staged_input(r, i));
-    }
-    wrong += std::memcmp(&total, &sum[i], sizeof(float)) != 0;
-  }
-  return wrong;
-}
-
-// An allreduce of 1000 float32 (direct), its bits checked against the staged or the rank order.
+// An allreduce of 1000 float32 (direct), its bits checked against the staged order (test_hosts()) or rank order.
 void check_sum_order(GlooCommunicator& comm, bool staged) {
   std::vector<float> data(1000);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(staged_input(comm.rank(), i));
   comm.allreduce(data.data(), data.size(), DataType::Float32);
+  std::vector<std::vector<int>> groups = test_hosts();
+  if (!staged) {
+    groups.clear();
+    for (int r = 0; r < comm.size(); ++r) groups.push_back({r});
+  }
+  size_t wrong = 0;
+  for (size_t i = 0; i < data.size(); ++i)
+    wrong += static_cast<float>(ordered_sum(DataType::Float32, groups, i)) != data[i];
   INFO("staged ", staged);
-  CHECK(wrong_float_sums(data, test_hosts(), comm.size(), staged) == 0);
+  CHECK(wrong == 0);
 }
 
 }  // namespace
