@@ -5,7 +5,7 @@
 # with PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 (bcube for every allreduce below the ring
 # threshold: the algorithms before the direct one) and with the default,
 # alternated within each round, ROUNDS rounds. The table gives per side the
-# median over rounds of the slowest rank's median step (ms) and the
+# median over rounds of the slowest rank's median step (ms) and of the
 # communication rounds per step (Communicator::communication_rounds), and the
 # median of the per-round ratios bcube / direct. Needs root.
 # Usage: bench/rounds_ab.sh [BUILD_DIR] [RATE] [ROUNDS]
@@ -31,7 +31,9 @@
 #         threshold: the algorithms before the scatter-gather allreduce), e.g. SIDES="nosg direct"; a side
 #         containing "nocarry" sets PSGD_CARRY_FIRST=0 (the order guard's announce carries no P: the
 #         engine before the lead exchange, docs/engine.md), e.g. SIDES="nocarry direct" or
-#         SIDES="staged-nocarry staged"
+#         SIDES="staged-nocarry staged"; a side starting with "old" runs OLD_BUILD's powersgd-bench (a
+#         build of the commit before a change, for its before and after side by side), e.g.
+#         OLD_BUILD=/tmp/old/build SIDES="old new"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -52,6 +54,10 @@ for setting in ${ENV:-}; do ENV_ARGS="$ENV_ARGS --env $setting"; done
 emulated_preamble rounds_ab.sh
 BENCH="$BUILD/tools/bench/powersgd-bench"
 [ -x "$BENCH" ] || { echo "rounds_ab.sh: $BENCH not found (build first: ninja -C $BUILD)" >&2; exit 2; }
+case " ${SIDES:-} " in *" old"*)
+  [ -x "${OLD_BUILD:-}/tools/bench/powersgd-bench" ] || {
+    echo "rounds_ab.sh: a side starting with 'old' needs OLD_BUILD, a build with tools/bench/powersgd-bench (OLD_BUILD='${OLD_BUILD:-}')" >&2; exit 2; } ;;
+esac
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "== bench/rounds_ab.sh: links $RATE, $ROUNDS round(s), $RANKS_PER_HOST rank(s) per host, $(basename "$SHAPES"), buckets $BUCKET_MB MiB," \
@@ -68,6 +74,7 @@ for hosts in $HOSTS; do
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
         carry=; case $side in *nocarry*) carry=0 ;; esac
+        bench=$BENCH; case $side in old*) bench="$OLD_BUILD/tools/bench/powersgd-bench" ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \
@@ -76,7 +83,7 @@ for hosts in $HOSTS; do
           ${stage:+--env PSGD_HOST_STAGE=$stage} ${eager:+--env PSGD_DIRECT_EAGER=$eager} \
           ${sg:+--env PSGD_SCATTER_GATHER=$sg} ${carry:+--env PSGD_CARRY_FIRST=$carry} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
-          "$BENCH" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
+          "$bench" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
           --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {
           echo "rounds_ab.sh: $side on $hosts hosts at $delay failed:" >&2; cat "$tmp/log" >&2; exit 1; }
         echo "  $hosts hosts, $delay, $side, round $round (load $(cut -d' ' -f1 /proc/loadavg))" >&2
@@ -98,7 +105,7 @@ print("|" + " --- |" * (2 + 2 * len(sides) + len(sides) - 1))
 for h in hosts:
     for d in delays:
         runs = {x: [load(h, d, x, r) for r in range(1, rounds + 1)] for x in sides}
-        cells = [f"{statistics.median(v[0] for v in runs[x]):.1f} | {runs[x][0][1]:g}" for x in sides]
+        cells = [f"{statistics.median(v[0] for v in runs[x]):.1f} | {statistics.median(v[1] for v in runs[x]):g}" for x in sides]
         cells += [f"{statistics.median(a[0] / b[0] for a, b in zip(runs[first], runs[x])):.2f}x" for x in sides[1:]]
         print(f"| {h} | {d} | " + " | ".join(cells) + " |")
 PY

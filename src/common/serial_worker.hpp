@@ -1,8 +1,8 @@
 // One worker thread running submitted items one at a time, in submission order
 // (FIFO). The communicator runs its collectives on one (the order of
 // collectives must be the submission order on every rank); the engine's
-// reduction queue is the other user, and peek_next() is there for its
-// lookahead (prepare the next item while the current one communicates).
+// reduction queue is the other user, and peek_front() is there for its
+// lookahead (prepare the next items while the current one communicates).
 //
 // Contract:
 // - submit() queues an item and returns its Done (a Completion, or a type
@@ -77,15 +77,18 @@ class SerialWorker {
   std::optional<Item> peek_next() const
     requires std::is_copy_constructible_v<Item>
   {
-    return peek_next([](const Item& item) { return item; });
+    auto front = peek_front(1, [](const Item& item) { return item; });
+    if (front.empty()) return std::nullopt;
+    return std::move(front.front());
   }
-  // project(next item) under the queue's lock, or nullopt when none is queued:
-  // lets a caller read one field of the next item without copying all of it.
+  // project(item) of the first `max` queued items (not the running one), in queue order, under the queue's
+  // lock: lets a caller read one field of each without copying all of it. The items may start running right after.
   template <typename Project>
-  auto peek_next(Project project) const -> std::optional<decltype(project(std::declval<const Item&>()))> {
+  auto peek_front(size_t max, Project project) const -> std::vector<decltype(project(std::declval<const Item&>()))> {
+    std::vector<decltype(project(std::declval<const Item&>()))> out;
     std::lock_guard lock(mutex_);
-    if (queue_.empty()) return std::nullopt;
-    return project(queue_.front().item);
+    for (size_t i = 0; i < queue_.size() && i < max; ++i) out.push_back(project(queue_[i].item));
+    return out;
   }
 
   // An item taken out of the queue by claim_front, with its Done: the caller

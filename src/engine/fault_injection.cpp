@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "common/check.hpp"
@@ -34,6 +35,11 @@ bool holds(const std::optional<Fault>& fault, int64_t step) {
 
 bool fault_at(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {
   return fault && fault->point == point && fault->step == step;
+}
+
+void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step, const std::vector<int>& buckets) {
+  if (fault && fault->bucket >= 0 && std::find(buckets.begin(), buckets.end(), fault->bucket) == buckets.end()) return;
+  maybe_inject(fault, point, step);
 }
 
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step) {

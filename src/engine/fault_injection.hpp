@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace powersgd::engine {
 
@@ -38,6 +39,10 @@ struct Fault {
   bool hold = false;  // also hold every step's first reduction as FaultPoint::Hold does (fusing tests)
   FaultEffect effect = FaultEffect::Throw;  // Prepare and Between only
   int64_t stop_ms = 0;                      // FaultEffect::Stop: how long the process stays stopped
+  int bucket = -1;  // Prepare and Between: only the reductions of this bucket (-1: every reduction of the step)
+  // Hold: once the others are queued, the lookahead prepares them, as it does while an earlier reduction
+  // communicates (their first collective is then carried with the held one's); false: claimed unprepared.
+  bool hold_prepares = true;
 };
 
 // Arms `fault` for the next Reducer this process constructs. Thread-safe.
@@ -53,5 +58,7 @@ bool holds(const std::optional<Fault>& fault, int64_t step);
 
 // When `fault` is at `point` of `step`: throws IoError("injected fault ..."), exits or stops (Fault::effect).
 void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step);
+// The same for a reduction of `buckets` (Prepare, Between): only where Fault::bucket is -1 or among them.
+void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t step, const std::vector<int>& buckets);
 
 }  // namespace powersgd::engine

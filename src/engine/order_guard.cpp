@@ -231,8 +231,9 @@ bool OrderGuard::can_carry(const Reduction& r) const {
 void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
                        std::span<const Reduction* const> proposals, bool carry) {
   PSGD_ASSERT(proposals.size() < kMaxFused, proposals.size(), " proposals, at most ", kMaxFused - 1);
-  PSGD_ASSERT(!carry || (proposals.empty() && can_carry(r)), "an announce carries a first collective it cannot");
+  PSGD_ASSERT(!carry || can_carry(r), "an announce carries a first collective it cannot");
   first_summed_ = false;
+  carried_overwritten_ = false;
   pending_.resize(buckets_.size());
   std::vector<uint64_t>& mine = mine_;
   mine.assign(kValueCount, 0);
@@ -334,6 +335,7 @@ size_t OrderGuard::finish(const Reduction& r) {
   announced_ = Work();
   announced.wait();
   stats_.guard_seconds += seconds_since(start);
+  carried_overwritten_ = first_summed_;
   if (lead_capacity_ > 0) {
     // The leads in rank order: sums of small integers, exact, so the allreduce's values on every rank.
     constexpr size_t kValues = kMaxFused * kBlock;
@@ -352,6 +354,9 @@ size_t OrderGuard::finish(const Reduction& r) {
       for (int b : proposal_carried_[j - 1]) pending_[static_cast<size_t>(b)] = Pending{};
       fused = j + 1;
     }
+    // Carried sums of equal sizes are of the same reductions only where no rank proposed more than the agreed
+    // (block `fused` proposed by none): each rank carried the reduction and the agreed proposals, fused.
+    if (fused < kMaxFused && sums_[fused * kBlock + 2 * kChunks] != 0.0) first_summed_ = false;
     return fused;
   }
   raise(r, mine_, loaded_);

@@ -105,12 +105,15 @@ class OrderGuard {
   // The lead exchange (Communicator::lead_exchange_capacity holds the
   // announce; docs/engine.md, "The announce carries P"): the announce travels
   // as a lead, every rank's arriving at every rank, which adds them in rank
-  // order into the sums the allreduce would give. `carry` (can_carry, no
-  // proposals): begin() only prepares the announce, and carry() sends it with
-  // the reduction's first collective behind it, after prepare; first_summed()
-  // then says, the same on every rank, whether every rank carried its first
-  // collective alike and it came back summed (else every rank issues it as
-  // usual). Between begin(carry) and carry() nothing may throw.
+  // order into the sums the allreduce would give. `carry` (can_carry of the
+  // reduction with its proposals): begin() only prepares the announce, and
+  // carry() sends it with the first collective behind it, after prepare: the
+  // reduction's, or with proposals the fused one of the reduction and all of
+  // them (StepRunner::fuse). first_summed() then says, the same on every rank,
+  // whether every rank carried alike and it came back summed: the same sizes,
+  // and every rank proposed exactly the proposals agreed, so each carried the
+  // same reductions (else every rank issues the first collective as usual).
+  // Between begin(carry) and carry() nothing may throw.
   void begin(const Reduction& reduction, uint64_t layout, bool loaded,
              std::span<const Reduction* const> proposals = {}, bool carry = false);
   // Whether this rank's announce of `reduction` can carry its first collective: the lead exchange, a compressed
@@ -123,6 +126,9 @@ class OrderGuard {
   size_t finish(const Reduction& reduction);
   // After finish(): whether the announce carried the first collective and it came back summed.
   bool first_summed() const { return first_summed_; }
+  // After finish() (returned or threw): whether the carried data came back summed, valid or not (first_summed):
+  // the carried host range then holds sums, not what prepare wrote.
+  bool carried_overwritten() const { return carried_overwritten_; }
   // Waits for an announce begun and not finished (its buffer is this object's). For error paths (in a catch
   // block: an announce begun with carry and not sent leaves as this rank's failure, with the error handled).
   void settle() noexcept;
@@ -172,6 +178,7 @@ class OrderGuard {
   size_t lead_capacity_ = 0;
   bool deferred_ = false;
   bool first_summed_ = false;  // written by the communication thread until announced_ completed
+  bool carried_overwritten_ = false;  // carried_overwritten()
   std::vector<float> host_scratch_;  // device outputs staged for hashing
 };
 

@@ -50,7 +50,7 @@ Reducer::Impl::Impl(Communicator& comm, const Config& config)
     backend_ = compute::make_backend(
         config_.device == Device::Cpu ? compute::DeviceKind::Cpu : compute::DeviceKind::Cuda, config_.device_index);
     runner_ = std::make_unique<engine::StepRunner>(config_, comm_, *backend_, buckets_, arenas_, stats_, log_,
-                                                   [this] { return next_reduction(); }, fault);
+                                                   [this] { return queued_reductions(); }, fault);
     fault_ = fault;
     guard_ = std::make_unique<engine::OrderGuard>(config_, comm_, *backend_, buckets_, arenas_, stats_);
   });

@@ -215,6 +215,8 @@ class Reducer::Impl final : public detail::CommUser {
   // Worker thread, after every rank agreed: `reduction` and `members` as one,
   // each member's handle finished with its outcome; rethrows the reduction's.
   void run_fused(Reduction& reduction, Claimed& members);
+  // Marks the claimed reductions to be prepared again: a carry not summed for them overwrote their ranges.
+  void unprepare(Claimed& claimed);
   // Worker thread, once: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any rank that
   // proposes nothing makes every rank run its reductions one by one).
   const bool fuse_ = switch_from_env("PSGD_FUSE_REDUCTIONS");
@@ -229,10 +231,10 @@ class Reducer::Impl final : public detail::CommUser {
   void collective_call(std::function<void()> fn) {
     worker_.submit(WorkerTask{nullptr, std::move(fn), turns_->take()})->wait();
   }
-  // The reduction queued after the running one (the step runner's lookahead); null when a call is next.
-  std::shared_ptr<Reduction> next_reduction() const {
-    // Only the pointer: the task's std::function is not copied on this per-reduction path.
-    return worker_.peek_next([](const WorkerTask& task) { return task.reduction; }).value_or(nullptr);
+  // The first reductions queued after the running one, in order (the step runner's lookahead); null for a call.
+  std::vector<std::shared_ptr<Reduction>> queued_reductions() const {
+    // Only the pointers: the tasks' std::function is not copied on this per-reduction path.
+    return worker_.peek_front(engine::kMaxFused, [](const WorkerTask& task) { return task.reduction; });
   }
   SerialWorker<WorkerTask> worker_{"reducer", [this](WorkerTask& task) {
                                      // Released when the task ends, run or refused (a cancelled task's

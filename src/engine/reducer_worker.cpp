@@ -37,14 +37,29 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
   if (reduction.buckets.size() == 1 && held_step_ != reduction.iteration && engine::holds(fault_, reduction.iteration)) {
     held_step_ = reduction.iteration;  // test only (fault_injection.hpp)
     worker_.wait_queued(buckets_.size() - 1, std::chrono::seconds(10));
+    if (fault_->hold_prepares) runner_->lookahead(reduction);
   }
   Claimed claimed = claim_fusable(reduction, turn);
+  bool carry = false;
+  bool carried_flags = false;  // stage_first flagged a failure in every carried bucket's range
+  // The claimed reductions' ranges hold the carried sums or flags, not what prepare wrote.
+  const auto carried_over_claimed = [&] {
+    return carry && !claimed.empty() && (carried_flags || guard_->carried_overwritten());
+  };
   try {
     std::vector<const Reduction*> proposals;
     for (const auto& c : claimed) proposals.push_back(c.item.reduction.get());
-    // Without proposals the announce may carry the first collective (OrderGuard::carry), sent after prepare.
-    const bool carry = carry_first_ && claimed.empty() && !reduction.poisoned && !noted(reduction) &&
-                       guard_->can_carry(reduction);
+    // The announce may carry the first collective (OrderGuard::carry), sent after prepare: the reduction's, or
+    // with proposals the fused one of the reduction and all of them (of use where every rank proposed them
+    // all). Only proposals the lookahead prepared already: preparing them first would hold this rank's announce
+    // back by their compute, where an announce sent at once hides behind it.
+    Reduction carried;
+    carried.compressed = reduction.compressed;
+    carried.buckets = reduction.buckets;
+    for (const Reduction* p : proposals) carried.buckets.insert(carried.buckets.end(), p->buckets.begin(), p->buckets.end());
+    carry = carry_first_ && !reduction.poisoned && !noted(reduction) &&
+            std::all_of(proposals.begin(), proposals.end(), [](const Reduction* p) { return p->prepared; }) &&
+            guard_->can_carry(carried);
     // layout_fingerprint_ is final since the first reduce (start()).
     guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals, carry);
     if (!reduction.poisoned && noted(reduction)) {
@@ -60,13 +75,32 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       // later as prepared, like the lookahead's).
       runner_->prepare_once(reduction);
       for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
-      if (carry) {
+      if (carry && claimed.empty()) {
         const engine::Segment first = runner_->stage_first(reduction);
         guard_->carry(first.host, first.count);
         runner_->lookahead(reduction);  // while the announce and the first collective travel
+      } else if (carry) {
+        // No lookahead: the reduction queued next may be of a claimed bucket, or not next once some go back.
+        std::vector<Reduction*> all{&reduction};
+        for (auto& c : claimed) all.push_back(c.item.reduction.get());
+        carried = engine::StepRunner::fuse(all);
+        const bool prepared_ok = carried.prepare_error == nullptr;
+        const engine::Segment first = runner_->stage_first(carried);
+        carried_flags = carried.prepare_error != nullptr;
+        // A failed staging is this rank's failure of the reduction (a member's own failed prepare stays its own).
+        if (prepared_ok && carried_flags) reduction.prepare_error = carried.prepare_error;
+        guard_->carry(first.host, first.count);
       }
       const size_t fused = guard_->finish(reduction);
       reduction.first_summed = guard_->first_summed();
+      // Carried with proposals and not summed for the reductions that run: what prepare wrote into the carried
+      // ranges is gone where the sums came back or stage_first flagged a failure in them, so prepared again.
+      if (!reduction.first_summed && carried_over_claimed()) {
+        reduction.prepared = reduction.prepare_error != nullptr;
+        runner_->prepare_once(reduction);
+        unprepare(claimed);
+        for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
+      }
       loaded_on_worker_ = false;
       // The claimed reductions not agreed go back first, so the lookahead sees the true next one.
       Claimed members(std::make_move_iterator(claimed.begin()),
@@ -80,6 +114,7 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
     guard_->after_success(reduction);
   } catch (...) {
     guard_->settle();
+    if (carried_over_claimed()) unprepare(claimed);
     if (!claimed.empty()) worker_.requeue_front(std::move(claimed));  // not announced: they run as queued
     if (reduction.closes_step) close_step(reduction);
     throw;
@@ -102,6 +137,11 @@ Reducer::Impl::Claimed Reducer::Impl::claim_fusable(const Reduction& r, const de
   });
 }
 
+void Reducer::Impl::unprepare(Claimed& claimed) {
+  // A reduction whose prepare failed keeps its error: its ranges are sent flagged whatever they hold.
+  for (auto& c : claimed) c.item.reduction->prepared = c.item.reduction->prepare_error != nullptr;
+}
+
 void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
   std::vector<Reduction*> all{&reduction};
   for (auto& m : members) {
@@ -112,6 +152,7 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
     for (auto& m : members) m.done->finish(error);
   };
   Reduction fused = engine::StepRunner::fuse(all);
+  fused.first_summed = reduction.first_summed;  // the announce carried every member's first collective
   try {
     runner_->run(fused);
     guard_->after_success(fused);

@@ -46,24 +46,30 @@ double host_squared_sum(const float* x, int64_t count) {
 
 }  // namespace
 
-// Prepares the next queued reduction while `current` communicates, when they
-// share no bucket (the next one's state must be final) and it has no unsettled
-// one (set_unsettled). Purely local work.
+// Prepares the queued reductions while `current` communicates, each whose
+// buckets' state is final: no bucket of `current`, of an earlier queued
+// reduction or unsettled (set_unsettled). A queued call may change any state,
+// and a pending note the arenas' layout (reducer_worker.cpp): nothing after
+// either. Purely local work.
 void StepRunner::lookahead(const Reduction& current) {
-  const std::shared_ptr<Reduction> next = next_();
-  if (next == nullptr || next->prepared) return;
-  // A pending note changes the bucket's level once its announce agreed (reducer_worker.cpp).
-  for (int a : next->buckets)
-    if (bucket(a).note_pending) return;
-  for (int a : next->buckets)
-    if (std::find(current.buckets.begin(), current.buckets.end(), a) != current.buckets.end() ||
-        std::find(unsettled_.begin(), unsettled_.end(), a) != unsettled_.end())
-      return;
-  try {
-    prepare(*next);
-  } catch (...) {
-    next->prepare_error = std::current_exception();
-    next->prepared = true;
+  std::vector<int> busy = current.buckets;
+  busy.insert(busy.end(), unsettled_.begin(), unsettled_.end());
+  for (const std::shared_ptr<Reduction>& next : queued_()) {
+    if (next == nullptr) return;
+    if (next->poisoned) continue;  // refused: changes no state, and its bucket may be out of range
+    for (int a : next->buckets)
+      if (bucket(a).note_pending) return;
+    const bool free = std::none_of(next->buckets.begin(), next->buckets.end(), [&](int a) {
+      return std::find(busy.begin(), busy.end(), a) != busy.end();
+    });
+    busy.insert(busy.end(), next->buckets.begin(), next->buckets.end());
+    if (!free || next->prepared) continue;
+    try {
+      prepare(*next);
+    } catch (...) {
+      next->prepare_error = std::current_exception();
+      next->prepared = true;
+    }
   }
 }
 
@@ -226,7 +232,7 @@ void StepRunner::prepare(Reduction& job) {
     job.q_count = q_end - job.q_begin;
   }
   // Only after the ranges above: a rank whose local work fails still sends them, poisoned.
-  maybe_inject(fault_, FaultPoint::Prepare, job.iteration);
+  maybe_inject(fault_, FaultPoint::Prepare, job.iteration, job.buckets);
   for (size_t i = 0; i < n; ++i) {
     BucketState& s = bucket(job.buckets[i]);
     if (job.compressed)
@@ -516,7 +522,7 @@ void StepRunner::run_compressed(Reduction& job) {
   std::exception_ptr between_failed;
   if (q.count > 0) {
     try {
-      maybe_inject(fault_, FaultPoint::Between, job.iteration);
+      maybe_inject(fault_, FaultPoint::Between, job.iteration, job.buckets);
       for (size_t i = 0; i < job.buckets.size(); ++i) {
         BucketState& s = bucket(job.buckets[i]);
         float* pb = factor(job, i);

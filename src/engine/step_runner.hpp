@@ -60,15 +60,15 @@ struct Reduction {
 
 class StepRunner {
  public:
-  using NextReduction = std::function<std::shared_ptr<Reduction>()>;
+  using QueuedReductions = std::function<std::vector<std::shared_ptr<Reduction>>()>;
 
   // Everything by reference is owned by the Reducer and outlives the runner;
-  // `next` returns the reduction queued after the running one, if any.
+  // `queued` returns the first reductions queued after the running one, in order (null for a queued call).
   StepRunner(const Config& config, Communicator& comm, compute::Backend& backend,
              std::vector<std::unique_ptr<BucketState>>& buckets, Arenas& arenas, Stats& stats, DecisionLog& log,
-             NextReduction next, std::optional<Fault> fault = std::nullopt)
+             QueuedReductions queued, std::optional<Fault> fault = std::nullopt)
       : config_(config), comm_(comm), be_(backend), buckets_(buckets), arenas_(arenas), stats_(stats), log_(log),
-        next_(std::move(next)), fault_(fault) {}
+        queued_(std::move(queued)), fault_(fault) {}
 
   // Throws NonFiniteError (the same decision on every rank) before changing any
   // state, or the collectives' errors. A local failure (prepare, or the compute
@@ -87,8 +87,10 @@ class StepRunner {
   // becomes job.prepare_error) as it is with kFailedFlag in every bucket's finite flag. Throws nothing: the
   // collective, or the announce, must leave.
   Segment stage_first(Reduction& job) noexcept;
-  // Prepares the reduction queued after `current` unless it shares a bucket with it (or with a reduction not
-  // settled): local work while `current`'s collectives travel.
+  // Prepares the reductions queued after `current`, in order, up to the first queued call or pending
+  // learning-rate note: each unless it shares a bucket with `current`, an earlier queued reduction or one not
+  // settled (its state is not final). Local work while `current`'s collectives travel; a reduction claimed
+  // later as a proposal is then ready to be carried (reducer_worker.cpp).
   void lookahead(const Reduction& current);
 
   // Fusing queued reductions (docs/engine.md, "Fusing queued reductions"):
@@ -196,7 +198,7 @@ class StepRunner {
   Arenas& arenas_;
   Stats& stats_;
   DecisionLog& log_;
-  NextReduction next_;
+  QueuedReductions queued_;
   std::optional<Fault> fault_;  // test-only fault injection (fault_injection.hpp)
   // The 16-bit wire's buffers: one segment's float32 ranges and its factors,
   // valid from send_segment until wait_segment (one segment in flight at a time).

@@ -43,8 +43,11 @@ const std::vector<std::vector<Shape>> kBuckets = {{{32, 24}, {32}, {16, 8, 3, 3}
 // A reducer whose worker holds each step's first reduction until the
 // step's other buckets are queued (engine::FaultPoint::Hold), so that fusing
 // them does not depend on timing.
-std::unique_ptr<Reducer> held_reducer(Communicator& comm, const Config& config) {
-  engine::arm_fault({engine::FaultPoint::Hold, -1});
+// `prepares`: the held reduction's lookahead prepares the others first (engine::Fault::hold_prepares).
+std::unique_ptr<Reducer> held_reducer(Communicator& comm, const Config& config, bool prepares = true) {
+  engine::Fault hold{engine::FaultPoint::Hold, -1};
+  hold.hold_prepares = prepares;
+  engine::arm_fault(hold);
   auto reducer = std::make_unique<Reducer>(comm, config);
   for (const auto& shapes : kBuckets) reducer->add_bucket(shapes);
   return reducer;
@@ -123,29 +126,32 @@ TEST_CASE("fusing: queued reductions run as one, with the bits of one by one") {
   struct Variant {
     const char* name;
     Config config;
-    uint64_t fused_rounds;  // per compressed step, all three fused; 0: not checked
+    uint64_t fused_rounds;  // per compressed step, all three fused, proposals prepared; 0: not checked
     uint64_t alone_rounds;  // per compressed step, one by one
+    uint64_t unprepared_rounds = 0;  // fused, proposals not prepared when claimed; 0: not checked
   };
   std::vector<Variant> variants;
   Config c;
   c.rank = 2;
   c.start_iter = 1;
-  // Fused: an announce that proposes carries no P (OrderGuard::carry), so announce, P, Q; one by one: the
-  // announce carries P, then Q. The bits are the same either way.
-  variants.push_back({"default", c, 3, 6});
+  // Fused: the announce carries the fused P of the reduction and its prepared proposals (OrderGuard::carry),
+  // then Q; proposals not prepared yet: the announce at once, then P and Q; one by one: each announce carries
+  // its P, then Q. The bits are the same every way.
+  variants.push_back({"default", c, 2, 6, 3});
   Config bf16 = c;
   bf16.wire_dtype = WireDType::BFloat16;
-  variants.push_back({"bf16", bf16, 4, 12});  // announce, P's float32 part, P's factors, Q (a 16-bit P is not carried)
+  variants.push_back({"bf16", bf16, 4, 12, 4});  // announce, P's float32 part, P's factors, Q (a 16-bit P is not carried)
   Config rank1 = c;
   rank1.rank = 1;
   rank1.error_feedback = false;
-  variants.push_back({"rank 1, no error feedback", rank1, 3, 6});
+  variants.push_back({"rank 1, no error feedback", rank1, 2, 6, 3});
   Config alternating = c;
   alternating.alternating = true;  // slots sized for P or Q: fused only where they follow each other
   variants.push_back({"alternating", alternating, 0, 3});
+  for (const bool prepares : {true, false})
   for (const auto& v : variants) {
-    INFO("variant ", v.name);
-    auto fused = held_reducer(*comm, v.config);
+    INFO("variant ", v.name, ", proposals prepared: ", prepares);
+    auto fused = held_reducer(*comm, v.config, prepares);
     auto alone = plain_reducer(*comm, v.config);
     for (int64_t step = 0; step < 6; ++step) {
       INFO("step ", step);
@@ -161,7 +167,8 @@ TEST_CASE("fusing: queued reductions run as one, with the bits of one by one") {
         CHECK(a.rounds == 6);  // plain steps are not fused: announce and the bucket, each
       } else {
         CHECK(b.rounds == v.alone_rounds);
-        if (v.fused_rounds != 0) CHECK(a.rounds == v.fused_rounds);
+        const uint64_t expected = prepares ? v.fused_rounds : v.unprepared_rounds;
+        if (expected != 0) CHECK(a.rounds == expected);
         CHECK(a.rounds <= v.alone_rounds);
       }
     }
@@ -169,22 +176,76 @@ TEST_CASE("fusing: queued reductions run as one, with the bits of one by one") {
   }
 }
 
-TEST_CASE("fusing: buckets swapped by one rank are not fused; each fails with MismatchError on every rank") {
-  auto comm = connect("fusion-swap");
+namespace {
+
+// Step 0 on a held reducer, rank 1 submitting its buckets in `rank1_order` and the others in 0, 1, 2: checks
+// each bucket's outcome against `codes` (0: reduced) and the one bucket `reduced` against one by one.
+std::unique_ptr<Reducer> reduce_reordered(Communicator& comm, const std::vector<int>& rank1_order,
+                                          const std::vector<int>& codes, int reduced) {
   Config c;
   c.rank = 2;
   c.start_iter = 0;
-  auto r = held_reducer(*comm, c);
-  auto g = step_gradients(*r, comm->rank(), 0);
-  const std::vector<int> order = comm->rank() == 1 ? std::vector<int>{0, 2, 1} : std::vector<int>{0, 1, 2};
-  const StepResult swapped = reduce_queued(*comm, *r, g, order);
+  auto r = held_reducer(comm, c);
+  auto alone = plain_reducer(comm, c);
+  auto g = step_gradients(*r, comm.rank(), 0);
+  auto h = g;
+  const StepResult result = reduce_queued(comm, *r, g, comm.rank() == 1 ? rank1_order : std::vector<int>{0, 1, 2});
+  CHECK(result.codes == codes);
+  alone->reduce(reduced, h[static_cast<size_t>(reduced)].data());
+  CHECK(same_bits(g[static_cast<size_t>(reduced)], h[static_cast<size_t>(reduced)]));
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("fusing: buckets swapped by one rank are not fused; each fails with MismatchError on every rank") {
+  auto comm = connect("fusion-swap");
   const int mismatch = static_cast<int>(ErrorCode::Mismatch);
-  CHECK(swapped.codes == std::vector<int>{0, mismatch, mismatch});
+  // Bucket 0 runs alone (rank 1 proposes nothing: buckets 0 and 2 do not follow each other).
+  auto r = reduce_reordered(*comm, {0, 2, 1}, {0, mismatch, mismatch}, 0);
   // Nothing changed: the next step, in one order, is fused and succeeds.
-  g = step_gradients(*r, comm->rank(), 1);
+  auto g = step_gradients(*r, comm->rank(), 1);
   const StepResult next = reduce_queued(*comm, *r, g, {0, 1, 2});
   CHECK(next.codes == std::vector<int>{0, 0, 0});
-  CHECK(next.rounds == 3);
+  CHECK(next.rounds == 2);
+}
+
+TEST_CASE("fusing: a carry summed for reductions not agreed is prepared again") {
+  // Rank 1 runs bucket 1 first and proposes 0 and 2, the others run 0 and propose 1 and 2: every rank carries
+  // the fused first collective of buckets 0, 1 and 2 (one size, summed by the exchange), and the announce
+  // disagrees. The first two reductions fail with MismatchError on every rank; bucket 2, whose carried range
+  // held the sums, is prepared again and reduced with the bits of one by one.
+  auto comm = connect("fusion-carry-discarded");
+  const int mismatch = static_cast<int>(ErrorCode::Mismatch);
+  reduce_reordered(*comm, {1, 0, 2}, {mismatch, mismatch, 0}, 2);
+}
+
+TEST_CASE("fusing: a refused call queued behind a reduction is left alone by the lookahead") {
+  // Bucket 0's reduction is held until one more is queued: a reduce_async of a bucket that does not exist,
+  // refused and queued poisoned. The lookahead, which prepares every queued reduction, skips it (its bucket
+  // index is out of range: reading its state crashed the process); every rank then fails the call with
+  // InvalidArgumentError, and buckets 0 and 1 have the bits of one by one.
+  auto comm = connect("fusion-refused-queued");
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  engine::arm_fault({engine::FaultPoint::Hold, -1});
+  Reducer r(*comm, c);
+  Reducer alone(*comm, c);
+  for (size_t b = 0; b < 2; ++b) {
+    r.add_bucket(kBuckets[b]);
+    alone.add_bucket(kBuckets[b]);
+  }
+  auto g = step_gradients(r, comm->rank(), 0);
+  auto h = g;
+  ReduceHandle first = r.reduce_async(0, g[0].data());
+  CHECK(test::outcome_of([&] { r.reduce_async(std::numeric_limits<int>::max(), g[1].data()); }).code ==
+        static_cast<int>(ErrorCode::InvalidArgument));
+  CHECK_NOTHROW(first.wait());
+  CHECK_NOTHROW(r.reduce_async(1, g[1].data()).wait());
+  CHECK(reduce_one_by_one(*comm, alone, h).codes == std::vector<int>{0, 0});
+  CHECK(same_bits(g[0], h[0]));
+  CHECK(same_bits(g[1], h[1]));
 }
 
 TEST_CASE("fusing: non-finite gradients of one bucket on one rank fail that bucket only, as one by one") {
@@ -383,7 +444,7 @@ TEST_CASE("fusing: two reducers on one communicator fuse only turns that follow 
     }
     for (auto& handle : handles) CHECK_NOTHROW(handle.wait());
     const uint64_t rounds = comm->communication_rounds() - before;
-    CHECK(rounds == (step % 2 == 0 ? 12u : 6u));  // interleaved: 6 announces carrying P, and Q; else fused
+    CHECK(rounds == (step % 2 == 0 ? 12u : 4u));  // interleaved: 6 announces carrying P, and Q; else 2 fused
     CHECK(reduce_one_by_one(*comm, *a_alone, ha).codes == std::vector<int>{0, 0, 0});
     CHECK(reduce_one_by_one(*comm, *b_alone, hb).codes == std::vector<int>{0, 0, 0});
     for (size_t k = 0; k < ga.size(); ++k) {
@@ -454,10 +515,70 @@ TEST_CASE("fusing: a rank with fusing off makes every rank reduce one by one") {
     const StepResult a = reduce_queued(*comm, *fused, g, {0, 1, 2});
     reduce_one_by_one(*comm, *alone, h);
     CHECK(a.codes == std::vector<int>{0, 0, 0});
-    // Rank 1 proposes the queued reductions behind the first two, so its announces of those carry no P: every
-    // rank sends P on its own (3 rounds each); the last one's announce carries P on every rank (2).
+    // Rank 1 proposes the queued reductions behind the first two and carries their P with the first's, rank 0
+    // only the first's: the sizes differ, so every rank sends P on its own (3 rounds each); the last one's
+    // announce carries P on every rank (2).
     CHECK(a.rounds == 8);
     for (size_t k = 0; k < g.size(); ++k) CHECK(same_bits(g[k], h[k]));
+  }
+}
+
+TEST_CASE("fusing: a failed prepare of one bucket among carried proposals fails that bucket only") {
+  // Rank 1's prepare of bucket 1 fails at step 2; the announce of bucket 0 carries the first collective of all
+  // three, flagged. With every rank fusing, the fused reduction fails together and each reruns alone; with
+  // rank 0 not fusing (it carries bucket 0's alone: not summed), rank 1 prepares buckets 0 and 2 again (their
+  // flags were set in the carried range). Either way only bucket 1 fails, on every rank, its state unchanged,
+  // and the others have the bits of one by one.
+  auto comm = connect("fusion-carried-failure");
+  for (const bool rank0_fuses : {true, false}) {
+    INFO("rank 0 fuses: ", rank0_fuses);
+    if (!rank0_fuses && comm->rank() == 0) setenv("PSGD_FUSE_REDUCTIONS", "0", 1);
+    Config c;
+    c.rank = 2;
+    c.start_iter = 0;
+    engine::Fault fault{engine::FaultPoint::Prepare, 2, true};
+    fault.bucket = 1;
+    engine::arm_fault(comm->rank() == 1 ? fault : engine::Fault{engine::FaultPoint::Hold, -1});
+    Reducer r(*comm, c);
+    for (const auto& shapes : kBuckets) r.add_bucket(shapes);
+    unsetenv("PSGD_FUSE_REDUCTIONS");
+    auto alone = plain_reducer(*comm, c);
+    for (int64_t step = 0; step < 4; ++step) {
+      INFO("step ", step);
+      auto g = step_gradients(r, comm->rank(), step);
+      auto h = g;
+      std::vector<float> before(r.bucket_size(1)), after(r.bucket_size(1));
+      r.error_feedback(1, before.data());
+      std::vector<ReduceHandle> handles;
+      for (int b = 0; b < r.num_buckets(); ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
+      std::vector<std::string> messages(3);
+      for (size_t b = 0; b < 3; ++b) {
+        try {
+          handles[b].wait();
+        } catch (const Error& e) {
+          messages[b] = e.what();
+        }
+      }
+      if (step != 2) {
+        CHECK(messages == std::vector<std::string>(3));
+        CHECK(reduce_one_by_one(*comm, *alone, h).codes == std::vector<int>{0, 0, 0});
+        for (size_t k = 0; k < g.size(); ++k) CHECK_MESSAGE(same_bits(g[k], h[k]), "bucket ", k);
+        continue;
+      }
+      CHECK(messages[0].empty());
+      CHECK(messages[2].empty());
+      INFO(messages[1]);
+      CHECK(messages[1].find("injected fault") != std::string::npos);
+      if (comm->rank() != 1) CHECK(messages[1].find("step 2, bucket 1 failed on rank 1") != std::string::npos);
+      r.error_feedback(1, after.data());
+      CHECK(same_bits(after, before));
+      // The reference fails bucket 1 alike: its own prepare fault is not armed, so a NaN of rank 1 stands in.
+      if (comm->rank() == 1) h[1][0] = std::numeric_limits<float>::quiet_NaN();
+      CHECK(reduce_one_by_one(*comm, *alone, h).codes ==
+            std::vector<int>{0, static_cast<int>(ErrorCode::NonFinite), 0});
+      CHECK(same_bits(g[0], h[0]));
+      CHECK(same_bits(g[2], h[2]));
+    }
   }
 }
 

@@ -159,7 +159,7 @@ TEST_CASE("serial worker: destruction cancels pending work with an error naming 
   CHECK(message_of(pending) == "named worker destroyed before the operation ran");
 }
 
-TEST_CASE("serial worker: peek_next shows the next queued item without taking it") {
+TEST_CASE("serial worker: peek_next and peek_front show the queued items without taking them") {
   Gate gate;
   std::atomic<bool> started{false};
   std::vector<int> ran;
@@ -177,10 +177,15 @@ TEST_CASE("serial worker: peek_next shows the next queued item without taking it
   REQUIRE(worker.peek_next().has_value());
   CHECK(*worker.peek_next() == 2);
   CHECK(*worker.peek_next() == 2);  // still queued
+  const auto doubled = [](const int& item) { return 2 * item; };
+  CHECK(worker.peek_front(8, doubled) == std::vector<int>{4, 6});  // in queue order, the running one not
+  CHECK(worker.peek_front(1, doubled) == std::vector<int>{4});
+  CHECK(worker.peek_front(0, doubled).empty());
   gate.open();
   third->wait();
   CHECK(ran == std::vector<int>{1, 2, 3});
   CHECK_FALSE(worker.peek_next().has_value());
+  CHECK(worker.peek_front(8, doubled).empty());
 }
 
 TEST_CASE("serial worker: submissions from many threads each run exactly once") {
