@@ -63,13 +63,7 @@ void StepRunner::lookahead(const Reduction& current) {
       return std::find(busy.begin(), busy.end(), a) != busy.end();
     });
     busy.insert(busy.end(), next->buckets.begin(), next->buckets.end());
-    if (!free || next->prepared) continue;
-    try {
-      prepare(*next);
-    } catch (...) {
-      next->prepare_error = std::current_exception();
-      next->prepared = true;
-    }
+    if (free) prepare_once(*next);
   }
 }
 
