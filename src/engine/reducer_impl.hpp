@@ -215,8 +215,10 @@ class Reducer::Impl final : public detail::CommUser {
   // Worker thread, after every rank agreed: `reduction` and `members` as one,
   // each member's handle finished with its outcome; rethrows the reduction's.
   void run_fused(Reduction& reduction, Claimed& members);
-  // Marks the claimed reductions to be prepared again: a carry not summed for them overwrote their ranges.
-  void unprepare(Claimed& claimed);
+  // Marks `r` to be prepared again: a carry not summed for it overwrote its ranges.
+  static void unprepare(Reduction& r);
+  // `reduction`, then the claimed ones in the queue's order.
+  static std::vector<Reduction*> together(Reduction& reduction, Claimed& claimed);
   // Worker thread, once: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any rank that
   // proposes nothing makes every rank run its reductions one by one).
   const bool fuse_ = switch_from_env("PSGD_FUSE_REDUCTIONS");

@@ -53,13 +53,14 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
     // with proposals the fused one of the reduction and all of them (of use where every rank proposed them
     // all). Only proposals the lookahead prepared already: preparing them first would hold this rank's announce
     // back by their compute, where an announce sent at once hides behind it.
-    Reduction carried;
-    carried.compressed = reduction.compressed;
-    carried.buckets = reduction.buckets;
-    for (const Reduction* p : proposals) carried.buckets.insert(carried.buckets.end(), p->buckets.begin(), p->buckets.end());
+    Reduction with_proposals;  // what can_carry reads: the buckets, compressed
+    with_proposals.compressed = reduction.compressed;
+    with_proposals.buckets = reduction.buckets;
+    for (const Reduction* p : proposals)
+      with_proposals.buckets.insert(with_proposals.buckets.end(), p->buckets.begin(), p->buckets.end());
     carry = carry_first_ && !reduction.poisoned && !noted(reduction) &&
             std::all_of(proposals.begin(), proposals.end(), [](const Reduction* p) { return p->prepared; }) &&
-            guard_->can_carry(carried);
+            guard_->can_carry(with_proposals);
     // layout_fingerprint_ is final since the first reduce (start()).
     guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals, carry);
     if (!reduction.poisoned && noted(reduction)) {
@@ -81,26 +82,25 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
         runner_->lookahead(reduction);  // while the announce and the first collective travel
       } else if (carry) {
         // No lookahead: the reduction queued next may be of a claimed bucket, or not next once some go back.
-        std::vector<Reduction*> all{&reduction};
-        for (auto& c : claimed) all.push_back(c.item.reduction.get());
-        carried = engine::StepRunner::fuse(all);
-        const bool prepared_ok = carried.prepare_error == nullptr;
-        const engine::Segment first = runner_->stage_first(carried);
-        carried_flags = carried.prepare_error != nullptr;
+        // Staged from the members' state now; run_fused fuses them again from theirs then (prepared again
+        // where this carry was not summed for them).
+        Reduction speculative = engine::StepRunner::fuse(together(reduction, claimed));
+        const bool prepared_ok = speculative.prepare_error == nullptr;
+        const engine::Segment first = runner_->stage_first(speculative);
+        carried_flags = speculative.prepare_error != nullptr;
         // A failed staging is this rank's failure of the reduction (a member's own failed prepare stays its own).
-        if (prepared_ok && carried_flags) reduction.prepare_error = carried.prepare_error;
+        if (prepared_ok && carried_flags) reduction.prepare_error = speculative.prepare_error;
         guard_->carry(first.host, first.count);
       }
       const size_t fused = guard_->finish(reduction);
       reduction.first_summed = guard_->first_summed();
       // Carried with proposals and not summed for the reductions that run: what prepare wrote into the carried
       // ranges is gone where the sums came back or stage_first flagged a failure in them, so prepared again.
-      if (!reduction.first_summed && carried_over_claimed()) {
-        reduction.prepared = reduction.prepare_error != nullptr;
-        runner_->prepare_once(reduction);
-        unprepare(claimed);
-        for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
-      }
+      if (!reduction.first_summed && carried_over_claimed())
+        for (Reduction* r : together(reduction, claimed)) {
+          unprepare(*r);
+          runner_->prepare_once(*r);
+        }
       loaded_on_worker_ = false;
       // The claimed reductions not agreed go back first, so the lookahead sees the true next one.
       Claimed members(std::make_move_iterator(claimed.begin()),
@@ -114,7 +114,8 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
     guard_->after_success(reduction);
   } catch (...) {
     guard_->settle();
-    if (carried_over_claimed()) unprepare(claimed);
+    if (carried_over_claimed())  // prepared again when they run from the queue
+      for (auto& c : claimed) unprepare(*c.item.reduction);
     if (!claimed.empty()) worker_.requeue_front(std::move(claimed));  // not announced: they run as queued
     if (reduction.closes_step) close_step(reduction);
     throw;
@@ -137,17 +138,20 @@ Reducer::Impl::Claimed Reducer::Impl::claim_fusable(const Reduction& r, const de
   });
 }
 
-void Reducer::Impl::unprepare(Claimed& claimed) {
+void Reducer::Impl::unprepare(Reduction& r) {
   // A reduction whose prepare failed keeps its error: its ranges are sent flagged whatever they hold.
-  for (auto& c : claimed) c.item.reduction->prepared = c.item.reduction->prepare_error != nullptr;
+  r.prepared = r.prepare_error != nullptr;
+}
+
+std::vector<engine::Reduction*> Reducer::Impl::together(Reduction& reduction, Claimed& claimed) {
+  std::vector<Reduction*> all{&reduction};
+  for (auto& c : claimed) all.push_back(c.item.reduction.get());
+  return all;
 }
 
 void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
-  std::vector<Reduction*> all{&reduction};
-  for (auto& m : members) {
-    m.done->start();
-    all.push_back(m.item.reduction.get());
-  }
+  for (auto& m : members) m.done->start();
+  const std::vector<Reduction*> all = together(reduction, members);
   const auto finish_members = [&](std::exception_ptr error) {
     for (auto& m : members) m.done->finish(error);
   };
