@@ -4,6 +4,7 @@
 # once with PowerSGD and once with a plain averaged allreduce. Needs root.
 # Usage: bench/emulated_training.sh [BUILD_DIR] [HOSTS] [RATE] [EPOCHS]
 #   e.g. bench/emulated_training.sh build 4 100mbit 1
+# TRAIN_EXTRA: more trainer arguments for both runs, without blanks (e.g. "--submit each").
 set -eu
 BUILD=${1:-build}
 HOSTS=${2:-4}
@@ -17,8 +18,9 @@ run() {  # label, trainer arguments...
   label=$1
   shift
   start=$(date +%s.%N)
+  # shellcheck disable=SC2086  # TRAIN_EXTRA: a list of arguments without blanks
   "$RUN" --emulate-hosts "$HOSTS" --link-rate "$RATE" -n "$HOSTS" --timeout 1800 --env PSGD_BLAS_THREADS=1 \
-    --env OPENBLAS_NUM_THREADS=1 -- "$TRAIN" --epochs "$EPOCHS" "$@" | sed "s/^/$label /"
+    --env OPENBLAS_NUM_THREADS=1 -- "$TRAIN" --epochs "$EPOCHS" ${TRAIN_EXTRA:-} "$@" | sed "s/^/$label /"
   end=$(date +%s.%N)
   echo "$label wall $(awk "BEGIN {printf \"%.1f\", $end - $start}") s"
 }

@@ -14,7 +14,9 @@
 #   TRAIN_LIMIT [8192] BATCH [256]: TRAIN_LIMIT / BATCH steps per epoch (the global batch is split over
 #                     ranks); the trainer prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
 #   RANK [2]          PowerSGD rank
-#   CONFIGS ["allreduce powersgd alternating"]: also powersgd-bcube (PowerSGD with
+#   CONFIGS ["allreduce powersgd alternating"]: also powersgd-each (PowerSGD with the trainer's
+#                     --submit each: one reduction per bucket, as before 2026-12-04, where the default
+#                     submits both buckets in one reduce_all), powersgd-bcube (PowerSGD with
 #                     PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0: bcube for every small
 #                     allreduce, as before the direct and scatter-gather algorithms) and powersgd-before (PowerSGD with the trainer BEFORE, e.g.
 #                     one copied from an older build with its libpowersgd beside it in ../src)
@@ -49,6 +51,7 @@ run() {  # hosts model delay config round trainer-options...
   case $config in
     allreduce) set -- "$@" --no-compression ;;
     alternating) set -- "$@" --alternating ;;
+    powersgd-each) set -- "$@" --submit each ;;
     powersgd-bcube) direct=0 ;;
     powersgd-before) train=$BEFORE; [ -x "$train" ] || { echo "scaling.sh: BEFORE='$BEFORE' is no trainer" >&2; exit 2; } ;;
   esac

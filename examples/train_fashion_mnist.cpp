@@ -8,7 +8,12 @@
 // gradients of the two buckets (output layers first, as DDP orders them) are
 // reduced with PowerSGD (or with a plain averaged allreduce, --no-compression,
 // for comparison). The models are small enough for a 2-core machine and real
-// enough to show accuracy and traffic side by side.
+// enough to show accuracy and traffic side by side. Both buckets' gradients are
+// ready together here (one backward, then the exchange), so by default they go
+// to the Reducer together (--submit all: Reducer::reduce_all, one order-guard
+// announce carrying both buckets' P, then one Q: 2 communication rounds per
+// step with the direct algorithm); --submit each reduces them one after the
+// other (2 rounds per bucket), as a trainer that overlaps backward would.
 //
 // The paper's ablations are flags: --no-error-feedback, --no-warm-start,
 // --adaptive (--rank-low/--rank-high/--adaptive-interval/--adaptive-threshold)
@@ -238,6 +243,11 @@ int main(int argc, char** argv) {
   app.add_flag("--lr-notes", lr_notes, "Call Reducer::note_lr_change() at each learning-rate decay");
   app.add_option("--decision-log", decision_log_path,
                  "Rank 0 writes the reducer's rank decisions to this file as JSON lines");
+  std::string submit = "all";
+  app.add_option("--submit", submit,
+                 "How the buckets' gradients go to the Reducer: all (Reducer::reduce_all: both in one reduction) or "
+                 "each (Reducer::reduce, one bucket after the other)")
+      ->check(CLI::IsMember({"all", "each"}));
   std::string wire_dtype = "f32";
   app.add_option("--wire-dtype", wire_dtype,
                  "Element type of the P and Q factors on the wire (Config::wire_dtype): f32, bf16 or fp16")
@@ -462,9 +472,13 @@ int main(int argc, char** argv) {
           recorder->append_step(local);
         }
         ++global_step;
+        if (!local_steps && !no_compression && submit == "all") {
+          float* const grads[2] = {model->grads(buckets[0]).data(), model->grads(buckets[1]).data()};
+          reducer.reduce_all(std::span<float* const>(grads));
+        }
         for (int bucket : buckets) {  // with local steps, none: each rank steps on its own gradient
           auto& g = model->grads(bucket);
-          if (local_steps) {
+          if (local_steps || (!no_compression && submit == "all")) {
             continue;
           } else if (no_compression) {
             comm->allreduce(g.data(), g.size(), powersgd::DataType::Float32);

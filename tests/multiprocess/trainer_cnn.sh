@@ -2,8 +2,8 @@
 # The example trainer's CNN, 2 ranks under powersgd-run on loopback: a few steps
 # of training lower the training loss, with PowerSGD (rank 2, error feedback,
 # warm start) and with both switched off; each epoch reports the bytes sent.
-# Then the wide perceptron: its compression printed at start, and --seed
-# changing where training ends.
+# Then the wide perceptron: its compression printed at start, --seed
+# changing where training ends, and --submit all and each ending alike.
 # Exit 77 without the Fashion-MNIST data set.
 #   trainer_cnn.sh POWERSGD_RUN TRAIN_FASHION_MNIST
 set -u
@@ -58,5 +58,24 @@ if [ $# -eq 2 ] && [ "$1" != "$2" ]; then
   echo "ok wide: 157.4x at rank 2, seeds 1 and 2 end at parameters $1 and $2"
 else
   echo "FAIL wide: expected two different parameter hashes for seeds 1 and 2, got:$hashes"; fail=1
+fi
+
+# --submit all (the default: Reducer::reduce_all, both buckets in one reduction) and --submit each
+# (Reducer::reduce per bucket) end at the same parameters, bit for bit, on 3 ranks (where the order of a
+# sum matters), plain steps included; the fused step pays 2 communication rounds, one per bucket twice that.
+hashes="" rounds=""
+for submit in all each; do
+  if ! timeout 150 "$run" -n 3 --timeout 120 --env OPENBLAS_NUM_THREADS=1 -- "$train" --model wide --epochs 2 \
+      --train-limit 384 --test-limit 50 --batch 48 --rank 2 --start-iter 2 --submit $submit >"$out" 2>&1; then
+    echo "FAIL submit $submit: the run failed:"; cat "$out"; fail=1; continue
+  fi
+  hashes="$hashes $(sed -n 's/^\[0\] parameters fnv1a64 \([0-9a-f]*\) .*/\1/p' "$out")"
+  rounds="$rounds $(sed -n 's/^\[0\] epoch 2: .*, \([0-9.]*\) communication rounds per step$/\1/p' "$out")"
+done
+set -- $hashes
+if [ $# -eq 2 ] && [ "$1" = "$2" ] && [ "$rounds" = " 2.0 4.0" ]; then
+  echo "ok submit: all and each end at parameters $1, 2.0 and 4.0 rounds per step"
+else
+  echo "FAIL submit: expected one parameter hash for all and each and rounds 2.0 4.0, got:$hashes;$rounds"; fail=1
 fi
 exit $fail
