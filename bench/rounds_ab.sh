@@ -33,7 +33,8 @@
 #         engine before the lead exchange, docs/engine.md), e.g. SIDES="nocarry direct" or
 #         SIDES="staged-nocarry staged"; a side starting with "old" runs OLD_BUILD's powersgd-bench (a
 #         build of the commit before a change, for its before and after side by side), e.g.
-#         OLD_BUILD=/tmp/old/build SIDES="old new"
+#         OLD_BUILD=/tmp/old/build SIDES="old new"; a side ending in @MODE runs powersgd-bench engine --mode MODE
+#         (sync, async or fused: reduce per bucket, all in flight, or reduce_all), e.g. SIDES="new new@fused"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -75,6 +76,7 @@ for hosts in $HOSTS; do
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
         carry=; case $side in *nocarry*) carry=0 ;; esac
         bench=$BENCH; case $side in old*) bench="$OLD_BUILD/tools/bench/powersgd-bench" ;; esac
+        mode=; case $side in *@*) mode=${side##*@} ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \
@@ -84,7 +86,7 @@ for hosts in $HOSTS; do
           ${sg:+--env PSGD_SCATTER_GATHER=$sg} ${carry:+--env PSGD_CARRY_FIRST=$carry} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$bench" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
-          --warmup 2 --json "$json" $EXTRA > "$tmp/log" 2>&1 || {
+          --warmup 2 --json "$json" ${mode:+--mode "$mode"} $EXTRA > "$tmp/log" 2>&1 || {
           echo "rounds_ab.sh: $side on $hosts hosts at $delay failed:" >&2; cat "$tmp/log" >&2; exit 1; }
         echo "  $hosts hosts, $delay, $side, round $round (load $(cut -d' ' -f1 /proc/loadavg))" >&2
       done
