@@ -35,6 +35,7 @@
 #         build of the commit before a change, for its before and after side by side), e.g.
 #         OLD_BUILD=/tmp/old/build SIDES="old new"; a side ending in @MODE runs powersgd-bench engine --mode MODE
 #         (sync, async or fused: reduce per bucket, all in flight, or reduce_all), e.g. SIDES="new new@fused"
+#         (@MODE last: "direct-idle0@fused")
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -70,7 +71,7 @@ for hosts in $HOSTS; do
       for side in $SIDES; do
         direct=; case $side in bcube*) direct=0 ;; directauto*) direct=auto ;; direct[0-9]*k*) direct=${side#direct}; direct=$((${direct%%k*} * 1024)) ;; esac
         fuse=; case $side in unfused*) fuse=0 ;; esac
-        idle=; case $side in *-idle0) idle=0 ;; esac
+        idle=; case $side in *-idle0|*-idle0@*) idle=0 ;; esac
         stage=; case $side in staged*) stage=1 ;; unstaged*) stage=0 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac

@@ -12,8 +12,10 @@
 // ready together here (one backward, then the exchange), so by default they go
 // to the Reducer together (--submit all: Reducer::reduce_all, one order-guard
 // announce carrying both buckets' P, then one Q: 2 communication rounds per
-// step with the direct algorithm); --submit each reduces them one after the
-// other (2 rounds per bucket), as a trainer that overlaps backward would.
+// step where the fused P and Q fit the direct bound); --submit each reduces
+// them one after the other (2 rounds per bucket), as a trainer that overlaps
+// backward would. Neither applies to --no-compression (a plain allreduce per
+// bucket) or --local-steps > 1 (the outer step's one reduce_all).
 //
 // The paper's ablations are flags: --no-error-feedback, --no-warm-start,
 // --adaptive (--rank-low/--rank-high/--adaptive-interval/--adaptive-threshold)
@@ -246,7 +248,8 @@ int main(int argc, char** argv) {
   std::string submit = "all";
   app.add_option("--submit", submit,
                  "How the buckets' gradients go to the Reducer: all (Reducer::reduce_all: both in one reduction) or "
-                 "each (Reducer::reduce, one bucket after the other)")
+                 "each (Reducer::reduce, one bucket after the other); no effect with --no-compression or "
+                 "--local-steps > 1")
       ->check(CLI::IsMember({"all", "each"}));
   std::string wire_dtype = "f32";
   app.add_option("--wire-dtype", wire_dtype,

@@ -62,10 +62,13 @@ fi
 
 # --submit all (the default: Reducer::reduce_all, both buckets in one reduction) and --submit each
 # (Reducer::reduce per bucket) end at the same parameters, bit for bit, on 3 ranks (where the order of a
-# sum matters), plain steps included; the fused step pays 2 communication rounds, one per bucket twice that.
+# sum matters), plain steps included; the fused step pays 2 communication rounds, bucket by bucket twice that.
 hashes="" rounds=""
 for submit in all each; do
-  if ! timeout 150 "$run" -n 3 --timeout 120 --env OPENBLAS_NUM_THREADS=1 -- "$train" --model wide --epochs 2 \
+  # The rounds are the defaults': no inherited setting that changes them (docs/env.md, docs/engine.md).
+  if ! env -u PSGD_CARRY_FIRST -u PSGD_DIRECT_MAX_BYTES -u PSGD_DIRECT_EAGER -u PSGD_SCATTER_GATHER \
+      -u PSGD_FUSE_REDUCTIONS -u PSGD_HOST_STAGE -u PSGD_RING_THRESHOLD_BYTES \
+      timeout 150 "$run" -n 3 --timeout 120 --env OPENBLAS_NUM_THREADS=1 -- "$train" --model wide --epochs 2 \
       --train-limit 384 --test-limit 50 --batch 48 --rank 2 --start-iter 2 --submit $submit >"$out" 2>&1; then
     echo "FAIL submit $submit: the run failed:"; cat "$out"; fail=1; continue
   fi
