@@ -285,6 +285,7 @@ int main(int argc, char** argv) {
     }
   if (app.count("--lr-decay-epochs") == 0 && epochs > 2) lr_decay_epochs = {epochs};
   const bool local_steps = outer_config.local_steps > 1;
+  const bool submit_all = submit == "all";
   if (!local_steps && (outer_lr_option->count() > 0 || outer_momentum_option->count() > 0)) {
     std::fprintf(stderr, "--outer-lr and --outer-momentum need --local-steps > 1\n");
     return 2;
@@ -475,21 +476,20 @@ int main(int argc, char** argv) {
           recorder->append_step(local);
         }
         ++global_step;
-        if (!local_steps && !no_compression && submit == "all") {
-          float* const grads[2] = {model->grads(buckets[0]).data(), model->grads(buckets[1]).data()};
-          reducer.reduce_all(std::span<float* const>(grads));
-        }
-        for (int bucket : buckets) {  // with local steps, none: each rank steps on its own gradient
-          auto& g = model->grads(bucket);
-          if (local_steps || (!no_compression && submit == "all")) {
-            continue;
-          } else if (no_compression) {
+        if (local_steps) {
+          // none: each rank steps on its own gradient
+        } else if (no_compression) {
+          for (int bucket : buckets) {
+            auto& g = model->grads(bucket);
             comm->allreduce(g.data(), g.size(), powersgd::DataType::Float32);
             for (auto& v : g) v /= float(world);
             plain_bytes += g.size() * sizeof(float);
-          } else {
-            reducer.reduce(bucket, g.data());
           }
+        } else if (submit_all) {
+          float* const grads[2] = {model->grads(buckets[0]).data(), model->grads(buckets[1]).data()};
+          reducer.reduce_all(std::span<float* const>(grads));
+        } else {
+          for (int bucket : buckets) reducer.reduce(bucket, model->grads(bucket).data());
         }
         model->sgd(epoch_lr, 0.9f, 5e-4f);
         if (outer && (outer->due(global_step) || global_step == total_steps)) outer->step(param_spans());

@@ -15,6 +15,7 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
 fail=0
+hash_in() { sed -n 's/^\[0\] parameters fnv1a64 \([0-9a-f]*\) .*/\1/p' "$1"; }  # rank 0's final parameters
 check() {  # label, trainer arguments...
   label=$1
   shift
@@ -51,7 +52,7 @@ for seed in 1 2; do
   if ! grep -q "^\[0\] compression by the engine's rule: plain allreduce 7454760 bytes per step; rank 2 47352 bytes per compressed step (157.4x)" "$out"; then
     echo "FAIL wide, seed $seed: expected its compression at start (157.4x at rank 2):"; cat "$out"; fail=1
   fi
-  hashes="$hashes $(sed -n 's/^\[0\] parameters fnv1a64 \([0-9a-f]*\) .*/\1/p' "$out")"
+  hashes="$hashes $(hash_in "$out")"
 done
 set -- $hashes
 if [ $# -eq 2 ] && [ "$1" != "$2" ]; then
@@ -72,7 +73,7 @@ for submit in all each; do
       --train-limit 384 --test-limit 50 --batch 48 --rank 2 --start-iter 2 --submit $submit >"$out" 2>&1; then
     echo "FAIL submit $submit: the run failed:"; cat "$out"; fail=1; continue
   fi
-  hashes="$hashes $(sed -n 's/^\[0\] parameters fnv1a64 \([0-9a-f]*\) .*/\1/p' "$out")"
+  hashes="$hashes $(hash_in "$out")"
   rounds="$rounds $(sed -n 's/^\[0\] epoch 2: .*, \([0-9.]*\) communication rounds per step$/\1/p' "$out")"
 done
 set -- $hashes
