@@ -31,7 +31,9 @@
 #         threshold: the algorithms before the scatter-gather allreduce), e.g. SIDES="nosg direct"; a side
 #         containing "nocarry" sets PSGD_CARRY_FIRST=0 (the order guard's announce carries no P: the
 #         engine before the lead exchange, docs/engine.md), e.g. SIDES="nocarry direct" or
-#         SIDES="staged-nocarry staged"; a side starting with "old" runs OLD_BUILD's powersgd-bench (a
+#         SIDES="staged-nocarry staged"; a side containing "tcphops" sets PSGD_HOST_SHM=0 (the hops within a
+#         host over loopback TCP: the transport before shared memory, docs/transport.md), e.g. with
+#         RANKS_PER_HOST=2 SIDES="tcphops shm"; a side starting with "old" runs OLD_BUILD's powersgd-bench (a
 #         build of the commit before a change, for its before and after side by side), e.g.
 #         OLD_BUILD=/tmp/old/build SIDES="old new"; a side ending in @MODE runs powersgd-bench engine --mode MODE
 #         (sync, async or fused: reduce per bucket, all in flight, or reduce_all), e.g. SIDES="new new@fused"
@@ -76,6 +78,7 @@ for hosts in $HOSTS; do
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
         carry=; case $side in *nocarry*) carry=0 ;; esac
+        shm=; case $side in *tcphops*) shm=0 ;; esac
         bench=$BENCH; case $side in old*) bench="$OLD_BUILD/tools/bench/powersgd-bench" ;; esac
         mode=; case $side in *@*) mode=${side##*@} ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
@@ -84,7 +87,7 @@ for hosts in $HOSTS; do
           --timeout 900 --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 \
           ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} ${fuse:+--env PSGD_FUSE_REDUCTIONS=$fuse} \
           ${stage:+--env PSGD_HOST_STAGE=$stage} ${eager:+--env PSGD_DIRECT_EAGER=$eager} \
-          ${sg:+--env PSGD_SCATTER_GATHER=$sg} ${carry:+--env PSGD_CARRY_FIRST=$carry} $ENV_ARGS \
+          ${sg:+--env PSGD_SCATTER_GATHER=$sg} ${carry:+--env PSGD_CARRY_FIRST=$carry} ${shm:+--env PSGD_HOST_SHM=$shm} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$bench" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
           --warmup 2 --json "$json" ${mode:+--mode "$mode"} $EXTRA > "$tmp/log" 2>&1 || {

@@ -89,11 +89,17 @@ constexpr Variable kVariables[] = {
      "adds them in rank order; only these leaders allreduce across hosts (direct, scatter-gather or ring chosen for the "
      "number of hosts), then send the result back, so the rounds count hosts, not ranks; the lead exchange (the "
      "order guard's announce carrying P) is staged alike. The hops within a host "
-     "go over the same TCP connections (loopback), not shared memory. No effect with one host or one rank per "
+     "go through shared memory where it works, else over TCP (PSGD_HOST_SHM). No effect with one host or one rank per "
      "host. auto (the default): as 1 where some host has two ranks or more, the API can stage (tcp, Gloo's new "
      "API) and every host's leader has the file descriptors for the leaders' context; else off. 0: off (every "
      "allreduce among all ranks, summed in rank order whatever the placement). Must be equal on every rank. "
      "docs/transport.md, \"Host-staged allreduce\"."},
+    {"PSGD_HOST_SHM", "auto",
+     "With host staging in effect: auto (the default) sends the hops within a host through a shared-memory "
+     "segment of its leader's (/dev/shm, 1 MiB each way per other rank of the host) where every rank of the host "
+     "can map it and it and its leader see each other's process, else over TCP (logged at info level); 0: over "
+     "TCP. May differ "
+     "between ranks and hosts: the bits are the same either way. docs/transport.md, \"Host-staged allreduce\"."},
     {"PSGD_HOST_ID", "",
      "With PSGD_HOST_STAGE=1 or auto: the name of this rank's host; ranks with the same name are staged together "
      "(compared whole). Default: the hostname and the transport's local address (hosts emulated by network "

@@ -1028,6 +1028,20 @@ const std::vector<int>& last_shared_host(const std::vector<std::vector<int>>& ho
   return hosts.front();
 }
 
+// Whether PSGD_HOST_SHM lets this rank's hops go through shared memory (the Meson entries of the TCP hops set 0).
+bool shm_expected() {
+  const char* value = std::getenv("PSGD_HOST_SHM");
+  return value == nullptr || std::string(value) != "0";
+}
+
+// The pretend host of this rank (RANK).
+std::vector<int> my_test_host() {
+  const int rank = std::atoi(std::getenv("RANK"));
+  for (const auto& host : test_hosts())
+    if (std::find(host.begin(), host.end(), rank) != host.end()) return host;
+  return {};
+}
+
 // A staged communicator (the test's hosts are not degenerate), with the settings restored after creation.
 std::unique_ptr<GlooCommunicator> connect_staged(const char* run_id,
                                                  std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
@@ -1037,6 +1051,8 @@ std::unique_ptr<GlooCommunicator> connect_staged(const char* run_id,
   auto comm = GlooCommunicator::create(o);
   unsetenv("PSGD_HOST_STAGE");
   REQUIRE(comm->staged_hosts() == static_cast<int>(test_hosts().size()));
+  // The pretend hosts share one machine: their hops go through shared memory unless PSGD_HOST_SHM=0.
+  CHECK(comm->host_shared_memory() == (shm_expected() && my_test_host().size() >= 2));
   return comm;
 }
 
@@ -1206,6 +1222,22 @@ TEST_CASE("host stage: auto (the default) stages where ranks share a host; 0 lea
     leave_together(*comm, "host-stage-auto-legacy-left");
   }
   unsetenv("PSGD_HOST_STAGE");
+}
+
+// PSGD_HOST_SHM=0 on one rank of a shared host: that host's hops go over TCP, the other hosts' through shared
+// memory; the bits are the documented order's either way (the hops carry the same bytes).
+TEST_CASE("host stage: PSGD_HOST_SHM=0 on one rank keeps its host on TCP, the sums' bits the same") {
+  const auto hosts = test_hosts();
+  const std::vector<int>& odd_host = last_shared_host(hosts);
+  const int rank = std::atoi(std::getenv("RANK"));
+  if (rank == odd_host.back()) setenv("PSGD_HOST_SHM", "0", 1);
+  auto comm = connect("host-stage-shm-mixed");
+  unsetenv("PSGD_HOST_SHM");
+  REQUIRE(comm->staged_hosts() == static_cast<int>(hosts.size()));
+  const std::vector<int> mine = my_test_host();
+  CHECK(comm->host_shared_memory() == (mine.size() >= 2 && mine != odd_host));
+  check_sum_order(*comm, true);
+  leave_together(*comm, "host-stage-shm-mixed-left");
 }
 
 // With PSGD_HOST_STAGE=1 the check at creation (check_world_fits_host) already counts the leaders' context for
@@ -1568,7 +1600,8 @@ TEST_CASE("host stage: a leader stopped during a lead exchange makes every survi
 // A rank that is not a leader runs a lead exchange where every other rank runs an allreduce of as many bytes
 // (callers out of step): the hops within a host of the two operations use slots of their own, so no rank reads
 // one's message as the other's (a leader would read the member's header as floats, or a message longer than
-// its receive); every rank fails with a PeerError after about the timeout, the member's data as it was.
+// its receive); every rank fails with a PeerError, the member's data as it was: at once through shared memory
+// (the leader finds the other slot in the frame), after about the timeout over TCP (PSGD_HOST_SHM=0).
 TEST_CASE("host stage: a rank at a lead exchange while the others allreduce: every rank fails, nothing misread") {
   const auto hosts = test_hosts();
   const int member = last_shared_host(hosts).back();

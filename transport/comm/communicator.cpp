@@ -139,6 +139,7 @@ const char* to_string(Algorithm algorithm) {
 GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : options_(options), api_(api) {
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
   host_stage_ = host_stage_from_env();
+  host_shm_ = host_shm_from_env();  // parsed wherever staging may run: a typo is named at creation
   const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
   eager_direct_ = api_ == GlooApi::New && eager;
   const bool scatter_gather = scatter_gather_from_env();
@@ -397,10 +398,13 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
   // Every leaders' pair carries traffic once (pairs connect lazily); no rank goes on before every leader has:
   // a leader whose rendezvous failed has thrown and closed its connections, which fails the barrier.
   submit("host stage connect", [this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
+    stage_->connect_shared_memory(*context, tag, host_shm_);
     if (stage_->leads()) algorithms_->connect_pairs(stage_->leader_context(), tag);
     algorithms_->barrier(context, tag);
   }).wait();
 }
+
+bool GlooCommunicator::host_shared_memory() const { return stage_ != nullptr && stage_->shared_memory(); }
 
 size_t GlooCommunicator::direct_bound_for(double exchange_seconds) {
   // Direct costs (n - 1) x bytes where bcube costs about 2 x bytes in 2 log2 n
@@ -534,6 +538,15 @@ std::exception_ptr GlooCommunicator::translate(const std::string& op, std::excep
     std::rethrow_exception(error);
   } catch (const Error&) {
     return error;
+  } catch (const HostHopError& e) {
+    // A hop within a host through shared memory: the peer is known, not guessed from a message.
+    const std::string what =
+        detail::concat(op, e.timeout() ? detail::concat(" timed out after ", options_.timeout.count(), " ms") : " failed",
+                       " with peer rank ", e.peer(), ": ", e.what(),
+                       e.timeout() ? " (a peer stalled; PSGD_TIMEOUT_MS)" : "");
+    PSGD_LOG(Debug, what);
+    return std::make_exception_ptr(
+        PeerError(e.timeout() ? ErrorCode::Timeout : ErrorCode::Io, op, e.peer(), what));
   } catch (const gloo::EnforceNotMet& e) {
     message = e.what();
   } catch (const std::exception& e) {

@@ -74,6 +74,8 @@ class GlooCommunicator final : public Communicator {
   // The number of hosts an allreduce is staged over (PSGD_HOST_STAGE=1 with at
   // least two hosts, one of them with two ranks or more); 0: not staged.
   int staged_hosts() const { return staged_hosts_; }
+  // Whether this rank's hops within its host go through shared memory (PSGD_HOST_SHM; staged, this host shares).
+  bool host_shared_memory() const;
 
   // Communicator::lead_exchange_capacity and lead_exchange_async (the eager path's; docs/transport.md, "Lead exchange").
   size_t lead_capacity() const;
@@ -132,6 +134,7 @@ class GlooCommunicator final : public Communicator {
   size_t direct_max_bytes_ = 0;
   HostStageMode host_stage_ = HostStageMode::Off;  // PSGD_HOST_STAGE, the setting (stage_: whether it staged)
   bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
+  bool host_shm_ = true;  // PSGD_HOST_SHM: the hops within a host through shared memory where staged
   bool scatter_gather_ = false;  // PSGD_SCATTER_GATHER (new API only)
   int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.

@@ -12,6 +12,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/log.hpp"
 
 namespace powersgd::transport {
 std::string host_key(const std::string& ip) {
@@ -92,12 +93,34 @@ constexpr uint8_t kAllreduceHeaderSlot = 0x57, kAllreduceDataSlot = 0x50, kAllre
                   kAllreduceReplySlot = 0x51;
 // The staged lead exchange: a rank's message to its leader, the leader's reply.
 constexpr uint8_t kLeadExchangeSlot = 0x55, kLeadExchangeReplySlot = 0x56;
+// connect_shared_memory: the segment's name to the host's ranks, whether each mapped it, the leader's decision.
+constexpr uint8_t kShmNameSlot = 0x59, kShmMappedSlot = 0x5a, kShmDecisionSlot = 0x5b;
+// Each way between the leader and each other rank of its host.
+constexpr size_t kShmRingBytes = size_t{1} << 20;
 
 }  // namespace
 
-// Posts every send (or receive) at once, then waits for each, at most the timeout apiece: a failure names `what`.
+// Over TCP: posts every send (or receive) at once, then waits for each, at most the timeout apiece. Through
+// shared memory: one message after the other, each within the timeout, each peer's messages in the order its
+// ring carries them, so a receiver must take a peer's messages in the order the peer sent them (every caller
+// does: header then data, status then reply). A failure names `what`.
 void HostStage::transfer(gloo::Context& global, Direction direction, uint32_t tag,
                          const std::vector<HostMessage>& messages, const char* what) const {
+  if (shm_ != nullptr) {
+    const std::vector<int>& host = my_host();
+    for (const HostMessage& message : messages) {
+      const auto participant = static_cast<size_t>(std::find(host.begin(), host.end(), message.peer) - host.begin());
+      try {
+        if (direction == Direction::Send)
+          shm_->send(participant, message.peer, message.slot_prefix, tag, message.data, message.bytes, timeout_);
+        else
+          shm_->receive(participant, message.peer, message.slot_prefix, tag, message.data, message.bytes, timeout_);
+      } catch (const HostHopError& e) {
+        throw HostHopError(e.peer(), e.timeout(), detail::concat(what, ": ", e.what()));
+      }
+    }
+    return;
+  }
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> posted;
   posted.reserve(messages.size());
   for (const HostMessage& message : messages) {
@@ -110,6 +133,79 @@ void HostStage::transfer(gloo::Context& global, Direction direction, uint32_t ta
   }
   for (auto& buffer : posted)
     require_done(direction == Direction::Send ? buffer->waitSend(timeout_) : buffer->waitRecv(timeout_), what);
+}
+
+bool HostStage::connect_shared_memory(gloo::Context& global, uint32_t tag, bool wanted) {
+  const std::vector<int>& host = my_host();
+  if (host.size() < 2) return false;
+  const size_t others = host.size() - 1;
+  constexpr size_t kNameBytes = 64;
+  // A rank's answer to its leader: it does not want shared memory (PSGD_HOST_SHM=0), it mapped the segment and
+  // sees its leader's process, or it could not (the reason in its own log).
+  constexpr uint8_t kNotWanted = 0, kMapped = 1, kFailed = 2;
+  std::unique_ptr<ShmHostLink> link;
+  std::string why;
+  if (rank_ == host.front()) {
+    char name[kNameBytes] = {};
+    if (wanted) link = ShmHostLink::create(others, kShmRingBytes, why);
+    if (link != nullptr) {
+      PSGD_ASSERT(link->name().size() < kNameBytes, "shared-memory segment name ", link->name(), " too long");
+      std::memcpy(name, link->name().c_str(), link->name().size());
+      link->attach();
+    }
+    std::vector<HostMessage> messages;
+    for (size_t i = 0; i < others; ++i) messages.push_back({host[i + 1], kShmNameSlot, name, kNameBytes});
+    transfer(global, Direction::Send, tag, messages, "shared memory setup: send to a rank of the host");
+    std::vector<uint8_t> answers(others, kFailed);
+    for (size_t i = 0; i < others; ++i) messages[i] = {host[i + 1], kShmMappedSlot, &answers[i], 1};
+    transfer(global, Direction::Receive, tag, messages, "shared memory setup: receive from a rank of the host");
+    uint8_t decision = link != nullptr ? 1 : 0;
+    for (size_t i = 0; i < others && decision == 1; ++i) {
+      if (answers[i] == kMapped && link->sees(i + 1)) continue;
+      decision = 0;
+      why = detail::concat("rank ", host[i + 1],
+                           answers[i] == kNotWanted ? " has PSGD_HOST_SHM=0"
+                           : answers[i] == kMapped  ? "'s process is not visible from its leader (another pid namespace)"
+                                                    : " could not map the segment (its log says why)");
+    }
+    if (link != nullptr) link->unlink();  // every rank of the host has mapped it or given up
+    for (size_t i = 0; i < others; ++i) messages[i] = {host[i + 1], kShmDecisionSlot, &decision, 1};
+    transfer(global, Direction::Send, tag, messages, "shared memory setup: send to a rank of the host");
+    if (decision == 1) shm_ = std::move(link);
+  } else {
+    const int leader = host.front();
+    const size_t participant = static_cast<size_t>(std::find(host.begin(), host.end(), rank_) - host.begin());
+    char name[kNameBytes] = {};
+    transfer(global, Direction::Receive, tag, {{leader, kShmNameSlot, name, kNameBytes}},
+             "shared memory setup: receive from the host's leader");
+    name[kNameBytes - 1] = '\0';
+    uint8_t answer = kNotWanted;
+    if (wanted) {
+      answer = kFailed;
+      if (name[0] == '\0') {
+        why = "its leader has none (the leader's log says why)";
+      } else if ((link = ShmHostLink::open(name, participant, why)) != nullptr) {
+        link->attach();
+        if (link->sees(0))
+          answer = kMapped;
+        else
+          why = "the host's leader's process is not visible from here (another pid namespace)";
+      }
+    }
+    uint8_t decision = 0;
+    transfer(global, Direction::Send, tag, {{leader, kShmMappedSlot, &answer, 1}},
+             "shared memory setup: send to the host's leader");
+    transfer(global, Direction::Receive, tag, {{leader, kShmDecisionSlot, &decision, 1}},
+             "shared memory setup: receive from the host's leader");
+    if (decision == 1 && answer == kMapped) shm_ = std::move(link);
+    if (answer == kMapped && shm_ == nullptr) why = "another rank of the host could not (the leader's log says why)";
+  }
+  if (shm_ != nullptr)
+    PSGD_LOG(Debug, "the hops within this host go through shared memory (", kShmRingBytes >> 10,
+             " KiB each way per rank)");
+  else if (wanted)
+    PSGD_LOG(Info, "the hops within this host go over TCP, not shared memory: ", why);
+  return shm_ != nullptr;
 }
 
 const std::vector<int>& HostStage::my_host() const {

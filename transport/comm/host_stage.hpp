@@ -17,6 +17,7 @@
 
 #include "comm/algorithms.hpp"
 #include "comm/communicator.hpp"
+#include "comm/shm_link.hpp"
 
 namespace powersgd::transport {
 
@@ -108,9 +109,20 @@ class HostStage {
   // largest host's leads) and the host's data fit theirs. The same on every rank.
   size_t lead_capacity(size_t leaders_capacity) const;
 
-  // After a fatal failure: closes the leaders' connections, so that the other
-  // leaders fail now rather than after their timeout.
-  void close() { leaders_.reset(); }
+  // Collective among the host's ranks, at creation on the communication thread: where `wanted` (PSGD_HOST_SHM)
+  // on every rank of the host, the leader creates a shared-memory segment, its other ranks map it, and from
+  // then on the hops within the host go through it instead of the pairs of `global` (over which this setup
+  // runs). Where any rank of the host cannot (another /dev/shm or pid namespace, /dev/shm full), the host keeps
+  // TCP, logged at info level: the bits are the same either way. Returns whether this host uses it.
+  bool connect_shared_memory(gloo::Context& global, uint32_t tag, bool wanted);
+  bool shared_memory() const { return shm_ != nullptr; }
+
+  // After a fatal failure: closes the leaders' connections and this rank's side of the shared memory, so that
+  // the other leaders and the host's ranks fail now rather than after their timeout.
+  void close() {
+    leaders_.reset();
+    if (shm_ != nullptr) shm_->close();
+  }
 
  private:
   // One message of a hop within a host: `bytes` at `data` to or from rank `peer`, on slot (slot_prefix, tag).
@@ -123,7 +135,10 @@ class HostStage {
   enum class Direction { Send, Receive };
 
   const std::vector<int>& my_host() const;
-  // Posts every message's send (or receive) at once and returns once each is done; a failure names `what`.
+  // Sends (or receives) every message and returns once each is done; a failure names `what`. Through the
+  // shared memory where the host has it (one message after the other, each peer's in the order sent: a peer
+  // stalled with a message longer than its ring delays the messages after it), else over the pairs of
+  // `global` (all posted at once).
   void transfer(gloo::Context& global, Direction direction, uint32_t tag, const std::vector<HostMessage>& messages,
                 const char* what) const;
 
@@ -131,6 +146,7 @@ class HostStage {
   int rank_;
   std::shared_ptr<gloo::Context> leaders_;
   std::chrono::milliseconds timeout_;
+  std::unique_ptr<ShmHostLink> shm_;  // the host's segment, where connect_shared_memory set it up
   std::vector<uint8_t> received_;  // a leader's copies of its host's other buffers, kept between calls
   std::vector<uint64_t> headers_;  // a leader's headers of its host's other ranks (allreduce: count, type)
   std::vector<HostMessage> messages_;  // a leader's messages from (or to) its host's other ranks
