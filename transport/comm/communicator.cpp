@@ -534,33 +534,38 @@ void GlooCommunicator::execute(Op& op) {
 
 std::exception_ptr GlooCommunicator::translate(const std::string& op, std::exception_ptr error) const {
   std::string message;
+  bool timeout = false;
+  int peer = -1;
+  const char* cause = nullptr;  // said after the message, where it does not say it itself
+  bool hop = false;             // a HostHopError: its peer and kind are known
   try {
     std::rethrow_exception(error);
   } catch (const Error&) {
     return error;
   } catch (const HostHopError& e) {
-    // A hop within a host through shared memory: the peer is known, not guessed from a message.
-    const std::string what =
-        detail::concat(op, e.timeout() ? detail::concat(" timed out after ", options_.timeout.count(), " ms") : " failed",
-                       " with peer rank ", e.peer(), ": ", e.what(),
-                       e.timeout() ? " (a peer stalled; PSGD_TIMEOUT_MS)" : "");
-    PSGD_LOG(Debug, what);
-    return std::make_exception_ptr(
-        PeerError(e.timeout() ? ErrorCode::Timeout : ErrorCode::Io, op, e.peer(), what));
+    // A hop within a host through shared memory: the peer is known, not guessed from a message, and the
+    // message says what it did.
+    hop = true;
+    message = e.what();
+    timeout = e.timeout();
+    peer = e.peer();
+    if (timeout) cause = "a peer stalled; PSGD_TIMEOUT_MS";
   } catch (const gloo::EnforceNotMet& e) {
     message = e.what();
   } catch (const std::exception& e) {
     message = e.what();
   }
-  bool timeout = is_timeout_message(message);
-  // A timeout names a peer only where Gloo's message does: the first connection found closed is then most often
-  // another rank that gave up first (with 3 ranks and one stalled, the two others named each other).
-  int peer = timeout ? peer_named_in(peers_, message) : attribute_peer(peers_, message, established_connections());
-  std::string who = peer >= 0 ? detail::concat(" with peer rank ", peer) : std::string(" (peer unknown)");
-  std::string what = timeout ? detail::concat(op, " timed out after ", options_.timeout.count(), " ms", who, ": ",
-                                              message, " (a peer stalled or is unreachable; PSGD_TIMEOUT_MS)")
-                             : detail::concat(op, " failed", who, ": ", message,
-                                              " (a peer exited or its connection broke)");
+  if (!hop) {
+    timeout = is_timeout_message(message);
+    // A timeout names a peer only where Gloo's message does: the first connection found closed is then most
+    // often another rank that gave up first (with 3 ranks and one stalled, the two others named each other).
+    peer = timeout ? peer_named_in(peers_, message) : attribute_peer(peers_, message, established_connections());
+    cause = timeout ? "a peer stalled or is unreachable; PSGD_TIMEOUT_MS" : "a peer exited or its connection broke";
+  }
+  const std::string who = peer >= 0 ? detail::concat(" with peer rank ", peer) : std::string(" (peer unknown)");
+  const std::string what =
+      detail::concat(op, timeout ? detail::concat(" timed out after ", options_.timeout.count(), " ms") : " failed",
+                     who, ": ", message, cause != nullptr ? detail::concat(" (", cause, ")") : std::string());
   // The error carries the message to the caller, who reports it (a Python exception, a C status): logged at
   // debug only, so stderr does not say it twice (issue 30).
   PSGD_LOG(Debug, what);

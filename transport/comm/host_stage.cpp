@@ -107,9 +107,8 @@ constexpr size_t kShmRingBytes = size_t{1} << 20;
 void HostStage::transfer(gloo::Context& global, Direction direction, uint32_t tag,
                          const std::vector<HostMessage>& messages, const char* what) const {
   if (shm_ != nullptr) {
-    const std::vector<int>& host = my_host();
     for (const HostMessage& message : messages) {
-      const auto participant = static_cast<size_t>(std::find(host.begin(), host.end(), message.peer) - host.begin());
+      const size_t participant = index_in_host(message.peer);
       try {
         if (direction == Direction::Send)
           shm_->send(participant, message.peer, message.slot_prefix, tag, message.data, message.bytes, timeout_);
@@ -174,7 +173,7 @@ bool HostStage::connect_shared_memory(gloo::Context& global, uint32_t tag, bool 
     if (decision == 1) shm_ = std::move(link);
   } else {
     const int leader = host.front();
-    const size_t participant = static_cast<size_t>(std::find(host.begin(), host.end(), rank_) - host.begin());
+    const size_t participant = index_in_host(rank_);
     char name[kNameBytes] = {};
     transfer(global, Direction::Receive, tag, {{leader, kShmNameSlot, name, kNameBytes}},
              "shared memory setup: receive from the host's leader");
@@ -210,6 +209,11 @@ bool HostStage::connect_shared_memory(gloo::Context& global, uint32_t tag, bool 
 
 const std::vector<int>& HostStage::my_host() const {
   return groups_.hosts[static_cast<size_t>(groups_.host_of[static_cast<size_t>(rank_)])];
+}
+
+size_t HostStage::index_in_host(int rank) const {
+  const std::vector<int>& host = my_host();
+  return static_cast<size_t>(std::find(host.begin(), host.end(), rank) - host.begin());
 }
 
 namespace {

@@ -135,6 +135,8 @@ class HostStage {
   enum class Direction { Send, Receive };
 
   const std::vector<int>& my_host() const;
+  // `rank`'s place in my_host(): 0 for the leader (the shared memory's participant).
+  size_t index_in_host(int rank) const;
   // Sends (or receives) every message and returns once each is done; a failure names `what`. Through the
   // shared memory where the host has it (one message after the other, each peer's in the order sent: a peer
   // stalled with a message longer than its ring delays the messages after it), else over the pairs of

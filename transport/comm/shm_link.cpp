@@ -47,7 +47,9 @@ struct Header {
   uint64_t bytes;  // the segment's size
 };
 
-struct alignas(64) Participant {
+}  // namespace
+
+struct alignas(64) ShmHostLink::Participant {
   std::atomic<uint32_t> state;  // kAbsent, kAttached, kClosed
   int32_t pid;
   uint64_t start_time;  // field 22 of /proc/<pid>/stat: with the pid, this process and no later one
@@ -56,12 +58,14 @@ struct alignas(64) Participant {
 
 // One direction between two participants. head and tail count bytes ever written and read; `written` and
 // `taken` change after each and are the futex words the reader and the writer sleep on.
-struct RingControl {
+struct ShmHostLink::RingControl {
   alignas(64) std::atomic<uint64_t> head;
   std::atomic<uint32_t> written;
   alignas(64) std::atomic<uint64_t> tail;
   std::atomic<uint32_t> taken;
 };
+
+namespace {
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
               "shared-memory rings need lock-free atomics (address-free across processes)");
@@ -72,8 +76,8 @@ struct Layout {
   size_t participants, controls, data, bytes;
   Layout(size_t members, size_t ring_bytes) {
     participants = sizeof(Header) <= 64 ? 64 : kPage;
-    controls = participants + (members + 1) * sizeof(Participant);
-    data = (controls + 2 * members * sizeof(RingControl) + kPage - 1) / kPage * kPage;
+    controls = participants + (members + 1) * sizeof(ShmHostLink::Participant);
+    data = (controls + 2 * members * sizeof(ShmHostLink::RingControl) + kPage - 1) / kPage * kPage;
     bytes = data + 2 * members * ring_bytes;
   }
 };
@@ -127,10 +131,11 @@ constexpr const char* kNamePrefix = "psgd-";
 
 // "/psgd-<pid>-<start time>-<16 hex digits>": the creator's process in the name, so that a later creator can
 // tell a segment whose creator died before unlinking it (killed during setup) from a live one.
+constexpr char kHex[] = "0123456789abcdef";
+
 std::string segment_name(pid_t pid, uint64_t start) {
   std::random_device device;
   std::string name = detail::concat("/", kNamePrefix, pid, "-", start, "-");
-  static const char kHex[] = "0123456789abcdef";
   for (int k = 0; k < 2; ++k) {  // 64 random bits: with O_EXCL and the pid, enough to be unguessable and unique
     const uint32_t word = device();
     for (int nibble = 0; nibble < 8; ++nibble) name += kHex[(word >> (4 * nibble)) & 15];
@@ -171,32 +176,24 @@ struct Frame {
 constexpr uint32_t mark_of(uint8_t slot) { return 0x50534700u | slot; }
 
 std::string hex_byte(uint32_t value) {
-  static const char kHex[] = "0123456789abcdef";
   return {kHex[(value >> 4) & 15], kHex[value & 15]};
 }
 
-}  // namespace
-
-namespace {
-
 Header& header_of(void* base) { return *static_cast<Header*>(base); }
-Participant& participant_of(void* base, size_t p) {
-  const Header& h = header_of(base);
-  return reinterpret_cast<Participant*>(static_cast<uint8_t*>(base) + Layout(h.members, h.ring_bytes).participants)[p];
-}
-RingControl& control_of(void* base, size_t ring) {
-  const Header& h = header_of(base);
-  return reinterpret_cast<RingControl*>(static_cast<uint8_t*>(base) + Layout(h.members, h.ring_bytes).controls)[ring];
-}
-uint8_t* data_of(void* base, size_t ring) {
-  const Header& h = header_of(base);
-  return static_cast<uint8_t*>(base) + Layout(h.members, h.ring_bytes).data + ring * h.ring_bytes;
-}
 
 }  // namespace
 
 ShmHostLink::ShmHostLink(std::string name, void* base, size_t bytes, size_t participant)
-    : name_(std::move(name)), base_(base), bytes_(bytes), participant_(participant), owner_(::getpid()) {}
+    : name_(std::move(name)), base_(base), bytes_(bytes), participant_(participant), owner_(::getpid()) {
+  const Header& header = header_of(base);
+  const Layout layout(header.members, header.ring_bytes);
+  auto* const at = static_cast<uint8_t*>(base);
+  members_ = header.members;
+  ring_bytes_ = header.ring_bytes;
+  participants_ = reinterpret_cast<Participant*>(at + layout.participants);
+  controls_ = reinterpret_cast<RingControl*>(at + layout.controls);
+  rings_ = at + layout.data;
+}
 
 ShmHostLink::~ShmHostLink() {
   // A child forked after creation inherits the mapping: it only unmaps, leaving its parent's side as it is.
@@ -282,7 +279,7 @@ std::unique_ptr<ShmHostLink> ShmHostLink::open(const std::string& name, size_t p
 }
 
 void ShmHostLink::attach() {
-  Participant& me = participant_of(base_, participant_);
+  Participant& me = participants_[participant_];
   me.pid = static_cast<int32_t>(::getpid());
   uint64_t start = 0;
   me.start_time = process_state(::getpid(), start) == Process::Running ? start : 0;
@@ -291,7 +288,7 @@ void ShmHostLink::attach() {
 }
 
 bool ShmHostLink::sees(size_t participant) const {
-  Participant& peer = participant_of(base_, participant);
+  Participant& peer = participants_[participant];
   if (peer.state.load(std::memory_order_acquire) != kAttached || peer.start_time == 0 ||
       peer.pid_namespace != pid_namespace())
     return false;
@@ -307,13 +304,12 @@ void ShmHostLink::unlink() {
 
 void ShmHostLink::close() {
   if (::getpid() != owner_) return;  // a forked child: not its side to close
-  Participant& me = participant_of(base_, participant_);
+  Participant& me = participants_[participant_];
   if (me.state.exchange(kClosed, std::memory_order_acq_rel) == kClosed) return;
-  const size_t members = header_of(base_).members;
-  for (size_t m = 0; m < members; ++m) {
+  for (size_t m = 0; m < members_; ++m) {
     if (participant_ != 0 && m + 1 != participant_) continue;
     for (size_t ring : {2 * m, 2 * m + 1}) {
-      RingControl& control = control_of(base_, ring);
+      RingControl& control = controls_[ring];
       control.written.fetch_add(1, std::memory_order_release);
       control.taken.fetch_add(1, std::memory_order_release);
       futex_wake(control.written);
@@ -335,13 +331,12 @@ namespace {
 // the peer wrote before it closed or exited is read first: ready() is asked again after seeing either (the
 // acquire load that saw the state also sees every write made before it).
 template <class Ready>
-void wait_until(std::atomic<uint32_t>& word, const Ready& ready, void* base, size_t peer, int peer_rank,
-                std::chrono::steady_clock::time_point deadline, const char* waiting_for) {
+void wait_until(std::atomic<uint32_t>& word, const Ready& ready, const ShmHostLink::Participant& other,
+                int peer_rank, std::chrono::steady_clock::time_point deadline, const char* waiting_for) {
   auto next_look = std::chrono::steady_clock::now() + kLivenessPeriod;
   for (;;) {
     const uint32_t seen = word.load(std::memory_order_acquire);
     if (ready()) return;
-    Participant& other = participant_of(base, peer);
     if (other.state.load(std::memory_order_acquire) == kClosed) {
       if (ready()) return;
       throw HostHopError(peer_rank, false,
@@ -378,9 +373,9 @@ void publish(std::atomic<uint64_t>& position, uint64_t value, std::atomic<uint32
 }  // namespace
 
 void ShmHostLink::write(size_t ring, size_t peer, int peer_rank, const void* data, size_t bytes, Deadline deadline) {
-  const size_t capacity = header_of(base_).ring_bytes;
-  RingControl& control = control_of(base_, ring);
-  uint8_t* const buffer = data_of(base_, ring);
+  const size_t capacity = ring_bytes_;
+  RingControl& control = controls_[ring];
+  uint8_t* const buffer = rings_ + ring * ring_bytes_;
   const auto* from = static_cast<const uint8_t*>(data);
   uint64_t head = control.head.load(std::memory_order_relaxed);  // written by this side only
   while (bytes > 0) {
@@ -388,8 +383,8 @@ void ShmHostLink::write(size_t ring, size_t peer, int peer_rank, const void* dat
     if (space == 0) {
       wait_until(
           control.taken,
-          [&] { return head - control.tail.load(std::memory_order_acquire) < capacity; }, base_, peer, peer_rank,
-          deadline, "room to send");
+          [&] { return head - control.tail.load(std::memory_order_acquire) < capacity; }, participants_[peer],
+          peer_rank, deadline, "room to send");
       continue;
     }
     const size_t n = std::min(space, bytes), at = static_cast<size_t>(head & (capacity - 1));
@@ -404,9 +399,9 @@ void ShmHostLink::write(size_t ring, size_t peer, int peer_rank, const void* dat
 }
 
 void ShmHostLink::read(size_t ring, size_t peer, int peer_rank, void* data, size_t bytes, Deadline deadline) {
-  const size_t capacity = header_of(base_).ring_bytes;
-  RingControl& control = control_of(base_, ring);
-  const uint8_t* const buffer = data_of(base_, ring);
+  const size_t capacity = ring_bytes_;
+  RingControl& control = controls_[ring];
+  const uint8_t* const buffer = rings_ + ring * ring_bytes_;
   auto* to = static_cast<uint8_t*>(data);
   uint64_t tail = control.tail.load(std::memory_order_relaxed);  // written by this side only
   while (bytes > 0) {
@@ -417,8 +412,8 @@ void ShmHostLink::read(size_t ring, size_t peer, int peer_rank, void* data, size
                                         capacity, ": the host's shared memory was overwritten"));
     if (ready == 0) {
       wait_until(
-          control.written, [&] { return control.head.load(std::memory_order_acquire) != tail; }, base_, peer,
-          peer_rank, deadline, "a message");
+          control.written, [&] { return control.head.load(std::memory_order_acquire) != tail; },
+          participants_[peer], peer_rank, deadline, "a message");
       continue;
     }
     const size_t n = std::min(ready, bytes), at = static_cast<size_t>(tail & (capacity - 1));

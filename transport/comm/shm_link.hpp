@@ -63,6 +63,10 @@ class ShmHostLink {
   // Marks this side closed and wakes every waiter: the peers' waits fail now, not after their timeout.
   void close();
 
+  // The segment's records, defined in shm_link.cpp.
+  struct Participant;
+  struct RingControl;
+
   // One framed message to (from) `peer_participant`, who is rank `peer_rank`. A receive takes a message of at
   // most `capacity` bytes and returns its length. Each waits at most `timeout` in all. HostHopError where the
   // peer exits, closes, stalls or sends another slot, tag or a longer message.
@@ -83,6 +87,12 @@ class ShmHostLink {
   void* base_ = nullptr;
   size_t bytes_ = 0;
   size_t participant_ = 0;
+  // Where the segment's parts are, from its header (fixed at creation).
+  size_t members_ = 0;
+  size_t ring_bytes_ = 0;
+  Participant* participants_ = nullptr;  // members_ + 1, the leader first
+  RingControl* controls_ = nullptr;      // 2 x members_
+  uint8_t* rings_ = nullptr;             // 2 x members_ rings of ring_bytes_
   pid_t owner_ = 0;  // the process that created or opened it: a forked child neither closes nor unlinks
   bool unlinked_ = false;
 };
