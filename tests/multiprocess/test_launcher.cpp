@@ -980,6 +980,31 @@ TEST_SUITE("link-delay") {
     CHECK(mbit < 220.0);
   }
 
+  // PSGD_DIRECT_MAX_BYTES=auto on 3 hosts at 3 ms one way: the latency alone chooses 4 MiB (an exchange waits
+  // for Gloo's notice, then the data: 6 ms or more); at 50 Mbit/s direct's bytes cost more than scatter-gather's
+  // extra round above d / c x n / (n - 2) = 3 ms x 6.25 MB/s x 3, about 56 KB, so the measured rate lowers it
+  // to the floor, 256 KiB, on every rank (it would take about 230 Mbit/s measured at d = 3 ms to exceed it, or
+  // an exchange of about 26 ms at 50 Mbit/s). The logged rate must be the link's, not some other unit.
+  TEST_CASE("PSGD_DIRECT_MAX_BYTES=auto at 3 ms and 50 Mbit/s: the measured rate lowers the bound to 256 KiB") {
+    Launcher l(with_worker({"--emulate-hosts", "3", "-n", "3", "--timeout", "60", "--link-delay", "3ms",
+                            "--link-rate", "50mbit", "--env", "PSGD_LOG_LEVEL=info", "--env",
+                            "PSGD_DIRECT_MAX_BYTES=auto"},
+                           {"direct-bound"}));
+    Result r = l.finish(120s);
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    REQUIRE(r.code == 0);
+    for (int rank = 0; rank < 3; ++rank)
+      CHECK(contains(r.out, "[" + std::to_string(rank) + "] direct_bound=262144 wrong=0"));
+    const std::string all = r.out + r.err;
+    const size_t at = all.find(" Gbit/s received");
+    REQUIRE(at != std::string::npos);
+    const double gbit = std::stod(all.substr(all.rfind(", ", at) + 2));
+    MESSAGE("measured ", gbit * 1000, " Mbit/s received over 50 mbit links");
+    CHECK(gbit > 0.005);
+    CHECK(gbit < 0.06);
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
   TEST_CASE("--delay-mechanism netem on a kernel without netem: exit 1 naming tc's error, before any worker") {
     TempDir dir;
     const std::string marker = dir / "started";

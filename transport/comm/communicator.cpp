@@ -406,13 +406,22 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
 
 bool GlooCommunicator::host_shared_memory() const { return stage_ != nullptr && stage_->shared_memory(); }
 
-size_t GlooCommunicator::direct_bound_for(double exchange_seconds) {
-  // Direct costs (n - 1) x bytes where bcube costs about 2 x bytes in 2 log2 n
-  // rounds: the farther the hosts, the larger the messages for which one round
-  // pays (docs/scaling.md measured 1 and 4 MiB at 5 ms one way, 1 Gbit/s).
-  if (exchange_seconds < 1e-3) return size_t{256} << 10;
-  if (exchange_seconds < 4e-3) return size_t{1} << 20;
-  return size_t{4} << 20;
+size_t GlooCommunicator::direct_bound_for(double exchange_seconds, double seconds_per_byte, int parties) {
+  // Direct costs (n - 1) x bytes where scatter-gather costs about 2 x bytes in 2 rounds: the farther the
+  // hosts, the larger the messages for which one round pays (docs/scaling.md measured 1 and 4 MiB at 5 ms one
+  // way, 1 Gbit/s).
+  constexpr size_t kLan = size_t{256} << 10;
+  if (!(exchange_seconds >= 1e-3)) return kLan;
+  const size_t by_latency = exchange_seconds < 4e-3 ? size_t{1} << 20 : size_t{4} << 20;
+  // Where the bytes weigh too: direct takes d + (n - 1) B c, scatter-gather 2 d + 2 (n - 1) B c / n (d the
+  // round scatter-gather adds, c the per-byte time, (n - 1) B what the bound compares), so direct is faster
+  // while (n - 1) B <= d / c x n / (n - 2). That round is one one-way delay, eager path or not; the measured
+  // exchange (Gloo's alltoall: the receiver's notice, then the data) takes two: d is half of it.
+  // Never below a LAN's bound: under it the probe's noise would decide.
+  if (!(seconds_per_byte > 0) || parties <= 2) return by_latency;  // not measured (NaN too)
+  const double by_rate = exchange_seconds / 2 / seconds_per_byte * parties / (parties - 2);
+  if (!(by_rate < static_cast<double>(by_latency))) return by_latency;
+  return std::max(kLan, static_cast<size_t>(by_rate) & ~size_t{4095});
 }
 
 void GlooCommunicator::measure_direct_bound() {
@@ -421,20 +430,41 @@ void GlooCommunicator::measure_direct_bound() {
     return;
   }
   // The fastest of a few exchanges: scheduling and TCP's first packets only slow one down.
-  double fastest = std::numeric_limits<double>::infinity();
-  for (int k = 0; k < 5; ++k) {
-    double value = 0;
-    const auto start = std::chrono::steady_clock::now();
-    allreduce_async(&value, 1, DataType::Float64, Algorithm::Direct).wait();
-    fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  auto fastest_of = [this](int untimed, int timed, std::vector<double>& buffer) {
+    double fastest = std::numeric_limits<double>::infinity();
+    for (int k = 0; k < untimed + timed; ++k) {
+      const auto start = std::chrono::steady_clock::now();
+      allreduce_async(buffer.data(), buffer.size(), DataType::Float64, Algorithm::Direct).wait();
+      if (k >= untimed)
+        fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return fastest;
+  };
+  auto slowest_rank = [this](double mine) {  // identical on every rank: every rank then chooses the same bound
+    std::vector<double> all(static_cast<size_t>(options_.world_size));
+    allgather(&mine, all.data(), sizeof(double));
+    return *std::max_element(all.begin(), all.end());
+  };
+  std::vector<double> one(1);
+  const double exchange = fastest_of(0, 5, one);
+  const double agreed = slowest_rank(exchange);
+  const int parties = stage_ != nullptr ? staged_hosts_ : options_.world_size;
+  double per_byte = 0;
+  // Only where the latency alone would allow more than a LAN's bound (every rank decides alike, from the agreed
+  // time): 1 MiB received in all per exchange, about 8 ms at 1 Gbit/s, so the bytes' time stands out. The
+  // first two are not timed: fresh connections grow TCP's window over them (on 4 emulated hosts at 5 ms one
+  // way, 60 ms then about 24).
+  if (direct_bound_for(agreed) > direct_bound_for(0) && parties > 2) {
+    const size_t others = static_cast<size_t>(parties - 1);
+    std::vector<double> probe(std::max<size_t>(1, (size_t{1} << 20) / others / sizeof(double)));
+    const double probe_seconds = fastest_of(2, 5, probe);
+    const double mine = std::max(0.0, probe_seconds - exchange) / static_cast<double>(others * probe.size() * 8);
+    per_byte = slowest_rank(mine);
   }
-  // The slowest rank's, identical on every rank: every rank then chooses the same bound.
-  std::vector<double> all(static_cast<size_t>(options_.world_size));
-  allgather(&fastest, all.data(), sizeof(double));
-  const double agreed = *std::max_element(all.begin(), all.end());
-  direct_max_bytes_ = direct_bound_for(agreed);
-  PSGD_LOG(Info, "PSGD_DIRECT_MAX_BYTES=auto: ", direct_max_bytes_, " bytes (one-round exchange ",
-           agreed * 1e3, " ms on the slowest rank)");
+  direct_max_bytes_ = direct_bound_for(agreed, per_byte, parties);
+  PSGD_LOG(Info, "PSGD_DIRECT_MAX_BYTES=auto: ", direct_max_bytes_, " bytes (one-round exchange ", agreed * 1e3,
+           " ms on the slowest rank", per_byte > 0 ? detail::concat(", ", 8e-9 / per_byte, " Gbit/s received") : "",
+           ")");
 }
 
 void GlooCommunicator::check_fingerprint() {

@@ -94,10 +94,11 @@ class GlooCommunicator final : public Communicator {
   // Direct allreduces that took the eager path (PSGD_DIRECT_EAGER=1; docs/transport.md), counted on the
   // communication thread: read it between operations, not while one runs.
   uint64_t eager_direct_collectives() const;
-  // The bound PSGD_DIRECT_MAX_BYTES=auto chooses from the slowest rank's
-  // one-round exchange time (docs/transport.md, "Rounds"): a pure function, so
-  // every rank that sees the same agreed time chooses the same bound.
-  static size_t direct_bound_for(double exchange_seconds);
+  // The bound PSGD_DIRECT_MAX_BYTES=auto chooses (docs/transport.md, "Rounds") from the slowest rank's
+  // one-round exchange time, the largest per-byte receive time measured (0: not measured) and the number of
+  // parties to the exchange (ranks, or hosts when staged): a pure function, so every rank that sees the same
+  // agreed numbers chooses the same bound.
+  static size_t direct_bound_for(double exchange_seconds, double seconds_per_byte = 0, int parties = 0);
 
  private:
   // Runs on the communication thread with the context (the only thread that
@@ -121,8 +122,9 @@ class GlooCommunicator final : public Communicator {
   // group is broken; translates Gloo's errors, breaking the group on a PeerError.
   void execute(Op& op);
   void add_rounds(uint64_t rounds) { rounds_.fetch_add(rounds, std::memory_order_relaxed); }
-  // Collective, at creation with PSGD_DIRECT_MAX_BYTES=auto: times a few one-round
-  // exchanges, agrees on the slowest rank's fastest one, sets direct_max_bytes_.
+  // Collective, at creation with PSGD_DIRECT_MAX_BYTES=auto: times a few one-round exchanges, agrees on the
+  // slowest rank's fastest one; where that is above a LAN's, also times exchanges of 1 MiB in all and agrees on
+  // the largest per-byte time; sets direct_max_bytes_.
   void measure_direct_bound();
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
   // Whether a message of `bytes` is within the direct bound (for size() - 1 peers, or the other hosts' leaders

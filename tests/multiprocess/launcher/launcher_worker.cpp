@@ -40,6 +40,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm/communicator.hpp"
+#include "comm/options.hpp"
 #include "powersgd/comm.hpp"
 #include "powersgd/error.hpp"
 #include "store/store.hpp"
@@ -357,6 +359,28 @@ int mode_allreduce(char** argv) {
   return 0;
 }
 
+// A communicator with PSGD_DIRECT_MAX_BYTES=auto: prints the bound it chose, then checks one allreduce of a
+// message direct takes and one scatter-gather takes (wrong: elements not the exact sum, or the other algorithm).
+int mode_direct_bound() {
+  using powersgd::transport::Algorithm;
+  using powersgd::transport::GlooCommunicator;
+  auto comm = GlooCommunicator::create(powersgd::CommOptions::from_env(), powersgd::transport::GlooApi::New);
+  const size_t bound = comm->direct_max_bytes();
+  const auto others = static_cast<size_t>((comm->staged_hosts() > 0 ? comm->staged_hosts() : comm->size()) - 1);
+  int wrong = 0;
+  for (size_t count : {bound / others / sizeof(float), 2 * bound / others / sizeof(float)}) {
+    const Algorithm expected = count == bound / others / sizeof(float) ? Algorithm::Direct : Algorithm::ScatterGather;
+    wrong += comm->choose(count * sizeof(float)) != expected ? 1 : 0;
+    std::vector<float> data(count, static_cast<float>(comm->rank() + 1));
+    comm->allreduce(data.data(), data.size(), powersgd::DataType::Float32);
+    const auto n = static_cast<float>(comm->size());
+    wrong += static_cast<int>(std::count_if(data.begin(), data.end(), [&](float v) { return v != n * (n + 1) / 2; }));
+  }
+  std::printf("direct_bound=%zu wrong=%d\n", bound, wrong);  // the launcher prefixes the rank
+  std::fflush(stdout);
+  return wrong == 0 ? 0 : 4;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -373,6 +397,7 @@ int main(int argc, char** argv) {
     if (mode == "throughput" && argc == 3) return mode_throughput(argv);
     if (mode == "pingpong" && argc == 3) return mode_pingpong(argv);
     if (mode == "allreduce" && argc == 3) return mode_allreduce(argv);
+    if (mode == "direct-bound" && argc == 2) return mode_direct_bound();
   } catch (const std::exception& e) {
     die(e.what());
   }
