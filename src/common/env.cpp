@@ -70,7 +70,7 @@ constexpr Variable kVariables[] = {
      "Allreduce messages below the ring threshold whose copies from all other ranks add up to at most this "
      "many bytes ((world size - 1) * message bytes) use the direct algorithm, one round (tcp; 0: never). "
      "auto: chosen at creation from the measured latency between the ranks (256 KiB below 1 ms per one-round "
-     "exchange, 1 MiB below 4 ms, else 4 MiB) and, above 1 ms among more than two ranks or staged hosts, from the measured rate (lower where direct's "
+     "exchange, 1 MiB below 4 ms, else 4 MiB) and, above 1 ms among more than two ranks or staged hosts with scatter-gather, from the measured rate (lower where direct's "
      "bytes would cost more than scatter-gather's extra round): the same bits at any bound, as direct and "
      "scatter-gather add in the same order. Unset with PSGD_SCATTER_GATHER=0: 262144 (bcube's sums differ from direct's, so the "
      "bound would change the bits). Must be equal on every rank. Measured: docs/scaling.md."},

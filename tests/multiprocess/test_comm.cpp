@@ -671,19 +671,22 @@ TEST_CASE("direct: PSGD_DIRECT_MAX_BYTES=auto chooses one bound on every rank fr
   CHECK(GlooCommunicator::direct_bound_for(50e-6) == 262144);
   CHECK(GlooCommunicator::direct_bound_for(2e-3) == 1048576);
   CHECK(GlooCommunicator::direct_bound_for(5e-3) == 4194304);
-  // And the link's rate: at 5 ms and 1 Gbit/s (8 ns per byte) direct pays while (n - 1) B <= d / c x n / (n - 2),
-  // d half the measured exchange, rounded down to 4 KiB; never above the latency's bound, nor below a LAN's.
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, 8e-9, 8) == 413696);   // 416,666
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, 8e-9, 4) == 622592);   // 625,000
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, 8e-9, 16) == 356352);  // 357,142
-  CHECK(GlooCommunicator::direct_bound_for(3e-3, 4e-9, 8) == 499712);   // 500,000
-  CHECK(GlooCommunicator::direct_bound_for(2e-3, 8e-9, 8) == 262144);   // 166,666: a LAN's bound
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, 4e-10, 8) == 4194304); // 20 Gbit/s: the latency's
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, 8e-9, 2) == 4194304);  // two parties: direct is never slower
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, 0, 8) == 4194304);     // not measured
-  CHECK(GlooCommunicator::direct_bound_for(50e-6, 1e-6, 8) == 262144);
-  CHECK(GlooCommunicator::direct_bound_for(5e-3, std::nan(""), 8) == 4194304);
-  CHECK(GlooCommunicator::direct_bound_for(std::nan(""), 8e-9, 8) == 262144);
+  // And the link's rate: at 1 Gbit/s (8 ns per byte), with scatter-gather's extra round d measured at 5 ms, direct
+  // pays while (n - 1) B <= d / c x n / (n - 2), rounded down to 4 KiB; never above the latency's bound, nor
+  // below a LAN's.
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, 8e-9, 8) == 831488);   // 833,333
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, 8e-9, 4) == 1249280);  // 1,250,000
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, 8e-9, 16) == 712704);  // 714,285
+  CHECK(GlooCommunicator::direct_bound_for(3e-3, 1.5e-3, 4e-9, 8) == 499712);  // 500,000
+  CHECK(GlooCommunicator::direct_bound_for(2e-3, 1e-3, 8e-9, 8) == 262144);    // 166,666: a LAN's bound
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 0, 8e-9, 8) == 262144);      // no round to save
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, 8e-10, 8) == 4194304); // 10 Gbit/s: the latency's
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, 8e-9, 2) == 4194304);  // two parties: direct is never slower
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, 0, 8) == 4194304);     // not measured
+  CHECK(GlooCommunicator::direct_bound_for(50e-6, 50e-6, 1e-6, 8) == 262144);
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, 5e-3, std::nan(""), 8) == 4194304);
+  CHECK(GlooCommunicator::direct_bound_for(10e-3, std::nan(""), 8e-9, 8) == 4194304);
+  CHECK(GlooCommunicator::direct_bound_for(std::nan(""), 5e-3, 8e-9, 8) == 262144);
   auto in_range = [](uint64_t bound) { return bound >= 262144 && bound <= 4194304 && bound % 4096 == 0; };
   setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
   auto comm = connect("direct-auto");

@@ -406,7 +406,8 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
 
 bool GlooCommunicator::host_shared_memory() const { return stage_ != nullptr && stage_->shared_memory(); }
 
-size_t GlooCommunicator::direct_bound_for(double exchange_seconds, double seconds_per_byte, int parties) {
+size_t GlooCommunicator::direct_bound_for(double exchange_seconds, double round_seconds, double seconds_per_byte,
+                                          int parties) {
   // Direct costs (n - 1) x bytes where scatter-gather costs about 2 x bytes in 2 rounds: the farther the
   // hosts, the larger the messages for which one round pays (docs/scaling.md measured 1 and 4 MiB at 5 ms one
   // way, 1 Gbit/s).
@@ -414,12 +415,11 @@ size_t GlooCommunicator::direct_bound_for(double exchange_seconds, double second
   if (!(exchange_seconds >= 1e-3)) return kLan;
   const size_t by_latency = exchange_seconds < 4e-3 ? size_t{1} << 20 : size_t{4} << 20;
   // Where the bytes weigh too: direct takes d + (n - 1) B c, scatter-gather 2 d + 2 (n - 1) B c / n (d the
-  // round scatter-gather adds, c the per-byte time, (n - 1) B what the bound compares), so direct is faster
-  // while (n - 1) B <= d / c x n / (n - 2). That round is one one-way delay, eager path or not; the measured
-  // exchange (Gloo's alltoall: the receiver's notice, then the data) takes two: d is half of it.
-  // Never below a LAN's bound: under it the probe's noise would decide.
-  if (!(seconds_per_byte > 0) || parties <= 2) return by_latency;  // not measured (NaN too)
-  const double by_rate = exchange_seconds / 2 / seconds_per_byte * parties / (parties - 2);
+  // round scatter-gather adds, measured: a one-way delay at a distance, the scheduling of a round where the
+  // cores are short; c the per-byte time; (n - 1) B what the bound compares), so direct is faster while
+  // (n - 1) B <= d / c x n / (n - 2). Never below a LAN's bound: under it the probe's noise would decide.
+  if (!(seconds_per_byte > 0) || !(round_seconds >= 0) || parties <= 2) return by_latency;  // not measured
+  const double by_rate = round_seconds / seconds_per_byte * parties / (parties - 2);
   if (!(by_rate < static_cast<double>(by_latency))) return by_latency;
   return std::max(kLan, static_cast<size_t>(by_rate) & ~size_t{4095});
 }
@@ -430,11 +430,11 @@ void GlooCommunicator::measure_direct_bound() {
     return;
   }
   // The fastest of a few exchanges: scheduling and TCP's first packets only slow one down.
-  auto fastest_of = [this](int untimed, int timed, std::vector<double>& buffer) {
+  auto fastest_of = [this](int untimed, int timed, std::vector<double>& buffer, Algorithm algorithm) {
     double fastest = std::numeric_limits<double>::infinity();
     for (int k = 0; k < untimed + timed; ++k) {
       const auto start = std::chrono::steady_clock::now();
-      allreduce_async(buffer.data(), buffer.size(), DataType::Float64, Algorithm::Direct).wait();
+      allreduce_async(buffer.data(), buffer.size(), DataType::Float64, algorithm).wait();
       if (k >= untimed)
         fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
@@ -446,24 +446,29 @@ void GlooCommunicator::measure_direct_bound() {
     return *std::max_element(all.begin(), all.end());
   };
   std::vector<double> one(1);
-  const double exchange = fastest_of(0, 5, one);
+  const double exchange = fastest_of(0, 5, one, Algorithm::Direct);
   const double agreed = slowest_rank(exchange);
   const int parties = stage_ != nullptr ? staged_hosts_ : options_.world_size;
-  double per_byte = 0;
-  // Only where the latency alone would allow more than a LAN's bound (every rank decides alike, from the agreed
-  // time): 1 MiB received in all per exchange, about 8 ms at 1 Gbit/s, so the bytes' time stands out. The
-  // first two are not timed: fresh connections grow TCP's window over them (on 4 emulated hosts at 5 ms one
-  // way, 60 ms then about 24).
-  if (direct_bound_for(agreed) > direct_bound_for(0) && parties > 2) {
+  double round = 0, per_byte = 0;
+  // Only where the latency alone would allow more than a LAN's bound (every rank decides alike, from agreed
+  // values and settings), and where scatter-gather is the alternative: the round it adds (one double by
+  // scatter-gather against direct: with no receives posted ahead, direct waits for Gloo's notice, then the
+  // data, scatter-gather one round more), and the bytes' time from exchanges of 1 MiB received in all, about
+  // 8 ms at 1 Gbit/s, so that it stands out. The first two of those are not timed: fresh connections grow TCP's
+  // window over them (on 4 emulated hosts at 5 ms one way, 60 ms then about 24).
+  if (direct_bound_for(agreed) > direct_bound_for(0) && parties > 2 && scatter_gather_) {
+    round = slowest_rank(std::max(0.0, fastest_of(1, 5, one, Algorithm::ScatterGather) - exchange));
     const size_t others = static_cast<size_t>(parties - 1);
     std::vector<double> probe(std::max<size_t>(1, (size_t{1} << 20) / others / sizeof(double)));
-    const double probe_seconds = fastest_of(2, 5, probe);
-    const double mine = std::max(0.0, probe_seconds - exchange) / static_cast<double>(others * probe.size() * 8);
-    per_byte = slowest_rank(mine);
+    const double probe_seconds = fastest_of(2, 5, probe, Algorithm::Direct);
+    per_byte = slowest_rank(std::max(0.0, probe_seconds - exchange) / static_cast<double>(others * probe.size() * 8));
   }
-  direct_max_bytes_ = direct_bound_for(agreed, per_byte, parties);
+  direct_max_bytes_ = direct_bound_for(agreed, round, per_byte, parties);
   PSGD_LOG(Info, "PSGD_DIRECT_MAX_BYTES=auto: ", direct_max_bytes_, " bytes (one-round exchange ", agreed * 1e3,
-           " ms on the slowest rank", per_byte > 0 ? detail::concat(", ", 8e-9 / per_byte, " Gbit/s received") : "",
+           " ms on the slowest rank",
+           per_byte > 0 ? detail::concat(", scatter-gather's extra round ", round * 1e3, " ms, ", 8e-9 / per_byte,
+                                         " Gbit/s received")
+                        : "",
            ")");
 }
 

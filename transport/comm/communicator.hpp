@@ -95,10 +95,12 @@ class GlooCommunicator final : public Communicator {
   // communication thread: read it between operations, not while one runs.
   uint64_t eager_direct_collectives() const;
   // The bound PSGD_DIRECT_MAX_BYTES=auto chooses (docs/transport.md, "Rounds") from the slowest rank's
-  // one-round exchange time, the largest per-byte receive time measured (0: not measured) and the number of
-  // parties to the exchange (ranks, or hosts when staged): a pure function, so every rank that sees the same
-  // agreed numbers chooses the same bound.
-  static size_t direct_bound_for(double exchange_seconds, double seconds_per_byte = 0, int parties = 0);
+  // one-round exchange time and, where measured (seconds_per_byte 0: not), the round scatter-gather adds, the
+  // per-byte receive time and the number of parties to the exchange (ranks, or hosts when staged), each the
+  // largest over the ranks: a pure function, so every rank that sees the same agreed numbers chooses the same
+  // bound.
+  static size_t direct_bound_for(double exchange_seconds, double round_seconds = 0, double seconds_per_byte = 0,
+                                 int parties = 0);
 
  private:
   // Runs on the communication thread with the context (the only thread that
