@@ -578,6 +578,49 @@ TEST_CASE("tcp store: the client retries until the server starts, and times out 
   CHECK(ms_since(start) < 2000);
 }
 
+TEST_CASE("tcp store: a deadline that ends the reconnect after a Busy reply reports the Busy reason") {
+  // A stand-in server: answers the first HELLO with Busy and stops listening first, so every reconnect is
+  // refused until the client's deadline. The client must say why (the Busy reason), as when the deadline ends
+  // a HELLO after a Busy; it once threw "could not connect" (seen under load in the per-address cap case).
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(listener >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(listener, 4) == 0);
+  socklen_t length = sizeof addr;
+  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length) == 0);
+  std::atomic<bool> answered{false};
+  std::thread server([&] {
+    int connection = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    ::close(listener);
+    if (connection < 0) return;
+    char header[4];
+    if (::recv(connection, header, sizeof header, MSG_WAITALL) == 4) {
+      uint32_t body = 0;
+      for (int i = 0; i < 4; ++i) body |= static_cast<uint32_t>(static_cast<unsigned char>(header[i])) << (8 * i);
+      std::vector<char> hello(std::min<uint32_t>(body, 4096));
+      if (::recv(connection, hello.data(), hello.size(), MSG_WAITALL) == static_cast<ssize_t>(hello.size())) {
+        std::string busy = frame(kBusy, field("full for this test"));
+        answered = ::send(connection, busy.data(), busy.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(busy.size());
+      }
+    }
+    ::close(connection);
+  });
+  auto start = Clock::now();
+  try {
+    connect_tcp_store("127.0.0.1", ntohs(addr.sin_port), kToken, 500ms);
+    FAIL("connected to a server that stopped listening");
+  } catch (const powersgd::IoError& e) {
+    CHECK(std::string(e.what()).find("had no room for this client within 500 ms: full for this test") !=
+          std::string::npos);
+  }
+  server.join();
+  CHECK(answered);
+  CHECK(ms_since(start) < 3000);
+}
+
 TEST_CASE("file store: semantics, prefixes, timeout") {
   auto dir = fresh_dir("file");
   auto a = powersgd::transport::make_file_store(dir.string(), "run1", 2s);

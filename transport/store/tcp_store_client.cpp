@@ -56,8 +56,8 @@ class TcpStore final : public Store {
                  *busy);
     };
     for (;;) {
-      connect(host, port, deadline);
       try {
+        connect(host, port, deadline);
         auto [type, payload] = exchange(hello, deadline, "HELLO");
         if (type == Reply::Busy) {
           busy = message(payload);
@@ -71,7 +71,7 @@ class TcpStore final : public Store {
           return;
         }
       } catch (const TimeoutError&) {
-        // The deadline ended an attempt after a Busy reply (a slow server): the Busy is the reason.
+        // The deadline ended an attempt (its connect or its HELLO) after a Busy reply: the Busy is the reason.
         if (busy) no_room();
         throw;
       } catch (const IoError&) {
