@@ -12,7 +12,7 @@ RATE=${3:-100mbit}
 EPOCHS=${4:-1}
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
-emulated_preamble emulated_training.sh
+emulated_preamble emulated_training.sh train
 
 run() {  # label, trainer arguments...
   label=$1

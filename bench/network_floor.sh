@@ -21,7 +21,7 @@ if [ $# -eq 0 ]; then set -- --model wide --rank 2 --start-iter 0 --epochs 1 --t
 TRAIN_ARGS="$*"  # word-split again below: arguments without blanks
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
-emulated_preamble network_floor.sh
+emulated_preamble network_floor.sh train
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 

@@ -55,9 +55,7 @@ ENV_ARGS=
 for setting in ${ENV:-}; do ENV_ARGS="$ENV_ARGS --env $setting"; done
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
-emulated_preamble rounds_ab.sh
-BENCH="$BUILD/tools/bench/powersgd-bench"
-[ -x "$BENCH" ] || { echo "rounds_ab.sh: $BENCH not found (build first: ninja -C $BUILD)" >&2; exit 2; }
+emulated_preamble rounds_ab.sh bench
 case " ${SIDES:-} " in *" old"*)
   [ -x "${OLD_BUILD:-}/tools/bench/powersgd-bench" ] || {
     echo "rounds_ab.sh: a side starting with 'old' needs OLD_BUILD, a build with tools/bench/powersgd-bench (OLD_BUILD='${OLD_BUILD:-}')" >&2; exit 2; } ;;

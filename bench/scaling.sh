@@ -38,7 +38,7 @@ CONFIGS=${CONFIGS:-allreduce powersgd alternating}
 BEFORE=${BEFORE:-}
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
-emulated_preamble scaling.sh
+emulated_preamble scaling.sh train
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 steps=$(( (TRAIN_LIMIT + BATCH - 1) / BATCH ))

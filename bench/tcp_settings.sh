@@ -21,12 +21,9 @@ DELAYS=${DELAYS:-5ms 25ms}
 SIDES=${SIDES:-default cubic bigbuf}
 STEPS=${STEPS:-8}
 SHAPES=${SHAPES:-$(dirname "$0")/../data/models/resnet18.shapes}
-RUN="$BUILD/tools/run/powersgd-run"
-BENCH="$BUILD/tools/bench/powersgd-bench"
-for f in "$RUN" "$BENCH"; do
-  [ -x "$f" ] || { echo "tcp_settings.sh: $f not found (build first: ninja -C $BUILD)" >&2; exit 2; }
-done
-[ "$(id -u)" -eq 0 ] || { echo "tcp_settings.sh: needs root (network namespaces)" >&2; exit 77; }
+# shellcheck source=bench/emulated_preamble.sh
+. "$(dirname "$0")/emulated_preamble.sh"
+emulated_preamble tcp_settings.sh bench
 GRADIENT_BYTES=46758048
 tmp=$(mktemp -d)
 # A namespace may set as its default only a congestion control the host allows: cubic is added for the run

@@ -32,7 +32,7 @@ SKIP_DONE=${SKIP_DONE:-1}
 HERE=$(dirname "$0")
 # shellcheck source=bench/emulated_preamble.sh
 . "$HERE/emulated_preamble.sh"
-emulated_preamble time_to_accuracy.sh
+emulated_preamble time_to_accuracy.sh train
 # shellcheck source=bench/training_runs.sh
 . "$HERE/training_runs.sh"
 

@@ -35,7 +35,7 @@ echo "| hook | bucket cap (MB) | batch | outcome | buckets | mean step (s) | for
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 rounds=${ROUNDS:-1}
 jobs_tsv=$(mktemp)
-for round in $(seq "$rounds"); do
+for _ in $(seq "$rounds"); do
 for batch in ${BATCH_SIZES:-16}; do
   for config in $configs; do
     hook=${config%@*}

@@ -10,7 +10,7 @@
 #   scripts/fuzz.sh [--seconds N] [--build-dir DIR] [TARGET...]
 # Default: 60 s per target, build-fuzz, every target. Long run: --seconds 600.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 seconds=60
 build_dir=build-fuzz

@@ -88,8 +88,7 @@ start_munge() {
   # munged refuses to run as root with its log owned by munge: run it as munge.
   runuser -u munge -- /usr/sbin/munged || fail "munged did not start"
   cp /run/munge/munged.pid "$dir/munged.pid" 2>/dev/null
-  local i
-  for i in $(seq 50); do
+  for _ in $(seq 50); do
     munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
     sleep 0.1
   done
@@ -112,8 +111,7 @@ up() {
     # -N localhost: the node is named localhost whatever this machine's hostname.
     /usr/sbin/slurmd -N localhost -f "$conf" || fail "slurmd did not start: $(tail -3 "$dir/slurmd.log" 2>/dev/null)"
   fi
-  local i
-  for i in $(seq 100); do
+  for _ in $(seq 100); do
     node_up && return 0
     sleep 0.1
   done
@@ -130,10 +128,10 @@ node_up() {
 
 stop() {  # pid file: TERM, then KILL after 5 s
   alive "$1" || { rm -f "$1"; return 0; }
-  local pid i
+  local pid
   pid=$(cat "$1")
   kill "$pid" 2>/dev/null
-  for i in $(seq 50); do
+  for _ in $(seq 50); do
     kill -0 "$pid" 2>/dev/null || { rm -f "$1"; return 0; }
     sleep 0.1
   done

@@ -7,7 +7,7 @@
 # "N passed, N failed, N skipped".
 #   scripts/test.sh [--quick]   (--quick: the first build only)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 quick=0
 [ "${1:-}" = "--quick" ] && quick=1
 

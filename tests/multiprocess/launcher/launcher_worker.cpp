@@ -367,9 +367,10 @@ int mode_direct_bound() {
   auto comm = GlooCommunicator::create(powersgd::CommOptions::from_env(), powersgd::transport::GlooApi::New);
   const size_t bound = comm->direct_max_bytes();
   const auto others = static_cast<size_t>((comm->staged_hosts() > 0 ? comm->staged_hosts() : comm->size()) - 1);
+  const size_t largest_direct = bound / others / sizeof(float);  // floats per rank
   int wrong = 0;
-  for (size_t count : {bound / others / sizeof(float), 2 * bound / others / sizeof(float)}) {
-    const Algorithm expected = count == bound / others / sizeof(float) ? Algorithm::Direct : Algorithm::ScatterGather;
+  for (size_t count : {largest_direct, 2 * largest_direct}) {
+    const Algorithm expected = count == largest_direct ? Algorithm::Direct : Algorithm::ScatterGather;
     wrong += comm->choose(count * sizeof(float)) != expected ? 1 : 0;
     std::vector<float> data(count, static_cast<float>(comm->rank() + 1));
     comm->allreduce(data.data(), data.size(), powersgd::DataType::Float32);
