@@ -4,6 +4,7 @@
 #include <array>
 #include <cstring>
 
+#include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 #include "engine/rank_reports.hpp"
 
@@ -21,7 +22,7 @@ void average_error_memories(Communicator& comm, std::vector<CheckpointBucket>& b
   std::vector<double> sum;
   sum.reserve(total);
   for (const auto& b : buckets) sum.insert(sum.end(), b.error.begin(), b.error.end());
-  comm.allreduce(sum.data(), sum.size(), DataType::Float64);
+  detail::allreduce_agreed_async(comm, sum.data(), sum.size(), DataType::Float64).wait();
   const double world = static_cast<double>(comm.size());
   size_t at = 0;
   for (auto& b : buckets)
@@ -52,9 +53,9 @@ std::vector<char> read_on_rank0(Communicator& comm, const std::string& path) {
   }
   agree_on_outcome(comm, local, "load_job: reading job checkpoint " + path);
   uint64_t size = bytes.size();
-  comm.broadcast(&size, sizeof(size), 0);
+  detail::broadcast_agreed_async(comm, &size, sizeof(size), 0).wait();
   bytes.resize(static_cast<size_t>(size));
-  if (size > 0) comm.broadcast(bytes.data(), bytes.size(), 0);
+  if (size > 0) detail::broadcast_agreed_async(comm, bytes.data(), bytes.size(), 0).wait();  // of the size broadcast
   return bytes;
 }
 

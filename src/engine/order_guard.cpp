@@ -7,6 +7,7 @@
 #include <map>
 #include <type_traits>
 
+#include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 #include "engine/config_fields.hpp"
 #include "engine/fingerprint.hpp"
@@ -92,9 +93,9 @@ void raise_layout_mismatch(Communicator& comm, const Config& config, int index, 
   if (comm.rank() == 0)
     for (const auto& [key, value] : mine) text += key + '\t' + value + '\n';
   uint64_t size = text.size();
-  comm.broadcast(&size, sizeof(size), 0);
+  detail::broadcast_agreed_async(comm, &size, sizeof(size), 0).wait();
   text.resize(static_cast<size_t>(size));
-  comm.broadcast(text.data(), text.size(), 0);
+  detail::broadcast_agreed_async(comm, text.data(), text.size(), 0).wait();  // of the size broadcast
   std::map<std::string, std::string> root;
   for (size_t at = 0; at < text.size();) {
     const size_t tab = text.find('\t', at), end = text.find('\n', at);
@@ -287,7 +288,7 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
   } else if (lead_capacity_ > 0) {
     announced_ = send_lead(nullptr, 0);
   } else {
-    announced_ = comm_.allreduce_async(sums_, kMaxFused * kBlock, DataType::Float64);
+    announced_ = detail::allreduce_agreed_async(comm_, sums_, kMaxFused * kBlock, DataType::Float64);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/order_guard.hpp"
@@ -106,7 +107,7 @@ OuterOptimizer::OuterOptimizer(Communicator& comm, Reducer& reducer, const Outer
                  ") differs from rank 0's (", describe(config_of(reports[0])), "); nothing set up on any rank");
   // Every rank starts from rank 0's parameters.
   for (size_t b = 0; b < params.size(); ++b) {
-    comm.broadcast(params[b].data(), params[b].size_bytes(), 0);
+    detail::broadcast_agreed_async(comm, params[b].data(), params[b].size_bytes(), 0).wait();  // agreed above
     std::copy(params[b].begin(), params[b].end(), s.start[b].begin());
   }
 }

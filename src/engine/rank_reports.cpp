@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 
 namespace powersgd::engine {
@@ -41,7 +42,7 @@ RankReport report_failure(std::exception_ptr error) {
 
 std::vector<RankReport> gather_reports(Communicator& comm, const RankReport& mine) {
   std::vector<RankReport> all(static_cast<size_t>(comm.size()));
-  comm.allgather(&mine, all.data(), sizeof(RankReport));
+  detail::allgather_agreed_async(comm, &mine, all.data(), sizeof(RankReport)).wait();
   return all;
 }
 

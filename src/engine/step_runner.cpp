@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 
+#include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 #include "engine/half.hpp"
 #include "engine/random.hpp"
@@ -68,8 +69,9 @@ void StepRunner::lookahead(const Reduction& current) {
 }
 
 Work StepRunner::allreduce(void* data, size_t count, DataType type) {
-  return in_rank_order_ ? comm_.allreduce_in_rank_order_async(data, count, type)
-                        : comm_.allreduce_async(data, count, type);
+  // Sizes agreed: the order guard compared them before the reduction's data collectives.
+  return in_rank_order_ ? detail::allreduce_in_rank_order_agreed_async(comm_, data, count, type)
+                        : detail::allreduce_agreed_async(comm_, data, count, type);
 }
 
 Work StepRunner::send(const Segment& seg, bool stage) {

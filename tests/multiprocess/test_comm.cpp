@@ -19,11 +19,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <functional>
 #include <iterator>
 #include <optional>
 #include <string>
 #include <ctime>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "comm/communicator.hpp"
@@ -264,8 +266,9 @@ TEST_CASE("direct: eager and not, mixed with larger messages and other collectiv
       eager->broadcast(&root_value, sizeof root_value, n - 1);
       CHECK(root_value == static_cast<float>(n));
     }
-  // Counted per path: `counts` has 6 of 8 within the capacity, each run 3 times; none on `plain`.
-  CHECK(eager->eager_direct_collectives() == 18);
+  // Counted per path: `counts` has 6 of 8 within the capacity, each run 3 times, and each of the 24 broadcasts
+  // sends its shape in a lead exchange first ("Sizes agreed first"); none on `plain`.
+  CHECK(eager->eager_direct_collectives() == 18 + 24);
   CHECK(plain->eager_direct_collectives() == 0);
   // Every rank has the same bits (each adds the contributions in rank order).
   std::vector<float> x(capacity);
@@ -374,7 +377,8 @@ TEST_CASE("direct: ranks that pass data where another passes a lead get a Mismat
     CHECK(what.find(me == n - 1 ? detail::concat("lead exchange: rank 0 sent a direct allreduce's 32 bytes of ",
                                                  "float32 where this rank (", me, ") sends a lead of 32 bytes")
                                 : detail::concat("direct allreduce: rank ", n - 1,
-                                                 " sent a lead exchange's message where this rank (", me,
+                                                 " sent a lead exchange's message (the engine's announce, or the "
+                                                 "shape a public collective sends first) where this rank (", me,
                                                  ") reduces 32 bytes")) != std::string::npos);
   }
   CHECK(std::count(z.begin(), z.end(), 1.0f) == 8);
@@ -741,12 +745,20 @@ TEST_CASE("rounds: each collective adds its algorithm's sequential rounds") {
         2);
   CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 10, DataType::Float32, Algorithm::Ring).wait(); }) ==
         2 * (n - 1));
-  CHECK(rounds_of([&] { comm->allreduce(data.data(), 10, DataType::Float32); }) == 1);  // auto: direct
-  CHECK(rounds_of([&] { comm->broadcast(data.data(), 16, 0); }) == log2n);
+  CHECK(rounds_of([&] { comm->allreduce(data.data(), 10, DataType::Float32); }) == 1);  // auto: direct, its header
+  // The public broadcast and allgather send their shapes first, one round (the lead exchange); with the sizes
+  // agreed (the engine's calls) the algorithm's rounds alone.
+  using Sizes = GlooCommunicator::Sizes;
+  CHECK(rounds_of([&] { comm->broadcast(data.data(), 16, 0); }) == log2n + 1);
+  CHECK(rounds_of([&] { comm->broadcast_async(data.data(), 16, 0, Sizes::Agreed).wait(); }) == log2n);
   std::vector<float> all(n);
-  CHECK(rounds_of([&] { comm->allgather(data.data(), all.data(), sizeof(float)); }) == n - 1);
+  CHECK(rounds_of([&] { comm->allgather(data.data(), all.data(), sizeof(float)); }) == n - 1 + 1);
+  CHECK(rounds_of([&] { comm->allgather_async(data.data(), all.data(), sizeof(float), Sizes::Agreed).wait(); }) ==
+        n - 1);
   CHECK(rounds_of([&] { comm->barrier(); }) == log2n);
-  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 0, DataType::Float32).wait(); }) == 0);  // nothing sent
+  // A count of 0: nothing sent but the shape (publicly), nothing at all with the sizes agreed.
+  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 0, DataType::Float32).wait(); }) == 1);
+  CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 0, DataType::Float32, Algorithm::Auto, Sizes::Agreed).wait(); }) == 0);
 }
 
 TEST_CASE("legacy api: halving-doubling, ring-chunked, broadcast, allgather, barrier") {
@@ -766,6 +778,162 @@ TEST_CASE("legacy api: halving-doubling, ring-chunked, broadcast, allgather, bar
   for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == static_cast<int32_t>(i / 333));
   comm->barrier();
   leave_together(*comm, "legacy-left-barrier");
+}
+
+// Ranks that pass different sizes to a public collective where Gloo's own algorithms run (their receives are
+// sized by the caller: before, Gloo's I/O thread threw and the process aborted, or a broadcast's larger receiver
+// kept stale bytes) get a MismatchError on every rank naming both sizes; nothing was sent, no buffer changed,
+// and the group goes on. The last rank is the odd one. Not in the tsan suite, as the mismatch cases above.
+namespace {
+void expect_refused(GlooCommunicator& comm, const std::function<void()>& call, const std::string& theirs,
+                    const std::string& mine) {
+  const int n = comm.size(), me = comm.rank();
+  const int first_other = me == n - 1 ? 0 : n - 1;  // the first rank whose call differs from this rank's
+  try {
+    call();
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find(detail::concat("rank ", first_other, " calls ", theirs, " where this rank (", me, ") calls ",
+                                   mine, ": every rank must run the same collectives with the same sizes")) !=
+          std::string::npos);
+  }
+}
+
+void check_sizes_refused(GlooCommunicator& comm) {
+  const int n = comm.size(), me = comm.rank();
+  const bool odd = me == n - 1;
+  const auto both = [&](const std::string& usual, const std::string& unusual) {
+    return std::make_pair(odd ? usual : unusual, odd ? unusual : usual);  // (theirs, mine) as this rank sees it
+  };
+  // An allreduce above the ring threshold (64 KiB here): the ring's receives, or halving-doubling's (legacy).
+  const size_t usual = 32768, count = odd ? usual + 16 : usual;
+  std::vector<float> values(count, 1.0f);
+  auto [theirs, mine] = both("allreduce of 32768 x float32", "allreduce of 32784 x float32");
+  expect_refused(comm, [&] { comm.allreduce(values.data(), count, DataType::Float32); }, theirs, mine);
+  CHECK(std::count(values.begin(), values.end(), 1.0f) == static_cast<long>(count));
+  // The same count in another type.
+  std::tie(theirs, mine) = both("allreduce of 32768 x float32", "allreduce of 32768 x float64");
+  std::vector<double> wide(usual, 1.0);
+  expect_refused(
+      comm,
+      [&] {
+        if (odd)
+          comm.allreduce(wide.data(), usual, DataType::Float64);
+        else
+          comm.allreduce(values.data(), usual, DataType::Float32);
+      },
+      theirs, mine);
+  // A count of 0 where the others pass some: the others' check waits for it, not a timeout.
+  std::tie(theirs, mine) = both("allreduce of 32768 x float32", "allreduce of 0 x float32");
+  expect_refused(comm, [&] { comm.allreduce(values.data(), odd ? 0 : usual, DataType::Float32); }, theirs, mine);
+  // A broadcast whose receiver passes fewer bytes (before: Gloo aborted), and one whose root passes fewer (before:
+  // the receivers' last bytes were silently left as they were).
+  std::vector<uint8_t> bytes(8192, static_cast<uint8_t>(me + 1));
+  std::tie(theirs, mine) = both("broadcast of 8192 bytes from root 0", "broadcast of 4096 bytes from root 0");
+  expect_refused(comm, [&] { comm.broadcast(bytes.data(), odd ? 4096 : 8192, 0); }, theirs, mine);
+  std::tie(theirs, mine) = both("broadcast of 4096 bytes from root 0", "broadcast of 8192 bytes from root 0");
+  expect_refused(comm, [&] { comm.broadcast(bytes.data(), odd ? 8192 : 4096, 0); }, theirs, mine);
+  // Another root.
+  std::tie(theirs, mine) = both("broadcast of 4096 bytes from root 0", detail::concat("broadcast of 4096 bytes from root ", n - 1));
+  expect_refused(comm, [&] { comm.broadcast(bytes.data(), 4096, odd ? n - 1 : 0); }, theirs, mine);
+  CHECK(std::count(bytes.begin(), bytes.end(), static_cast<uint8_t>(me + 1)) == 8192);
+  // An allgather of other sizes, and another collective altogether.
+  std::vector<uint8_t> gathered(64 * static_cast<size_t>(n), 0);
+  std::tie(theirs, mine) = both("allgather of 16 bytes per rank", "allgather of 32 bytes per rank");
+  expect_refused(comm, [&] { comm.allgather(bytes.data(), gathered.data(), odd ? 32 : 16); }, theirs, mine);
+  CHECK(std::count(gathered.begin(), gathered.end(), 0) == static_cast<long>(gathered.size()));
+  std::tie(theirs, mine) = both("allgather of 16 bytes per rank", "broadcast of 16 bytes from root 0");
+  expect_refused(
+      comm,
+      [&] {
+        if (odd)
+          comm.broadcast(bytes.data(), 16, 0);
+        else
+          comm.allgather(bytes.data(), gathered.data(), 16);
+      },
+      theirs, mine);
+  // The group goes on: the same calls with the same sizes, through the public path (its shapes agree).
+  Buffer summed(DataType::Float32, usual);
+  for (size_t i = 0; i < usual; ++i) summed.set(i, value(me, i));
+  comm.allreduce(summed.bytes.data(), usual, DataType::Float32);
+  CHECK(first_wrong(summed, n) == usual);
+  std::vector<uint8_t> from_root(8192, me == 0 ? 7 : 0);
+  comm.broadcast(from_root.data(), from_root.size(), 0);
+  CHECK(std::count(from_root.begin(), from_root.end(), 7) == 8192);
+  std::vector<int32_t> in(4, me), out(4 * static_cast<size_t>(n), -1);
+  comm.allgather(in.data(), out.data(), in.size() * sizeof(int32_t));
+  for (size_t i = 0; i < out.size(); ++i) CHECK(out[i] == static_cast<int32_t>(i / 4));
+}
+
+// Ranks whose counts take different paths of the public allreduce: one reads headers, another sends its shape
+// first, or both send shapes. Each side fails at once (MismatchError) on every rank, no buffer changes, and the
+// group goes on. `odd_count` on the last rank, `count` elsewhere.
+void check_paths_refused(GlooCommunicator& comm, size_t count, size_t odd_count) {
+  const int n = comm.size(), me = comm.rank();
+  const size_t mine = me == n - 1 ? odd_count : count;
+  INFO("this rank's count ", mine, " (", to_string(comm.choose(mine * sizeof(float))), "), the others' ",
+       me == n - 1 ? count : odd_count);
+  std::vector<float> values(std::max(count, odd_count), 1.0f);
+  const auto start = Clock::now();
+  CHECK_THROWS_AS(comm.allreduce(values.data(), mine, DataType::Float32), MismatchError);
+  CHECK(Clock::now() - start < std::chrono::seconds(10));  // not the 120 s timeout
+  CHECK(std::count(values.begin(), values.end(), 1.0f) == static_cast<long>(values.size()));
+  Buffer summed(DataType::Float32, count);
+  for (size_t i = 0; i < count; ++i) summed.set(i, value(me, i));
+  comm.allreduce(summed.bytes.data(), count, DataType::Float32);
+  CHECK(first_wrong(summed, n) == count);
+}
+
+CommOptions small_ring_threshold(const char* run_id) {
+  CommOptions o = options(run_id);
+  o.ring_threshold_bytes = 64 * 1024;
+  return o;
+}
+}  // namespace
+
+TEST_CASE("sizes: ranks that pass different sizes to a public collective get a MismatchError naming both") {
+  if (comm_world() < 2) return;
+  SUBCASE("the lead exchange carries the sizes") {
+    auto comm = GlooCommunicator::create(small_ring_threshold("sizes-lead"));
+    REQUIRE(comm->lead_capacity() > 0);
+    const uint64_t rounds = comm->rounds();
+    check_sizes_refused(*comm);
+    // One round per check where it carried them; the eager direct and scatter-gather allreduces check their own.
+    CHECK(comm->rounds() > rounds);
+  }
+  SUBCASE("without it, Gloo's allgather of the sizes (PSGD_DIRECT_EAGER=0)") {
+    setenv("PSGD_DIRECT_EAGER", "0", 1);
+    auto comm = GlooCommunicator::create(small_ring_threshold("sizes-allgather"));
+    unsetenv("PSGD_DIRECT_EAGER");
+    REQUIRE(comm->lead_capacity() == 0);
+    check_sizes_refused(*comm);
+  }
+  SUBCASE("the legacy API") {
+    auto comm = GlooCommunicator::create(small_ring_threshold("sizes-legacy"), GlooApi::Legacy);
+    check_sizes_refused(*comm);
+    leave_together(*comm, "sizes-legacy-left");
+  }
+  SUBCASE("counts on two paths: direct and scatter-gather, scatter-gather and the ring") {
+    setenv("PSGD_DIRECT_MAX_BYTES", "16384", 1);
+    auto comm = GlooCommunicator::create(small_ring_threshold("sizes-paths"));
+    unsetenv("PSGD_DIRECT_MAX_BYTES");
+    // The largest count direct takes (one header), and one more (scatter-gather: a shape first); scatter-gather
+    // against the ring; a count of 0 against direct.
+    const size_t parties = static_cast<size_t>(comm->staged_hosts() > 0 ? comm->staged_hosts() : comm->size());
+    const size_t direct = 16384 / (parties - 1) / sizeof(float), ring = 64 * 1024 / sizeof(float);
+    REQUIRE(comm->choose(direct * sizeof(float)) == Algorithm::Direct);
+    REQUIRE(comm->choose((direct + 1) * sizeof(float)) == Algorithm::ScatterGather);
+    REQUIRE(comm->choose((ring - 1) * sizeof(float)) == Algorithm::ScatterGather);
+    REQUIRE(comm->choose(ring * sizeof(float)) == Algorithm::Ring);
+    check_paths_refused(*comm, direct, direct + 1);
+    check_paths_refused(*comm, direct + 1, direct);
+    check_paths_refused(*comm, ring - 1, ring);
+    check_paths_refused(*comm, ring, ring - 1);
+    check_paths_refused(*comm, 16, 0);
+    check_paths_refused(*comm, 16, 17);
+  }
 }
 
 TEST_CASE("broadcast: every root, 1 byte to several MiB") {
@@ -1143,7 +1311,9 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
       Buffer b(type, count);
       for (size_t i = 0; i < count; ++i) b.set(i, staged_input(comm->rank(), i));
       const uint64_t before = comm->communication_rounds();
-      comm->allreduce(b.bytes.data(), count, type);
+      // Sizes agreed (as the engine's): the algorithm's rounds alone, without a public call's shape where the
+      // leaders' algorithm runs beyond the receives posted ahead.
+      comm->allreduce_async(b.bytes.data(), count, type, Algorithm::Auto, GlooCommunicator::Sizes::Agreed).wait();
       CHECK(comm->communication_rounds() - before == expected_rounds(expected, h));
       // Every rank holds the same bits.
       const uint64_t mine = fnv1a(b.bytes);
@@ -1183,7 +1353,9 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
   }
   const uint64_t before = comm->communication_rounds();
   comm->allreduce_in_rank_order_async(joined.data(), joined.size(), DataType::Float32).wait();
-  CHECK(comm->communication_rounds() - before == expected_rounds(comm->choose_in_rank_order(12000), h));
+  // Plus the public call's shape (one round): its chunks (12000 bytes over h) are beyond the leaders' receives
+  // posted ahead (PSGD_DIRECT_MAX_BYTES=4096), where no header is read first.
+  CHECK(comm->communication_rounds() - before == expected_rounds(comm->choose_in_rank_order(12000), h) + 1);
   comm->allreduce_async(part_a.data(), part_a.size(), DataType::Float32, Algorithm::Direct).wait();
   comm->allreduce_async(part_b.data(), part_b.size(), DataType::Float32, Algorithm::Direct).wait();
   CHECK(std::memcmp(joined.data(), part_a.data(), part_a.size() * sizeof(float)) == 0);
@@ -1498,7 +1670,12 @@ struct StagedOperation {
   StagedOperation(GlooCommunicator& comm_, bool lead_)
       : comm(comm_), lead(lead_), data(lead_ ? 1024 : 4096, 1.0f), leads(8 * static_cast<size_t>(comm_.size())) {}
   void operator()() {
-    if (!lead) return comm.allreduce(data.data(), data.size(), DataType::Float32);
+    // Sizes agreed, as the engine's allreduces: these cases test the hops' own checks and failures, which a
+    // public call's shape (sent first) would meet before them.
+    if (!lead)
+      return comm.allreduce_async(data.data(), data.size(), DataType::Float32, Algorithm::Auto,
+                                  GlooCommunicator::Sizes::Agreed)
+          .wait();
     comm.lead_exchange_async(one_lead.data(), leads.data(), 8 * sizeof(double), data.data(), data.size(),
                              DataType::Float32, &summed)
         .wait();

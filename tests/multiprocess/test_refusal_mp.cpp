@@ -14,6 +14,7 @@
 
 #include "support/doctest_main.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -528,6 +529,32 @@ TEST_CASE("refusal: a call the C API refuses on one rank fails every rank at onc
   CHECK(psgd_reducer_reduce(r, 0, g.data()) == PSGD_OK);
   sum_one_c();
   if (me == 0) std::remove(path.c_str());
+
+  // The communicator's own collectives with other sizes on the last rank (before: Gloo's I/O thread aborted the
+  // process where a receiver passed fewer bytes, and a root that passed fewer left the receivers' last bytes
+  // as they were): PSGD_ERR_MISMATCH on every rank at once, naming both calls; nothing changed; usable after.
+  std::vector<uint8_t> bytes(4096, static_cast<uint8_t>(me + 1));
+  for (const size_t odd : {size_t{2048}, size_t{4096 + 8}}) {
+    CAPTURE(odd);
+    const COutcome o = c_outcome_of([&] { return psgd_comm_broadcast(comm, bytes.data(), me == last ? odd : 4096, 0); });
+    INFO(o.message);
+    CHECK(o.status == PSGD_ERR_MISMATCH);
+    CHECK(contains(o.message, "broadcast of " + std::to_string(odd) + " bytes from root 0"));
+    CHECK(contains(o.message, "broadcast of 4096 bytes from root 0"));
+    CHECK(o.seconds < kFailTogetherSeconds);
+    CHECK(std::count(bytes.begin(), bytes.end(), static_cast<uint8_t>(me + 1)) == 4096);
+    sum_one_c();
+  }
+  float one = 1.0f;
+  const COutcome zero = c_outcome_of([&] { return psgd_comm_allreduce_sum_f32(comm, &one, me == last ? 0 : 1); });
+  INFO(zero.message);
+  CHECK(zero.status == PSGD_ERR_MISMATCH);
+  // The others' direct allreduce reads the last rank's shape where it expects data (or, without the receives
+  // posted ahead, their shapes differ); each side names the mismatch.
+  CHECK(contains(zero.message, "every rank must run the same collectives"));
+  CHECK(zero.seconds < kFailTogetherSeconds);
+  CHECK(one == 1.0f);
+  sum_one_c();
   psgd_reducer_destroy(r);
   psgd_comm_destroy(comm);
 }

@@ -125,6 +125,12 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   uint64_t barrier_rounds(int n) const override { return ceil_log2(n); }  // dissemination
 
   void enable_eager_direct(size_t bound) override { eager_bound_ = bound; }
+  bool checks_sizes(Algorithm algorithm, size_t count, DataType type, int n) const override {
+    // Direct on the receives posted ahead (eager_for's test): one exchange, every header read before anything
+    // else. Not scatter-gather: a rank that finds a peer's header unlike its own still waits for that peer's
+    // second exchange, which a peer in another collective never sends (a timeout).
+    return algorithm == Algorithm::Direct && n > 1 && count * size_of(type) <= eager_capacity(static_cast<size_t>(n));
+  }
   size_t lead_capacity(int n) const override { return n > 1 ? eager_capacity(static_cast<size_t>(n)) : 0; }
   void release_eager_direct() override { eager_.clear(); }
   uint64_t eager_direct_collectives() const override {
@@ -170,7 +176,8 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   static void require_same_header(uint64_t sent, uint64_t mine, const char* algorithm, int peer, size_t me) {
     if (sent == mine) return;
     PSGD_REQUIRE((sent & kLeadHeaderBit) == 0, MismatchError, algorithm, " allreduce: rank ", peer,
-                 " sent a lead exchange's message where this rank (", me, ") reduces ", mine & kHeaderBytesMask,
+                 " sent a lead exchange's message (the engine's announce, or the shape a public collective sends "
+                 "first) where this rank (", me, ") reduces ", mine & kHeaderBytesMask,
                  " bytes: every rank must run the same collectives in the same order");
     const bool same_algorithm = ((sent ^ mine) & kScatterGatherHeaderBit) == 0;
     const bool same_type = (((sent ^ mine) & ~kScatterGatherHeaderBit) >> kHeaderTypeShift) == 0;
@@ -534,6 +541,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   }
   size_t max_allgather_bytes() const override { return INT_MAX; }
   void enable_eager_direct(size_t) override {}  // no direct algorithm here
+  bool checks_sizes(Algorithm, size_t, DataType, int) const override { return false; }  // no headers
   size_t lead_capacity(int) const override { return 0; }
   bool lead_allreduce(const std::shared_ptr<gloo::Context>&, const void*, void*, size_t, void*, size_t,
                       DataType) override {

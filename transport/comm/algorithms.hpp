@@ -67,6 +67,13 @@ class CollectiveAlgorithms {
   virtual bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, const void* lead, void* leads,
                               size_t lead_bytes, void* data, size_t count, DataType type) = 0;
 
+  // Whether an allreduce of `count` elements of `type` with `algorithm` on a context of `n` ranks reads every
+  // rank's count and type (a header in every message) before any receive sized by the count, and fails at once
+  // on every rank where one differs or a peer sent another kind of message: direct where the receives posted
+  // ahead take the message. Elsewhere ranks that pass different sizes make Gloo's I/O thread throw (the process
+  // aborts) or wait for a message that does not come, so the communicator agrees on sizes first.
+  virtual bool checks_sizes(Algorithm algorithm, size_t count, DataType type, int n) const = 0;
+
   // Sequential communication rounds of each collective on `n` ranks: the
   // message exchanges one after the other, each of which waits for the one
   // before (so each costs at least one one-way delay of the network). What

@@ -20,6 +20,7 @@
 #include "comm/fingerprint.hpp"
 #include "comm/host_stage.hpp"
 #include "comm/options.hpp"
+#include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
@@ -64,15 +65,22 @@ bool Communicator::sums_in_rank_order(size_t count, DataType type) const {
   return chosen == transport::Algorithm::Direct || chosen == transport::Algorithm::ScatterGather;
 }
 
-Work Communicator::allreduce_in_rank_order_async(void* data, size_t count, DataType type) {
-  auto* gloo = gloo_of(this);
+namespace {
+Work in_rank_order(Communicator& comm, void* data, size_t count, DataType type,
+                   transport::GlooCommunicator::Sizes sizes) {
+  auto* gloo = gloo_of(&comm);
   const transport::Algorithm algorithm =
       gloo != nullptr ? gloo->choose_in_rank_order(count * size_of(type)) : transport::Algorithm::Auto;
   PSGD_REQUIRE(algorithm != transport::Algorithm::Auto, UnsupportedError,
                "allreduce_in_rank_order_async: this communicator has neither the direct nor the scatter-gather "
                "allreduce (made by create() with Gloo's new API, and PSGD_DIRECT_MAX_BYTES above 0 or "
                "PSGD_SCATTER_GATHER=1, only)");
-  return gloo->allreduce_async(data, count, type, algorithm);
+  return gloo->allreduce_async(data, count, type, algorithm, sizes);
+}
+}  // namespace
+
+Work Communicator::allreduce_in_rank_order_async(void* data, size_t count, DataType type) {
+  return in_rank_order(*this, data, count, type, transport::GlooCommunicator::Sizes::Unknown);
 }
 
 size_t Communicator::lead_exchange_capacity() const {
@@ -90,10 +98,39 @@ Work Communicator::lead_exchange_async(const void* lead, void* leads, size_t lea
   return gloo->lead_allreduce_async(lead, leads, lead_bytes, data, count, type, summed);
 }
 
+namespace detail {
+
+using Sizes = transport::GlooCommunicator::Sizes;
+
+Work allreduce_agreed_async(Communicator& comm, void* data, size_t count, DataType type) {
+  auto* gloo = gloo_of(&comm);
+  return gloo != nullptr ? gloo->allreduce_async(data, count, type, transport::Algorithm::Auto, Sizes::Agreed)
+                         : comm.allreduce_async(data, count, type);
+}
+
+Work allreduce_in_rank_order_agreed_async(Communicator& comm, void* data, size_t count, DataType type) {
+  return in_rank_order(comm, data, count, type, Sizes::Agreed);
+}
+
+Work broadcast_agreed_async(Communicator& comm, void* data, size_t bytes, int root) {
+  auto* gloo = gloo_of(&comm);
+  return gloo != nullptr ? gloo->broadcast_async(data, bytes, root, Sizes::Agreed)
+                         : comm.broadcast_async(data, bytes, root);
+}
+
+Work allgather_agreed_async(Communicator& comm, const void* in, void* out, size_t bytes) {
+  auto* gloo = gloo_of(&comm);
+  return gloo != nullptr ? gloo->allgather_async(in, out, bytes, Sizes::Agreed) : comm.allgather_async(in, out, bytes);
+}
+
+}  // namespace detail
 }  // namespace powersgd
 
 namespace powersgd::transport {
 namespace {
+
+// GlooCommunicator::Shape::magic ("PSGDSHAP"): a lead that describes a collective.
+constexpr uint64_t kShapeMagic = 0x5041485344475350;
 
 // A MismatchError that breaks the group (execute()): a host-staged allreduce's, where the other hosts' leaders
 // wait for the odd one and the leaders' buffers may hold their hosts' sums.
@@ -352,7 +389,9 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
   const std::string ip = split_pair_address(context_->getPair(peer)->address().str()).first;
   const std::vector<HostReport> reports =
       exchange_host_reports(HostReport{host_key(ip), spare_descriptors()}, options_.world_size,
-                            [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); });
+                            [this](const void* in, void* out, size_t bytes) {
+                              allgather_async(in, out, bytes, Sizes::Agreed).wait();  // fixed-size reports
+                            });
   std::vector<std::string> keys;
   for (const auto& report : reports) keys.push_back(report.key);
   HostGroups groups = group_hosts(keys);
@@ -442,13 +481,13 @@ void GlooCommunicator::measure_direct_bound() {
   };
   auto slowest_rank = [this](double mine) {  // identical on every rank: every rank then chooses the same bound
     std::vector<double> all(static_cast<size_t>(options_.world_size));
-    allgather(&mine, all.data(), sizeof(double));
+    allgather_async(&mine, all.data(), sizeof(double), Sizes::Agreed).wait();
     return *std::max_element(all.begin(), all.end());
   };
   std::vector<double> one(1);
   const double exchange = fastest_of(0, 5, one, Algorithm::Direct);
   const double agreed = slowest_rank(exchange);
-  const int parties = stage_ != nullptr ? staged_hosts_ : options_.world_size;
+  const int parties = direct_parties();
   double round = 0, per_byte = 0;
   // Only where the latency alone would allow more than a LAN's bound (every rank decides alike, from agreed
   // values and settings), and where scatter-gather is the alternative: the round it adds (one double by
@@ -484,7 +523,8 @@ void GlooCommunicator::check_fingerprint() {
     if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
   peers_ = exchange_fingerprints(
       options_, api_, direct_max_bytes_, host_stage_, eager_direct_, scatter_gather_, pair_addresses,
-      [this](const void* in, void* out, size_t bytes) { allgather(in, out, bytes); }, &established_connections);
+      [this](const void* in, void* out, size_t bytes) { allgather_async(in, out, bytes, Sizes::Agreed).wait(); },
+      &established_connections);
 }
 
 GlooCommunicator::~GlooCommunicator() {
@@ -503,7 +543,7 @@ uint64_t GlooCommunicator::eager_direct_collectives() const { return algorithms_
 bool GlooCommunicator::direct_takes(size_t bytes) const {
   // Every rank receives (size - 1) * bytes: one round where that is cheap (docs/transport.md, "Rounds"). Staged,
   // the leaders run the algorithm: a leader receives (hosts - 1) * bytes.
-  const auto others = static_cast<size_t>((stage_ != nullptr ? staged_hosts_ : options_.world_size) - 1);
+  const auto others = static_cast<size_t>(direct_parties() - 1);
   return direct_max_bytes_ > 0 && (others == 0 || bytes <= direct_max_bytes_ / others);
 }
 
@@ -607,7 +647,55 @@ std::exception_ptr GlooCommunicator::translate(const std::string& op, std::excep
   return std::make_exception_ptr(PeerError(timeout ? ErrorCode::Timeout : ErrorCode::Io, op, peer, what));
 }
 
-Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm) {
+void GlooCommunicator::require_same_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag,
+                                          const Shape& mine) {
+  static_assert(sizeof(Shape) == 24, "a lead of the lead exchange: a multiple of 8 bytes");
+  const auto n = static_cast<size_t>(context->size);
+  const auto me = static_cast<size_t>(context->rank);
+  const auto describe = [](const Shape& shape) -> std::string {
+    switch (shape.kind) {
+      case 1:
+        return detail::concat("allreduce of ", shape.size, " x ", to_string(static_cast<DataType>(shape.detail)));
+      case 2:
+        return detail::concat("broadcast of ", shape.size, " bytes from root ", shape.detail);
+      case 3:
+        return detail::concat("allgather of ", shape.size, " bytes per rank");
+      default:
+        return detail::concat("a collective of kind ", shape.kind);
+    }
+  };
+  std::vector<Shape> all(n);
+  const size_t capacity = lead_capacity();
+  if (capacity >= sizeof(Shape)) {
+    add_rounds(1);
+    try {
+      if (stage_ != nullptr)
+        stage_->lead_allreduce(context, tag, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32,
+                               capacity, *algorithms_);
+      else
+        algorithms_->lead_allreduce(context, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32);
+    } catch (const MismatchError& e) {  // a peer in another kind of collective: say what this rank called
+      throw MismatchError(detail::concat(describe(mine), ", its shape sent first: ", e.what()));
+    }
+  } else {
+    add_rounds(algorithms_->allgather_rounds(context->size));
+    algorithms_->allgather(context, tag, &mine, all.data(), sizeof(Shape));  // the same size on every rank
+  }
+  for (size_t r = 0; r < n; ++r) {
+    if (r == me) continue;
+    const Shape& theirs = all[r];
+    PSGD_REQUIRE(theirs.magic == kShapeMagic, MismatchError, describe(mine), ": rank ", r,
+                 " sent a lead exchange's lead that describes no collective where this rank (", me, ") calls ",
+                 describe(mine), ": every rank must run the same collectives in the same order");
+    PSGD_REQUIRE(theirs.kind == mine.kind && theirs.detail == mine.detail && theirs.size == mine.size, MismatchError,
+                 describe(mine), ": rank ", r, " calls ", describe(theirs), " where this rank (", me, ") calls ",
+                 describe(mine),
+                 ": every rank must run the same collectives with the same sizes (nothing was sent; the group "
+                 "stays usable)");
+  }
+}
+
+Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm, Sizes sizes) {
   PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "allreduce: data is null for ", count,
                " elements");
   size_t bytes = count * size_of(type);
@@ -617,7 +705,16 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
   if (stage_ != nullptr) name = detail::concat("allreduce(", count, " x ", to_string(type), ", host-staged, ",
                                                to_string(algorithm), " among ", staged_hosts_, " hosts)");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
-    if (count == 0 || context->size == 1) return;
+    if (context->size == 1) return;
+    // Direct on the receives posted ahead reads every rank's header (count and type) before anything sized by the
+    // count; a count of 0 sends nothing that could. Staged, always: the hops within a host carry headers of
+    // their own, whose mismatch breaks the group (the leaders' buffers already hold their hosts' sums).
+    if (sizes == Sizes::Unknown &&
+        (count == 0 || stage_ != nullptr || !algorithms_->checks_sizes(algorithm, count, type, context->size))) {
+      require_same_shape(context, tag, Shape{kShapeMagic, 1, static_cast<int32_t>(type), count});
+      tag = next_tag_++;
+    }
+    if (count == 0) return;
     if (stage_ != nullptr) {
       // Only the leaders' rounds cross hosts; the hops within a host cost no network delay.
       add_rounds(algorithms_->allreduce_rounds(algorithm, staged_hosts_));
@@ -665,30 +762,39 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
   });
 }
 
-Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root) {
+Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes sizes) {
   PSGD_REQUIRE(root >= 0 && root < size(), InvalidArgumentError, "broadcast: root ", root,
                " is out of range: expected 0 to ", size() - 1);
   PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "broadcast: data is null for ", bytes, " bytes");
   std::string name = detail::concat("broadcast(", bytes, " bytes, root ", root, ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
-    if (bytes == 0 || context->size == 1) return;
+    if (context->size == 1) return;
+    if (sizes == Sizes::Unknown) {
+      require_same_shape(context, tag, Shape{kShapeMagic, 2, root, bytes});
+      tag = next_tag_++;
+    }
+    if (bytes == 0) return;
     add_rounds(algorithms_->broadcast_rounds(context->size));
     algorithms_->broadcast(context, tag, data, bytes, root);
   });
 }
 
-Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes) {
+Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes, Sizes sizes) {
   PSGD_REQUIRE((in != nullptr && out != nullptr) || bytes == 0, InvalidArgumentError,
                "allgather: null buffer for ", bytes, " bytes");
   PSGD_REQUIRE(bytes <= algorithms_->max_allgather_bytes(), InvalidArgumentError, "allgather: ", bytes,
                " bytes per rank exceeds Gloo's legacy limit of ", algorithms_->max_allgather_bytes());
   return submit(detail::concat("allgather(", bytes, " bytes)"),
                 [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
-                  if (bytes == 0) return;
                   if (context->size == 1) {
-                    std::memmove(out, in, bytes);
+                    if (bytes > 0) std::memmove(out, in, bytes);
                     return;
                   }
+                  if (sizes == Sizes::Unknown) {
+                    require_same_shape(context, tag, Shape{kShapeMagic, 3, 0, bytes});
+                    tag = next_tag_++;
+                  }
+                  if (bytes == 0) return;
                   add_rounds(algorithms_->allgather_rounds(context->size));
                   algorithms_->allgather(context, tag, in, out, bytes);
                 });
@@ -704,7 +810,7 @@ Work GlooCommunicator::barrier_async() {
 
 void GlooCommunicator::check_same(uint64_t fingerprint, const std::string& what) {
   std::vector<uint64_t> all(static_cast<size_t>(size()));
-  allgather(&fingerprint, all.data(), sizeof(fingerprint));
+  allgather_async(&fingerprint, all.data(), sizeof(fingerprint), Sizes::Agreed).wait();  // the same size everywhere
   for (size_t r = 1; r < all.size(); ++r)
     PSGD_REQUIRE(all[r] == all[0], MismatchError, what, " differs between ranks: rank ", r, " has fingerprint ",
                  std::hex, all[r], ", rank 0 has ", all[0]);

@@ -61,13 +61,28 @@ class GlooCommunicator final : public Communicator {
   const CommOptions& options() const override { return options_; }
   GlooApi api() const { return api_; }
 
+  // Whether the caller has agreed on every rank's sizes by other means (Agreed: the engine, whose order guard
+  // compares them first, and messages of fixed size). Unknown (the public collectives): where Gloo's own
+  // algorithms would run, whose receives are sized by the caller (ranks that pass different sizes there make
+  // Gloo's I/O thread throw, which aborts the process), the ranks first exchange what they pass, one round, and
+  // fail with a MismatchError on every rank where it differs (docs/transport.md, "Sizes agreed first").
+  enum class Sizes { Agreed, Unknown };
+
   Work allreduce_async(void* data, size_t count, DataType type) override {
-    return allreduce_async(data, count, type, Algorithm::Auto);
+    return allreduce_async(data, count, type, Algorithm::Auto, Sizes::Unknown);
   }
-  // Explicit algorithm (Bcube needs the new API, HalvingDoubling the legacy one).
-  Work allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm);
-  Work broadcast_async(void* data, size_t bytes, int root) override;
-  Work allgather_async(const void* in, void* out, size_t bytes) override;
+  // Explicit algorithm (Bcube needs the new API, HalvingDoubling the legacy one), for tests, powersgd-bench and
+  // auto's probe, which pass the same sizes on every rank: the sizes are taken as agreed unless `sizes` says
+  // Unknown (then as the public call does, with this algorithm).
+  Work allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm, Sizes sizes = Sizes::Agreed);
+  Work broadcast_async(void* data, size_t bytes, int root) override {
+    return broadcast_async(data, bytes, root, Sizes::Unknown);
+  }
+  Work broadcast_async(void* data, size_t bytes, int root, Sizes sizes);
+  Work allgather_async(const void* in, void* out, size_t bytes) override {
+    return allgather_async(in, out, bytes, Sizes::Unknown);
+  }
+  Work allgather_async(const void* in, void* out, size_t bytes, Sizes sizes);
   Work barrier_async() override;
   void check_same(uint64_t fingerprint, const std::string& what) override;
   uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
@@ -132,6 +147,20 @@ class GlooCommunicator final : public Communicator {
   // Whether a message of `bytes` is within the direct bound (for size() - 1 peers, or the other hosts' leaders
   // when staged).
   bool direct_takes(size_t bytes) const;
+  // Who exchanges in a direct allreduce: every rank, or, staged, each host's leader.
+  int direct_parties() const { return stage_ != nullptr ? staged_hosts_ : options_.world_size; }
+  // What a public collective passes, as every rank sends it to every other before Gloo's own algorithms run
+  // (Sizes::Unknown). 24 bytes: a lead of the lead exchange (a multiple of 8).
+  struct Shape {
+    uint64_t magic = 0;  // kShapeMagic: no other lead passes for a shape
+    uint32_t kind = 0;   // 1 allreduce, 2 broadcast, 3 allgather
+    int32_t detail = 0;  // allreduce: the DataType; broadcast: the root; allgather: 0
+    uint64_t size = 0;   // allreduce: elements; broadcast, allgather: bytes
+  };
+  // On the communication thread, before the collective `shape` describes: every rank's shape to every other in
+  // one round (the lead exchange; without it Gloo's allgather of the shapes); MismatchError on every rank where
+  // one differs, naming the first such rank and both shapes (nothing else was sent: the group stays usable).
+  void require_same_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const Shape& mine);
 
   CommOptions options_;
   GlooApi api_;
