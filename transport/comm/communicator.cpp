@@ -129,9 +129,6 @@ Work allgather_agreed_async(Communicator& comm, const void* in, void* out, size_
 namespace powersgd::transport {
 namespace {
 
-// GlooCommunicator::Shape::magic ("PSGDSHAP"): a lead that describes a collective.
-constexpr uint64_t kShapeMagic = 0x5041485344475350;
-
 // A MismatchError that breaks the group (execute()): a host-staged allreduce's, where the other hosts' leaders
 // wait for the odd one and the leaders' buffers may hold their hosts' sums.
 class GroupBreakingMismatchError : public MismatchError {
@@ -647,22 +644,22 @@ std::exception_ptr GlooCommunicator::translate(const std::string& op, std::excep
   return std::make_exception_ptr(PeerError(timeout ? ErrorCode::Timeout : ErrorCode::Io, op, peer, what));
 }
 
-void GlooCommunicator::require_same_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag,
+uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
                                           const Shape& mine) {
   static_assert(sizeof(Shape) == 24, "a lead of the lead exchange: a multiple of 8 bytes");
+  if (sizes == Sizes::Agreed) return tag;
   const auto n = static_cast<size_t>(context->size);
   const auto me = static_cast<size_t>(context->rank);
   const auto describe = [](const Shape& shape) -> std::string {
     switch (shape.kind) {
-      case 1:
+      case ShapeKind::Allreduce:
         return detail::concat("allreduce of ", shape.size, " x ", to_string(static_cast<DataType>(shape.detail)));
-      case 2:
+      case ShapeKind::Broadcast:
         return detail::concat("broadcast of ", shape.size, " bytes from root ", shape.detail);
-      case 3:
+      case ShapeKind::Allgather:
         return detail::concat("allgather of ", shape.size, " bytes per rank");
-      default:
-        return detail::concat("a collective of kind ", shape.kind);
     }
+    return detail::concat("a collective of kind ", static_cast<uint32_t>(shape.kind));  // a peer's odd bytes
   };
   std::vector<Shape> all(n);
   const size_t capacity = lead_capacity();
@@ -684,7 +681,7 @@ void GlooCommunicator::require_same_shape(const std::shared_ptr<gloo::Context>& 
   for (size_t r = 0; r < n; ++r) {
     if (r == me) continue;
     const Shape& theirs = all[r];
-    PSGD_REQUIRE(theirs.magic == kShapeMagic, MismatchError, describe(mine), ": rank ", r,
+    PSGD_REQUIRE(theirs.magic == Shape::kMagic, MismatchError, describe(mine), ": rank ", r,
                  " sent a lead exchange's lead that describes no collective where this rank (", me, ") calls ",
                  describe(mine), ": every rank must run the same collectives in the same order");
     PSGD_REQUIRE(theirs.kind == mine.kind && theirs.detail == mine.detail && theirs.size == mine.size, MismatchError,
@@ -693,6 +690,7 @@ void GlooCommunicator::require_same_shape(const std::shared_ptr<gloo::Context>& 
                  ": every rank must run the same collectives with the same sizes (nothing was sent; the group "
                  "stays usable)");
   }
+  return next_tag_++;
 }
 
 Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm, Sizes sizes) {
@@ -709,11 +707,10 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
     // Direct on the receives posted ahead reads every rank's header (count and type) before anything sized by the
     // count; a count of 0 sends nothing that could. Staged, always: the hops within a host carry headers of
     // their own, whose mismatch breaks the group (the leaders' buffers already hold their hosts' sums).
-    if (sizes == Sizes::Unknown &&
-        (count == 0 || stage_ != nullptr || !algorithms_->checks_sizes(algorithm, count, type, context->size))) {
-      require_same_shape(context, tag, Shape{kShapeMagic, 1, static_cast<int32_t>(type), count});
-      tag = next_tag_++;
-    }
+    const bool headers_check = count > 0 && stage_ == nullptr && algorithms_->checks_sizes(algorithm, count, type,
+                                                                                          context->size);
+    tag = agree_on_shape(context, tag, headers_check ? Sizes::Agreed : sizes,
+                         {.kind = ShapeKind::Allreduce, .detail = static_cast<int32_t>(type), .size = count});
     if (count == 0) return;
     if (stage_ != nullptr) {
       // Only the leaders' rounds cross hosts; the hops within a host cost no network delay.
@@ -769,10 +766,7 @@ Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes
   std::string name = detail::concat("broadcast(", bytes, " bytes, root ", root, ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (context->size == 1) return;
-    if (sizes == Sizes::Unknown) {
-      require_same_shape(context, tag, Shape{kShapeMagic, 2, root, bytes});
-      tag = next_tag_++;
-    }
+    tag = agree_on_shape(context, tag, sizes, {.kind = ShapeKind::Broadcast, .detail = root, .size = bytes});
     if (bytes == 0) return;
     add_rounds(algorithms_->broadcast_rounds(context->size));
     algorithms_->broadcast(context, tag, data, bytes, root);
@@ -790,10 +784,7 @@ Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes, 
                     if (bytes > 0) std::memmove(out, in, bytes);
                     return;
                   }
-                  if (sizes == Sizes::Unknown) {
-                    require_same_shape(context, tag, Shape{kShapeMagic, 3, 0, bytes});
-                    tag = next_tag_++;
-                  }
+                  tag = agree_on_shape(context, tag, sizes, {.kind = ShapeKind::Allgather, .size = bytes});
                   if (bytes == 0) return;
                   add_rounds(algorithms_->allgather_rounds(context->size));
                   algorithms_->allgather(context, tag, in, out, bytes);

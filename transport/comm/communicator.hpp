@@ -151,16 +151,21 @@ class GlooCommunicator final : public Communicator {
   int direct_parties() const { return stage_ != nullptr ? staged_hosts_ : options_.world_size; }
   // What a public collective passes, as every rank sends it to every other before Gloo's own algorithms run
   // (Sizes::Unknown). 24 bytes: a lead of the lead exchange (a multiple of 8).
+  enum class ShapeKind : uint32_t { Allreduce = 1, Broadcast = 2, Allgather = 3 };
   struct Shape {
-    uint64_t magic = 0;  // kShapeMagic: no other lead passes for a shape
-    uint32_t kind = 0;   // 1 allreduce, 2 broadcast, 3 allgather
+    uint64_t magic = kMagic;  // no other lead passes for a shape
+    ShapeKind kind = ShapeKind::Allreduce;
     int32_t detail = 0;  // allreduce: the DataType; broadcast: the root; allgather: 0
     uint64_t size = 0;   // allreduce: elements; broadcast, allgather: bytes
+    static constexpr uint64_t kMagic = 0x5041485344475350;  // "PSGDSHAP"
   };
-  // On the communication thread, before the collective `shape` describes: every rank's shape to every other in
-  // one round (the lead exchange; without it Gloo's allgather of the shapes); MismatchError on every rank where
-  // one differs, naming the first such rank and both shapes (nothing else was sent: the group stays usable).
-  void require_same_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const Shape& mine);
+  // On the communication thread, before the collective `mine` describes, where the caller passed Sizes::Unknown:
+  // every rank's shape to every other in one round (the lead exchange; without it Gloo's allgather of the
+  // shapes); MismatchError on every rank where one differs, naming the first such rank and both shapes (nothing
+  // else was sent: the group stays usable). Returns the tag the collective then runs with: `tag` where sizes
+  // were agreed, a fresh one after the exchange (which used `tag`), the same on every rank.
+  uint32_t agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
+                          const Shape& mine);
 
   CommOptions options_;
   GlooApi api_;
