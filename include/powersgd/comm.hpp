@@ -101,10 +101,11 @@ class PSGD_API Communicator {
   virtual const CommOptions& options() const = 0;
 
   // Async collectives. Buffers must stay valid and untouched until the Work is
-  // done. All ranks must pass the same count/dtype/root: where they do not, a
-  // Communicator made by create() fails the collective with MismatchError on
-  // every rank, naming both calls, before any data moves (the group stays
-  // usable; docs/transport.md, "Sizes agreed first").
+  // done. All ranks must call the same collectives in the same order with the
+  // same count/dtype/root: where they do not, a Communicator made by create()
+  // fails the collective with MismatchError on every rank, naming both calls,
+  // before any data moves (the group stays usable; docs/transport.md, "Sizes
+  // agreed first"). That holds for barrier and check_same too.
   virtual Work allreduce_async(void* data, size_t count, DataType type) = 0;  // sum, in place
   virtual Work broadcast_async(void* data, size_t bytes, int root) = 0;
   // out receives size() * bytes: rank i's `in` at out + i * bytes.

@@ -755,7 +755,8 @@ TEST_CASE("rounds: each collective adds its algorithm's sequential rounds") {
   CHECK(rounds_of([&] { comm->allgather(data.data(), all.data(), sizeof(float)); }) == n - 1 + 1);
   CHECK(rounds_of([&] { comm->allgather_async(data.data(), all.data(), sizeof(float), Sizes::Agreed).wait(); }) ==
         n - 1);
-  CHECK(rounds_of([&] { comm->barrier(); }) == log2n);
+  // The barrier is the shapes' exchange: one round (the lead exchange).
+  CHECK(rounds_of([&] { comm->barrier(); }) == (n > 1 ? 1 : 0));
   // A count of 0: nothing sent but the shape (publicly), nothing at all with the sizes agreed.
   CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 0, DataType::Float32).wait(); }) == 1);
   CHECK(rounds_of([&] { comm->allreduce_async(data.data(), 0, DataType::Float32, Algorithm::Auto, Sizes::Agreed).wait(); }) == 0);
@@ -854,7 +855,87 @@ void check_sizes_refused(GlooCommunicator& comm) {
           comm.allgather(bytes.data(), gathered.data(), 16);
       },
       theirs, mine);
+  // A barrier, and check_same, against another collective (before: the barrier waited for the timeout and broke
+  // the group; with the legacy API, or without the lead exchange, Gloo aborted a rank).
+  std::tie(theirs, mine) = both("broadcast of 16 bytes from root 0", "barrier");
+  expect_refused(
+      comm,
+      [&] {
+        if (odd)
+          comm.barrier();
+        else
+          comm.broadcast(bytes.data(), 16, 0);
+      },
+      theirs, mine);
+  std::tie(theirs, mine) = both("allgather of 8 bytes per rank", "check_same");
+  expect_refused(
+      comm,
+      [&] {
+        if (odd)
+          comm.check_same(42, "the test's fingerprint");
+        else
+          comm.allgather(bytes.data(), gathered.data(), 8);
+      },
+      theirs, mine);
+  CHECK(std::count(gathered.begin(), gathered.end(), 0) == static_cast<long>(gathered.size()));
+  // check_same itself: a differing fingerprint names the first rank that differs from rank 0 (the last rank
+  // here), and the group stays usable.
+  try {
+    comm.check_same(odd ? 43 : 42, "the test's fingerprint");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    CHECK(std::string(e.what()) ==
+          detail::concat("the test's fingerprint differs between ranks: rank ", n - 1, " has fingerprint 2b, rank 0 "
+                         "has 2a"));
+  }
+  CHECK_NOTHROW(comm.check_same(42, "the test's fingerprint"));
+  // The public allreduce and allreduce_in_rank_order_async of one count, where they choose different algorithms
+  // (the ring above the threshold; direct or scatter-gather): the shapes name the algorithms, or, where one side
+  // is direct on the receives posted ahead (no shape), each reads the other's message as the wrong kind.
+  if (comm.api() == GlooApi::New) {
+    const Algorithm ordered = comm.choose_in_rank_order(usual * sizeof(float));
+    REQUIRE(comm.choose(usual * sizeof(float)) == Algorithm::Ring);
+    REQUIRE(ordered != Algorithm::Ring);
+    try {
+      if (odd)
+        comm.allreduce_in_rank_order_async(values.data(), usual, DataType::Float32).wait();
+      else
+        comm.allreduce(values.data(), usual, DataType::Float32);
+      FAIL("expected a MismatchError");
+    } catch (const MismatchError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      if (comm.lead_capacity() == 0 || ordered == Algorithm::ScatterGather)
+        CHECK(what.find(odd ? detail::concat("x float32 by ring where this rank (", me, ") calls allreduce of ", usual,
+                                             " x float32 by ", to_string(ordered))
+                            : detail::concat("x float32 by ", to_string(ordered), " where this rank (", me,
+                                             ") calls allreduce of ", usual, " x float32 by ring")) != std::string::npos);
+    }
+    CHECK(std::count(values.begin(), values.begin() + usual, 1.0f) == static_cast<long>(usual));
+  }
+  // A lead exchange's lead of a shape's 24 bytes against a public collective's shape: both fail (before, the
+  // lead's rank took the shape for its peer's lead).
+  if (comm.lead_capacity() >= 24) {
+    std::vector<uint64_t> lead(3, 7), leads(3 * static_cast<size_t>(n), 0);
+    bool summed = true;
+    try {
+      if (odd)
+        comm.lead_exchange_async(lead.data(), leads.data(), 24, nullptr, 0, DataType::Float32, &summed).wait();
+      else
+        comm.broadcast(bytes.data(), 16, 0);
+      FAIL("expected a MismatchError");
+    } catch (const MismatchError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find(odd ? detail::concat("lead exchange: rank 0 sent the shape a public collective sends first "
+                                           "where this rank (", me, ") sends a lead of 24 bytes")
+                          : detail::concat("broadcast: rank ", n - 1, " sent a message that describes no collective "
+                                           "where this rank (", me, ") calls broadcast of 16 bytes from root 0")) !=
+            std::string::npos);
+    }
+  }
   // The group goes on: the same calls with the same sizes, through the public path (its shapes agree).
+  comm.barrier();
   Buffer summed(DataType::Float32, usual);
   for (size_t i = 0; i < usual; ++i) summed.set(i, value(me, i));
   comm.allreduce(summed.bytes.data(), usual, DataType::Float32);
@@ -1360,12 +1441,10 @@ TEST_CASE("host stage: sums in the documented order, the same bits on every rank
   comm->allreduce_async(part_b.data(), part_b.size(), DataType::Float32, Algorithm::Direct).wait();
   CHECK(std::memcmp(joined.data(), part_a.data(), part_a.size() * sizeof(float)) == 0);
   CHECK(std::memcmp(joined.data() + 1000, part_b.data(), part_b.size() * sizeof(float)) == 0);
-  // The other collectives are not staged.
+  // The barrier is the shapes' exchange, staged: the leaders' one round.
   const uint64_t before_barrier = comm->communication_rounds();
   comm->barrier();
-  uint64_t log2n = 0;
-  while ((uint64_t{1} << log2n) < world) ++log2n;
-  CHECK(comm->communication_rounds() - before_barrier == log2n);
+  CHECK(comm->communication_rounds() - before_barrier == 1);
 }
 
 namespace {

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -201,6 +202,25 @@ TEST_CASE("require_same_fingerprints names the first differing rank and each fie
     CHECK(what.find("rank 1 has version 9.9.9 (rank 0: ") != std::string::npos);
     CHECK(what.find("world size 2 (rank 0: 3)") != std::string::npos);
   }
+}
+
+TEST_CASE("a build before the wire revision sends a record of the same size that reads as revision 0") {
+  CommOptions options;
+  options.world_size = 2;
+  const Fingerprint current = make_fingerprint(options, GlooApi::New, 262144, HostStageMode::On);
+  CHECK(current.wire_revision == kWireRevision);
+  // The record of a build before the field: the same bytes, with a 32-bit flags word at offset 28.
+  Fingerprint older = current;
+  const int32_t older_flags = kFlagHostStage;
+  std::memcpy(reinterpret_cast<char*>(&older) + offsetof(Fingerprint, flags), &older_flags, sizeof(older_flags));
+  CHECK(older.flags == kFlagHostStage);
+  CHECK(older.wire_revision == 0);
+  CHECK_THROWS_WITH_AS(require_same_fingerprints({current, older}),
+                       ("process group configuration mismatch: rank 1 has wire revision 0 (rank 0: " +
+                        std::to_string(kWireRevision) +
+                        "); every rank must use the same powersgd version and PSGD_* settings")
+                           .c_str(),
+                       MismatchError);
 }
 
 TEST_CASE("require_same_fingerprints names a rank with another PSGD_HOST_STAGE") {

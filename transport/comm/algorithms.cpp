@@ -122,7 +122,6 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   }
   uint64_t broadcast_rounds(int n) const override { return ceil_log2(n); }  // a binomial tree
   uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
-  uint64_t barrier_rounds(int n) const override { return ceil_log2(n); }  // dissemination
 
   void enable_eager_direct(size_t bound) override { eager_bound_ = bound; }
   bool checks_sizes(Algorithm algorithm, size_t count, DataType type, int n) const override {
@@ -596,7 +595,6 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   }
   uint64_t broadcast_rounds(int) const override { return 1; }  // the root sends to every rank at once
   uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
-  uint64_t barrier_rounds(int) const override { return 2; }  // all to one, one to all
 };
 
 }  // namespace

@@ -81,7 +81,6 @@ class CollectiveAlgorithms {
   virtual uint64_t allreduce_rounds(Algorithm algorithm, int n) const = 0;
   virtual uint64_t broadcast_rounds(int n) const = 0;
   virtual uint64_t allgather_rounds(int n) const = 0;
-  virtual uint64_t barrier_rounds(int n) const = 0;
 };
 
 // c[i] = a[i] + b[i] over n elements of one type (Gloo's new-style reduce

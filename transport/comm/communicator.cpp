@@ -644,20 +644,26 @@ std::exception_ptr GlooCommunicator::translate(const std::string& op, std::excep
   return std::make_exception_ptr(PeerError(timeout ? ErrorCode::Timeout : ErrorCode::Io, op, peer, what));
 }
 
-uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
-                                          const Shape& mine) {
+std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::shared_ptr<gloo::Context>& context,
+                                                                     uint32_t tag, const Shape& mine) {
   static_assert(sizeof(Shape) == 24, "a lead of the lead exchange: a multiple of 8 bytes");
-  if (sizes == Sizes::Agreed) return tag;
   const auto n = static_cast<size_t>(context->size);
   const auto me = static_cast<size_t>(context->rank);
-  const auto describe = [](const Shape& shape) -> std::string {
+  // `by`: name the algorithm (where two calls differ in it alone).
+  const auto describe = [](const Shape& shape, bool by) -> std::string {
     switch (shape.kind) {
       case ShapeKind::Allreduce:
-        return detail::concat("allreduce of ", shape.size, " x ", to_string(static_cast<DataType>(shape.detail)));
+        return detail::concat("allreduce of ", shape.size, " x ", to_string(static_cast<DataType>(shape.detail)),
+                              by ? detail::concat(" by ", to_string(static_cast<Algorithm>(shape.algorithm)))
+                                 : std::string());
       case ShapeKind::Broadcast:
         return detail::concat("broadcast of ", shape.size, " bytes from root ", shape.detail);
       case ShapeKind::Allgather:
         return detail::concat("allgather of ", shape.size, " bytes per rank");
+      case ShapeKind::Barrier:
+        return "barrier";
+      case ShapeKind::CheckSame:
+        return "check_same";
     }
     return detail::concat("a collective of kind ", static_cast<uint32_t>(shape.kind));  // a peer's odd bytes
   };
@@ -672,24 +678,41 @@ uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& 
       else
         algorithms_->lead_allreduce(context, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32);
     } catch (const MismatchError& e) {  // a peer in another kind of collective: say what this rank called
-      throw MismatchError(detail::concat(describe(mine), ", its shape sent first: ", e.what()));
+      throw MismatchError(detail::concat(describe(mine, false), ", its shape sent first: ", e.what()));
     }
   } else {
     add_rounds(algorithms_->allgather_rounds(context->size));
     algorithms_->allgather(context, tag, &mine, all.data(), sizeof(Shape));  // the same size on every rank
   }
+  // The message names this rank's call once, after the peer's: "allreduce: rank 1 calls allreduce of 48 x
+  // float32 where this rank (0) calls allreduce of 32 x float32: ...".
+  const char* const operation = mine.kind == ShapeKind::Allreduce   ? "allreduce"
+                                : mine.kind == ShapeKind::Broadcast ? "broadcast"
+                                : mine.kind == ShapeKind::Allgather ? "allgather"
+                                : mine.kind == ShapeKind::Barrier   ? "barrier"
+                                                                    : "check_same";
   for (size_t r = 0; r < n; ++r) {
     if (r == me) continue;
     const Shape& theirs = all[r];
-    PSGD_REQUIRE(theirs.magic == Shape::kMagic, MismatchError, describe(mine), ": rank ", r,
-                 " sent a lead exchange's lead that describes no collective where this rank (", me, ") calls ",
-                 describe(mine), ": every rank must run the same collectives in the same order");
-    PSGD_REQUIRE(theirs.kind == mine.kind && theirs.detail == mine.detail && theirs.size == mine.size, MismatchError,
-                 describe(mine), ": rank ", r, " calls ", describe(theirs), " where this rank (", me, ") calls ",
-                 describe(mine),
-                 ": every rank must run the same collectives with the same sizes (nothing was sent; the group "
+    PSGD_REQUIRE(theirs.magic == Shape::kMagic, MismatchError, operation, ": rank ", r,
+                 " sent a message that describes no collective where this rank (", me, ") calls ",
+                 describe(mine, false), ": every rank must run the same collectives in the same order");
+    const bool by = theirs.kind == mine.kind && theirs.algorithm != mine.algorithm && theirs.detail == mine.detail &&
+                    theirs.size == mine.size;
+    PSGD_REQUIRE(theirs.kind == mine.kind && theirs.algorithm == mine.algorithm && theirs.detail == mine.detail &&
+                     (theirs.size == mine.size || mine.kind == ShapeKind::CheckSame),
+                 MismatchError, operation, ": rank ", r, " calls ", describe(theirs, by), " where this rank (", me,
+                 ") calls ", describe(mine, by),
+                 ": every rank must run the same collectives with the same sizes (no data was sent; the group "
                  "stays usable)");
   }
+  return all;
+}
+
+uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
+                                          const Shape& mine) {
+  if (sizes == Sizes::Agreed) return tag;
+  agree_on_call(context, tag, mine);
   return next_tag_++;
 }
 
@@ -710,7 +733,10 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
     const bool headers_check = count > 0 && stage_ == nullptr && algorithms_->checks_sizes(algorithm, count, type,
                                                                                           context->size);
     tag = agree_on_shape(context, tag, headers_check ? Sizes::Agreed : sizes,
-                         {.kind = ShapeKind::Allreduce, .detail = static_cast<int32_t>(type), .size = count});
+                         {.kind = ShapeKind::Allreduce,
+                          .algorithm = static_cast<uint16_t>(algorithm),
+                          .detail = static_cast<int32_t>(type),
+                          .size = count});
     if (count == 0) return;
     if (stage_ != nullptr) {
       // Only the leaders' rounds cross hosts; the hops within a host cost no network delay.
@@ -756,6 +782,20 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
                   ? stage_->lead_allreduce(context, tag, lead, leads, lead_bytes, data, count, type, capacity,
                                            *algorithms_)
                   : algorithms_->lead_allreduce(context, lead, leads, lead_bytes, data, count, type);
+    // A peer's public collective sends its shape as a lead of as many bytes: that peer fails (the lead is no
+    // shape); so does this rank, rather than take the shape for the peer's lead.
+    const auto is_shape = [](const void* message) {
+      uint64_t magic = 0;
+      std::memcpy(&magic, message, sizeof(magic));
+      return magic == Shape::kMagic;
+    };
+    if (lead_bytes != sizeof(Shape) || is_shape(lead)) return;
+    for (int r = 0; r < context->size; ++r)
+      PSGD_REQUIRE(r == context->rank || !is_shape(static_cast<const uint8_t*>(leads) + static_cast<size_t>(r) * lead_bytes),
+                   MismatchError, "lead exchange: rank ", r,
+                   " sent the shape a public collective sends first where this rank (", context->rank,
+                   ") sends a lead of ", lead_bytes, " bytes: every rank must run the same collectives in the same "
+                   "order");
   });
 }
 
@@ -792,19 +832,23 @@ Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes, 
 }
 
 Work GlooCommunicator::barrier_async() {
+  // The shapes' exchange is itself a barrier (no rank's completes before every rank's shape arrived), and a peer
+  // in another collective makes it a MismatchError instead of a wait for the timeout (or, with Gloo's legacy
+  // barrier against a peer's allgather on the same slot, an abort).
   return submit("barrier", [this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (context->size == 1) return;
-    add_rounds(algorithms_->barrier_rounds(context->size));
-    algorithms_->barrier(context, tag);
+    agree_on_call(context, tag, {.kind = ShapeKind::Barrier});
   });
 }
 
 void GlooCommunicator::check_same(uint64_t fingerprint, const std::string& what) {
-  std::vector<uint64_t> all(static_cast<size_t>(size()));
-  allgather_async(&fingerprint, all.data(), sizeof(fingerprint), Sizes::Agreed).wait();  // the same size everywhere
+  std::vector<Shape> all;
+  submit("check_same", [&](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
+    if (context->size > 1) all = agree_on_call(context, tag, {.kind = ShapeKind::CheckSame, .size = fingerprint});
+  }).wait();
   for (size_t r = 1; r < all.size(); ++r)
-    PSGD_REQUIRE(all[r] == all[0], MismatchError, what, " differs between ranks: rank ", r, " has fingerprint ",
-                 std::hex, all[r], ", rank 0 has ", all[0]);
+    PSGD_REQUIRE(all[r].size == all[0].size, MismatchError, what, " differs between ranks: rank ", r,
+                 " has fingerprint ", std::hex, all[r].size, ", rank 0 has ", all[0].size);
 }
 
 }  // namespace powersgd::transport

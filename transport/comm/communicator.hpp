@@ -151,19 +151,25 @@ class GlooCommunicator final : public Communicator {
   int direct_parties() const { return stage_ != nullptr ? staged_hosts_ : options_.world_size; }
   // What a public collective passes, as every rank sends it to every other before Gloo's own algorithms run
   // (Sizes::Unknown). 24 bytes: a lead of the lead exchange (a multiple of 8).
-  enum class ShapeKind : uint32_t { Allreduce = 1, Broadcast = 2, Allgather = 3 };
+  enum class ShapeKind : uint16_t { Allreduce = 1, Broadcast = 2, Allgather = 3, Barrier = 4, CheckSame = 5 };
   struct Shape {
     uint64_t magic = kMagic;  // no other lead passes for a shape
     ShapeKind kind = ShapeKind::Allreduce;
-    int32_t detail = 0;  // allreduce: the DataType; broadcast: the root; allgather: 0
-    uint64_t size = 0;   // allreduce: elements; broadcast, allgather: bytes
+    // allreduce: the Algorithm it runs (the public allreduce and allreduce_in_rank_order_async may choose
+    // differently for one count); else 0
+    uint16_t algorithm = 0;
+    int32_t detail = 0;  // allreduce: the DataType; broadcast: the root; else 0
+    uint64_t size = 0;   // allreduce: elements; broadcast, allgather: bytes; check_same: the fingerprint
     static constexpr uint64_t kMagic = 0x5041485344475350;  // "PSGDSHAP"
   };
-  // On the communication thread, before the collective `mine` describes, where the caller passed Sizes::Unknown:
-  // every rank's shape to every other in one round (the lead exchange; without it Gloo's allgather of the
-  // shapes); MismatchError on every rank where one differs, naming the first such rank and both shapes (nothing
-  // else was sent: the group stays usable). Returns the tag the collective then runs with: `tag` where sizes
-  // were agreed, a fresh one after the exchange (which used `tag`), the same on every rank.
+  // On the communication thread: every rank's shape to every other in one round (the lead exchange; without it
+  // Gloo's allgather of the shapes), a barrier too. MismatchError on every rank where one differs (in anything
+  // but a check_same's fingerprint, which check_same compares), naming the first such rank and both calls
+  // (nothing else was sent: the group stays usable). Returns every rank's shape.
+  std::vector<Shape> agree_on_call(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const Shape& mine);
+  // Before the collective `mine` describes, where the caller passed Sizes::Unknown: agree_on_call. Returns the
+  // tag the collective then runs with: `tag` where sizes were agreed, a fresh one after the exchange (which used
+  // `tag`), the same on every rank.
   uint32_t agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
                           const Shape& mine);
 

@@ -22,9 +22,11 @@ Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t dir
   header.api = static_cast<int32_t>(api);
   header.ring_threshold_bytes = options.ring_threshold_bytes;
   header.direct_max_bytes = direct_max_bytes;
-  header.flags = (host_stage == HostStageMode::On ? kFlagHostStage : 0) |
-                 (host_stage == HostStageMode::Auto ? kFlagHostStageAuto : 0) | (eager_direct ? 0 : kFlagDirectNotEager) |
-                 (scatter_gather ? 0 : kFlagNoScatterGather);
+  header.flags = static_cast<uint16_t>((host_stage == HostStageMode::On ? kFlagHostStage : 0) |
+                                       (host_stage == HostStageMode::Auto ? kFlagHostStageAuto : 0) |
+                                       (eager_direct ? 0 : kFlagDirectNotEager) |
+                                       (scatter_gather ? 0 : kFlagNoScatterGather));
+  header.wire_revision = kWireRevision;
   return header;
 }
 
@@ -38,6 +40,7 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     };
     field("version", std::string(ref.version, strnlen(ref.version, sizeof(ref.version))),
           std::string(f.version, strnlen(f.version, sizeof(f.version))));
+    field("wire revision", ref.wire_revision, f.wire_revision);
     field("world size", ref.world_size, f.world_size);
     field("transport", ref.transport == 0 ? "tcp" : "ibverbs", f.transport == 0 ? "tcp" : "ibverbs");
     field("gloo api", ref.api == 0 ? "new" : "legacy", f.api == 0 ? "new" : "legacy");
@@ -47,7 +50,7 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
     field("PSGD_SCATTER_GATHER", ref.flags & kFlagNoScatterGather ? 0 : 1, f.flags & kFlagNoScatterGather ? 0 : 1);
     const auto direct = [](uint64_t bytes) { return bytes == kDirectAuto ? std::string("auto") : std::to_string(bytes); };
     field("PSGD_DIRECT_MAX_BYTES", direct(ref.direct_max_bytes), direct(f.direct_max_bytes));
-    const auto stage = [](int32_t flags) {
+    const auto stage = [](uint16_t flags) {
       return std::string(flags & kFlagHostStageAuto ? "auto" : flags & kFlagHostStage ? "1" : "0");
     };
     field("PSGD_HOST_STAGE", stage(ref.flags), stage(f.flags));

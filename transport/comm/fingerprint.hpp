@@ -18,21 +18,38 @@ namespace powersgd::transport {
 // listening ports of the rank's pairs (one uint16_t per rank, as Gloo prints
 // them): Debian's Gloo listens on one port per pair and names a failed pair by
 // its peer's "[ip]:port".
+//
+// The first record ranks exchange through Gloo, so its size never changes:
+// ranks whose builds differ must gather records of equal size to see that they
+// differ (records of unequal size make Gloo's allgather abort the process); so
+// does what comes before it (the store's protocol, Gloo's rendezvous, the
+// all-to-all of one byte per rank that connects the pairs). A new setting
+// takes a bit of `flags`; a new layout of any later exchange raises
+// kWireRevision.
 struct Fingerprint {
   char version[16];
   int32_t world_size;
   int32_t transport;
   int32_t api;
-  int32_t flags;  // kFlagHostStage | kFlagHostStageAuto | kFlagDirectNotEager | kFlagNoScatterGather (a reserved field before: the layout is unchanged)
+  uint16_t flags;          // kFlagHostStage | kFlagHostStageAuto | kFlagDirectNotEager | kFlagNoScatterGather
+  uint16_t wire_revision;  // kWireRevision; the high half of a 32-bit `flags` before, 0 (little-endian hosts)
   uint64_t ring_threshold_bytes;
   uint64_t direct_max_bytes;
   char ip[48];
 };
+static_assert(sizeof(Fingerprint) == 96, "the creation record's size is part of the wire protocol");
 
-inline constexpr int32_t kFlagHostStage = 1;        // PSGD_HOST_STAGE=1
-inline constexpr int32_t kFlagDirectNotEager = 2;   // PSGD_DIRECT_EAGER=0 (set where it is off: old fingerprints had 0)
-inline constexpr int32_t kFlagNoScatterGather = 4;  // PSGD_SCATTER_GATHER=0 (likewise)
-inline constexpr int32_t kFlagHostStageAuto = 8;    // PSGD_HOST_STAGE=auto (neither bit: 0, as older fingerprints)
+// What every exchange after the fingerprint looks like. Raised whenever a
+// message's layout or the sequence of exchanges changes, so that builds of one
+// version that differ there fail with MismatchError at creation.
+//   0: before this field (every build up to 2026-12-05)
+//   1: public collectives agree on their shape first (agree_on_shape)
+inline constexpr uint16_t kWireRevision = 1;
+
+inline constexpr uint16_t kFlagHostStage = 1;        // PSGD_HOST_STAGE=1
+inline constexpr uint16_t kFlagDirectNotEager = 2;   // PSGD_DIRECT_EAGER=0 (set where it is off: old fingerprints had 0)
+inline constexpr uint16_t kFlagNoScatterGather = 4;  // PSGD_SCATTER_GATHER=0 (likewise)
+inline constexpr uint16_t kFlagHostStageAuto = 8;    // PSGD_HOST_STAGE=auto (neither bit: 0, as older fingerprints)
 
 // This rank's settings (ip empty).
 Fingerprint make_fingerprint(const CommOptions& options, GlooApi api, size_t direct_max_bytes = 0,
