@@ -649,8 +649,23 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   static_assert(sizeof(Shape) == 24, "a lead of the lead exchange: a multiple of 8 bytes");
   const auto n = static_cast<size_t>(context->size);
   const auto me = static_cast<size_t>(context->rank);
+  const auto operation_of = [](ShapeKind kind) -> const char* {
+    switch (kind) {
+      case ShapeKind::Allreduce:
+        return "allreduce";
+      case ShapeKind::Broadcast:
+        return "broadcast";
+      case ShapeKind::Allgather:
+        return "allgather";
+      case ShapeKind::Barrier:
+        return "barrier";
+      case ShapeKind::CheckSame:
+        return "check_same";
+    }
+    return nullptr;  // a peer's odd bytes
+  };
   // `by`: name the algorithm (where two calls differ in it alone).
-  const auto describe = [](const Shape& shape, bool by) -> std::string {
+  const auto describe = [&](const Shape& shape, bool by) -> std::string {
     switch (shape.kind) {
       case ShapeKind::Allreduce:
         return detail::concat("allreduce of ", shape.size, " x ", to_string(static_cast<DataType>(shape.detail)),
@@ -661,11 +676,10 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
       case ShapeKind::Allgather:
         return detail::concat("allgather of ", shape.size, " bytes per rank");
       case ShapeKind::Barrier:
-        return "barrier";
       case ShapeKind::CheckSame:
-        return "check_same";
+        return operation_of(shape.kind);
     }
-    return detail::concat("a collective of kind ", static_cast<uint32_t>(shape.kind));  // a peer's odd bytes
+    return detail::concat("a collective of kind ", static_cast<uint32_t>(shape.kind));
   };
   std::vector<Shape> all(n);
   const size_t capacity = lead_capacity();
@@ -686,21 +700,18 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   }
   // The message names this rank's call once, after the peer's: "allreduce: rank 1 calls allreduce of 48 x
   // float32 where this rank (0) calls allreduce of 32 x float32: ...".
-  const char* const operation = mine.kind == ShapeKind::Allreduce   ? "allreduce"
-                                : mine.kind == ShapeKind::Broadcast ? "broadcast"
-                                : mine.kind == ShapeKind::Allgather ? "allgather"
-                                : mine.kind == ShapeKind::Barrier   ? "barrier"
-                                                                    : "check_same";
+  const char* const operation = operation_of(mine.kind);
   for (size_t r = 0; r < n; ++r) {
     if (r == me) continue;
     const Shape& theirs = all[r];
     PSGD_REQUIRE(theirs.magic == Shape::kMagic, MismatchError, operation, ": rank ", r,
                  " sent a message that describes no collective where this rank (", me, ") calls ",
                  describe(mine, false), ": every rank must run the same collectives in the same order");
-    const bool by = theirs.kind == mine.kind && theirs.algorithm != mine.algorithm && theirs.detail == mine.detail &&
-                    theirs.size == mine.size;
-    PSGD_REQUIRE(theirs.kind == mine.kind && theirs.algorithm == mine.algorithm && theirs.detail == mine.detail &&
-                     (theirs.size == mine.size || mine.kind == ShapeKind::CheckSame),
+    // check_same compares its fingerprint (the size) itself, with its own message.
+    const bool same_but_algorithm = theirs.kind == mine.kind && theirs.detail == mine.detail &&
+                                    (theirs.size == mine.size || mine.kind == ShapeKind::CheckSame);
+    const bool by = same_but_algorithm && theirs.algorithm != mine.algorithm;
+    PSGD_REQUIRE(same_but_algorithm && theirs.algorithm == mine.algorithm,
                  MismatchError, operation, ": rank ", r, " calls ", describe(theirs, by), " where this rank (", me,
                  ") calls ", describe(mine, by),
                  ": every rank must run the same collectives with the same sizes (no data was sent; the group "
