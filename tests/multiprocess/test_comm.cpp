@@ -802,6 +802,37 @@ void expect_refused(GlooCommunicator& comm, const std::function<void()>& call, c
   }
 }
 
+std::vector<std::vector<int>> test_hosts();
+
+// The MismatchError every rank gets where the ranks `odd` says pass a lead of `lead_bytes` and the others a
+// public collective (its shape): unstaged (`hosts` empty) naming the first rank whose kind is not rank 0's;
+// staged, the first host's leader whose kind is not rank 0's, else the first rank of the first host whose kind
+// is not its leader's. Without the prefix a public collective's rank adds.
+template <typename Odd>
+std::string kind_mismatch_message(const std::vector<std::vector<int>>& hosts, int n, int me, size_t lead_bytes,
+                                  Odd odd) {
+  const std::string shape = "the shape a public collective sends first";
+  const std::string a_lead = detail::concat("a lead of ", lead_bytes, " bytes");
+  const auto kind_of = [&](int r) { return odd(r) ? a_lead : shape; };
+  const std::string tail = detail::concat(" (this rank, ", me, ": ", kind_of(me),
+                                          "): every rank must run the same collectives in the same order");
+  if (hosts.empty()) {
+    for (int r = 1; r < n; ++r)
+      if (odd(r) != odd(0))
+        return detail::concat("lead exchange: rank ", r, " sent ", kind_of(r), " where rank 0 sent ", kind_of(0), tail);
+  }
+  for (const auto& host : hosts)
+    if (odd(host.front()) != odd(0))
+      return detail::concat("lead exchange: rank ", host.front(), ", its host's leader, passed ", kind_of(host.front()),
+                            " where rank 0 passed ", odd(0) ? "a lead" : shape, tail);
+  for (const auto& host : hosts)
+    for (int r : host)
+      if (odd(r) != odd(host.front()))
+        return detail::concat("lead exchange: rank ", r, " passed ", kind_of(r),
+                              " where its host's leader passed another", tail);
+  return "no rank differs";
+}
+
 void check_sizes_refused(GlooCommunicator& comm) {
   const int n = comm.size(), me = comm.rank();
   const bool odd = me == n - 1;
@@ -913,26 +944,29 @@ void check_sizes_refused(GlooCommunicator& comm) {
     }
     CHECK(std::count(values.begin(), values.begin() + usual, 1.0f) == static_cast<long>(usual));
   }
-  // A lead exchange's lead of a shape's 24 bytes against a public collective's shape: both fail (before, the
-  // lead's rank took the shape for its peer's lead).
-  if (comm.lead_capacity() >= 24) {
-    std::vector<uint64_t> lead(3, 7), leads(3 * static_cast<size_t>(n), 0);
+  // A lead exchange's lead (a shape's 24 bytes, then 32) against a public collective's shape: every rank fails,
+  // naming the same rank and each kind (the lead exchange's header says it; before, a 24-byte lead's rank took
+  // the shape for its peer's lead); no lead arrives.
+  for (const size_t lead_bytes : {size_t{24}, size_t{32}}) {
+    if (comm.lead_capacity() < lead_bytes) break;
+    CAPTURE(lead_bytes);
+    std::vector<uint64_t> lead(lead_bytes / 8, 7), leads(lead_bytes / 8 * static_cast<size_t>(n), 0);
     bool summed = true;
     try {
       if (odd)
-        comm.lead_exchange_async(lead.data(), leads.data(), 24, nullptr, 0, DataType::Float32, &summed).wait();
+        comm.lead_exchange_async(lead.data(), leads.data(), lead_bytes, nullptr, 0, DataType::Float32, &summed).wait();
       else
         comm.broadcast(bytes.data(), 16, 0);
       FAIL("expected a MismatchError");
     } catch (const MismatchError& e) {
       const std::string what = e.what();
       INFO(what);
-      CHECK(what.find(odd ? detail::concat("lead exchange: rank 0 sent the shape a public collective sends first "
-                                           "where this rank (", me, ") sends a lead of 24 bytes")
-                          : detail::concat("broadcast: rank ", n - 1, " sent a message that describes no collective "
-                                           "where this rank (", me, ") calls broadcast of 16 bytes from root 0")) !=
-            std::string::npos);
+      const std::string expected =
+          kind_mismatch_message(comm.staged_hosts() > 0 ? test_hosts() : std::vector<std::vector<int>>{}, n, me,
+                                lead_bytes, [&](int r) { return r == n - 1; });
+      CHECK(what == (odd ? expected : "broadcast of 16 bytes from root 0, its shape sent first: " + expected));
     }
+    CHECK(std::count(leads.begin(), leads.end(), 0) == static_cast<long>(leads.size()));
   }
   // The group goes on: the same calls with the same sizes, through the public path (its shapes agree).
   comm.barrier();
@@ -1577,9 +1611,9 @@ TEST_CASE("host stage: the lead exchange sums with the staged bits only where ev
 }
 
 // A rank of a host (not its leader), a host's leader, rank 0, the last host's leader (alone on its host in
-// n5/n6) and two hosts at once in turn pass a lead of another size: every rank gets a MismatchError, and the
-// next lead exchange pairs as usual.
-TEST_CASE("host stage: a lead of another size on a member or a leader gives a MismatchError on every rank") {
+// n5/n6) and two hosts at once in turn pass a lead of another size, then a lead where the others send a shape:
+// every rank gets a MismatchError, and the next lead exchange pairs as usual.
+TEST_CASE("host stage: a lead of another size or kind on a member or a leader gives a MismatchError on every rank") {
   const auto hosts = test_hosts();
   const int member = last_shared_host(hosts).back();
   auto comm = connect_staged("host-stage-lead-mismatch", std::chrono::seconds(20));
@@ -1614,6 +1648,35 @@ TEST_CASE("host stage: a lead of another size on a member or a leader gives a Mi
     std::fill(x.begin(), x.end(), 1.0f);
     for (int r = 0; r < n; ++r) CHECK(leads[4 * static_cast<size_t>(r) + 3] == 1.0 + r);
   }
+  // The same ranks in turn pass a lead (a shape's 24 bytes, then 32) where the others' broadcast sends its shape:
+  // every rank gets a MismatchError naming the same rank (kind_mismatch_message); no lead arrives; the group goes
+  // on.
+  for (const size_t lead_bytes : {size_t{24}, size_t{32}})
+    for (const std::vector<int>& odd : odd_sets) {
+      const auto is_odd = [&](int r) { return std::find(odd.begin(), odd.end(), r) != odd.end(); };
+      CAPTURE(lead_bytes);
+      CAPTURE(odd.back());
+      std::vector<uint64_t> mine(lead_bytes / 8, 7), all(lead_bytes / 8 * static_cast<size_t>(n), 0);
+      std::vector<uint8_t> bytes(16, 1);
+      bool summed = true;
+      try {
+        if (is_odd(me))
+          comm->lead_exchange_async(mine.data(), all.data(), lead_bytes, nullptr, 0, DataType::Float32, &summed)
+              .wait();
+        else
+          comm->broadcast(bytes.data(), bytes.size(), 0);
+        FAIL("expected a MismatchError");
+      } catch (const MismatchError& e) {
+        const std::string what = e.what();
+        INFO(what);
+        const std::string expected = kind_mismatch_message(hosts, n, me, lead_bytes, is_odd);
+        CHECK(what == (is_odd(me) ? expected : "broadcast of 16 bytes from root 0, its shape sent first: " + expected));
+      }
+      CHECK(std::count(all.begin(), all.end(), 0) == static_cast<long>(all.size()));
+      CHECK(std::count(bytes.begin(), bytes.end(), 1) == 16);
+      comm->barrier();
+      comm->broadcast(bytes.data(), bytes.size(), 0);
+    }
 }
 
 // Ranks that pass another count or type to a staged allreduce (a direct caller's error; the engine compares

@@ -291,18 +291,24 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     return true;
   }
 
-  // The lead exchange's header (kHeader bytes): the data's bytes (0: a lead alone), the lead's bytes and the
-  // data's type; kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one.
-  static constexpr int kLeadBytesShift = 32, kLeadTypeShift = 56;
-  static uint64_t lead_header(size_t lead_bytes, size_t data_bytes, DataType type) {
+  // The lead exchange's header (kHeader bytes): the data's bytes (bits 0-31; 0: a lead alone), the lead's bytes
+  // (32-54), whether the lead is a public collective's shape (kLeadShapeBit) and the data's type (56-61);
+  // kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one.
+  static constexpr int kLeadBytesShift = 32, kLeadShapeShift = 55, kLeadTypeShift = 56;
+  static constexpr uint64_t kLeadShapeBit = uint64_t{1} << kLeadShapeShift;
+  static uint64_t lead_header(LeadKind kind, size_t lead_bytes, size_t data_bytes, DataType type) {
     return kLeadHeaderBit | (static_cast<uint64_t>(type) << kLeadTypeShift) |
-           (static_cast<uint64_t>(lead_bytes) << kLeadBytesShift) | static_cast<uint64_t>(data_bytes);
+           (kind == LeadKind::Shape ? kLeadShapeBit : 0) | (static_cast<uint64_t>(lead_bytes) << kLeadBytesShift) |
+           static_cast<uint64_t>(data_bytes);
   }
   static size_t lead_bytes_of(uint64_t header) {
-    return static_cast<size_t>((header >> kLeadBytesShift) & ((uint64_t{1} << (kLeadTypeShift - kLeadBytesShift)) - 1));
+    return static_cast<size_t>((header >> kLeadBytesShift) & ((uint64_t{1} << (kLeadShapeShift - kLeadBytesShift)) - 1));
+  }
+  static LeadKind lead_kind_of(uint64_t header) {
+    return (header & kLeadShapeBit) != 0 ? LeadKind::Shape : LeadKind::Lead;
   }
 
-  bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, const void* lead, void* leads,
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, LeadKind kind, const void* lead, void* leads,
                       size_t lead_bytes, void* data, size_t count, DataType type) override {
     const int n = context->size, me = context->rank;
     Eager* found = eager_for(context, lead_bytes);
@@ -312,25 +318,45 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const size_t element = size_of(type);
     // Data that does not fit beside the lead stays behind (as on every rank that passes as many bytes).
     const size_t bytes = count <= (e.capacity - lead_bytes) / element ? count * element : 0;
-    const uint64_t header = lead_header(lead_bytes, bytes, bytes > 0 ? type : DataType::Float32);
+    const uint64_t header = lead_header(kind, lead_bytes, bytes, bytes > 0 ? type : DataType::Float32);
     std::memcpy(e.out.data(), &header, kHeader);
     std::memcpy(e.out.data() + kHeader, lead, lead_bytes);
     if (bytes > 0) std::memcpy(e.out.data() + kHeader + lead_bytes, data, bytes);
     const uint8_t* received = exchange_eager(*context, e, kHeader + lead_bytes + bytes, "lead exchange");
-    bool summed = bytes > 0;
+    const auto header_of = [&](int r) {
+      uint64_t sent = header;
+      if (r != me) std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
+      return sent;
+    };
     for (int r = 0; r < n; ++r) {
-      if (r == me) continue;
-      uint64_t sent = 0;
-      std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
+      const uint64_t sent = header_of(r);
       PSGD_REQUIRE((sent & kLeadHeaderBit) != 0, MismatchError, "lead exchange: rank ", r, " sent ",
                    (sent & kScatterGatherHeaderBit) != 0 ? "a scatter-gather" : "a direct", " allreduce's ",
                    sent & kHeaderBytesMask, " bytes of ",
                    to_string(static_cast<DataType>((sent & ~kScatterGatherHeaderBit) >> kHeaderTypeShift)),
                    " where this rank (", me, ") sends a lead of ", lead_bytes,
                    " bytes: every rank must run the same collectives in the same order");
+    }
+    // The first rank whose kind is not rank 0's: the same on every rank, each seeing every header.
+    const uint64_t first = header_of(0);
+    for (int r = 1; r < n; ++r) {
+      const uint64_t sent = header_of(r);
+      if (lead_kind_of(sent) != lead_kind_of(first))
+        throw LeadKindMismatchError(
+            detail::concat("lead exchange: rank ", r, " sent ", describe_lead(lead_kind_of(sent), lead_bytes_of(sent)),
+                           " where rank 0 sent ", describe_lead(lead_kind_of(first), lead_bytes_of(first)),
+                           " (this rank, ", me, ": ", describe_lead(kind, lead_bytes),
+                           "): every rank must run the same collectives in the same order"),
+            r, lead_kind_of(sent), lead_bytes_of(sent));
+    }
+    bool summed = bytes > 0;
+    for (int r = 0; r < n; ++r) {
+      if (r == me) continue;
+      const uint64_t sent = header_of(r);
       if (lead_bytes_of(sent) != lead_bytes)
-        PSGD_THROW(MismatchError, "lead exchange: rank ", r, " sent header ", std::hex, sent, " where this rank (",
-                   std::dec, me, ") sends a lead of ", lead_bytes, " bytes: every rank must pass the same lead");
+        PSGD_THROW(MismatchError, "lead exchange: rank ", r, " sent ", describe_lead(kind, lead_bytes_of(sent)),
+                   " where this rank (", me, ") sends ", describe_lead(kind, lead_bytes),
+                   ": every rank must pass the same lead");
       summed = summed && sent == header;  // the same data bytes and type
     }
     auto* out = static_cast<uint8_t*>(leads);
@@ -542,7 +568,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   void enable_eager_direct(size_t) override {}  // no direct algorithm here
   bool checks_sizes(Algorithm, size_t, DataType, int) const override { return false; }  // no headers
   size_t lead_capacity(int) const override { return 0; }
-  bool lead_allreduce(const std::shared_ptr<gloo::Context>&, const void*, void*, size_t, void*, size_t,
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>&, LeadKind, const void*, void*, size_t, void*, size_t,
                       DataType) override {
     PSGD_ASSERT(false, "the lead exchange needs Gloo's new API");
     return false;
@@ -598,6 +624,11 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
 };
 
 }  // namespace
+
+std::string describe_lead(LeadKind kind, size_t lead_bytes) {
+  return kind == LeadKind::Shape ? std::string("the shape a public collective sends first")
+                                 : detail::concat("a lead of ", lead_bytes, " bytes");
+}
 
 SumFn sum_function(DataType type) {
   switch (type) {

@@ -12,11 +12,34 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
 
 namespace powersgd::transport {
+
+// What a lead exchange carries (its header says which, so that one never passes for the other: MismatchError on
+// every rank): a caller's lead (the engine's announce, Communicator::lead_exchange_async) or the shape a public
+// collective sends first (GlooCommunicator::agree_on_call).
+enum class LeadKind : uint8_t { Lead = 0, Shape = 1 };
+// "a lead of 24 bytes", "the shape a public collective sends first": for messages.
+std::string describe_lead(LeadKind kind, size_t lead_bytes);
+// A lead exchange's ranks passed leads of different kinds: `rank()` is the first rank whose kind is not rank
+// 0's, `kind()` and `lead_bytes()` its lead's; the same on every rank (each sees every header).
+class LeadKindMismatchError : public MismatchError {
+ public:
+  LeadKindMismatchError(const std::string& what, int rank, LeadKind kind, size_t lead_bytes)
+      : MismatchError(what), rank_(rank), kind_(kind), lead_bytes_(lead_bytes) {}
+  int rank() const { return rank_; }
+  LeadKind kind() const { return kind_; }
+  size_t lead_bytes() const { return lead_bytes_; }
+
+ private:
+  int rank_;
+  LeadKind kind_;
+  size_t lead_bytes_;
+};
 
 // Every collective runs on the communication thread with a context of more than
 // one rank, a non-empty buffer, and a tag unique among operations in flight
@@ -63,9 +86,9 @@ class CollectiveAlgorithms {
   // `leads` (rank r's at r * lead_bytes); `data` (count elements of `type`; count 0: none) is summed in rank
   // order, the direct algorithm's additions, where every rank passed the same nonzero count and type that fit
   // with the lead. Returns whether it was: the same answer on every rank (every rank sees every header); when
-  // not, `data` is unchanged. MismatchError where the ranks' lead_bytes differ.
-  virtual bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, const void* lead, void* leads,
-                              size_t lead_bytes, void* data, size_t count, DataType type) = 0;
+  // not, `data` is unchanged. MismatchError where the ranks' lead_bytes or kinds differ.
+  virtual bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, LeadKind kind, const void* lead,
+                              void* leads, size_t lead_bytes, void* data, size_t count, DataType type) = 0;
 
   // Whether an allreduce of `count` elements of `type` with `algorithm` on a context of `n` ranks reads every
   // rank's count and type (a header in every message) before any receive sized by the count, and fails at once

@@ -687,10 +687,11 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
     add_rounds(1);
     try {
       if (stage_ != nullptr)
-        stage_->lead_allreduce(context, tag, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32,
-                               capacity, *algorithms_);
+        stage_->lead_allreduce(context, tag, LeadKind::Shape, &mine, all.data(), sizeof(Shape), nullptr, 0,
+                               DataType::Float32, capacity, *algorithms_);
       else
-        algorithms_->lead_allreduce(context, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32);
+        algorithms_->lead_allreduce(context, LeadKind::Shape, &mine, all.data(), sizeof(Shape), nullptr, 0,
+                                    DataType::Float32);
     } catch (const MismatchError& e) {  // a peer in another kind of collective: say what this rank called
       throw MismatchError(detail::concat(describe(mine, false), ", its shape sent first: ", e.what()));
     }
@@ -789,24 +790,10 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
                                      stage_ != nullptr ? ", host-staged)" : ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     add_rounds(1);  // staged: the leaders' exchange; the hops within a host cost no network delay
-    *summed = stage_ != nullptr
-                  ? stage_->lead_allreduce(context, tag, lead, leads, lead_bytes, data, count, type, capacity,
-                                           *algorithms_)
-                  : algorithms_->lead_allreduce(context, lead, leads, lead_bytes, data, count, type);
-    // A peer's public collective sends its shape as a lead of as many bytes: that peer fails (the lead is no
-    // shape); so does this rank, rather than take the shape for the peer's lead.
-    const auto is_shape = [](const void* message) {
-      uint64_t magic = 0;
-      std::memcpy(&magic, message, sizeof(magic));
-      return magic == Shape::kMagic;
-    };
-    if (lead_bytes != sizeof(Shape) || is_shape(lead)) return;
-    for (int r = 0; r < context->size; ++r)
-      PSGD_REQUIRE(r == context->rank || !is_shape(static_cast<const uint8_t*>(leads) + static_cast<size_t>(r) * lead_bytes),
-                   MismatchError, "lead exchange: rank ", r,
-                   " sent the shape a public collective sends first where this rank (", context->rank,
-                   ") sends a lead of ", lead_bytes, " bytes: every rank must run the same collectives in the same "
-                   "order");
+    *summed = stage_ != nullptr ? stage_->lead_allreduce(context, tag, LeadKind::Lead, lead, leads, lead_bytes, data,
+                                                         count, type, capacity, *algorithms_)
+                                : algorithms_->lead_allreduce(context, LeadKind::Lead, lead, leads, lead_bytes, data,
+                                                              count, type);
   });
 }
 

@@ -153,7 +153,7 @@ class GlooCommunicator final : public Communicator {
   // (Sizes::Unknown). 24 bytes: a lead of the lead exchange (a multiple of 8).
   enum class ShapeKind : uint16_t { Allreduce = 1, Broadcast = 2, Allgather = 3, Barrier = 4, CheckSame = 5 };
   struct Shape {
-    uint64_t magic = kMagic;  // no other lead passes for a shape
+    uint64_t magic = kMagic;  // on Gloo's allgather, no other 24 bytes pass for a shape
     ShapeKind kind = ShapeKind::Allreduce;
     // allreduce: the Algorithm it runs (the public allreduce and allreduce_in_rank_order_async may choose
     // differently for one count); else 0

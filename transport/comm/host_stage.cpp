@@ -326,27 +326,53 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
 namespace {
 
 // lead_allreduce's messages. A rank to its leader: kStageHeader bytes (its lead's bytes, its data's bytes, the
-// data's type), the lead, the data. A leader to its ranks, and each leader's lead among the leaders: a status
-// word first.
+// data's type with the lead's kind in bits 32 and up), the lead, the data. A leader to its ranks, and each
+// leader's lead among the leaders: a status word first.
 constexpr size_t kStageHeader = 3 * sizeof(uint64_t);
 constexpr size_t kStatus = sizeof(uint64_t);
-// Status words: the data not summed / summed; a rank of this host passed a lead of another size (its rank and
-// bytes in the upper bits); a host's leader passed one (the leaders' exchange failed).
-constexpr uint64_t kNotSummed = 0, kSummed = 1, kRankMismatch = 2, kLeaderMismatch = 3;
+constexpr int kHeaderKindShift = 32;
+// Status words, what happened in bits 0-3: the data not summed / summed; a rank of this host passed another lead
+// than its leader (that rank, its lead's bytes and kind in the upper bits); the leaders' leads differ in size;
+// a host's leader passed another kind of lead than rank 0 (that leader, its lead's bytes and kind).
+// kStatusShapeBit: the lead of the rank named is a public collective's shape. kStatusKindsDifferBit: the rank
+// named passed another kind of lead than its leader (else another size).
+constexpr uint64_t kNotSummed = 0, kSummed = 1, kRankMismatch = 2, kLeaderMismatch = 3, kKindMismatch = 4;
+constexpr uint64_t kStatusWhatMask = 0xf, kStatusShapeBit = 0x10, kStatusKindsDifferBit = 0x20;
 constexpr int kStatusRankShift = 8, kStatusBytesShift = 32;
 
-uint64_t rank_mismatch(int rank, uint64_t lead_bytes) {
-  return kRankMismatch | (static_cast<uint64_t>(rank) << kStatusRankShift) | (lead_bytes << kStatusBytesShift);
+uint64_t shape_bit(LeadKind kind) { return kind == LeadKind::Shape ? kStatusShapeBit : 0; }
+LeadKind kind_of_status(uint64_t status) {
+  return (status & kStatusShapeBit) != 0 ? LeadKind::Shape : LeadKind::Lead;
+}
+int rank_of_status(uint64_t status) { return static_cast<int>((status >> kStatusRankShift) & 0xffffff); }
+
+uint64_t mismatch(uint64_t what, int rank, uint64_t lead_bytes, LeadKind kind) {
+  return what | shape_bit(kind) | (static_cast<uint64_t>(rank) << kStatusRankShift) |
+         (lead_bytes << kStatusBytesShift);
 }
 
-// Throws the MismatchError a mismatch status word says, on the rank `me` that passed `lead_bytes`.
-[[noreturn]] void throw_mismatch(uint64_t status, int me, size_t lead_bytes) {
-  if ((status & 0xff) == kRankMismatch)
-    PSGD_THROW(MismatchError, "lead exchange: rank ", (status >> kStatusRankShift) & 0xffffff, " passed a lead of ",
-               status >> kStatusBytesShift, " bytes where its host's leader passed another (this rank, ", me, ": ",
-               lead_bytes, " bytes): every rank must pass the same lead");
-  PSGD_THROW(MismatchError, "lead exchange: the leaders of the hosts passed leads of different sizes (this rank, ", me,
-             ": ", lead_bytes, " bytes): every rank must pass the same lead");
+// Throws the MismatchError a mismatch status word says, on the rank `me` that passed a lead of `lead_bytes` of
+// `kind`.
+[[noreturn]] void throw_mismatch(uint64_t status, int me, size_t lead_bytes, LeadKind kind) {
+  const std::string mine = detail::concat("this rank, ", me, ": ", describe_lead(kind, lead_bytes));
+  const LeadKind theirs = kind_of_status(status);
+  const size_t their_bytes = static_cast<size_t>(status >> kStatusBytesShift);
+  const char* const same_order = ": every rank must run the same collectives in the same order";
+  const char* const same_lead = ": every rank must pass the same lead";
+  switch (status & kStatusWhatMask) {
+    case kRankMismatch:
+      PSGD_THROW(MismatchError, "lead exchange: rank ", rank_of_status(status), " passed ",
+                 describe_lead(theirs, their_bytes), " where its host's leader passed another (", mine, ")",
+                 (status & kStatusKindsDifferBit) != 0 ? same_order : same_lead);
+    case kKindMismatch:  // rank 0's lead: the other kind (its bytes are not in the status word)
+      PSGD_THROW(MismatchError, "lead exchange: rank ", rank_of_status(status), ", its host's leader, passed ",
+                 describe_lead(theirs, their_bytes), " where rank 0 passed ",
+                 theirs == LeadKind::Shape ? "a lead" : describe_lead(LeadKind::Shape, 0), " (", mine, ")",
+                 same_order);
+    default:
+      PSGD_THROW(MismatchError, "lead exchange: the leaders of the hosts passed leads of different sizes (", mine,
+                 ")", same_lead);
+  }
 }
 
 }  // namespace
@@ -356,13 +382,15 @@ size_t HostStage::lead_capacity(size_t leaders_capacity) const {
   return (leaders_capacity - kStatus) / largest_host_ / 64 * 64;
 }
 
-bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, const void* lead,
-                               void* leads, size_t lead_bytes, void* data, size_t count, DataType type,
-                               size_t capacity, CollectiveAlgorithms& algorithms) {
+bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, LeadKind kind,
+                               const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
+                               DataType type, size_t capacity, CollectiveAlgorithms& algorithms) {
   const size_t element = size_of(type);
   // Data that does not fit beside the lead stays behind, as without staging.
   const size_t bytes = count > 0 && count <= (capacity - lead_bytes) / element ? count * element : 0;
-  const uint64_t header[3] = {lead_bytes, bytes, static_cast<uint64_t>(bytes > 0 ? type : DataType::Float32)};
+  const uint64_t header[3] = {lead_bytes, bytes,
+                              static_cast<uint64_t>(bytes > 0 ? type : DataType::Float32) |
+                                  (static_cast<uint64_t>(kind) << kHeaderKindShift)};
   const size_t world = groups_.host_of.size();
   const std::vector<int>& host = my_host();
   const size_t reply_bytes = kStatus + world * lead_bytes;  // and the data where it was summed
@@ -379,7 +407,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
              "lead exchange: receive from the host's leader");
     uint64_t status = 0;
     std::memcpy(&status, lead_in_.data(), kStatus);
-    if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes);
+    if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes, kind);
     std::memcpy(leads, lead_in_.data() + kStatus, world * lead_bytes);
     if (status == kSummed) std::memcpy(data, lead_in_.data() + reply_bytes, bytes);
     return status == kSummed;
@@ -407,8 +435,11 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     const uint8_t* message = received_.data() + i * stride;
     uint64_t sent[3] = {};
     std::memcpy(sent, message, kStageHeader);
-    if (sent[0] != lead_bytes) {
-      if (status == kNotSummed) status = rank_mismatch(host[i + 1], sent[0]);
+    const auto sent_kind = static_cast<LeadKind>(sent[2] >> kHeaderKindShift);
+    if (sent[0] != lead_bytes || sent_kind != kind) {
+      if (status == kNotSummed)
+        status = mismatch(kRankMismatch | (sent_kind != kind ? kStatusKindsDifferBit : 0), host[i + 1], sent[0],
+                          sent_kind);
       alike = false;
       continue;
     }
@@ -430,22 +461,26 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     for (size_t i = 0; i < others; ++i) messages_[i] = {host[i + 1], kLeadExchangeReplySlot, lead_out_.data(), length};
     transfer(*global, Direction::Send, tag, messages_, "lead exchange: send to a rank of the host");
   };
+  const auto fail = [&](uint64_t word) {
+    reply(word, false);
+    throw_mismatch(word, rank_, lead_bytes, kind);
+  };
   bool summed = false;
   try {
-    summed = algorithms.lead_allreduce(leaders_, host_lead.data(), all.data(), leaders_lead, sum,
+    summed = algorithms.lead_allreduce(leaders_, kind, host_lead.data(), all.data(), leaders_lead, sum,
                                        alike ? count : 0, type);
+  } catch (const LeadKindMismatchError& e) {
+    // The leader of host e.rank() (the first whose kind is not rank 0's), its lead's bytes from the leaders'.
+    fail(mismatch(kKindMismatch, groups_.hosts[static_cast<size_t>(e.rank())].front(),
+                  (e.lead_bytes() - kStatus) / largest_host_, e.kind()));
   } catch (const MismatchError&) {
-    reply(kLeaderMismatch, false);
-    throw_mismatch(kLeaderMismatch, rank_, lead_bytes);
+    fail(kLeaderMismatch);
   }
-  // Every leader sees every host's status: the first mismatch fails every rank alike.
+  // Every leader sees every host's status: the first mismatch within a host fails every rank alike.
   for (size_t k = 0; k < groups_.hosts.size(); ++k) {
     uint64_t word = 0;
     std::memcpy(&word, all.data() + k * leaders_lead, kStatus);
-    if (word != kNotSummed) {
-      reply(word, false);
-      throw_mismatch(word, rank_, lead_bytes);
-    }
+    if (word != kNotSummed) fail(word);
   }
   auto* out = static_cast<uint8_t*>(leads);
   for (size_t k = 0; k < groups_.hosts.size(); ++k)

@@ -100,9 +100,9 @@ class HostStage {
   // allreduce() with Direct among the leaders. The data travels where
   // lead_bytes + its bytes fit `capacity`, the communicator's
   // lead_capacity(algorithms.lead_capacity(hosts())), the same on every rank.
-  // MismatchError on every rank where any lead size differs.
-  bool lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, const void* lead, void* leads,
-                      size_t lead_bytes, void* data, size_t count, DataType type, size_t capacity,
+  // MismatchError on every rank where any lead's size or kind differs.
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, LeadKind kind, const void* lead,
+                      void* leads, size_t lead_bytes, void* data, size_t count, DataType type, size_t capacity,
                       CollectiveAlgorithms& algorithms);
   // The bytes a rank's lead and data may take in lead_allreduce, given the
   // leaders' lead exchange capacity: the leaders' lead (a status word and the
