@@ -3,8 +3,11 @@
 # HOSTS hosts (one rank each, links shaped to RATE, --link-delay one way into
 # each host), once per configuration: full allreduce (--no-compression),
 # PowerSGD with the default config, and --alternating (one collective per
-# step). Configurations alternate within each round, ROUNDS rounds; the table
-# gives the median time per step and the ratios. Needs root.
+# step); and, once per round and number of hosts, PowerSGD's no-network floor
+# (the same job with links unshaped and undelayed: veth at memory speed, what
+# it costs when the network costs nothing). Configurations alternate within
+# each round, ROUNDS rounds; the table gives the median time per step and the
+# ratios. Needs root.
 # Usage: bench/scaling.sh [BUILD_DIR] [RATE] [ROUNDS]
 #   e.g. bench/scaling.sh build 1gbit 3
 # Environment (defaults in brackets):
@@ -14,6 +17,8 @@
 #   TRAIN_LIMIT [8192] BATCH [256]: TRAIN_LIMIT / BATCH steps per epoch (the global batch is split over
 #                     ranks); the trainer prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
 #   RANK [2]          PowerSGD rank
+#   FLOOR [1]         0: no floor runs
+#   RESULTS_TSV       also write every run's figures there (for bench/plot_scaling.py)
 #   CONFIGS ["allreduce powersgd alternating"]: also powersgd-each (PowerSGD with the trainer's
 #                     --submit each: one reduction per bucket, as before 2026-12-04, where the default
 #                     submits both buckets in one reduce_all), powersgd-bcube (PowerSGD with
@@ -36,6 +41,8 @@ BATCH=${BATCH:-256}
 RANK=${RANK:-2}
 CONFIGS=${CONFIGS:-allreduce powersgd alternating}
 BEFORE=${BEFORE:-}
+FLOOR=${FLOOR:-1}
+RESULTS_TSV=${RESULTS_TSV:-}
 # shellcheck source=bench/emulated_preamble.sh
 . "$(dirname "$0")/emulated_preamble.sh"
 emulated_preamble scaling.sh train
@@ -48,15 +55,17 @@ run() {  # hosts model delay config round trainer-options...
   shift 5
   log="$tmp/run.log"
   train=$TRAIN direct=
+  shaping="--link-rate $RATE --link-delay $delay"
   case $config in
+    floor) shaping= ;;
     allreduce) set -- "$@" --no-compression ;;
     alternating) set -- "$@" --alternating ;;
     powersgd-each) set -- "$@" --submit each ;;
     powersgd-bcube) direct=0 ;;
     powersgd-before) train=$BEFORE; [ -x "$train" ] || { echo "scaling.sh: BEFORE='$BEFORE' is no trainer" >&2; exit 2; } ;;
   esac
-  # shellcheck disable=SC2086  # trainer options without blanks
-  "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n "$hosts" --timeout 1800 \
+  # shellcheck disable=SC2086  # trainer options and $shaping without blanks
+  "$RUN" --emulate-hosts "$hosts" $shaping -n "$hosts" --timeout 1800 \
     --env PSGD_BLAS_THREADS=1 --env OPENBLAS_NUM_THREADS=1 ${direct:+--env PSGD_DIRECT_MAX_BYTES=$direct} \
     ${direct:+--env PSGD_SCATTER_GATHER=0} \
     -- "$train" --model "$model" --rank "$RANK" \
@@ -79,12 +88,19 @@ echo "== bench/scaling.sh: links $RATE, $ROUNDS round(s), $steps steps per epoch
 for hosts in $HOSTS; do
   model=$MODEL
   [ "$hosts" -le 8 ] || model=$MODEL_16
+  if [ "$FLOOR" != 0 ]; then
+    for round in $(seq "$ROUNDS"); do run "$hosts" "$model" - floor "$round"; done
+  fi
   for delay in $DELAYS; do
     for round in $(seq "$ROUNDS"); do
       for config in $CONFIGS; do run "$hosts" "$model" "$delay" "$config" "$round"; done
     done
   done
 done
+if [ -n "$RESULTS_TSV" ]; then
+  { printf 'hosts\tmodel\tdelay\tconfig\tround\tepoch_s\trounds_per_step\tload\tsteps\n'
+    sed "s/ /\t/g; s/\$/\t$steps/" "$tmp/times"; } > "$RESULTS_TSV"
+fi
 
 /usr/bin/python3 - "$tmp/times" "$steps" "$CONFIGS" <<'PY'
 import collections, statistics, sys
@@ -95,15 +111,17 @@ rounds = {}
 order = []
 for hosts, model, delay, config, _round, seconds, r, _load in (line.split() for line in open(sys.argv[1])):
     key = (int(hosts), model, delay)
-    if key not in order:
+    if key not in order and config != "floor":
         order.append(key)
     times[key + (config,)].append(float(seconds) * 1000 / steps)
     rounds[key + (config,)] = r
 ms = {k: statistics.median(v) for k, v in times.items()}
+floor = {(k[0], k[1]): v for k, v in ms.items() if k[3] == "floor"}
 ratios = [c for c in configs if c != "allreduce"] if "allreduce" in configs else []
 head = ["hosts", "model", "one-way delay"] + [f"{c} (ms/step, rounds/step)" for c in configs]
 head += [f"allreduce / {c}" for c in ratios]
 head += ["PowerSGD / its step without delay"] if "powersgd" in configs else []
+head += ["PowerSGD / its no-network floor"] if "powersgd" in configs and floor else []
 print("| " + " | ".join(head) + " |")
 print("|" + " --- |" * len(head))
 for hosts, model, delay in order:
@@ -113,5 +131,11 @@ for hosts, model, delay in order:
     if "powersgd" in configs:
         base = ms.get((hosts, model, "0", "powersgd"))
         cells.append(f"{ms[k + ('powersgd',)] / base:.2f}x" if base else "-")
+        if floor:
+            least = floor.get((hosts, model))
+            cells.append(f"{ms[k + ('powersgd',)] / least:.2f}x" if least else "-")
     print("| " + " | ".join(cells) + " |")
+for (hosts, model), value in floor.items():
+    print(f"no-network floor, {hosts} hosts, {model}: {value:.1f} ms/step "
+          f"({rounds[(hosts, model, '-', 'floor')]} rounds/step; PowerSGD, links unshaped)")
 PY
