@@ -6,7 +6,6 @@
 #   cubic    net.ipv4.tcp_congestion_control=cubic (Linux's default; added to the host's allowed list for the run)
 #   bigbuf   net.ipv4.tcp_wmem and tcp_rmem maxima 32 MiB (the autotuning ceiling of a socket's buffers)
 #   idle0    net.ipv4.tcp_slow_start_after_idle=0
-#   psgd-cubic  no sysctl: PSGD_TCP_CONGESTION=cubic, the library sets cubic on its own connections only
 # For each: a full allreduce of ResNet-18's gradient (46,758,048 bytes, Gloo's ring, as DDP without
 # compression) and PowerSGD's reduction step (powersgd-bench engine, ResNet-18 in 25 MiB buckets, rank 2,
 # reduce_all). Sides alternate within each round. Needs root. docs/scaling.md, "TCP".
@@ -43,8 +42,7 @@ sysctls() {  # side -> the sysctl commands its hosts run first
     cubic) echo "sysctl -qw net.ipv4.tcp_congestion_control=cubic" ;;
     bigbuf) echo "sysctl -qw net.ipv4.tcp_wmem='4096 16384 33554432' net.ipv4.tcp_rmem='4096 131072 33554432'" ;;
     idle0) echo "sysctl -qw net.ipv4.tcp_slow_start_after_idle=0" ;;
-    psgd-cubic) echo "export PSGD_TCP_CONGESTION=cubic" ;;
-    *) echo "tcp_settings.sh: unknown side '$1' (default, cubic, bigbuf, idle0, psgd-cubic)" >&2; exit 2 ;;
+    *) echo "tcp_settings.sh: unknown side '$1' (default, cubic, bigbuf, idle0)" >&2; exit 2 ;;
   esac
 }
 

@@ -105,12 +105,6 @@ constexpr Variable kVariables[] = {
      "With PSGD_HOST_STAGE=1 or auto: the name of this rank's host; ranks with the same name are staged together "
      "(compared whole). Default: the hostname and the transport's local address (hosts emulated by network "
      "namespaces share a hostname). Set it where hosts share names, or to split ranks of one host for tests."},
-    {"PSGD_TCP_CONGESTION", "",
-     "The TCP congestion control of this rank's connections to its peers (tcp), set on each of them at creation "
-     "(TCP_CONGESTION), e.g. cubic: at a distance it sends PowerSGD's short bursts faster than bbr. Empty (the "
-     "default): the host's (net.ipv4.tcp_congestion_control). A name this process cannot set (not available, "
-     "or not in net.ipv4.tcp_allowed_congestion_control without CAP_NET_ADMIN) fails at creation. May differ "
-     "between ranks. docs/scaling.md, \"TCP\"."},
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
     {"PSGD_IB_PORT", "1", "ibverbs port number."},
     {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},

@@ -12,9 +12,6 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <arpa/inet.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -22,9 +19,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
-#include <filesystem>
-#include <fstream>
-#include <map>
 #include <functional>
 #include <iterator>
 #include <optional>
@@ -1154,100 +1148,6 @@ TEST_CASE("fingerprint: a rank with a different ring threshold is named") {
     CHECK(what.find("rank 1") != std::string::npos);
     CHECK(what.find("PSGD_RING_THRESHOLD_BYTES 12345") != std::string::npos);
   }
-}
-
-namespace {
-
-struct TcpSocket {
-  std::string congestion;  // TCP_CONGESTION
-  uint16_t peer_port = 0;
-};
-
-// This process's connected TCP sockets by inode, read with the kernel's calls here, not the library's code.
-std::map<uint64_t, TcpSocket> tcp_sockets() {
-  std::map<uint64_t, TcpSocket> found;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-    const int fd = std::atoi(entry.path().filename().c_str());
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    sockaddr_storage peer{};
-    socklen_t length = sizeof(peer);
-    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &length) != 0 ||
-        (peer.ss_family != AF_INET && peer.ss_family != AF_INET6))
-      continue;
-    char name[32] = {};
-    socklen_t name_length = sizeof(name) - 1;
-    if (::getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, &name_length) != 0) continue;
-    const uint16_t port = peer.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(peer).sin_port
-                                                    : reinterpret_cast<const sockaddr_in6&>(peer).sin6_port;
-    found[static_cast<uint64_t>(st.st_ino)] = {name, ntohs(port)};
-  }
-  return found;
-}
-
-std::string first_line(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-}  // namespace
-
-// PSGD_TCP_CONGESTION: set on each connection to a peer (n - 1 here: one host, unstaged), on no socket open
-// before (the test's own) nor the store's; unset, the connections keep the host's; a name that cannot be set
-// fails at creation on every rank, before any rank connects.
-TEST_CASE("tcp congestion: PSGD_TCP_CONGESTION on every connection to a peer, none other; a bad name refused") {
-  const int n = comm_world();
-  const std::string host = first_line("/proc/sys/net/ipv4/tcp_congestion_control");
-  // reno is always allowed (and built in); where it is the host's own, nothing here could tell a change.
-  if (host == "reno") {
-    MESSAGE("skipped: the host's congestion control is already reno");
-    return;
-  }
-  const uint16_t store_port = options("tcp-congestion").store_port;
-  const auto before = tcp_sockets();
-  setenv("PSGD_TCP_CONGESTION", "reno", 1);
-  auto comm = connect("tcp-congestion");
-  unsetenv("PSGD_TCP_CONGESTION");
-  auto after = tcp_sockets();
-  int set = 0;
-  for (const auto& [inode, socket] : after) {
-    INFO("peer port ", socket.peer_port, ": ", socket.congestion);
-    if (before.count(inode) != 0) {
-      CHECK(socket.congestion == before.at(inode).congestion);
-    } else if (socket.peer_port == store_port) {
-      CHECK(socket.congestion == host);
-    } else {
-      CHECK(socket.congestion == "reno");
-      ++set;
-    }
-  }
-  CHECK(set == n - 1);
-  // Unset: the host's.
-  auto plain = connect("tcp-congestion-host");
-  int kept = 0;
-  for (const auto& [inode, socket] : tcp_sockets())
-    if (after.count(inode) == 0 && socket.peer_port != store_port) {
-      CHECK(socket.congestion == host);
-      ++kept;
-    }
-  CHECK(kept == n - 1);
-  // A name no process can set: every rank fails at creation, naming it and what it may be.
-  setenv("PSGD_TCP_CONGESTION", "no-such-control", 1);
-  try {
-    connect("tcp-congestion-bad");
-    FAIL("expected an InvalidArgumentError");
-  } catch (const InvalidArgumentError& e) {
-    const std::string what = e.what();
-    INFO(what);
-    CHECK(what.find("environment variable PSGD_TCP_CONGESTION='no-such-control' cannot be set here") == 0);
-    CHECK(what.find("expected one of net.ipv4.tcp_allowed_congestion_control (") != std::string::npos);
-    CHECK(what.find("or empty for the host's (" + host + ")") != std::string::npos);
-  }
-  unsetenv("PSGD_TCP_CONGESTION");
-  comm->barrier();
-  plain->barrier();
 }
 
 TEST_CASE("check_same: names what differs and the first differing rank") {

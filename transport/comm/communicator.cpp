@@ -10,7 +10,6 @@
 #include <csignal>
 #include <cstring>
 #include <limits>
-#include <set>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -21,7 +20,6 @@
 #include "comm/fingerprint.hpp"
 #include "comm/host_stage.hpp"
 #include "comm/options.hpp"
-#include "comm/tcp_congestion.hpp"
 #include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
 #include "common/comm_users.hpp"
@@ -176,7 +174,6 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
   host_stage_ = host_stage_from_env();
   host_shm_ = host_shm_from_env();  // parsed wherever staging may run: a typo is named at creation
-  if (options_.transport == TransportKind::Tcp) tcp_congestion_ = tcp_congestion_from_env();  // before connecting
   const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
   eager_direct_ = api_ == GlooApi::New && eager;
   const bool scatter_gather = scatter_gather_from_env();
@@ -325,23 +322,12 @@ void GlooCommunicator::connect() {
                " ranks joined (is WORLD_SIZE right, and did every rank start?)");
   }
 
-  // The sockets open before Gloo's: the store's, the caller's (PSGD_TCP_CONGESTION leaves them as they are).
-  const std::set<uint64_t> sockets_before = tcp_congestion_.empty() ? std::set<uint64_t>() : socket_inodes();
   device_ = make_device(options_);
   context_ = std::make_shared<gloo::rendezvous::Context>(options_.rank, options_.world_size);
   connect_mesh(*context_, *scoped, detail::concat("rendezvous of ", options_.world_size, " ranks"));
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
   if (host_stage_ != HostStageMode::Off) setup_host_stage(*scoped);
-  if (!tcp_congestion_.empty()) {
-    // Every pair has connected (check_fingerprint; the leaders' in setup_host_stage); the store's own
-    // connections, hosted here or opened since, are on its port.
-    const CongestionSet done = set_congestion_control(tcp_congestion_, sockets_before, options_.store_port);
-    PSGD_LOG(Info, "PSGD_TCP_CONGESTION=", tcp_congestion_, ": set on ", done.set, " connections to peers");
-    if (done.refused > 0)
-      PSGD_LOG(Warn, "PSGD_TCP_CONGESTION=", tcp_congestion_, ": the kernel refused it on ", done.refused,
-               " connections to peers, which keep the host's (first: ", done.first_refusal, ")");
-  }
   if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
   // Every rank at the same point, with the same bound (the fingerprint; auto is agreed).
   if (eager_direct_) algorithms_->enable_eager_direct(direct_max_bytes_);

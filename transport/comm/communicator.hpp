@@ -179,7 +179,6 @@ class GlooCommunicator final : public Communicator {
   HostStageMode host_stage_ = HostStageMode::Off;  // PSGD_HOST_STAGE, the setting (stage_: whether it staged)
   bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
   bool host_shm_ = true;  // PSGD_HOST_SHM: the hops within a host through shared memory where staged
-  std::string tcp_congestion_;  // PSGD_TCP_CONGESTION: set on the connections to peers; empty: the host's
   bool scatter_gather_ = false;  // PSGD_SCATTER_GATHER (new API only)
   int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.
