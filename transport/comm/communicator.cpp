@@ -686,12 +686,7 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   if (capacity >= sizeof(Shape)) {
     add_rounds(1);
     try {
-      if (stage_ != nullptr)
-        stage_->lead_allreduce(context, tag, LeadKind::Shape, &mine, all.data(), sizeof(Shape), nullptr, 0,
-                               DataType::Float32, capacity, *algorithms_);
-      else
-        algorithms_->lead_allreduce(context, LeadKind::Shape, &mine, all.data(), sizeof(Shape), nullptr, 0,
-                                    DataType::Float32);
+      exchange_leads(context, tag, LeadKind::Shape, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32);
     } catch (const MismatchError& e) {  // a peer in another kind of collective: say what this rank called
       throw MismatchError(detail::concat(describe(mine, false), ", its shape sent first: ", e.what()));
     }
@@ -790,11 +785,17 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
                                      stage_ != nullptr ? ", host-staged)" : ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     add_rounds(1);  // staged: the leaders' exchange; the hops within a host cost no network delay
-    *summed = stage_ != nullptr ? stage_->lead_allreduce(context, tag, LeadKind::Lead, lead, leads, lead_bytes, data,
-                                                         count, type, capacity, *algorithms_)
-                                : algorithms_->lead_allreduce(context, LeadKind::Lead, lead, leads, lead_bytes, data,
-                                                              count, type);
+    *summed = exchange_leads(context, tag, LeadKind::Lead, lead, leads, lead_bytes, data, count, type);
   });
+}
+
+bool GlooCommunicator::exchange_leads(const std::shared_ptr<gloo::Context>& context, uint32_t tag, LeadKind kind,
+                                      const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
+                                      DataType type) {
+  if (stage_ != nullptr)
+    return stage_->lead_allreduce(context, tag, kind, lead, leads, lead_bytes, data, count, type, lead_capacity(),
+                                  *algorithms_);
+  return algorithms_->lead_allreduce(context, kind, lead, leads, lead_bytes, data, count, type);
 }
 
 Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes sizes) {

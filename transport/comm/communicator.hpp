@@ -19,6 +19,8 @@
 
 namespace powersgd::transport {
 
+enum class LeadKind : uint8_t;  // comm/algorithms.hpp
+
 // Which of Gloo's two collective APIs the communicator uses. New: the free
 // functions over unbound buffers (TCP only in Debian's Gloo). Legacy: the
 // old-style algorithm classes (the only ones that work over ibverbs). One
@@ -172,6 +174,10 @@ class GlooCommunicator final : public Communicator {
   // `tag`), the same on every rank.
   uint32_t agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
                           const Shape& mine);
+  // On the communication thread: one lead exchange of `kind` (CollectiveAlgorithms::lead_allreduce), staged where
+  // this communicator stages (HostStage::lead_allreduce, within lead_capacity()). Returns whether `data` was summed.
+  bool exchange_leads(const std::shared_ptr<gloo::Context>& context, uint32_t tag, LeadKind kind, const void* lead,
+                      void* leads, size_t lead_bytes, void* data, size_t count, DataType type);
 
   CommOptions options_;
   GlooApi api_;
