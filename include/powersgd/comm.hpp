@@ -105,7 +105,12 @@ class PSGD_API Communicator {
   // same count/dtype/root: where they do not, a Communicator made by create()
   // fails the collective with MismatchError on every rank, naming both calls,
   // before any data moves (the group stays usable; docs/transport.md, "Sizes
-  // agreed first"). That holds for barrier and check_same too.
+  // agreed first"). That holds for barrier and check_same too. A call whose
+  // arguments this rank refuses (a root out of range, a null buffer) throws
+  // InvalidArgumentError from the call itself, after its refusal reached every
+  // rank in the call's place (the others fail it with MismatchError naming this
+  // rank): it waits for the collectives queued before it and for the others to
+  // reach the call, as any collective does.
   virtual Work allreduce_async(void* data, size_t count, DataType type) = 0;  // sum, in place
   virtual Work broadcast_async(void* data, size_t bytes, int root) = 0;
   // out receives size() * bytes: rank i's `in` at out + i * bytes.

@@ -213,7 +213,7 @@ int psgd_comm_size(const psgd_comm* comm) { return comm == nullptr ? -1 : comm->
 psgd_status psgd_comm_allreduce_sum_f32(psgd_comm* comm, float* data, size_t count) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(comm);
-    PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "argument 'data' is null with count ", count);
+    // A null data is refused by the communicator, which still takes part in the shape exchange.
     comm->comm->allreduce(data, count, powersgd::DataType::Float32);
   });
 }
@@ -544,10 +544,7 @@ psgd_status psgd_comm_init_beside_torch(psgd_comm** out) {
 psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t bytes, int root) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(comm);
-    PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "argument 'data' is null with ", bytes,
-                 " bytes");
-    PSGD_REQUIRE(root >= 0 && root < comm->comm->size(), InvalidArgumentError, "root = ", root, ": expected 0 to ",
-                 comm->comm->size() - 1);
+    // A null data or a bad root is refused by the communicator, which still takes part in the shape exchange.
     comm->comm->broadcast(data, bytes, root);
   });
 }

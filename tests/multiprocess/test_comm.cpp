@@ -377,8 +377,8 @@ TEST_CASE("direct: ranks that pass data where another passes a lead get a Mismat
     CHECK(what.find(me == n - 1 ? detail::concat("lead exchange: rank 0 sent a direct allreduce's 32 bytes of ",
                                                  "float32 where this rank (", me, ") sends a lead of 32 bytes")
                                 : detail::concat("direct allreduce: rank ", n - 1,
-                                                 " sent a lead exchange's message (the engine's announce, or the "
-                                                 "shape a public collective sends first) where this rank (", me,
+                                                 " sent a lead exchange's lead (the engine's announce) where this "
+                                                 "rank (", me,
                                                  ") reduces 32 bytes")) != std::string::npos);
   }
   CHECK(std::count(z.begin(), z.end(), 1.0f) == 8);
@@ -1001,6 +1001,99 @@ void check_paths_refused(GlooCommunicator& comm, size_t count, size_t odd_count)
   CHECK(first_wrong(summed, n) == count);
 }
 
+// A public collective refused on some ranks for their own arguments (a root out of range, a null buffer): each
+// of those throws its own InvalidArgumentError, every other rank a MismatchError naming the lowest refusing
+// rank, at once (before, the others waited out the timeout and the group broke); nothing was sent, no buffer
+// changed, and the group goes on.
+void check_refusals(GlooCommunicator& comm) {
+  const int n = comm.size(), me = comm.rank();
+  // `theirs`: what a rank that did not refuse says where it is not the shapes' message below (the direct
+  // allreduce's headers); `own`: what a refusing rank says.
+  const auto expect = [&](const std::function<bool(int)>& refuses, const std::function<void(bool)>& call,
+                          const std::string& operation, const std::string& mine, const std::string& own,
+                          std::string theirs = {}) {
+    int first = 0;
+    while (!refuses(first)) ++first;
+    int refusing = 0;
+    for (int r = 0; r < n; ++r) refusing += refuses(r) ? 1 : 0;
+    if (theirs.empty())
+      theirs = detail::concat(operation, ": rank ", first,
+                              refusing > 1 ? detail::concat(" (and ", refusing - 1, " other rank(s))") : std::string(),
+                              " refused its ", operation, " (its own arguments: that rank's error says why) where "
+                              "this rank (", me, ") calls ", mine, ": nothing was sent; the group stays usable");
+    CAPTURE(first);
+    CAPTURE(refusing);
+    const auto start = Clock::now();
+    try {
+      call(refuses(me));
+      FAIL("expected a refusal");
+    } catch (const InvalidArgumentError& e) {
+      CHECK(refuses(me));
+      CHECK(std::string(e.what()) == own);
+    } catch (const MismatchError& e) {
+      CHECK(!refuses(me));
+      CHECK(std::string(e.what()) == theirs);
+    }
+    CHECK(Clock::now() - start < std::chrono::seconds(10));  // not the 120 s timeout
+  };
+  const std::vector<std::function<bool(int)>> refusers = {
+      [&](int r) { return r == n - 1; }, [](int r) { return r == 0; }, [&](int r) { return r == 0 || r == n - 1; }};
+  for (const auto& refuses : refusers) {
+    std::vector<uint8_t> bytes(4096, static_cast<uint8_t>(me + 1));
+    expect(refuses, [&](bool refusing) { comm.broadcast(bytes.data(), 16, refusing ? n : 0); }, "broadcast",
+           "broadcast of 16 bytes from root 0",
+           detail::concat("broadcast: root ", n, " is out of range: expected 0 to ", n - 1));
+    expect(refuses, [&](bool refusing) { comm.broadcast(refusing ? nullptr : bytes.data(), 16, 0); }, "broadcast",
+           "broadcast of 16 bytes from root 0", "broadcast: data is null for 16 bytes");
+    CHECK(std::count(bytes.begin(), bytes.end(), static_cast<uint8_t>(me + 1)) == 4096);
+    std::vector<uint8_t> gathered(16 * static_cast<size_t>(n), 0);
+    expect(refuses, [&](bool refusing) { comm.allgather(bytes.data(), refusing ? nullptr : gathered.data(), 16); },
+           "allgather", "allgather of 16 bytes per rank", "allgather: null buffer for 16 bytes");
+    CHECK(std::count(gathered.begin(), gathered.end(), 0) == static_cast<long>(gathered.size()));
+    // Above the ring threshold (64 KiB here) every path sends the shapes first; 16 elements take the direct
+    // allreduce on the receives posted ahead where there are some and nothing is staged: its headers, no shapes.
+    std::vector<float> values(32768, 1.0f);
+    for (const size_t count : {size_t{32768}, size_t{16}}) {
+      CAPTURE(count);
+      const bool headers = count == 16 && comm.staged_hosts() == 0 && comm.lead_capacity() >= 64 &&
+                           comm.choose(64) == Algorithm::Direct;
+      expect(
+          refuses,
+          [&](bool refusing) { comm.allreduce(refusing ? nullptr : values.data(), count, DataType::Float32); },
+          "allreduce", detail::concat("allreduce of ", count, " x float32"),
+          detail::concat("allreduce: data is null for ", count, " elements"),
+          headers ? detail::concat("direct allreduce: rank ", refuses(0) ? 0 : n - 1,
+                                   " sent the shape a public collective sends first (another collective, or a call "
+                                   "that rank refused: its own error says why) where this rank (", me,
+                                   ") reduces 64 bytes: every rank must run the same collectives in the same order")
+                  : std::string());
+    }
+    CHECK(std::count(values.begin(), values.end(), 1.0f) == 32768);
+    // An argument every rank refuses (halving-doubling needs the legacy API), where some also pass a null
+    // buffer: every rank refuses, each with its first error, and the sequence stays aligned.
+    if (comm.api() == GlooApi::New) {
+      try {
+        comm.allreduce_async(refuses(me) ? nullptr : values.data(), 16, DataType::Float32,
+                             Algorithm::HalvingDoubling, GlooCommunicator::Sizes::Unknown)
+            .wait();
+        FAIL("expected a refusal");
+      } catch (const InvalidArgumentError& e) {
+        CHECK(std::string(e.what()) == (refuses(me) ? "allreduce: data is null for 16 elements"
+                                                    : "allreduce: halving-doubling needs Gloo's legacy API"));
+      }
+    }
+  }
+  // The group goes on.
+  comm.barrier();
+  Buffer summed(DataType::Float32, 4096);
+  for (size_t i = 0; i < 4096; ++i) summed.set(i, value(me, i));
+  comm.allreduce(summed.bytes.data(), 4096, DataType::Float32);
+  CHECK(first_wrong(summed, n) == 4096);
+  std::vector<uint8_t> from_root(64, me == n - 1 ? 9 : 0);
+  comm.broadcast(from_root.data(), from_root.size(), n - 1);
+  CHECK(std::count(from_root.begin(), from_root.end(), 9) == 64);
+}
+
 CommOptions small_ring_threshold(const char* run_id) {
   CommOptions o = options(run_id);
   o.ring_threshold_bytes = 64 * 1024;
@@ -1048,6 +1141,27 @@ TEST_CASE("sizes: ranks that pass different sizes to a public collective get a M
     check_paths_refused(*comm, ring, ring - 1);
     check_paths_refused(*comm, 16, 0);
     check_paths_refused(*comm, 16, 17);
+  }
+}
+
+TEST_CASE("sizes: a call that one rank refuses fails on every rank at once, naming that rank; the group goes on") {
+  if (comm_world() < 2) return;
+  SUBCASE("the lead exchange carries the refusal") {
+    auto comm = GlooCommunicator::create(small_ring_threshold("refusals-lead"));
+    REQUIRE(comm->lead_capacity() > 0);
+    check_refusals(*comm);
+  }
+  SUBCASE("without it, Gloo's allgather of the shapes (PSGD_DIRECT_EAGER=0)") {
+    setenv("PSGD_DIRECT_EAGER", "0", 1);
+    auto comm = GlooCommunicator::create(small_ring_threshold("refusals-allgather"));
+    unsetenv("PSGD_DIRECT_EAGER");
+    REQUIRE(comm->lead_capacity() == 0);
+    check_refusals(*comm);
+  }
+  SUBCASE("the legacy API") {
+    auto comm = GlooCommunicator::create(small_ring_threshold("refusals-legacy"), GlooApi::Legacy);
+    check_refusals(*comm);
+    leave_together(*comm, "refusals-legacy-left");
   }
 }
 

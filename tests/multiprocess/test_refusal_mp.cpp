@@ -545,7 +545,37 @@ TEST_CASE("refusal: a call the C API refuses on one rank fails every rank at onc
     CHECK(std::count(bytes.begin(), bytes.end(), static_cast<uint8_t>(me + 1)) == 4096);
     sum_one_c();
   }
+  // Arguments the last rank refuses (a root out of range, a null data): PSGD_ERR_INVALID_ARGUMENT there,
+  // PSGD_ERR_MISMATCH naming it on every other rank, at once; nothing changed; usable after (before, the
+  // others waited out PSGD_TIMEOUT_MS and the communicator broke).
+  for (const int bad : {0, 1}) {
+    CAPTURE(bad);
+    const COutcome o = c_outcome_of([&] {
+      if (me != last) return psgd_comm_broadcast(comm, bytes.data(), 4096, 0);
+      return bad == 0 ? psgd_comm_broadcast(comm, bytes.data(), 4096, world) : psgd_comm_broadcast(comm, nullptr, 4096, 0);
+    });
+    INFO(o.message);
+    CHECK(o.status == (me == last ? PSGD_ERR_INVALID_ARGUMENT : PSGD_ERR_MISMATCH));
+    CHECK(contains(o.message, me == last ? (bad == 0 ? "broadcast: root " + std::to_string(world) +
+                                                           " is out of range: expected 0 to " + std::to_string(last)
+                                                     : std::string("broadcast: data is null for 4096 bytes"))
+                                         : "rank " + std::to_string(last) + " refused its broadcast"));
+    CHECK(o.seconds < kFailTogetherSeconds);
+    CHECK(std::count(bytes.begin(), bytes.end(), static_cast<uint8_t>(me + 1)) == 4096);
+    sum_one_c();
+  }
   float one = 1.0f;
+  const COutcome null_data = c_outcome_of([&] {
+    return psgd_comm_allreduce_sum_f32(comm, me == last ? nullptr : &one, 1);
+  });
+  INFO(null_data.message);
+  CHECK(null_data.status == (me == last ? PSGD_ERR_INVALID_ARGUMENT : PSGD_ERR_MISMATCH));
+  // The others' direct allreduce reads the last rank's refusal where it expects data (or, without the receives
+  // posted ahead, its refusal where they send shapes).
+  CHECK(contains(null_data.message, me == last ? "allreduce: data is null for 1 elements" : "refused"));
+  CHECK(null_data.seconds < kFailTogetherSeconds);
+  CHECK(one == 1.0f);
+  sum_one_c();
   const COutcome zero = c_outcome_of([&] { return psgd_comm_allreduce_sum_f32(comm, &one, me == last ? 0 : 1); });
   INFO(zero.message);
   CHECK(zero.status == PSGD_ERR_MISMATCH);

@@ -979,7 +979,7 @@ TEST_CASE("C API async: equals the blocking reduce bit for bit; errors come out 
   CHECK(psgd_comm_broadcast(comm, word, sizeof word, 0) == PSGD_OK);
   CHECK(std::string(word) == "hello");
   CHECK(psgd_comm_broadcast(comm, word, sizeof word, 1) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(std::string(psgd_last_error()).find("root = 1: expected 0 to 0") != std::string::npos);
+  CHECK(std::string(psgd_last_error()).find("broadcast: root 1 is out of range: expected 0 to 0") != std::string::npos);
   CHECK(psgd_comm_broadcast(comm, nullptr, 3, 0) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(psgd_comm_broadcast(nullptr, word, 3, 0) == PSGD_ERR_INVALID_ARGUMENT);
 

@@ -174,9 +174,12 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // (0) reduces 16 bytes of float16": why a peer's header is not this rank's.
   static void require_same_header(uint64_t sent, uint64_t mine, const char* algorithm, int peer, size_t me) {
     if (sent == mine) return;
-    PSGD_REQUIRE((sent & kLeadHeaderBit) == 0, MismatchError, algorithm, " allreduce: rank ", peer,
-                 " sent a lead exchange's message (the engine's announce, or the shape a public collective sends "
-                 "first) where this rank (", me, ") reduces ", mine & kHeaderBytesMask,
+    PSGD_REQUIRE((sent & kLeadHeaderBit) == 0, MismatchError, algorithm, " allreduce: rank ", peer, " sent ",
+                 (sent & kLeadShapeBit) != 0
+                     ? "the shape a public collective sends first (another collective, or a call that rank refused: "
+                       "its own error says why)"
+                     : "a lead exchange's lead (the engine's announce)",
+                 " where this rank (", me, ") reduces ", mine & kHeaderBytesMask,
                  " bytes: every rank must run the same collectives in the same order");
     const bool same_algorithm = ((sent ^ mine) & kScatterGatherHeaderBit) == 0;
     const bool same_type = (((sent ^ mine) & ~kScatterGatherHeaderBit) >> kHeaderTypeShift) == 0;

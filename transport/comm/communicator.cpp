@@ -661,6 +661,8 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
         return "barrier";
       case ShapeKind::CheckSame:
         return "check_same";
+      case ShapeKind::Refused:
+        return "refused call";
     }
     return nullptr;  // a peer's odd bytes
   };
@@ -678,6 +680,8 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
       case ShapeKind::Barrier:
       case ShapeKind::CheckSame:
         return operation_of(shape.kind);
+      case ShapeKind::Refused:  // named before any other difference (below)
+        return operation_of(shape.kind);
     }
     return detail::concat("a collective of kind ", static_cast<uint32_t>(shape.kind));
   };
@@ -694,9 +698,25 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
     add_rounds(algorithms_->allgather_rounds(context->size));
     algorithms_->allgather(context, tag, &mine, all.data(), sizeof(Shape));  // the same size on every rank
   }
+  // A refusal first: the lowest refusing rank's, named alike on every other rank; a refusing rank throws its own
+  // error (refuse).
+  const auto is_refusal = [](const Shape& shape) {
+    return shape.magic == Shape::kMagic && shape.kind == ShapeKind::Refused;
+  };
+  const auto refusing = std::find_if(all.begin(), all.end(), is_refusal);
+  if (mine.kind == ShapeKind::Refused) return all;
+  const char* const operation = operation_of(mine.kind);
+  if (refusing != all.end()) {
+    const auto others = std::count_if(refusing + 1, all.end(), is_refusal);
+    const char* const call = operation_of(static_cast<ShapeKind>(refusing->detail));
+    throw MismatchError(detail::concat(
+        operation, ": rank ", refusing - all.begin(),
+        others > 0 ? detail::concat(" (and ", others, " other rank(s))") : std::string(), " refused its ",
+        call != nullptr ? call : "call", " (its own arguments: that rank's error says why) where this rank (", me,
+        ") calls ", describe(mine, false), ": nothing was sent; the group stays usable"));
+  }
   // The message names this rank's call once, after the peer's: "allreduce: rank 1 calls allreduce of 48 x
   // float32 where this rank (0) calls allreduce of 32 x float32: ...".
-  const char* const operation = operation_of(mine.kind);
   for (size_t r = 0; r < n; ++r) {
     if (r == me) continue;
     const Shape& theirs = all[r];
@@ -716,6 +736,20 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   return all;
 }
 
+void GlooCommunicator::refuse(ShapeKind call, Sizes sizes, std::exception_ptr error) {
+  if (sizes == Sizes::Unknown && size() > 1) {
+    try {
+      submit("the shape exchange of a refused call",
+             [this, call](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
+               agree_on_call(context, tag, {.kind = ShapeKind::Refused, .detail = static_cast<int32_t>(call)});
+             })
+          .wait();
+    } catch (...) {  // a peer in another collective, or a broken group: this call's own error says more
+    }
+  }
+  std::rethrow_exception(error);
+}
+
 uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
                                           const Shape& mine) {
   if (sizes == Sizes::Agreed) return tag;
@@ -724,11 +758,17 @@ uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& 
 }
 
 Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm, Sizes sizes) {
-  PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "allreduce: data is null for ", count,
-               " elements");
-  size_t bytes = count * size_of(type);
-  if (algorithm == Algorithm::Auto) algorithm = choose(bytes);
-  algorithms_->require_supported(algorithm);
+  // Every check of the arguments refuses collectively: a rank that fails one alone takes the call's place in
+  // the sequence (refuse), and where every rank fails it, every rank refuses alike.
+  try {
+    PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "allreduce: data is null for ", count,
+                 " elements");
+    const size_t bytes = count * size_of(type);
+    if (algorithm == Algorithm::Auto) algorithm = choose(bytes);
+    algorithms_->require_supported(algorithm);
+  } catch (const Error&) {
+    refuse(ShapeKind::Allreduce, sizes, std::current_exception());
+  }
   std::string name = detail::concat("allreduce(", count, " x ", to_string(type), ", ", to_string(algorithm), ")");
   if (stage_ != nullptr) name = detail::concat("allreduce(", count, " x ", to_string(type), ", host-staged, ",
                                                to_string(algorithm), " among ", staged_hosts_, " hosts)");
@@ -799,9 +839,14 @@ bool GlooCommunicator::exchange_leads(const std::shared_ptr<gloo::Context>& cont
 }
 
 Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes sizes) {
-  PSGD_REQUIRE(root >= 0 && root < size(), InvalidArgumentError, "broadcast: root ", root,
-               " is out of range: expected 0 to ", size() - 1);
-  PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "broadcast: data is null for ", bytes, " bytes");
+  try {
+    PSGD_REQUIRE(root >= 0 && root < size(), InvalidArgumentError, "broadcast: root ", root,
+                 " is out of range: expected 0 to ", size() - 1);
+    PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "broadcast: data is null for ", bytes,
+                 " bytes");
+  } catch (const InvalidArgumentError&) {
+    refuse(ShapeKind::Broadcast, sizes, std::current_exception());
+  }
   std::string name = detail::concat("broadcast(", bytes, " bytes, root ", root, ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (context->size == 1) return;
@@ -813,10 +858,14 @@ Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes
 }
 
 Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes, Sizes sizes) {
-  PSGD_REQUIRE((in != nullptr && out != nullptr) || bytes == 0, InvalidArgumentError,
-               "allgather: null buffer for ", bytes, " bytes");
-  PSGD_REQUIRE(bytes <= algorithms_->max_allgather_bytes(), InvalidArgumentError, "allgather: ", bytes,
-               " bytes per rank exceeds Gloo's legacy limit of ", algorithms_->max_allgather_bytes());
+  try {
+    PSGD_REQUIRE((in != nullptr && out != nullptr) || bytes == 0, InvalidArgumentError,
+                 "allgather: null buffer for ", bytes, " bytes");
+    PSGD_REQUIRE(bytes <= algorithms_->max_allgather_bytes(), InvalidArgumentError, "allgather: ", bytes,
+                 " bytes per rank exceeds Gloo's legacy limit of ", algorithms_->max_allgather_bytes());
+  } catch (const InvalidArgumentError&) {
+    refuse(ShapeKind::Allgather, sizes, std::current_exception());
+  }
   return submit(detail::concat("allgather(", bytes, " bytes)"),
                 [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
                   if (context->size == 1) {

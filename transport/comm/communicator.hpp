@@ -153,22 +153,30 @@ class GlooCommunicator final : public Communicator {
   int direct_parties() const { return stage_ != nullptr ? staged_hosts_ : options_.world_size; }
   // What a public collective passes, as every rank sends it to every other before Gloo's own algorithms run
   // (Sizes::Unknown). 24 bytes: a lead of the lead exchange (a multiple of 8).
-  enum class ShapeKind : uint16_t { Allreduce = 1, Broadcast = 2, Allgather = 3, Barrier = 4, CheckSame = 5 };
+  // Refused: a call this rank refused (its own arguments: refuse), sent where its peers send the call's shape.
+  enum class ShapeKind : uint16_t { Allreduce = 1, Broadcast = 2, Allgather = 3, Barrier = 4, CheckSame = 5, Refused = 6 };
   struct Shape {
     uint64_t magic = kMagic;  // on Gloo's allgather, no other 24 bytes pass for a shape
     ShapeKind kind = ShapeKind::Allreduce;
     // allreduce: the Algorithm it runs (the public allreduce and allreduce_in_rank_order_async may choose
     // differently for one count); else 0
     uint16_t algorithm = 0;
-    int32_t detail = 0;  // allreduce: the DataType; broadcast: the root; else 0
+    int32_t detail = 0;  // allreduce: the DataType; broadcast: the root; refused: the refused call's ShapeKind; else 0
     uint64_t size = 0;   // allreduce: elements; broadcast, allgather: bytes; check_same: the fingerprint
     static constexpr uint64_t kMagic = 0x5041485344475350;  // "PSGDSHAP"
   };
   // On the communication thread: every rank's shape to every other in one round (the lead exchange; without it
   // Gloo's allgather of the shapes), a barrier too. MismatchError on every rank where one differs (in anything
   // but a check_same's fingerprint, which check_same compares), naming the first such rank and both calls
-  // (nothing else was sent: the group stays usable). Returns every rank's shape.
+  // (nothing else was sent: the group stays usable); where a rank refused its call (refuse), naming the lowest
+  // such rank on every rank but those that refused. Returns every rank's shape.
   std::vector<Shape> agree_on_call(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const Shape& mine);
+  // A public collective this rank refuses (`error`: its arguments; `call`: which collective) still takes its place
+  // in the sequence of collectives where its peers agree on the call's shape first (Sizes::Unknown, more than one
+  // rank): it sends a refusal for a shape, so that every peer fails the call at once with a MismatchError naming
+  // this rank, nothing else is sent and the group stays usable. Throws `error` once that exchange is done (failed
+  // or not: a failure of its own breaks the group, which the next call reports), at once without one.
+  [[noreturn]] void refuse(ShapeKind call, Sizes sizes, std::exception_ptr error);
   // Before the collective `mine` describes, where the caller passed Sizes::Unknown: agree_on_call. Returns the
   // tag the collective then runs with: `tag` where sizes were agreed, a fresh one after the exchange (which used
   // `tag`), the same on every rank.

@@ -45,7 +45,8 @@ static_assert(sizeof(Fingerprint) == 96, "the creation record's size is part of 
 //   0: before this field (every build up to 2026-12-05)
 //   1: public collectives agree on their shape first (agree_on_shape)
 //   2: the lead exchange's header says whether it carries a shape (LeadKind)
-inline constexpr uint16_t kWireRevision = 2;
+//   3: a public collective refused on one rank sends a refusal where its shape would go
+inline constexpr uint16_t kWireRevision = 3;
 
 inline constexpr uint16_t kFlagHostStage = 1;        // PSGD_HOST_STAGE=1
 inline constexpr uint16_t kFlagDirectNotEager = 2;   // PSGD_DIRECT_EAGER=0 (set where it is off: old fingerprints had 0)
