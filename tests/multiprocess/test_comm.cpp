@@ -811,7 +811,7 @@ std::vector<std::vector<int>> test_hosts();
 template <typename Odd>
 std::string kind_mismatch_message(const std::vector<std::vector<int>>& hosts, int n, int me, size_t lead_bytes,
                                   Odd odd) {
-  const std::string shape = "the shape a public collective sends first";
+  const std::string shape = "the shape a public collective sends first (or a refused call)";
   const std::string a_lead = detail::concat("a lead of ", lead_bytes, " bytes");
   const auto kind_of = [&](int r) { return odd(r) ? a_lead : shape; };
   const std::string tail = detail::concat(" (this rank, ", me, ": ", kind_of(me),
@@ -1081,6 +1081,41 @@ void check_refusals(GlooCommunicator& comm) {
         CHECK(std::string(e.what()) == (refuses(me) ? "allreduce: data is null for 16 elements"
                                                     : "allreduce: halving-doubling needs Gloo's legacy API"));
       }
+    }
+  }
+  // A lead exchange that some ranks refuse (a lead of 12 bytes: not a multiple of 8) sends the refusal as a
+  // shape: its peers' leads fail on the kinds, their public collectives name the refused lead exchange.
+  if (comm.lead_capacity() >= 32) {
+    const std::vector<std::vector<int>> hosts =
+        comm.staged_hosts() > 0 ? test_hosts() : std::vector<std::vector<int>>{};
+    const std::string own =
+        detail::concat("lead exchange: a lead of 12 bytes; expected a positive multiple of 8 up to the capacity ",
+                       comm.lead_capacity());
+    for (const auto& refuses : refusers) {
+      std::vector<uint64_t> lead(4, 7), leads(4 * static_cast<size_t>(n), 0);
+      bool summed = true;
+      const auto lead_exchange = [&](size_t lead_bytes) {
+        comm.lead_exchange_async(lead.data(), leads.data(), lead_bytes, nullptr, 0, DataType::Float32, &summed)
+            .wait();
+      };
+      expect(refuses, [&](bool refusing) { lead_exchange(refusing ? 12 : 32); }, "lead exchange", "", own,
+             kind_mismatch_message(hosts, n, me, 32, [&](int r) { return !refuses(r); }));
+      std::vector<uint8_t> bytes(16, static_cast<uint8_t>(me + 1));
+      expect(
+          refuses,
+          [&](bool refusing) {
+            if (refusing)
+              lead_exchange(12);
+            else
+              comm.broadcast(bytes.data(), 16, 0);
+          },
+          "broadcast", "broadcast of 16 bytes from root 0", own,
+          detail::concat("broadcast: rank ", refuses(0) ? 0 : n - 1,
+                         refuses(0) && refuses(n - 1) && n > 2 ? " (and 1 other rank(s))" : "",
+                         " refused its lead exchange (its own arguments: that rank's error says why) where this rank (",
+                         me, ") calls broadcast of 16 bytes from root 0: nothing was sent; the group stays usable"));
+      CHECK(std::count(leads.begin(), leads.end(), 0) == static_cast<long>(leads.size()));
+      CHECK(std::count(bytes.begin(), bytes.end(), static_cast<uint8_t>(me + 1)) == 16);
     }
   }
   // The group goes on.

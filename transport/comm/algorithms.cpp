@@ -629,7 +629,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
 }  // namespace
 
 std::string describe_lead(LeadKind kind, size_t lead_bytes) {
-  return kind == LeadKind::Shape ? std::string("the shape a public collective sends first")
+  return kind == LeadKind::Shape ? std::string("the shape a public collective sends first (or a refused call)")
                                  : detail::concat("a lead of ", lead_bytes, " bytes");
 }
 

@@ -23,7 +23,7 @@ namespace powersgd::transport {
 // every rank): a caller's lead (the engine's announce, Communicator::lead_exchange_async) or the shape a public
 // collective sends first (GlooCommunicator::agree_on_call).
 enum class LeadKind : uint8_t { Lead = 0, Shape = 1 };
-// "a lead of 24 bytes", "the shape a public collective sends first": for messages.
+// "a lead of 24 bytes", "the shape a public collective sends first (or a refused call)": for messages.
 std::string describe_lead(LeadKind kind, size_t lead_bytes);
 // A lead exchange's ranks passed leads of different kinds: `rank()` is the first rank whose kind is not rank
 // 0's, `kind()` and `lead_bytes()` its lead's; the same on every rank (each sees every header).

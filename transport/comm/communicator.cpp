@@ -663,6 +663,8 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
         return "check_same";
       case ShapeKind::Refused:
         return "refused call";
+      case ShapeKind::LeadExchange:
+        return "lead exchange";
     }
     return nullptr;  // a peer's odd bytes
   };
@@ -681,6 +683,7 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
       case ShapeKind::CheckSame:
         return operation_of(shape.kind);
       case ShapeKind::Refused:  // named before any other difference (below)
+      case ShapeKind::LeadExchange:  // never sent as a call's shape
         return operation_of(shape.kind);
     }
     return detail::concat("a collective of kind ", static_cast<uint32_t>(shape.kind));
@@ -814,13 +817,19 @@ size_t GlooCommunicator::lead_capacity() const {
 Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data,
                                             size_t count, DataType type, bool* summed) {
   const size_t capacity = lead_capacity();
-  PSGD_REQUIRE(lead != nullptr && leads != nullptr && summed != nullptr, InvalidArgumentError,
-               "lead exchange: null lead, leads or summed");
-  PSGD_REQUIRE(lead_bytes > 0 && lead_bytes % 8 == 0 && lead_bytes <= capacity, InvalidArgumentError,
-               "lead exchange: a lead of ", lead_bytes, " bytes; expected a positive multiple of 8 up to the capacity ",
-               capacity);
-  PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
-               " elements");
+  try {
+    PSGD_REQUIRE(lead != nullptr && leads != nullptr && summed != nullptr, InvalidArgumentError,
+                 "lead exchange: null lead, leads or summed");
+    PSGD_REQUIRE(lead_bytes > 0 && lead_bytes % 8 == 0 && lead_bytes <= capacity, InvalidArgumentError,
+                 "lead exchange: a lead of ", lead_bytes,
+                 " bytes; expected a positive multiple of 8 up to the capacity ", capacity);
+    PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
+                 " elements");
+  } catch (const Error&) {
+    // A capacity of 0 (no lead exchange): every rank refuses alike, at once.
+    refuse(ShapeKind::LeadExchange, capacity >= sizeof(Shape) ? Sizes::Unknown : Sizes::Agreed,
+           std::current_exception());
+  }
   std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type),
                                      stage_ != nullptr ? ", host-staged)" : ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {

@@ -153,8 +153,17 @@ class GlooCommunicator final : public Communicator {
   int direct_parties() const { return stage_ != nullptr ? staged_hosts_ : options_.world_size; }
   // What a public collective passes, as every rank sends it to every other before Gloo's own algorithms run
   // (Sizes::Unknown). 24 bytes: a lead of the lead exchange (a multiple of 8).
-  // Refused: a call this rank refused (its own arguments: refuse), sent where its peers send the call's shape.
-  enum class ShapeKind : uint16_t { Allreduce = 1, Broadcast = 2, Allgather = 3, Barrier = 4, CheckSame = 5, Refused = 6 };
+  // Refused: a call this rank refused (its own arguments: refuse), sent where its peers send the call's shape
+  // or their leads. LeadExchange: only as the call a refusal names.
+  enum class ShapeKind : uint16_t {
+    Allreduce = 1,
+    Broadcast = 2,
+    Allgather = 3,
+    Barrier = 4,
+    CheckSame = 5,
+    Refused = 6,
+    LeadExchange = 7
+  };
   struct Shape {
     uint64_t magic = kMagic;  // on Gloo's allgather, no other 24 bytes pass for a shape
     ShapeKind kind = ShapeKind::Allreduce;
@@ -174,8 +183,10 @@ class GlooCommunicator final : public Communicator {
   // A public collective this rank refuses (`error`: its arguments; `call`: which collective) still takes its place
   // in the sequence of collectives where its peers agree on the call's shape first (Sizes::Unknown, more than one
   // rank): it sends a refusal for a shape, so that every peer fails the call at once with a MismatchError naming
-  // this rank, nothing else is sent and the group stays usable. Throws `error` once that exchange is done (failed
-  // or not: a failure of its own breaks the group, which the next call reports), at once without one.
+  // this rank, nothing else is sent and the group stays usable. A refused lead exchange sends it as a shape in a
+  // lead exchange (its peers' leads then fail with a MismatchError on the kinds). Throws `error` once that
+  // exchange is done (failed or not: a failure of its own breaks the group, which the next call reports), at
+  // once without one.
   [[noreturn]] void refuse(ShapeKind call, Sizes sizes, std::exception_ptr error);
   // Before the collective `mine` describes, where the caller passed Sizes::Unknown: agree_on_call. Returns the
   // tag the collective then runs with: `tag` where sizes were agreed, a fresh one after the exchange (which used
