@@ -690,6 +690,7 @@ psgd_status psgd_reducer_worker_seconds(const psgd_reducer* r, double* out, size
 // ==== Local steps with a compressed outer step (issue 31) ====
 
 struct psgd_outer {
+  powersgd::Communicator* comm;      // a refused load's agreement
   const powersgd::Reducer* reducer;  // its bucket sizes
   std::unique_ptr<powersgd::OuterOptimizer> outer;
 };
@@ -714,11 +715,16 @@ psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_st
                               float* const* params, size_t num_buckets, psgd_outer** out) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(comm);
-    PSGD_C_NOT_NULL(r);
-    PSGD_C_NOT_NULL(params);
-    PSGD_C_NOT_NULL(out);
-    *out = nullptr;
+    if (out != nullptr) *out = nullptr;
+    // A rank that refuses its arguments still takes part in the construction's agreement: every rank fails.
+    if (const auto refused = powersgd::detail::exception_of([&] {
+          PSGD_C_NOT_NULL(r);
+          PSGD_C_NOT_NULL(params);
+          PSGD_C_NOT_NULL(out);
+        }))
+      powersgd::detail::RefusedCalls::outer_create(*comm->comm, refused);
     auto handle = std::make_unique<psgd_outer>();
+    handle->comm = comm->comm.get();
     handle->reducer = r->reducer.get();
     handle->outer = std::make_unique<powersgd::OuterOptimizer>(
         *comm->comm, *r->reducer, powersgd::OuterConfig{local_steps, lr, momentum},
@@ -730,7 +736,18 @@ psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_st
 psgd_status psgd_outer_step(psgd_outer* o, float* const* params, size_t num_buckets) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(o);
-    PSGD_C_NOT_NULL(params);
+    if (params == nullptr) {
+      // Every bucket's buffer null: the outer step's Reducer refuses them on every rank at once (a local refusal
+      // would leave the others in the step's collectives); this rank then says what it was given.
+      const std::vector<std::span<float>> none(static_cast<size_t>(o->reducer->num_buckets()));
+      try {
+        o->outer->step(none);
+      } catch (const powersgd::PeerError&) {
+        throw;
+      } catch (const powersgd::Error&) {
+      }
+      PSGD_C_NOT_NULL(params);
+    }
     o->outer->step(bucket_spans(*o->reducer, params, num_buckets));
   });
 }
@@ -761,7 +778,8 @@ psgd_status psgd_outer_save(const psgd_outer* o, const char* path) {
 psgd_status psgd_outer_load(psgd_outer* o, const char* path) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(o);
-    PSGD_C_NOT_NULL(path);
+    if (const auto refused = powersgd::detail::exception_of([&] { PSGD_C_NOT_NULL(path); }))
+      powersgd::detail::RefusedCalls::outer_load(*o->comm, refused);
     o->outer->load(path);
   });
 }

@@ -37,7 +37,40 @@ std::string describe(const OuterConfig& c) {
   return detail::concat("local_steps = ", c.local_steps, ", lr = ", c.lr, ", momentum = ", c.momentum);
 }
 
+// The construction's agreement: every rank's config, or its refusal (then it throws on every rank).
+std::vector<engine::RankReport> agree_on_construction(Communicator& comm, std::exception_ptr refused,
+                                                      const OuterConfig& config) {
+  const auto reports = engine::gather_reports(
+      comm, refused != nullptr ? engine::report_failure(refused)
+                               : engine::report_values({static_cast<uint64_t>(config.local_steps),
+                                                        std::bit_cast<uint64_t>(config.lr),
+                                                        std::bit_cast<uint64_t>(config.momentum)}));
+  engine::throw_if_any_failed(reports, refused, "OuterOptimizer construction", "nothing set up on any rank");
+  return reports;
+}
+
+// A load's agreement: every rank's loaded state (its hash, its outer steps), or its failure (then it throws on
+// every rank, `what` naming the load).
+std::vector<engine::RankReport> agree_on_load(Communicator& comm, std::exception_ptr failed, uint64_t state_hash,
+                                              int64_t outer_steps, const std::string& what) {
+  const auto reports = engine::gather_reports(
+      comm, failed != nullptr ? engine::report_failure(failed)
+                              : engine::report_values({state_hash, static_cast<uint64_t>(outer_steps)}));
+  engine::throw_if_any_failed(reports, failed, what, "nothing loaded on any rank");
+  return reports;
+}
+
 }  // namespace
+
+void detail::RefusedCalls::outer_create(Communicator& comm, std::exception_ptr error) {
+  agree_on_construction(comm, error, {});
+  std::rethrow_exception(error);  // not reached: the agreement threw it
+}
+
+void detail::RefusedCalls::outer_load(Communicator& comm, std::exception_ptr error) {
+  agree_on_load(comm, error, 0, 0, "OuterOptimizer::load");
+  std::rethrow_exception(error);  // not reached
+}
 
 void OuterConfig::validate() const {
   PSGD_REQUIRE(local_steps >= 1, InvalidArgumentError, "outer.local_steps = ", local_steps,
@@ -95,12 +128,7 @@ OuterOptimizer::OuterOptimizer(Communicator& comm, Reducer& reducer, const Outer
     }
     s.check(params, "OuterOptimizer");
   });
-  const auto reports = engine::gather_reports(
-      comm, refused != nullptr ? engine::report_failure(refused)
-                               : engine::report_values({static_cast<uint64_t>(config.local_steps),
-                                                        std::bit_cast<uint64_t>(config.lr),
-                                                        std::bit_cast<uint64_t>(config.momentum)}));
-  engine::throw_if_any_failed(reports, refused, "OuterOptimizer construction", "nothing set up on any rank");
+  const auto reports = agree_on_construction(comm, refused, config);
   for (size_t r = 1; r < reports.size(); ++r)
     if (!same(config_of(reports[r]), config_of(reports[0])))
       PSGD_THROW(MismatchError, "OuterOptimizer: rank ", r, "'s config (", describe(config_of(reports[r])),
@@ -218,10 +246,8 @@ void OuterOptimizer::load(const std::string& path) {
       }
     PSGD_REQUIRE(r.at_end(), IoError, "checkpoint ", path, " is malformed: bytes after its last bucket");
   });
-  const auto reports = engine::gather_reports(
-      s.comm, failed != nullptr ? engine::report_failure(failed)
-                                : engine::report_values({loaded.state_hash(), static_cast<uint64_t>(loaded.outer_steps)}));
-  engine::throw_if_any_failed(reports, failed, "OuterOptimizer::load of " + path, "nothing loaded on any rank");
+  const auto reports = agree_on_load(s.comm, failed, failed != nullptr ? 0 : loaded.state_hash(),
+                                     loaded.outer_steps, "OuterOptimizer::load of " + path);
   for (size_t r = 1; r < reports.size(); ++r)
     if (reports[r].values != reports[0].values)
       PSGD_THROW(MismatchError, "OuterOptimizer::load of ", path, ": rank ", r, "'s file holds another outer state (",

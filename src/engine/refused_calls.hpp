@@ -24,6 +24,10 @@ struct RefusedCalls {
   [[noreturn]] static void reduce_async(Reducer& reducer, int bucket, std::exception_ptr error);
   [[noreturn]] static void save_job(const Reducer& reducer, std::exception_ptr error);
   [[noreturn]] static void load_job(Reducer& reducer, std::exception_ptr error);
+  // OuterOptimizer's construction and load (outer_optimizer.cpp), collective as they are on `comm`: every rank
+  // fails, the others naming this rank and `error`; nothing set up or loaded on any rank.
+  [[noreturn]] static void outer_create(Communicator& comm, std::exception_ptr error);
+  [[noreturn]] static void outer_load(Communicator& comm, std::exception_ptr error);
 };
 
 // The exception fn throws, or null: a refusal to pass on.

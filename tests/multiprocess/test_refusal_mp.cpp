@@ -585,6 +585,45 @@ TEST_CASE("refusal: a call the C API refuses on one rank fails every rank at onc
   CHECK(zero.seconds < kFailTogetherSeconds);
   CHECK(one == 1.0f);
   sum_one_c();
+
+  // Local SGD's outer optimizer (docs/local-steps.md): a null handle pointer, parameter array or path on the
+  // last rank fails psgd_outer_create, psgd_outer_step and psgd_outer_load on every rank at once (before, the
+  // others waited out PSGD_TIMEOUT_MS in the call's collective); nothing set up, stepped or loaded.
+  std::vector<float> weights(n, 0.5f);
+  float* params[] = {weights.data()};
+  psgd_outer* o = nullptr;
+  refused_everywhere(c_outcome_of([&] {
+                       return psgd_outer_create(comm, r, 2, 0.7, 0.9, me == last ? nullptr : params, 1, &o);
+                     }),
+                     "argument 'params' is null");
+  CHECK(o == nullptr);
+  refused_everywhere(c_outcome_of([&] {
+                       return psgd_outer_create(comm, r, 2, 0.7, 0.9, params, 1, me == last ? nullptr : &o);
+                     }),
+                     "argument 'out' is null");
+  CHECK(o == nullptr);
+  REQUIRE(psgd_outer_create(comm, r, 2, 0.7, 0.9, params, 1, &o) == PSGD_OK);
+  const int64_t reduced_steps = psgd_reducer_iteration(r);
+  const COutcome step = c_outcome_of([&] { return psgd_outer_step(o, me == last ? nullptr : params, 1); });
+  INFO(step.message);
+  CHECK(step.status == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(contains(step.message, me == last ? "argument 'params' is null" : "failed on rank " + std::to_string(last)));
+  CHECK(step.seconds < kFailTogetherSeconds);
+  CHECK(psgd_outer_steps(o) == 0);
+  CHECK(std::count(weights.begin(), weights.end(), 0.5f) == static_cast<long>(n));
+  CHECK(psgd_reducer_iteration(r) == reduced_steps + 1);  // the refused reduction counts, on every rank alike
+  sum_one_c();
+  REQUIRE(psgd_outer_step(o, params, 1) == PSGD_OK);
+  CHECK(psgd_outer_steps(o) == 1);
+  const std::string outer_path = "/tmp/psgd-test-refusal-c-outer-" + std::string(std::getenv("PSGD_STORE_PORT")) +
+                                 "-" + std::to_string(me) + ".ckpt";
+  REQUIRE(psgd_outer_save(o, outer_path.c_str()) == PSGD_OK);
+  refused_everywhere(c_outcome_of([&] { return psgd_outer_load(o, me == last ? nullptr : outer_path.c_str()); }),
+                     "argument 'path' is null");
+  CHECK(psgd_outer_steps(o) == 1);
+  CHECK(psgd_outer_load(o, outer_path.c_str()) == PSGD_OK);
+  std::remove(outer_path.c_str());
+  psgd_outer_destroy(o);
   psgd_reducer_destroy(r);
   psgd_comm_destroy(comm);
 }

@@ -332,6 +332,12 @@ TEST_CASE("outer: the C API, against the C++ class") {
   CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, 1, &o) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, nullptr, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()) == "psgd_outer_create: argument 'params' is null");
+  CHECK(psgd_outer_create(comm, nullptr, 4, 0.7, 0.9, params, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_create: argument 'r' is null");
+  CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, 2, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_create: argument 'out' is null");
+  CHECK(psgd_outer_create(nullptr, r, 4, 0.7, 0.9, params, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(o == nullptr);
   REQUIRE(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, 2, &o) == PSGD_OK);
   CHECK(psgd_outer_due(o, 4) == 1);
   CHECK(psgd_outer_due(o, 5) == 0);
@@ -359,6 +365,8 @@ TEST_CASE("outer: the C API, against the C++ class") {
   CHECK(psgd_outer_step(o, null_params, 2) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("data[1] is null") != std::string::npos);
   CHECK(psgd_outer_step(o, params, 1) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(psgd_outer_step(o, nullptr, 2) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_step: argument 'params' is null");
   CHECK(psgd_outer_steps(o) == 3);
   CHECK(p.b0 == before.b0);
 
@@ -370,6 +378,9 @@ TEST_CASE("outer: the C API, against the C++ class") {
   CHECK(psgd_outer_load(o, path.c_str()) == PSGD_OK);
   CHECK(psgd_outer_steps(o) == 3);
   CHECK(psgd_outer_load(o, "/nonexistent") == PSGD_ERR_IO);
+  CHECK(psgd_outer_load(o, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_load: argument 'path' is null");
+  CHECK(psgd_outer_steps(o) == 3);
   std::filesystem::remove(path);
   psgd_outer_destroy(o);
   psgd_outer_destroy(nullptr);
