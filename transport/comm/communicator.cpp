@@ -681,8 +681,7 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
         return detail::concat("allgather of ", shape.size, " bytes per rank");
       case ShapeKind::Barrier:
       case ShapeKind::CheckSame:
-        return operation_of(shape.kind);
-      case ShapeKind::Refused:  // named before any other difference (below)
+      case ShapeKind::Refused:       // named before any other difference (below)
       case ShapeKind::LeadExchange:  // never sent as a call's shape
         return operation_of(shape.kind);
     }
@@ -739,6 +738,14 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   return all;
 }
 
+void GlooCommunicator::refuse_unless(ShapeKind call, Sizes sizes, const std::function<void()>& checks) {
+  try {
+    checks();
+  } catch (const Error&) {
+    refuse(call, sizes, std::current_exception());
+  }
+}
+
 void GlooCommunicator::refuse(ShapeKind call, Sizes sizes, std::exception_ptr error) {
   if (sizes == Sizes::Unknown && size() > 1) {
     try {
@@ -762,16 +769,13 @@ uint32_t GlooCommunicator::agree_on_shape(const std::shared_ptr<gloo::Context>& 
 
 Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, Algorithm algorithm, Sizes sizes) {
   // Every check of the arguments refuses collectively: a rank that fails one alone takes the call's place in
-  // the sequence (refuse), and where every rank fails it, every rank refuses alike.
-  try {
+  // the sequence, and where every rank fails it, every rank refuses alike.
+  refuse_unless(ShapeKind::Allreduce, sizes, [&] {
     PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "allreduce: data is null for ", count,
                  " elements");
-    const size_t bytes = count * size_of(type);
-    if (algorithm == Algorithm::Auto) algorithm = choose(bytes);
+    if (algorithm == Algorithm::Auto) algorithm = choose(count * size_of(type));
     algorithms_->require_supported(algorithm);
-  } catch (const Error&) {
-    refuse(ShapeKind::Allreduce, sizes, std::current_exception());
-  }
+  });
   std::string name = detail::concat("allreduce(", count, " x ", to_string(type), ", ", to_string(algorithm), ")");
   if (stage_ != nullptr) name = detail::concat("allreduce(", count, " x ", to_string(type), ", host-staged, ",
                                                to_string(algorithm), " among ", staged_hosts_, " hosts)");
@@ -817,7 +821,8 @@ size_t GlooCommunicator::lead_capacity() const {
 Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data,
                                             size_t count, DataType type, bool* summed) {
   const size_t capacity = lead_capacity();
-  try {
+  // A capacity of 0 (no lead exchange): every rank refuses alike, at once.
+  refuse_unless(ShapeKind::LeadExchange, capacity >= sizeof(Shape) ? Sizes::Unknown : Sizes::Agreed, [&] {
     PSGD_REQUIRE(lead != nullptr && leads != nullptr && summed != nullptr, InvalidArgumentError,
                  "lead exchange: null lead, leads or summed");
     PSGD_REQUIRE(lead_bytes > 0 && lead_bytes % 8 == 0 && lead_bytes <= capacity, InvalidArgumentError,
@@ -825,11 +830,7 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
                  " bytes; expected a positive multiple of 8 up to the capacity ", capacity);
     PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
                  " elements");
-  } catch (const Error&) {
-    // A capacity of 0 (no lead exchange): every rank refuses alike, at once.
-    refuse(ShapeKind::LeadExchange, capacity >= sizeof(Shape) ? Sizes::Unknown : Sizes::Agreed,
-           std::current_exception());
-  }
+  });
   std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type),
                                      stage_ != nullptr ? ", host-staged)" : ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
@@ -848,14 +849,12 @@ bool GlooCommunicator::exchange_leads(const std::shared_ptr<gloo::Context>& cont
 }
 
 Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes sizes) {
-  try {
+  refuse_unless(ShapeKind::Broadcast, sizes, [&] {
     PSGD_REQUIRE(root >= 0 && root < size(), InvalidArgumentError, "broadcast: root ", root,
                  " is out of range: expected 0 to ", size() - 1);
     PSGD_REQUIRE(data != nullptr || bytes == 0, InvalidArgumentError, "broadcast: data is null for ", bytes,
                  " bytes");
-  } catch (const InvalidArgumentError&) {
-    refuse(ShapeKind::Broadcast, sizes, std::current_exception());
-  }
+  });
   std::string name = detail::concat("broadcast(", bytes, " bytes, root ", root, ")");
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     if (context->size == 1) return;
@@ -867,14 +866,12 @@ Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes
 }
 
 Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes, Sizes sizes) {
-  try {
+  refuse_unless(ShapeKind::Allgather, sizes, [&] {
     PSGD_REQUIRE((in != nullptr && out != nullptr) || bytes == 0, InvalidArgumentError,
                  "allgather: null buffer for ", bytes, " bytes");
     PSGD_REQUIRE(bytes <= algorithms_->max_allgather_bytes(), InvalidArgumentError, "allgather: ", bytes,
                  " bytes per rank exceeds Gloo's legacy limit of ", algorithms_->max_allgather_bytes());
-  } catch (const InvalidArgumentError&) {
-    refuse(ShapeKind::Allgather, sizes, std::current_exception());
-  }
+  });
   return submit(detail::concat("allgather(", bytes, " bytes)"),
                 [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
                   if (context->size == 1) {

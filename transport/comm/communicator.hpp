@@ -188,6 +188,8 @@ class GlooCommunicator final : public Communicator {
   // exchange is done (failed or not: a failure of its own breaks the group, which the next call reports), at
   // once without one.
   [[noreturn]] void refuse(ShapeKind call, Sizes sizes, std::exception_ptr error);
+  // Runs a call's argument checks; an Error they throw is refused (refuse).
+  void refuse_unless(ShapeKind call, Sizes sizes, const std::function<void()>& checks);
   // Before the collective `mine` describes, where the caller passed Sizes::Unknown: agree_on_call. Returns the
   // tag the collective then runs with: `tag` where sizes were agreed, a fresh one after the exchange (which used
   // `tag`), the same on every rank.
