@@ -705,8 +705,8 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   const auto is_refusal = [](const Shape& shape) {
     return shape.magic == Shape::kMagic && shape.kind == ShapeKind::Refused;
   };
-  const auto refusing = std::find_if(all.begin(), all.end(), is_refusal);
   if (mine.kind == ShapeKind::Refused) return all;
+  const auto refusing = std::find_if(all.begin(), all.end(), is_refusal);
   const char* const operation = operation_of(mine.kind);
   if (refusing != all.end()) {
     const auto others = std::count_if(refusing + 1, all.end(), is_refusal);
@@ -821,8 +821,9 @@ size_t GlooCommunicator::lead_capacity() const {
 Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data,
                                             size_t count, DataType type, bool* summed) {
   const size_t capacity = lead_capacity();
-  // A capacity of 0 (no lead exchange): every rank refuses alike, at once.
-  refuse_unless(ShapeKind::LeadExchange, capacity >= sizeof(Shape) ? Sizes::Unknown : Sizes::Agreed, [&] {
+  // A capacity of 0 (no lead exchange) fails the size check on every rank: each sends its refusal (in Gloo's
+  // allgather of the shapes), so every rank refuses alike.
+  refuse_unless(ShapeKind::LeadExchange, Sizes::Unknown, [&] {
     PSGD_REQUIRE(lead != nullptr && leads != nullptr && summed != nullptr, InvalidArgumentError,
                  "lead exchange: null lead, leads or summed");
     PSGD_REQUIRE(lead_bytes > 0 && lead_bytes % 8 == 0 && lead_bytes <= capacity, InvalidArgumentError,
