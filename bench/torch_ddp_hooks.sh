@@ -16,6 +16,8 @@
 # The end-to-end comparison of issue 10 (docs/benchmarks.md, "PyTorch DDP, ResNet-18 on 4 emulated hosts"):
 #   LAUNCH_ARGS="--emulate-hosts 4 --link-rate 1gbit" CONFIGS="allreduce@25 torch@one ours@25 torch@25" \
 #     BATCH_SIZES="16 2" STEPS=25 RESULTS_TSV=/tmp/ddp.tsv bench/torch_ddp_hooks.sh build 4 25 240
+# At a distance, beside PyTorch's hook where it runs (docs/scaling.md, "PyTorch DDP at a distance"): the same
+# with "--link-delay 5ms" (and "--link-delay 0") in LAUNCH_ARGS and CONFIGS="allreduce@25 torch@one ours@25".
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 build=${1:?usage: bench/torch_ddp_hooks.sh BUILD_DIR [RANKS] [BUCKET_CAP_MB] [TIMEOUT_S]}
