@@ -352,6 +352,24 @@ PSGD_API void psgd_outer_destroy(psgd_outer* o);  /* null is a no-op */
 #endif
 /* ==== end of issue 31 additions ==== */
 
+/* ==== Rounds per step at a distance (issue 28) ==== */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+/* Sequential communication rounds of the collectives this communicator ran so far (C++:
+   Communicator::communication_rounds; docs/transport.md, "Rounds"): each collective adds the message exchanges
+   its algorithm makes one after the other, each at least one one-way network delay (1 for the direct
+   allreduce; host-staged, only those that cross hosts). Every collective on the communicator counts: its
+   reducers' (the order guard's announce included) and the caller's own. The difference over a training step is
+   the rounds on the step's critical path (docs/scaling.md: 2 per compressed reduction where every collective
+   took one round and the announce carried P). Not collective: reads a counter, from any thread. A null comm or
+   out is PSGD_ERR_INVALID_ARGUMENT. */
+PSGD_API psgd_status psgd_comm_communication_rounds(const psgd_comm* comm, uint64_t* out);
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
+/* ==== end of issue 28 additions ==== */
+
 #ifdef __cplusplus
 }
 #endif

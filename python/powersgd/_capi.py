@@ -160,6 +160,8 @@ def _load():
         "psgd_outer_save": (status, [handle, ctypes.c_char_p]),
         "psgd_outer_load": (status, [handle, ctypes.c_char_p]),
         "psgd_outer_destroy": (None, [handle]),
+        # issue 28: the rounds a step pays (PowerSGDState.timing_breakdown()).
+        "psgd_comm_communication_rounds": (status, [handle, ctypes.POINTER(ctypes.c_uint64)]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

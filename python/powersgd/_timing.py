@@ -23,6 +23,10 @@ engine's own timestamps of each reduction (psgd_reduce_handle_times) and the eng
                   the engine worker's seconds of the step by kind (all buckets; psgd_reducer_worker_seconds).
   engine_busy     the sum of the step's reductions' run times on the worker (started to finished); at least
                   the sum of the five kinds. engine_other = engine_busy - that sum.
+  rounds          not seconds: the sequential communication rounds of the step (psgd_comm_communication_rounds
+                  of the reducer's communicator, the step's difference; each costs at least one one-way network
+                  delay: docs/scaling.md). States that share a communicator (one process group) count each
+                  other's rounds where their steps overlap.
 
 Recording costs one clock read per timestamp, one ctypes call per reduction and one worker round trip per step.
 """
@@ -37,7 +41,7 @@ logger = logging.getLogger("powersgd.torch")
 ENGINE_KINDS = ("compress", "communicate", "decompress", "guard", "check")
 TAIL_PARTS = ("tail_hook", "tail_queue", "tail_reduction", "tail_handoff")
 FIELDS = (("hook", "ctypes_submit", "copies", "tail") + TAIL_PARTS + ENGINE_KINDS
-          + ("engine_busy", "engine_other"))
+          + ("engine_busy", "engine_other", "rounds"))
 
 
 def interval_from_env():
@@ -65,6 +69,15 @@ def engine_seconds(lib, reducer):
     return tuple(out)
 
 
+def communication_rounds(lib, comm):
+    """The communicator's sequential communication rounds so far (psgd_comm_communication_rounds)."""
+    rounds = ctypes.c_uint64()
+    status = lib.psgd_comm_communication_rounds(comm, ctypes.byref(rounds))
+    if status != 0:
+        raise RuntimeError("psgd_comm_communication_rounds failed with status %d" % status)
+    return rounds.value
+
+
 def handle_times(lib, handle):
     """(submitted, started, finished) of a finished reduction, seconds of CLOCK_MONOTONIC."""
     submitted, started, finished = ctypes.c_double(), ctypes.c_double(), ctypes.c_double()
@@ -81,17 +94,18 @@ class StepTimer:
     def __init__(self, log_every=0):
         self.log_every = log_every
         self.steps = []            # one dict of FIELDS per recorded step
-        self._baseline = None      # engine_seconds at the start of the step being recorded
+        self._baseline = None      # (engine_seconds, communication_rounds) at the start of the step being recorded
         self._open = None          # the step being recorded
 
     # ---- the hook's calls ----
 
-    def bucket_entered(self, lib, reducer):
+    def bucket_entered(self, lib, reducer, comm):
         """A hook call of a compressed step begins; returns its entry time. The step's first call reads the
-        engine's seconds when no recorded step ended just before (no reduction is in flight then)."""
+        engine's seconds and the rounds when no recorded step ended just before (no reduction is in flight
+        then)."""
         if self._open is None:
             if self._baseline is None:
-                self._baseline = engine_seconds(lib, reducer)
+                self._baseline = (engine_seconds(lib, reducer), communication_rounds(lib, comm))
             self._open = {"hook": 0.0, "ctypes_submit": 0.0, "copies": 0.0, "runs": [], "last_entry": None}
         return time.monotonic()
 
@@ -116,11 +130,11 @@ class StepTimer:
         self._open = None
         self._baseline = None
 
-    def step_completed(self, completed, lib, reducer):
+    def step_completed(self, completed, lib, reducer, comm):
         """completed: when every future of the step was complete (time.monotonic())."""
         step, self._open = self._open, None
-        now_engine = engine_seconds(lib, reducer)
-        baseline, self._baseline = self._baseline, now_engine
+        now_engine, now_rounds = engine_seconds(lib, reducer), communication_rounds(lib, comm)
+        (baseline, rounds_before), self._baseline = self._baseline, (now_engine, now_rounds)
         submitted, started, finished = step["runs"][-1]
         record = {
             "hook": step["hook"], "ctypes_submit": step["ctypes_submit"], "copies": step["copies"],
@@ -134,6 +148,7 @@ class StepTimer:
             record[kind] = now_value - before
         record["engine_busy"] = sum(f - s for _, s, f in step["runs"])
         record["engine_other"] = record["engine_busy"] - sum(record[kind] for kind in ENGINE_KINDS)
+        record["rounds"] = now_rounds - rounds_before
         self.steps.append(record)
         if self.log_every and len(self.steps) % self.log_every == 0:
             logger.info("PowerSGD reduction timing, mean of the last %d steps: %s", self.log_every,
@@ -158,10 +173,10 @@ def format_breakdown(b):
     """One line of a breakdown in milliseconds, e.g. for a log or a benchmark's output."""
     if not b.get("steps"):
         return "no compressed step recorded"
-    ms = {name: 1000.0 * b[name] for name in FIELDS}
+    ms = {name: 1000.0 * b[name] for name in FIELDS if name != "rounds"}
     return ("tail %.2f ms = hook %.2f + queue %.2f + last reduction %.2f + hand-off %.2f; backward thread in "
             "hook %.2f ms (ctypes submit %.2f, copies %.2f); engine worker %.2f ms = compress %.2f + communicate "
-            "%.2f + decompress %.2f + guard %.2f + check %.2f + other %.2f (mean of %d steps)"
+            "%.2f + decompress %.2f + guard %.2f + check %.2f + other %.2f; %.2f communication rounds (mean of %d steps)"
             % (ms["tail"], ms["tail_hook"], ms["tail_queue"], ms["tail_reduction"], ms["tail_handoff"], ms["hook"],
                ms["ctypes_submit"], ms["copies"], ms["engine_busy"], ms["compress"], ms["communicate"],
-               ms["decompress"], ms["guard"], ms["check"], ms["engine_other"], b["steps"]))
+               ms["decompress"], ms["guard"], ms["check"], ms["engine_other"], b["rounds"], b["steps"]))

@@ -475,7 +475,7 @@ class PowerSGDState:
         else:
             timer = self._timer if self._failure is None else None
             if timer is not None:
-                timer.bucket_entered(_capi.lib, self._reducer)
+                timer.bucket_entered(_capi.lib, self._reducer, self._comm)
             future = self._reduce(bucket, index, buffer, whole_bucket, timer)
             if timer is not None and self._failure is not None:
                 timer.abandon()  # the step failed here: nothing of it is recorded
@@ -520,7 +520,7 @@ class PowerSGDState:
             if failed:
                 timer.abandon()
             else:
-                timer.step_completed(time.monotonic(), _capi.lib, self._reducer)
+                timer.step_completed(time.monotonic(), _capi.lib, self._reducer, self._comm)
 
     # ---- rank policy ----
 

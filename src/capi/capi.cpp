@@ -789,3 +789,19 @@ void psgd_outer_destroy(psgd_outer* o) { delete o; }
 }  // extern "C"
 
 // ==== end of issue 31 additions ====
+
+// ==== Rounds per step at a distance (issue 28) ====
+
+extern "C" {
+
+psgd_status psgd_comm_communication_rounds(const psgd_comm* comm, uint64_t* out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(comm);
+    PSGD_C_NOT_NULL(out);
+    *out = comm->comm->communication_rounds();
+  });
+}
+
+}  // extern "C"
+
+// ==== end of issue 28 additions ====

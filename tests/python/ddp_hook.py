@@ -774,12 +774,29 @@ def case_timing():
     assert b["communicate"] > 0.0 and b["compress"] > 0.0 and b["engine_busy"] > 0.0, b
     assert 0.0 < b["ctypes_submit"] <= b["hook"], b
     assert b["copies"] == 0.0, ("float32 buckets are read in place", b)
+    # Rounds (issue 28): a compressed reduction, alone or a fused group, pays 2 (the announce carrying P, then
+    # Q) where both fit the direct bound, as this model's do, and 3 where its announce could not carry P
+    # (a fused group the lookahead had not prepared, or a reduction whose proposed fusion the others did not
+    # agree to): so 2 to 3 per bucket. One bucket per step: exactly 2 (below).
+    rounds = [step["rounds"] for step in state._timer.steps]
+    assert all(isinstance(r, int) and 2 <= r <= 3 * buckets for r in rounds), (rounds, buckets)
+    assert b["rounds"] == sum(rounds) / len(rounds), (b, rounds)
     # The tail lies inside backward(): on average no longer than a compressed step's backward.
     mean_backward = sum(backward_seconds[pst.DECLARATION_ITER:]) / compressed
     assert 0.0 < b["tail"] <= mean_backward, (b["tail"], mean_backward)
     logged = [m for m in records if m.startswith("PowerSGD reduction timing")]
     assert len(logged) == compressed // 2, records
     assert "mean of the last 2 steps: tail" in logged[0] and "communicate" in logged[0], logged[0]
+    assert "communication rounds (mean of 2 steps)" in logged[0], logged[0]
+
+    # One bucket per step: one reduction, its announce carrying P, then Q: exactly 2 rounds in every step.
+    state = pst.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=pst.DECLARATION_ITER)
+    state.enable_timing()
+    for _ in range(pst.DECLARATION_ITER + 4):
+        pst.powerSGD_hook(state, FakeBucket(0, [(32, 16), (16,)], True)).wait()
+    rounds = [step["rounds"] for step in state._timer.steps]
+    assert rounds == [2] * 4, rounds
+    state.close()
 
     # A step that fails at its last bucket (a changed layout) after its first was submitted: its futures fail,
     # it is not recorded, and the earlier steps' record stays.

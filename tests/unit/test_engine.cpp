@@ -575,6 +575,17 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(psgd_comm_allreduce_sum_f32(comm, x, 3) == PSGD_OK);
   CHECK(x[2] == 3.0f);
   CHECK(psgd_comm_barrier(comm) == PSGD_OK);
+  // A world of one exchanges nothing: no rounds. A null comm or out is refused, naming it, out untouched.
+  uint64_t rounds = 7;
+  CHECK(psgd_comm_communication_rounds(comm, &rounds) == PSGD_OK);
+  CHECK(rounds == 0);
+  rounds = 7;
+  CHECK(psgd_comm_communication_rounds(nullptr, &rounds) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("psgd_comm_communication_rounds: argument 'comm' is null") !=
+        std::string::npos);
+  CHECK(rounds == 7);
+  CHECK(psgd_comm_communication_rounds(comm, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("argument 'out' is null") != std::string::npos);
 
   psgd_reducer* r = nullptr;
   // psgd_config_validate refuses what psgd_reducer_create refuses, with the same status and message (one
