@@ -222,10 +222,16 @@ OrderGuard::OrderGuard(const Config& config, Communicator& comm, compute::Backen
   }
 }
 
+uint64_t OrderGuard::carried_count(const Reduction& r) const {
+  if (config_.wire_dtype == WireDType::Float32) return first_collective_count(r);
+  if (r.buckets.size() != 1) return 0;
+  return static_cast<uint64_t>(buckets_[static_cast<size_t>(r.buckets[0])]->plan.packed_numel + 1);
+}
+
 bool OrderGuard::can_carry(const Reduction& r) const {
-  if (lead_capacity_ == 0 || !r.compressed || r.poisoned || config_.wire_dtype != WireDType::Float32) return false;
-  const uint64_t count = first_collective_count(r);
-  return kAnnounceBytes + count * sizeof(float) <= lead_capacity_ &&
+  if (lead_capacity_ == 0 || !r.compressed || r.poisoned) return false;
+  const uint64_t count = carried_count(r);
+  return count > 0 && kAnnounceBytes + count * sizeof(float) <= lead_capacity_ &&
          comm_.sums_in_rank_order(static_cast<size_t>(count), DataType::Float32);
 }
 

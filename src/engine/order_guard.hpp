@@ -117,9 +117,14 @@ class OrderGuard {
   void begin(const Reduction& reduction, uint64_t layout, bool loaded,
              std::span<const Reduction* const> proposals = {}, bool carry = false);
   // Whether this rank's announce of `reduction` can carry its first collective: the lead exchange, a compressed
-  // reduction with the float32 wire whose first collective fits beside the announce and sums in rank order (so
-  // its bits are those of the collective it saves). A pure function of agreed state and this rank's call.
+  // reduction whose carried floats (carried_count) fit beside the announce and sum in rank order (so their bits
+  // are those of the collective they replace). A pure function of agreed state and this rank's call.
   bool can_carry(const Reduction& reduction) const;
+  // The floats an announce of `reduction` carries, from the start of its first collective's host range: with
+  // the float32 wire the whole first collective; with a 16-bit wire only a single bucket's float32 part (its
+  // packed tensors and flag, the range's prefix), its 16-bit factor following in a collective of its own
+  // (StepRunner::first_collective), and 0 (nothing to carry) for several buckets, whose float32 parts lie apart.
+  uint64_t carried_count(const Reduction& reduction) const;
   // Sends the announce begun with `carry`, the first collective's `count` floats at `data` (its host range) behind
   // it: summed in place when first_summed().
   void carry(float* data, size_t count);

@@ -78,7 +78,7 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
       if (carry && claimed.empty()) {
         const engine::Segment first = runner_->stage_first(reduction);
-        guard_->carry(first.host, first.count);
+        guard_->carry(first.host, static_cast<size_t>(guard_->carried_count(reduction)));
         runner_->lookahead(reduction);  // while the announce and the first collective travel
       } else if (carry) {
         // No lookahead: the reduction queued next may be of a claimed bucket, or not next once some go back.

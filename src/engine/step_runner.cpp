@@ -196,7 +196,35 @@ void StepRunner::first_collective(Reduction& job, const Segment& unc, const Rang
     wait_segment(works, unc, factors, !job.prepare_error);
     return;
   }
-  stats_.bytes_sent += unc.count * sizeof(float);
+  if (config_.wire_dtype != WireDType::Float32) {
+    // The announce carried the float32 part, the prefix of a single bucket's range (OrderGuard::carried_count),
+    // summed in place; the 16-bit factor follows as send_segment sends it, the same collective on every rank
+    // (first_summed is), so the sums keep the bits and the bytes of the two collectives it replaces.
+    PSGD_ASSERT(job.buckets.size() == 1 && factors.size() <= 1, "a 16-bit wire carries a single bucket's prefix");
+    int64_t half_count = 0;
+    for (const auto& [offset, n] : factors) half_count += n;
+    wire_half_.resize(static_cast<size_t>(half_count));
+    uint16_t* half = wire_half_.data();
+    for (const auto& [offset, n] : factors) {
+      PSGD_ASSERT(offset + n == static_cast<int64_t>(unc.count), "the factor ends the bucket's range");
+      encode(config_.wire_dtype, unc.host + offset, half, static_cast<size_t>(n));
+      half += n;
+    }
+    stats_.bytes_sent += (unc.count - static_cast<size_t>(half_count)) * sizeof(float);
+    std::vector<Work> works;
+    if (!wire_half_.empty()) {
+      stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
+      works.push_back(allreduce(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
+    }
+    wait_all(works, {}, false);
+    half = wire_half_.data();
+    for (const auto& [offset, n] : factors) {
+      decode(config_.wire_dtype, half, unc.host + offset, static_cast<size_t>(n));
+      half += n;
+    }
+  } else {
+    stats_.bytes_sent += unc.count * sizeof(float);
+  }
   if (!job.prepare_error && unc.host != unc.dev) be_.copy_from_host(unc.dev, unc.host, unc.count);
 }
 

@@ -335,17 +335,23 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
   // announce carries nothing, so no rank's P is summed in it: 3 again. With
   // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 Gloo's bcube and no lead
   // exchange, on 2 or 3 ranks one exchange each way (2 rounds) each of 3.
+  // With a bf16 wire P's float32 part and its 16-bit factors are two collectives: the announce carries a
+  // single bucket's float32 part, so 3 (4 where a rank carries nothing), and nothing for reduce_all (4).
   enum Variant { Carried, OneRankCarriesNothing, Bcube };
+  for (const WireDType wire : {WireDType::Float32, WireDType::BFloat16}) {
+  const bool half = wire != WireDType::Float32;
   std::vector<std::vector<float>> carried_outputs;
   for (const Variant variant : {Carried, OneRankCarriesNothing, Bcube}) {
+    if (half && variant == Bcube) continue;
     const bool direct = variant != Bcube;
     if (!direct) setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
     if (!direct) setenv("PSGD_SCATTER_GATHER", "0", 1);
     const char* rank = std::getenv("RANK");
     if (variant == OneRankCarriesNothing && rank != nullptr && std::string(rank) == "0")
       setenv("PSGD_CARRY_FIRST", "0", 1);
-    auto comm = connect(variant == Carried ? "engine-rounds" : variant == Bcube ? "engine-rounds-bcube"
-                                                                                 : "engine-rounds-one-carries-nothing");
+    const std::string name = variant == Carried ? "engine-rounds" : variant == Bcube ? "engine-rounds-bcube"
+                                                                                     : "engine-rounds-one-carries-nothing";
+    auto comm = connect((half ? name + "-bf16" : name).c_str());
     unsetenv("PSGD_DIRECT_MAX_BYTES");
     unsetenv("PSGD_SCATTER_GATHER");
     // Staged (Meson's rounds-staged variant): the leaders' collectives count, among at most 3 hosts.
@@ -353,10 +359,13 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
     const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(comm.get());
     REQUIRE((staged ? gloo->staged_hosts() : comm->size()) <= 3);
     const uint64_t per_collective = direct ? 1 : 2;
-    const uint64_t compressed = variant == Carried ? 2 : 3;  // collectives of a compressed reduction
+    // Collectives of a compressed reduction, and of reduce_all's.
+    const uint64_t compressed = (variant == Carried ? 2 : 3) + (half ? 1 : 0);
+    const uint64_t compressed_all = half ? 4 : compressed;
     Config c;
     c.rank = 2;
     c.start_iter = 1;
+    c.wire_dtype = wire;
     Reducer reducer(*comm, c);
     unsetenv("PSGD_CARRY_FIRST");  // read when the Reducer was made
     reducer.add_bucket(kShapes);
@@ -366,7 +375,7 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
         auto g = gradients(reducer.bucket_size(b), comm->rank(), step);
         const uint64_t before = comm->communication_rounds();
         reducer.reduce(b, g.data());
-        INFO("step ", step, " bucket ", b, " variant ", static_cast<int>(variant));
+        INFO("step ", step, " bucket ", b, " variant ", static_cast<int>(variant), " ", to_string(wire));
         CHECK(comm->communication_rounds() - before == (step == 0 ? 2 : compressed) * per_collective);
       }
     // reduce_all: one announce, one P and one Q collective for both buckets.
@@ -375,7 +384,7 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
     const std::vector<float*> data{g[0].data(), g[1].data()};
     const uint64_t before = comm->communication_rounds();
     reducer.reduce_all(std::span<float* const>(data));
-    CHECK(comm->communication_rounds() - before == compressed * per_collective);
+    CHECK(comm->communication_rounds() - before == compressed_all * per_collective);
     // Every rank's outputs are the same bits (the carried sums are direct's, on every rank), and carrying or
     // not changes no bit: the same as the variant that carries nothing.
     for (size_t b = 0; b < g.size(); ++b) {
@@ -388,6 +397,7 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
       if (variant == OneRankCarriesNothing)
         CHECK(std::memcmp(out.data(), carried_outputs.at(b).data(), out.size() * sizeof(float)) == 0);
     }
+  }
   }
 }
 

@@ -140,7 +140,9 @@ TEST_CASE("fusing: queued reductions run as one, with the bits of one by one") {
   variants.push_back({"default", c, 2, 6, 3});
   Config bf16 = c;
   bf16.wire_dtype = WireDType::BFloat16;
-  variants.push_back({"bf16", bf16, 4, 12, 4});  // announce, P's float32 part, P's factors, Q (a 16-bit P is not carried)
+  // Fused: announce, P's float32 part, P's factors, Q (the float32 parts of several buckets lie apart: not
+  // carried); one by one: the announce carries the bucket's float32 part, then its 16-bit P, then Q.
+  variants.push_back({"bf16", bf16, 4, 9, 4});
   Config rank1 = c;
   rank1.rank = 1;
   rank1.error_feedback = false;
