@@ -90,14 +90,10 @@ void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool st
   int64_t half_count = 0;
   for (const auto& [offset, n] : factors) half_count += n;
   wire_f32_.resize(static_cast<size_t>(count - half_count));
-  wire_half_.resize(static_cast<size_t>(half_count));
   float* f32 = wire_f32_.data();
-  uint16_t* half = wire_half_.data();
   int64_t at = 0;
   for (const auto& [offset, n] : factors) {
     f32 = std::copy(seg.host + at, seg.host + offset, f32);
-    encode(config_.wire_dtype, seg.host + offset, half, static_cast<size_t>(n));
-    half += n;
     at = offset + n;
   }
   std::copy(seg.host + at, seg.host + count, f32);
@@ -106,27 +102,44 @@ void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool st
     stats_.bytes_sent += wire_f32_.size() * sizeof(float);
     works.push_back(allreduce(wire_f32_.data(), wire_f32_.size(), DataType::Float32));
   }
-  if (!wire_half_.empty()) {
-    stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
-    works.push_back(allreduce(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
+  send_factors(seg, factors, works);
+}
+
+void StepRunner::send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works) {
+  int64_t half_count = 0;
+  for (const auto& [offset, n] : factors) half_count += n;
+  wire_half_.resize(static_cast<size_t>(half_count));
+  uint16_t* half = wire_half_.data();
+  for (const auto& [offset, n] : factors) {
+    encode(config_.wire_dtype, seg.host + offset, half, static_cast<size_t>(n));
+    half += n;
   }
+  if (wire_half_.empty()) return;
+  stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
+  works.push_back(allreduce(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
 }
 
 void StepRunner::wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back) {
   if (config_.wire_dtype == WireDType::Float32) return wait_all(works, {seg}, copy_back);
   wait_all(works, {}, false);
   const float* f32 = wire_f32_.data();
-  const uint16_t* half = wire_half_.data();
   int64_t at = 0;
   for (const auto& [offset, n] : factors) {
     std::copy_n(f32, offset - at, seg.host + at);
     f32 += offset - at;
-    decode(config_.wire_dtype, half, seg.host + offset, static_cast<size_t>(n));
-    half += n;
     at = offset + n;
   }
   std::copy_n(f32, static_cast<int64_t>(seg.count) - at, seg.host + at);
+  widen_factors(seg, factors);
   if (copy_back && seg.host != seg.dev) be_.copy_from_host(seg.dev, seg.host, seg.count);
+}
+
+void StepRunner::widen_factors(const Segment& seg, const Ranges& factors) {
+  const uint16_t* half = wire_half_.data();
+  for (const auto& [offset, n] : factors) {
+    decode(config_.wire_dtype, half, seg.host + offset, static_cast<size_t>(n));
+    half += n;
+  }
 }
 
 StepRunner::Ranges StepRunner::factor_ranges(const Reduction& job) {
@@ -202,26 +215,15 @@ void StepRunner::first_collective(Reduction& job, const Segment& unc, const Rang
     // (first_summed is), so the sums keep the bits and the bytes of the two collectives it replaces.
     PSGD_ASSERT(job.buckets.size() == 1 && factors.size() <= 1, "a 16-bit wire carries a single bucket's prefix");
     int64_t half_count = 0;
-    for (const auto& [offset, n] : factors) half_count += n;
-    wire_half_.resize(static_cast<size_t>(half_count));
-    uint16_t* half = wire_half_.data();
     for (const auto& [offset, n] : factors) {
       PSGD_ASSERT(offset + n == static_cast<int64_t>(unc.count), "the factor ends the bucket's range");
-      encode(config_.wire_dtype, unc.host + offset, half, static_cast<size_t>(n));
-      half += n;
+      half_count += n;
     }
     stats_.bytes_sent += (unc.count - static_cast<size_t>(half_count)) * sizeof(float);
     std::vector<Work> works;
-    if (!wire_half_.empty()) {
-      stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
-      works.push_back(allreduce(wire_half_.data(), wire_half_.size(), wire_type(config_.wire_dtype)));
-    }
+    send_factors(unc, factors, works);
     wait_all(works, {}, false);
-    half = wire_half_.data();
-    for (const auto& [offset, n] : factors) {
-      decode(config_.wire_dtype, half, unc.host + offset, static_cast<size_t>(n));
-      half += n;
-    }
+    widen_factors(unc, factors);
   } else {
     stats_.bytes_sent += unc.count * sizeof(float);
   }

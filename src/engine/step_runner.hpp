@@ -176,6 +176,10 @@ class StepRunner {
   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
   void send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works);
   void wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back);
+  // The 16-bit half of send_segment and wait_segment: the factors encoded into
+  // wire_half_ and, where there are any, their collective; the sums widened back.
+  void send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works);
+  void widen_factors(const Segment& seg, const Ranges& factors);
   // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
   // computed once per step for send_segment and wait_segment.
   Ranges factor_ranges(const Reduction& job);
