@@ -87,9 +87,7 @@ void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool st
   }
   if (stage && seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
   const auto count = static_cast<int64_t>(seg.count);
-  int64_t half_count = 0;
-  for (const auto& [offset, n] : factors) half_count += n;
-  wire_f32_.resize(static_cast<size_t>(count - half_count));
+  wire_f32_.resize(seg.count - factor_count(factors));
   float* f32 = wire_f32_.data();
   int64_t at = 0;
   for (const auto& [offset, n] : factors) {
@@ -105,10 +103,14 @@ void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool st
   send_factors(seg, factors, works);
 }
 
+size_t StepRunner::factor_count(const Ranges& factors) {
+  size_t count = 0;
+  for (const auto& [offset, n] : factors) count += static_cast<size_t>(n);
+  return count;
+}
+
 void StepRunner::send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works) {
-  int64_t half_count = 0;
-  for (const auto& [offset, n] : factors) half_count += n;
-  wire_half_.resize(static_cast<size_t>(half_count));
+  wire_half_.resize(factor_count(factors));
   uint16_t* half = wire_half_.data();
   for (const auto& [offset, n] : factors) {
     encode(config_.wire_dtype, seg.host + offset, half, static_cast<size_t>(n));
@@ -214,12 +216,9 @@ void StepRunner::first_collective(Reduction& job, const Segment& unc, const Rang
     // summed in place; the 16-bit factor follows as send_segment sends it, the same collective on every rank
     // (first_summed is), so the sums keep the bits and the bytes of the two collectives it replaces.
     PSGD_ASSERT(job.buckets.size() == 1 && factors.size() <= 1, "a 16-bit wire carries a single bucket's prefix");
-    int64_t half_count = 0;
-    for (const auto& [offset, n] : factors) {
-      PSGD_ASSERT(offset + n == static_cast<int64_t>(unc.count), "the factor ends the bucket's range");
-      half_count += n;
-    }
-    stats_.bytes_sent += (unc.count - static_cast<size_t>(half_count)) * sizeof(float);
+    PSGD_ASSERT(factors.empty() || factors[0].first + factors[0].second == static_cast<int64_t>(unc.count),
+                "the factor ends the bucket's range");
+    stats_.bytes_sent += (unc.count - factor_count(factors)) * sizeof(float);
     std::vector<Work> works;
     send_factors(unc, factors, works);
     wait_all(works, {}, false);

@@ -179,6 +179,7 @@ class StepRunner {
   // The 16-bit half of send_segment and wait_segment: the factors encoded into
   // wire_half_ and, where there are any, their collective; the sums widened back.
   void send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works);
+  static size_t factor_count(const Ranges& factors);  // the elements of the ranges
   void widen_factors(const Segment& seg, const Ranges& factors);
   // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
   // computed once per step for send_segment and wait_segment.

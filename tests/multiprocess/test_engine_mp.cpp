@@ -339,65 +339,65 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
   // single bucket's float32 part, so 3 (4 where a rank carries nothing), and nothing for reduce_all (4).
   enum Variant { Carried, OneRankCarriesNothing, Bcube };
   for (const WireDType wire : {WireDType::Float32, WireDType::BFloat16}) {
-  const bool half = wire != WireDType::Float32;
-  std::vector<std::vector<float>> carried_outputs;
-  for (const Variant variant : {Carried, OneRankCarriesNothing, Bcube}) {
-    if (half && variant == Bcube) continue;
-    const bool direct = variant != Bcube;
-    if (!direct) setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
-    if (!direct) setenv("PSGD_SCATTER_GATHER", "0", 1);
-    const char* rank = std::getenv("RANK");
-    if (variant == OneRankCarriesNothing && rank != nullptr && std::string(rank) == "0")
-      setenv("PSGD_CARRY_FIRST", "0", 1);
-    const std::string name = variant == Carried ? "engine-rounds" : variant == Bcube ? "engine-rounds-bcube"
-                                                                                     : "engine-rounds-one-carries-nothing";
-    auto comm = connect((half ? name + "-bf16" : name).c_str());
-    unsetenv("PSGD_DIRECT_MAX_BYTES");
-    unsetenv("PSGD_SCATTER_GATHER");
-    // Staged (Meson's rounds-staged variant): the leaders' collectives count, among at most 3 hosts.
-    const bool staged = require_staged_if_asked(*comm);
-    const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(comm.get());
-    REQUIRE((staged ? gloo->staged_hosts() : comm->size()) <= 3);
-    const uint64_t per_collective = direct ? 1 : 2;
-    // Collectives of a compressed reduction, and of reduce_all's.
-    const uint64_t compressed = (variant == Carried ? 2 : 3) + (half ? 1 : 0);
-    const uint64_t compressed_all = half ? 4 : compressed;
-    Config c;
-    c.rank = 2;
-    c.start_iter = 1;
-    c.wire_dtype = wire;
-    Reducer reducer(*comm, c);
-    unsetenv("PSGD_CARRY_FIRST");  // read when the Reducer was made
-    reducer.add_bucket(kShapes);
-    reducer.add_bucket({{64, 64}});
-    for (int step = 0; step < 4; ++step)
-      for (int b = 0; b < 2; ++b) {
-        auto g = gradients(reducer.bucket_size(b), comm->rank(), step);
-        const uint64_t before = comm->communication_rounds();
-        reducer.reduce(b, g.data());
-        INFO("step ", step, " bucket ", b, " variant ", static_cast<int>(variant), " ", to_string(wire));
-        CHECK(comm->communication_rounds() - before == (step == 0 ? 2 : compressed) * per_collective);
+    const bool half = wire != WireDType::Float32;
+    std::vector<std::vector<float>> carried_outputs;
+    for (const Variant variant : {Carried, OneRankCarriesNothing, Bcube}) {
+      if (half && variant == Bcube) continue;
+      const bool direct = variant != Bcube;
+      if (!direct) setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);
+      if (!direct) setenv("PSGD_SCATTER_GATHER", "0", 1);
+      const char* rank = std::getenv("RANK");
+      if (variant == OneRankCarriesNothing && rank != nullptr && std::string(rank) == "0")
+        setenv("PSGD_CARRY_FIRST", "0", 1);
+      const std::string name = variant == Carried ? "engine-rounds" : variant == Bcube ? "engine-rounds-bcube"
+                                                                                       : "engine-rounds-one-carries-nothing";
+      auto comm = connect((half ? name + "-bf16" : name).c_str());
+      unsetenv("PSGD_DIRECT_MAX_BYTES");
+      unsetenv("PSGD_SCATTER_GATHER");
+      // Staged (Meson's rounds-staged variant): the leaders' collectives count, among at most 3 hosts.
+      const bool staged = require_staged_if_asked(*comm);
+      const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(comm.get());
+      REQUIRE((staged ? gloo->staged_hosts() : comm->size()) <= 3);
+      const uint64_t per_collective = direct ? 1 : 2;
+      // Collectives of a compressed reduction, and of reduce_all's.
+      const uint64_t compressed = (variant == Carried ? 2 : 3) + (half ? 1 : 0);
+      const uint64_t compressed_all = half ? 4 : compressed;
+      Config c;
+      c.rank = 2;
+      c.start_iter = 1;
+      c.wire_dtype = wire;
+      Reducer reducer(*comm, c);
+      unsetenv("PSGD_CARRY_FIRST");  // read when the Reducer was made
+      reducer.add_bucket(kShapes);
+      reducer.add_bucket({{64, 64}});
+      for (int step = 0; step < 4; ++step)
+        for (int b = 0; b < 2; ++b) {
+          auto g = gradients(reducer.bucket_size(b), comm->rank(), step);
+          const uint64_t before = comm->communication_rounds();
+          reducer.reduce(b, g.data());
+          INFO("step ", step, " bucket ", b, " variant ", static_cast<int>(variant), " ", to_string(wire));
+          CHECK(comm->communication_rounds() - before == (step == 0 ? 2 : compressed) * per_collective);
+        }
+      // reduce_all: one announce, one P and one Q collective for both buckets.
+      std::vector<std::vector<float>> g{gradients(reducer.bucket_size(0), comm->rank(), 4),
+                                        gradients(reducer.bucket_size(1), comm->rank(), 4)};
+      const std::vector<float*> data{g[0].data(), g[1].data()};
+      const uint64_t before = comm->communication_rounds();
+      reducer.reduce_all(std::span<float* const>(data));
+      CHECK(comm->communication_rounds() - before == compressed_all * per_collective);
+      // Every rank's outputs are the same bits (the carried sums are direct's, on every rank), and carrying or
+      // not changes no bit: the same as the variant that carries nothing.
+      for (size_t b = 0; b < g.size(); ++b) {
+        const auto& out = g[b];
+        std::vector<float> all(out.size() * static_cast<size_t>(comm->size()));
+        comm->allgather(out.data(), all.data(), out.size() * sizeof(float));
+        for (int r = 1; r < comm->size(); ++r)
+          CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * out.size(), out.size() * sizeof(float)) == 0);
+        if (variant == Carried) carried_outputs.push_back(out);
+        if (variant == OneRankCarriesNothing)
+          CHECK(std::memcmp(out.data(), carried_outputs.at(b).data(), out.size() * sizeof(float)) == 0);
       }
-    // reduce_all: one announce, one P and one Q collective for both buckets.
-    std::vector<std::vector<float>> g{gradients(reducer.bucket_size(0), comm->rank(), 4),
-                                      gradients(reducer.bucket_size(1), comm->rank(), 4)};
-    const std::vector<float*> data{g[0].data(), g[1].data()};
-    const uint64_t before = comm->communication_rounds();
-    reducer.reduce_all(std::span<float* const>(data));
-    CHECK(comm->communication_rounds() - before == compressed_all * per_collective);
-    // Every rank's outputs are the same bits (the carried sums are direct's, on every rank), and carrying or
-    // not changes no bit: the same as the variant that carries nothing.
-    for (size_t b = 0; b < g.size(); ++b) {
-      const auto& out = g[b];
-      std::vector<float> all(out.size() * static_cast<size_t>(comm->size()));
-      comm->allgather(out.data(), all.data(), out.size() * sizeof(float));
-      for (int r = 1; r < comm->size(); ++r)
-        CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * out.size(), out.size() * sizeof(float)) == 0);
-      if (variant == Carried) carried_outputs.push_back(out);
-      if (variant == OneRankCarriesNothing)
-        CHECK(std::memcmp(out.data(), carried_outputs.at(b).data(), out.size() * sizeof(float)) == 0);
     }
-  }
   }
 }
 
