@@ -11,11 +11,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "engine/checkpoint.hpp"
+#include "engine/fault_injection.hpp"
 #include "engine/half.hpp"
 #include "engine/plan.hpp"
 #include "engine_reference.hpp"
@@ -146,6 +148,70 @@ TEST_CASE("wire: ranks with different wire types fail add_bucket on every rank, 
   const std::string error = error_of([&] { reducer.add_bucket({{32, 32}}); });
   INFO(error);
   CHECK(error.find("wire_dtype") != std::string::npos);
+}
+
+// A step that fails on one rank (its prepare, its work between P and Q, NaN in its gradients) or on every rank
+// (an fp16 factor past 65504) while the announce carries the bucket's float32 part (packed tensors and flag, the
+// 16-bit factor in its own collective behind it: OrderGuard::carried_count): every rank fails that step, naming
+// the cause, with its error memory, warm start and data unchanged, and goes on as a run that skipped the step.
+// A clean step costs 3 rounds (announce with the float32 part, factor, Q; one for alternating), so the carry ran.
+TEST_CASE("wire: a step that fails while the announce carries the float32 part fails every rank, state unchanged") {
+  enum Failure { Prepare, Between, NaN, Overflow };
+  constexpr int64_t kFailStep = 3;
+  auto comm = connect("wire-carried-failure");
+  const int me = comm->rank();
+  for (const WireDType type : {WireDType::BFloat16, WireDType::Float16})
+    for (const bool alternating : {false, true})
+      for (const Failure failure : {Prepare, Between, NaN, Overflow}) {
+        if (failure == Overflow && type != WireDType::Float16) continue;  // bf16 has float32's range
+        if (failure == Between && alternating) continue;                  // one collective: nothing between
+        INFO(std::string(to_string(type)), alternating ? " alternating" : "", " failure ", static_cast<int>(failure));
+        Config c;
+        c.rank = 2;
+        c.start_iter = 0;  // compressed from the first step: the carried branch every step
+        c.alternating = alternating;
+        c.wire_dtype = type;
+        if (me == 1 && (failure == Prepare || failure == Between))
+          engine::arm_fault({failure == Prepare ? engine::FaultPoint::Prepare : engine::FaultPoint::Between, kFailStep});
+        Reducer r(*comm, c), clean(*comm, c);  // r takes the armed fault
+        r.add_bucket(kShapes);
+        clean.add_bucket(kShapes);
+        const size_t n = r.bucket_size(0);
+        for (int64_t step = 0; step < 7; ++step) {
+          CAPTURE(step);
+          auto g = gradients(n, me, step, 21);
+          if (step == kFailStep) {
+            if (failure == NaN && me == comm->size() - 1) g[5] = std::nanf("");
+            // Finite in float32; P of the 48 x 40 matrix (offset 0) lies far past fp16's 65504.
+            if (failure == Overflow)
+              for (size_t i = 0; i < 48 * 40; ++i) g[i] *= 1e6f;
+            std::vector<float> before(n), after(n);
+            r.error_feedback(0, before);
+            const auto data = g;
+            const std::string error = error_of([&] { r.reduce(0, g.data()); });
+            INFO(error);
+            if (failure == Prepare || failure == Between) {
+              CHECK(error.find("injected fault") != std::string::npos);
+              if (me != 1)
+                CHECK(error.find("step 3, bucket 0 failed on rank 1: injected") != std::string::npos);
+            }
+            if (failure == NaN) CHECK(error.find("NaN or Inf in the gradients of 1 rank(s)") != std::string::npos);
+            if (failure == Overflow) CHECK(error.find("wire_dtype fp16 carries at most +-65504") != std::string::npos);
+            r.error_feedback(0, after);
+            CHECK(after == before);
+            CHECK(std::memcmp(g.data(), data.data(), n * sizeof(float)) == 0);  // NaN included
+            continue;
+          }
+          auto h = g;
+          const uint64_t rounds = comm->communication_rounds();
+          r.reduce(0, g.data());
+          CHECK(comm->communication_rounds() - rounds == (alternating ? 2u : 3u));
+          clean.reduce(0, h.data());
+          CHECK(g == h);
+          CHECK(same_on_every_rank(*comm, g));
+        }
+        CHECK(r.iteration() == 7);
+      }
 }
 
 // Not a check: how far the transport's 16-bit sum (rounded at every hop) lies
