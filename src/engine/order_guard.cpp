@@ -224,8 +224,9 @@ OrderGuard::OrderGuard(const Config& config, Communicator& comm, compute::Backen
 
 uint64_t OrderGuard::carried_count(const Reduction& r) const {
   if (config_.wire_dtype == WireDType::Float32) return first_collective_count(r);
-  if (r.buckets.size() != 1) return 0;
-  return static_cast<uint64_t>(buckets_[static_cast<size_t>(r.buckets[0])]->plan.packed_numel + 1);
+  uint64_t count = 0;
+  for (int b : r.buckets) count += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.packed_numel + 1);
+  return count;
 }
 
 bool OrderGuard::can_carry(const Reduction& r) const {

@@ -120,19 +120,19 @@ class OrderGuard {
   // reduction whose carried floats (carried_count) fit beside the announce and sum in rank order (so their bits
   // are those of the collective they replace). A pure function of agreed state and this rank's call.
   bool can_carry(const Reduction& reduction) const;
-  // The floats an announce of `reduction` carries, from the start of its first collective's host range: with
-  // the float32 wire the whole first collective; with a 16-bit wire only a single bucket's float32 part (its
-  // packed tensors and flag, the range's prefix), its 16-bit factor following in a collective of its own
-  // (StepRunner::first_collective), and 0 (nothing to carry) for several buckets, whose float32 parts lie apart.
+  // The floats an announce of `reduction` carries (StepRunner::stage_carried): with the float32 wire its whole
+  // first collective; with a 16-bit wire its float32 parts only (each bucket's packed tensors and flag,
+  // gathered), the 16-bit factors following in a collective of their own (StepRunner::first_collective).
   uint64_t carried_count(const Reduction& reduction) const;
-  // Sends the announce begun with `carry`, the first collective's `count` floats at `data` (its host range) behind
-  // it: summed in place when first_summed().
+  // Sends the announce begun with `carry`, the `count` carried floats at `data` (StepRunner::stage_carried)
+  // behind it: summed in place when first_summed().
   void carry(float* data, size_t count);
   size_t finish(const Reduction& reduction);
   // After finish(): whether the announce carried the first collective and it came back summed.
   bool first_summed() const { return first_summed_; }
   // After finish() (returned or threw): whether the carried data came back summed, valid or not (first_summed):
-  // the carried host range then holds sums, not what prepare wrote.
+  // it then holds sums, not what prepare wrote (with the float32 wire that is the reduction's host range:
+  // StepRunner::carries_in_place).
   bool carried_overwritten() const { return carried_overwritten_; }
   // Waits for an announce begun and not finished (its buffer is this object's). For error paths (in a catch
   // block: an announce begun with carry and not sent leaves as this rank's failure, with the error handled).

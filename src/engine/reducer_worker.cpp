@@ -44,7 +44,8 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
   bool carried_flags = false;  // stage_first flagged a failure in every carried bucket's range
   // The claimed reductions' ranges hold the carried sums or flags, not what prepare wrote.
   const auto carried_over_claimed = [&] {
-    return carry && !claimed.empty() && (carried_flags || guard_->carried_overwritten());
+    return carry && !claimed.empty() &&
+           (carried_flags || (runner_->carries_in_place() && guard_->carried_overwritten()));
   };
   try {
     std::vector<const Reduction*> proposals;
@@ -60,7 +61,8 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       with_proposals.buckets.insert(with_proposals.buckets.end(), p->buckets.begin(), p->buckets.end());
     carry = carry_first_ && !reduction.poisoned && !noted(reduction) &&
             std::all_of(proposals.begin(), proposals.end(), [](const Reduction* p) { return p->prepared; }) &&
-            guard_->can_carry(with_proposals);
+            guard_->can_carry(with_proposals) &&
+            runner_->reserve_carried(static_cast<size_t>(guard_->carried_count(with_proposals)));
     // layout_fingerprint_ is final since the first reduce (start()).
     guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals, carry);
     if (!reduction.poisoned && noted(reduction)) {
@@ -77,8 +79,8 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       runner_->prepare_once(reduction);
       for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
       if (carry && claimed.empty()) {
-        const engine::Segment first = runner_->stage_first(reduction);
-        guard_->carry(first.host, static_cast<size_t>(guard_->carried_count(reduction)));
+        const std::span<float> carried = runner_->stage_carried(reduction);
+        guard_->carry(carried.data(), carried.size());
         runner_->lookahead(reduction);  // while the announce and the first collective travel
       } else if (carry) {
         // No lookahead: the reduction queued next may be of a claimed bucket, or not next once some go back.
@@ -86,11 +88,11 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
         // where this carry was not summed for them).
         Reduction speculative = engine::StepRunner::fuse(together(reduction, claimed));
         const bool prepared_ok = speculative.prepare_error == nullptr;
-        const engine::Segment first = runner_->stage_first(speculative);
+        const std::span<float> carried = runner_->stage_carried(speculative);
         carried_flags = speculative.prepare_error != nullptr;
         // A failed staging is this rank's failure of the reduction (a member's own failed prepare stays its own).
         if (prepared_ok && carried_flags) reduction.prepare_error = speculative.prepare_error;
-        guard_->carry(first.host, first.count);
+        guard_->carry(carried.data(), carried.size());
       }
       const size_t fused = guard_->finish(reduction);
       reduction.first_summed = guard_->first_summed();

@@ -86,15 +86,8 @@ void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool st
     return;
   }
   if (stage && seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
-  const auto count = static_cast<int64_t>(seg.count);
   wire_f32_.resize(seg.count - factor_count(factors));
-  float* f32 = wire_f32_.data();
-  int64_t at = 0;
-  for (const auto& [offset, n] : factors) {
-    f32 = std::copy(seg.host + at, seg.host + offset, f32);
-    at = offset + n;
-  }
-  std::copy(seg.host + at, seg.host + count, f32);
+  gather_float32(seg, factors);
   // Float32 first, then the factors: the same two collectives, in the same order, on every rank.
   if (!wire_f32_.empty()) {
     stats_.bytes_sent += wire_f32_.size() * sizeof(float);
@@ -107,6 +100,16 @@ size_t StepRunner::factor_count(const Ranges& factors) {
   size_t count = 0;
   for (const auto& [offset, n] : factors) count += static_cast<size_t>(n);
   return count;
+}
+
+void StepRunner::gather_float32(const Segment& seg, const Ranges& factors) noexcept {
+  float* f32 = wire_f32_.data();
+  int64_t at = 0;
+  for (const auto& [offset, n] : factors) {
+    f32 = std::copy(seg.host + at, seg.host + offset, f32);
+    at = offset + n;
+  }
+  std::copy(seg.host + at, seg.host + static_cast<int64_t>(seg.count), f32);
 }
 
 void StepRunner::send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works) {
@@ -202,6 +205,33 @@ Segment StepRunner::stage_first(Reduction& job) noexcept {
   return unc;
 }
 
+bool StepRunner::reserve_carried(size_t count) noexcept {
+  if (config_.wire_dtype == WireDType::Float32) return true;
+  try {
+    wire_f32_.reserve(count);
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+std::span<float> StepRunner::stage_carried(Reduction& job) noexcept {
+  const Segment unc = stage_first(job);
+  if (config_.wire_dtype == WireDType::Float32) return {unc.host, unc.count};
+  // Each bucket's range is its float32 part, then its factor (factor_ranges): the float32 parts in the order
+  // send_segment gathers them, into the capacity reserve_carried made (no allocation).
+  size_t count = 0;
+  for (size_t i = 0; i < job.buckets.size(); ++i) count += static_cast<size_t>(bucket(job.buckets[i]).plan.packed_numel + 1);
+  // Not reserved (reserve_carried was given another count: a bug): carrying nothing, this rank's sizes differ,
+  // so no rank's first collective is summed in the announce and every rank issues it as usual.
+  if (count > wire_f32_.capacity()) return {};
+  wire_f32_.resize(count);
+  float* f32 = wire_f32_.data();
+  for (size_t i = 0; i < job.buckets.size(); ++i)
+    f32 = std::copy_n(unc.host + (job.unc_at[i] - job.unc_begin), bucket(job.buckets[i]).plan.packed_numel + 1, f32);
+  return wire_f32_;
+}
+
 void StepRunner::first_collective(Reduction& job, const Segment& unc, const Ranges& factors) {
   if (!job.first_summed) {
     std::vector<Work> works;
@@ -212,20 +242,18 @@ void StepRunner::first_collective(Reduction& job, const Segment& unc, const Rang
     return;
   }
   if (config_.wire_dtype != WireDType::Float32) {
-    // The announce carried the float32 part, the prefix of a single bucket's range (OrderGuard::carried_count),
-    // summed in place; the 16-bit factor follows as send_segment sends it, the same collective on every rank
-    // (first_summed is), so the sums keep the bits and the bytes of the two collectives it replaces.
-    PSGD_ASSERT(job.buckets.size() == 1 && factors.size() <= 1, "a 16-bit wire carries a single bucket's prefix");
-    PSGD_ASSERT(factors.empty() || factors[0].first + factors[0].second == static_cast<int64_t>(unc.count),
-                "the factor ends the bucket's range");
-    stats_.bytes_sent += (unc.count - factor_count(factors)) * sizeof(float);
+    // The announce carried the float32 parts (stage_carried), summed in place in wire_f32_, as send_segment's
+    // float32 collective would have; the 16-bit factors follow in theirs, the same collective on every rank
+    // (first_summed is), so the sums keep the bits and the bytes of the two collectives they replace.
+    PSGD_ASSERT(wire_f32_.size() == unc.count - factor_count(factors), "the carried float32 parts, ",
+                wire_f32_.size(), " floats, are the segment's ", unc.count - factor_count(factors));
+    stats_.bytes_sent += wire_f32_.size() * sizeof(float);
     std::vector<Work> works;
     send_factors(unc, factors, works);
-    wait_all(works, {}, false);
-    widen_factors(unc, factors);
-  } else {
-    stats_.bytes_sent += unc.count * sizeof(float);
+    wait_segment(works, unc, factors, !job.prepare_error);
+    return;
   }
+  stats_.bytes_sent += unc.count * sizeof(float);
   if (!job.prepare_error && unc.host != unc.dev) be_.copy_from_host(unc.dev, unc.host, unc.count);
 }
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,8 +54,8 @@ struct Reduction {
   std::vector<char> q_half;
   // Adaptive: ||sum over ranks of the output's factors and packed tensors||^2, per bucket.
   std::vector<double> out2;
-  // The order guard's announce carried the first collective and every rank's came back summed, into its host
-  // range (OrderGuard::carry): run() goes on from there.
+  // The order guard's announce carried the first collective (with a 16-bit wire its float32 parts) and every
+  // rank's came back summed (OrderGuard::carry, StepRunner::stage_carried): run() goes on from there.
   bool first_summed = false;
 };
 
@@ -87,6 +88,18 @@ class StepRunner {
   // becomes job.prepare_error) as it is with kFailedFlag in every bucket's finite flag. Throws nothing: the
   // collective, or the announce, must leave.
   Segment stage_first(Reduction& job) noexcept;
+  // What the order guard's announce carries of a prepared compressed `job`'s first collective, staged
+  // (stage_first): with the float32 wire its host range, summed there; with a 16-bit wire its float32 parts
+  // (each bucket's packed tensors and flag), gathered in send_segment's order into the capacity that
+  // reserve_carried(OrderGuard::carried_count) made, and summed there, first_collective scattering them back.
+  // Throws nothing, allocates nothing: the announce must leave.
+  std::span<float> stage_carried(Reduction& job) noexcept;
+  // Makes room for `count` carried float32 parts (a 16-bit wire); false where that fails (the announce then
+  // carries nothing). Before the announce is begun.
+  bool reserve_carried(size_t count) noexcept;
+  // Whether stage_carried's span is the reduction's own host range (the float32 wire), which sums that come back
+  // and are not kept then overwrite; else it is a gathered copy.
+  bool carries_in_place() const { return config_.wire_dtype == WireDType::Float32; }
   // Prepares the reductions queued after `current`, in order, up to the first queued call or pending
   // learning-rate note: each unless it shares a bucket with `current`, an earlier queued reduction or one not
   // settled (its state is not final). Local work while `current`'s collectives travel; a reduction claimed
@@ -181,6 +194,8 @@ class StepRunner {
   void send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works);
   static size_t factor_count(const Ranges& factors);  // the elements of the ranges
   void widen_factors(const Segment& seg, const Ranges& factors);
+  // The segment's float32 elements (all but the factors) into wire_f32_, sized for them.
+  void gather_float32(const Segment& seg, const Ranges& factors) noexcept;
   // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
   // computed once per step for send_segment and wait_segment.
   Ranges factor_ranges(const Reduction& job);
@@ -190,7 +205,8 @@ class StepRunner {
   // rank reports one (`own` on the failing rank); returns when none did.
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
   // The compressed step's first collective (stage_first, sent, waited for), or where the announce carried it
-  // (job.first_summed) its sums copied back to the device.
+  // (job.first_summed) its sums copied back to the device (with a 16-bit wire the float32 parts' scattered from
+  // wire_f32_ first, after the factors' own collective).
   void first_collective(Reduction& job, const Segment& unc, const Ranges& factors);
   // The first collective's flags said a rank failed locally: raise it on every rank.
   [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);
@@ -206,7 +222,7 @@ class StepRunner {
   QueuedReductions queued_;
   std::optional<Fault> fault_;  // test-only fault injection (fault_injection.hpp)
   // The 16-bit wire's buffers: one segment's float32 ranges and its factors,
-  // valid from send_segment until wait_segment (one segment in flight at a time).
+  // valid from send_segment (or stage_carried) until wait_segment (one segment in flight at a time).
   std::vector<float> wire_f32_;
   std::vector<uint16_t> wire_half_;
 };

@@ -335,8 +335,8 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
   // announce carries nothing, so no rank's P is summed in it: 3 again. With
   // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 Gloo's bcube and no lead
   // exchange, on 2 or 3 ranks one exchange each way (2 rounds) each of 3.
-  // With a bf16 wire P's float32 part and its 16-bit factors are two collectives: the announce carries a
-  // single bucket's float32 part, so 3 (4 where a rank carries nothing), and nothing for reduce_all (4).
+  // With a bf16 wire P's float32 part and its 16-bit factors are two collectives: the announce carries the
+  // float32 parts (of one bucket, or gathered for reduce_all), so 3, and 4 where a rank carries nothing.
   enum Variant { Carried, OneRankCarriesNothing, Bcube };
   for (const WireDType wire : {WireDType::Float32, WireDType::BFloat16}) {
     const bool half = wire != WireDType::Float32;
@@ -359,9 +359,8 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
       const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(comm.get());
       REQUIRE((staged ? gloo->staged_hosts() : comm->size()) <= 3);
       const uint64_t per_collective = direct ? 1 : 2;
-      // Collectives of a compressed reduction, and of reduce_all's.
+      // Collectives of a compressed reduction, one bucket or reduce_all.
       const uint64_t compressed = (variant == Carried ? 2 : 3) + (half ? 1 : 0);
-      const uint64_t compressed_all = half ? 4 : compressed;
       Config c;
       c.rank = 2;
       c.start_iter = 1;
@@ -384,7 +383,7 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
       const std::vector<float*> data{g[0].data(), g[1].data()};
       const uint64_t before = comm->communication_rounds();
       reducer.reduce_all(std::span<float* const>(data));
-      CHECK(comm->communication_rounds() - before == compressed_all * per_collective);
+      CHECK(comm->communication_rounds() - before == compressed * per_collective);
       // Every rank's outputs are the same bits (the carried sums are direct's, on every rank), and carrying or
       // not changes no bit: the same as the variant that carries nothing.
       for (size_t b = 0; b < g.size(); ++b) {

@@ -140,9 +140,10 @@ TEST_CASE("fusing: queued reductions run as one, with the bits of one by one") {
   variants.push_back({"default", c, 2, 6, 3});
   Config bf16 = c;
   bf16.wire_dtype = WireDType::BFloat16;
-  // Fused: announce, P's float32 part, P's factors, Q (the float32 parts of several buckets lie apart: not
-  // carried); one by one: the announce carries the bucket's float32 part, then its 16-bit P, then Q.
-  variants.push_back({"bf16", bf16, 4, 9, 4});
+  // Fused: the announce carries the buckets' float32 parts (gathered), then their 16-bit P, then Q; proposals
+  // not prepared yet: the announce at once, then the float32 parts, P and Q; one by one: the announce carries
+  // the bucket's float32 part, then its 16-bit P, then Q.
+  variants.push_back({"bf16", bf16, 3, 9, 4});
   Config rank1 = c;
   rank1.rank = 1;
   rank1.error_feedback = false;
@@ -183,10 +184,12 @@ namespace {
 // Step 0 on a held reducer, rank 1 submitting its buckets in `rank1_order` and the others in 0, 1, 2: checks
 // each bucket's outcome against `codes` (0: reduced) and the one bucket `reduced` against one by one.
 std::unique_ptr<Reducer> reduce_reordered(Communicator& comm, const std::vector<int>& rank1_order,
-                                          const std::vector<int>& codes, int reduced) {
+                                          const std::vector<int>& codes, int reduced,
+                                          WireDType wire = WireDType::Float32) {
   Config c;
   c.rank = 2;
   c.start_iter = 0;
+  c.wire_dtype = wire;
   auto r = held_reducer(comm, c);
   auto alone = plain_reducer(comm, c);
   auto g = step_gradients(*r, comm.rank(), 0);
@@ -216,10 +219,14 @@ TEST_CASE("fusing: a carry summed for reductions not agreed is prepared again") 
   // Rank 1 runs bucket 1 first and proposes 0 and 2, the others run 0 and propose 1 and 2: every rank carries
   // the fused first collective of buckets 0, 1 and 2 (one size, summed by the exchange), and the announce
   // disagrees. The first two reductions fail with MismatchError on every rank; bucket 2, whose carried range
-  // held the sums, is prepared again and reduced with the bits of one by one.
+  // held the sums, is prepared again and reduced with the bits of one by one. With a bf16 wire the carried
+  // float32 parts are a gathered copy, the ranges untouched (StepRunner::carries_in_place): the same outcome.
   auto comm = connect("fusion-carry-discarded");
   const int mismatch = static_cast<int>(ErrorCode::Mismatch);
-  reduce_reordered(*comm, {1, 0, 2}, {mismatch, mismatch, 0}, 2);
+  for (const WireDType wire : {WireDType::Float32, WireDType::BFloat16}) {
+    INFO(std::string(to_string(wire)));
+    reduce_reordered(*comm, {1, 0, 2}, {mismatch, mismatch, 0}, 2, wire);
+  }
 }
 
 TEST_CASE("fusing: a refused call queued behind a reduction is left alone by the lookahead") {
@@ -530,14 +537,17 @@ TEST_CASE("fusing: a failed prepare of one bucket among carried proposals fails 
   // three, flagged. With every rank fusing, the fused reduction fails together and each reruns alone; with
   // rank 0 not fusing (it carries bucket 0's alone: not summed), rank 1 prepares buckets 0 and 2 again (their
   // flags were set in the carried range). Either way only bucket 1 fails, on every rank, its state unchanged,
-  // and the others have the bits of one by one.
+  // and the others have the bits of one by one. With a bf16 wire the announce carries the float32 parts of
+  // the three, gathered (the flags among them): the same outcome.
   auto comm = connect("fusion-carried-failure");
+  for (const WireDType wire : {WireDType::Float32, WireDType::BFloat16})
   for (const bool rank0_fuses : {true, false}) {
-    INFO("rank 0 fuses: ", rank0_fuses);
+    INFO("rank 0 fuses: ", rank0_fuses, ", ", std::string(to_string(wire)));
     if (!rank0_fuses && comm->rank() == 0) setenv("PSGD_FUSE_REDUCTIONS", "0", 1);
     Config c;
     c.rank = 2;
     c.start_iter = 0;
+    c.wire_dtype = wire;
     engine::Fault fault{engine::FaultPoint::Prepare, 2, true};
     fault.bucket = 1;
     engine::arm_fault(comm->rank() == 1 ? fault : engine::Fault{engine::FaultPoint::Hold, -1});
@@ -551,6 +561,7 @@ TEST_CASE("fusing: a failed prepare of one bucket among carried proposals fails 
       auto h = g;
       std::vector<float> before(r.bucket_size(1)), after(r.bucket_size(1));
       r.error_feedback(1, before.data());
+      const uint64_t rounds = comm->communication_rounds();
       std::vector<ReduceHandle> handles;
       for (int b = 0; b < r.num_buckets(); ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
       std::vector<std::string> messages(3);
@@ -563,6 +574,8 @@ TEST_CASE("fusing: a failed prepare of one bucket among carried proposals fails 
       }
       if (step != 2) {
         CHECK(messages == std::vector<std::string>(3));
+        // Carried and summed: the announce, then Q (bf16: the 16-bit P between them).
+        if (rank0_fuses) CHECK(comm->communication_rounds() - rounds == (wire == WireDType::Float32 ? 2u : 3u));
         CHECK(reduce_one_by_one(*comm, *alone, h).codes == std::vector<int>{0, 0, 0});
         for (size_t k = 0; k < g.size(); ++k) CHECK_MESSAGE(same_bits(g[k], h[k]), "bucket ", k);
         continue;
