@@ -105,6 +105,16 @@ constexpr Variable kVariables[] = {
      "With PSGD_HOST_STAGE=1 or auto: the name of this rank's host; ranks with the same name are staged together "
      "(compared whole). Default: the hostname and the transport's local address (hosts emulated by network "
      "namespaces share a hostname). Set it where hosts share names, or to split ranks of one host for tests."},
+    {"PSGD_FUSE_REDUCTIONS", "1",
+     "1: a Reducer's worker proposes the reductions queued behind the running one to run fused with it (one "
+     "announce, P and Q for all: docs/engine.md, \"Fusing queued reductions\"). 0: this rank proposes nothing, so "
+     "every rank reduces one by one (A/B benchmarks). Read when a Reducer is made; may differ between ranks; the "
+     "bits are the same either way."},
+    {"PSGD_CARRY_FIRST", "1",
+     "1: a Reducer's order-guard announce carries the reduction's first collective where it can (docs/engine.md, "
+     "\"The announce carries P\"): a round fewer. 0: this rank's announces carry nothing, so no rank's first "
+     "collective is summed in them (A/B benchmarks). Read when a Reducer is made; may differ between ranks; the "
+     "bits are the same either way."},
     {"PSGD_IB_DEVICE", "", "ibverbs device name (empty: the first device)."},
     {"PSGD_IB_PORT", "1", "ibverbs port number."},
     {"PSGD_IB_GID_INDEX", "0", "ibverbs GID index."},

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/env.hpp"
 #include "engine/fault_injection.hpp"
 #include "engine/policy.hpp"
 #include "engine/reducer_impl.hpp"
@@ -29,8 +30,10 @@ void Reducer::Impl::start() {
 }
 
 bool Reducer::Impl::switch_from_env(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr || std::string(value) != "0";
+  const std::string value = env::get_or_default(name);
+  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable ", name, "='", value,
+               "' is invalid: expected 1 (on, the default) or 0 (off)");
+  return value == "1";
 }
 
 void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {

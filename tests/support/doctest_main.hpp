@@ -66,7 +66,12 @@ inline bool apply_pretend_hosts() {
                  world != nullptr ? world : "(unset)");
     return false;
   }
-  setenv("PSGD_HOST_ID", hosts[static_cast<size_t>(std::atoi(rank))].c_str(), 1);
+  const int me = std::atoi(rank);
+  if (me < 0 || static_cast<size_t>(me) >= hosts.size()) {
+    std::fprintf(stderr, "test: RANK=%s is outside the %zu hosts of PSGD_TEST_HOSTS\n", rank, hosts.size());
+    return false;
+  }
+  setenv("PSGD_HOST_ID", hosts[static_cast<size_t>(me)].c_str(), 1);
   return true;
 }
 

@@ -254,6 +254,26 @@ TEST_CASE("step: every option against the double-precision reference") {
   CHECK(combos == 128);
 }
 
+TEST_CASE("PSGD_FUSE_REDUCTIONS and PSGD_CARRY_FIRST are 0 or 1: another value refuses the Reducer, naming it") {
+  auto comm = solo();
+  for (const char* name : {"PSGD_FUSE_REDUCTIONS", "PSGD_CARRY_FIRST"}) {
+    INFO(name);
+    for (const char* value : {"0", "1"}) {
+      setenv(name, value, 1);
+      CHECK_NOTHROW(Reducer(*comm, Config{}));
+    }
+    // "false" and "off" used to read as on: anything but "0" was.
+    for (const char* value : {"false", "off", "2", " 0"}) {
+      setenv(name, value, 1);
+      CHECK(error_of([&] { Reducer r(*comm, Config{}); }) ==
+            std::string("environment variable ") + name + "='" + value +
+                "' is invalid: expected 1 (on, the default) or 0 (off)");
+    }
+    unsetenv(name);
+    CHECK_NOTHROW(Reducer(*comm, Config{}));
+  }
+}
+
 TEST_CASE("step: a bucket reduced twice in one step is refused; the counter counts steps") {
   auto comm = solo();
   Reducer r(*comm, Config{});
