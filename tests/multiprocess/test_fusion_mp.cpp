@@ -12,6 +12,7 @@
 
 #include "support/doctest_main.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -30,9 +31,10 @@ using powersgd::test::gradients;
 
 namespace {
 
-std::unique_ptr<Communicator> connect(const char* run_id) {
+std::unique_ptr<Communicator> connect(const char* run_id, int timeout_ms = 0) {
   CommOptions o = CommOptions::from_env();
   o.run_id = run_id;
+  if (timeout_ms > 0) o.timeout = std::chrono::milliseconds(timeout_ms);
   return Communicator::create(o);
 }
 
@@ -595,6 +597,91 @@ TEST_CASE("fusing: a failed prepare of one bucket among carried proposals fails 
       CHECK(same_bits(g[2], h[2]));
     }
   }
+}
+
+namespace {
+
+// A rank (the last: not rank 0, which carries the test's output) that dies or stalls at `point` of step 2,
+// while its three queued reductions run fused, the announce carrying their first collective (with bf16 the
+// float32 parts, the 16-bit P following): every survivor's three handles fail within the timeout (Io: a peer
+// closed; Timeout: a stalled one), each bucket's error memory and data as they were. A stalled rank,
+// continued after its peers gave up, fails the same way.
+void lost_in_fused_step(engine::FaultPoint point, engine::FaultEffect effect, WireDType wire, const char* run_id) {
+  constexpr int kLostTimeoutMs = 3000;  // also the rendezvous's: ample for processes started together
+  constexpr int kStopMs = 8000;          // longer than a survivor may take, so that none succeeds by waiting
+  auto comm = connect(run_id, kLostTimeoutMs);
+  const int me = comm->rank();
+  const int victim = comm->size() - 1;
+  engine::Fault fault{point, 2, true, effect, kStopMs};  // hold: each step's three reductions fused
+  fault.bucket = 1;  // once: bucket 1's prepare (the held reduction's lookahead), or the fused step
+  engine::arm_fault(me == victim ? fault : engine::Fault{engine::FaultPoint::Hold, -1});
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  c.wire_dtype = wire;
+  Reducer r(*comm, c);
+  for (const auto& shapes : kBuckets) r.add_bucket(shapes);
+  for (int64_t step = 0; step < 2; ++step) {
+    auto g = step_gradients(r, me, step);
+    const StepResult result = reduce_queued(*comm, r, g, {0, 1, 2});
+    CHECK(result.codes == std::vector<int>{0, 0, 0});
+    CHECK(result.rounds == (wire == WireDType::Float32 ? 2u : 3u));  // fused, the first collective carried
+  }
+  auto g = step_gradients(r, me, 2);
+  const auto data = g;
+  std::vector<std::vector<float>> before;
+  for (int b = 0; b < r.num_buckets(); ++b) {
+    before.emplace_back(r.bucket_size(b));
+    r.error_feedback(b, before.back().data());
+  }
+  comm->barrier();  // every rank has its snapshot before the victim goes
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<ReduceHandle> handles;
+  for (int b = 0; b < r.num_buckets(); ++b) handles.push_back(r.reduce_async(b, g[static_cast<size_t>(b)].data()));
+  for (size_t b = 0; b < handles.size(); ++b) {
+    int code = 0;
+    std::string message;
+    try {
+      handles[b].wait();
+    } catch (const Error& e) {
+      code = static_cast<int>(e.code());
+      message = e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    INFO("bucket ", b, " after ", seconds, " s: ", message);
+    CHECK((code == static_cast<int>(ErrorCode::Io) || code == static_cast<int>(ErrorCode::Timeout)));
+    if (me != victim) {
+      if (effect == engine::FaultEffect::Exit) CHECK(seconds < 5.0);
+      else CHECK(seconds < (kLostTimeoutMs + 3000) / 1000.0);
+      if (effect == engine::FaultEffect::Stop && comm->size() == 2) CHECK(code == static_cast<int>(ErrorCode::Timeout));
+    }
+    std::vector<float> after(r.bucket_size(static_cast<int>(b)));
+    r.error_feedback(static_cast<int>(b), after.data());
+    CHECK(same_bits(after, before[b]));
+    CHECK(same_bits(g[b], data[b]));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fusing lost: a rank that dies before its fused step's first collective, float32") {
+  lost_in_fused_step(engine::FaultPoint::Prepare, engine::FaultEffect::Exit, WireDType::Float32, "fusion-dies-prepare");
+}
+TEST_CASE("fusing lost: a rank that dies before its fused step's first collective, bf16") {
+  lost_in_fused_step(engine::FaultPoint::Prepare, engine::FaultEffect::Exit, WireDType::BFloat16,
+                     "fusion-dies-prepare-bf16");
+}
+TEST_CASE("fusing lost: a rank that dies between its fused step's P and Q, bf16") {
+  lost_in_fused_step(engine::FaultPoint::Between, engine::FaultEffect::Exit, WireDType::BFloat16,
+                     "fusion-dies-between-bf16");
+}
+TEST_CASE("fusing lost: a rank that stalls between its fused step's P and Q, float32") {
+  lost_in_fused_step(engine::FaultPoint::Between, engine::FaultEffect::Stop, WireDType::Float32,
+                     "fusion-stalls-between");
+}
+TEST_CASE("fusing lost: a rank that stalls before its fused step's first collective, bf16") {
+  lost_in_fused_step(engine::FaultPoint::Prepare, engine::FaultEffect::Stop, WireDType::BFloat16,
+                     "fusion-stalls-prepare-bf16");
 }
 
 TEST_CASE("fusing: a replica that drifted is still named by the divergence detector") {
