@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "comm/communicator.hpp"
+#include "staged_check.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/fault_injection.hpp"
 #include "engine_reference.hpp"
@@ -35,6 +36,7 @@ using powersgd::test::Reference;
 using powersgd::test::config_for;
 using powersgd::test::gradients;
 using powersgd::test::relative_difference;
+using powersgd::testing::require_staged_if_asked;
 
 namespace {
 
@@ -218,21 +220,6 @@ TEST_CASE("reference: W ranks against the double-precision reference, every opti
         CHECK(relative_difference(error, ref.error(comm->rank())) < 3e-5);
       }
     }
-}
-
-// With PSGD_HOST_STAGE=1 (Meson's staged variants, pretend hosts from PSGD_TEST_HOSTS): requires that the
-// communicator is staged over those hosts, so a staged variant cannot pass unstaged. Whether it is staged.
-static bool require_staged_if_asked(const Communicator& comm) {
-  const char* stage = std::getenv("PSGD_HOST_STAGE");
-  if (stage == nullptr || std::string(stage) != "1") return false;
-  const auto names = testing::pretend_hosts();
-  std::vector<std::string> hosts;
-  for (const auto& name : names)
-    if (std::find(hosts.begin(), hosts.end(), name) == hosts.end()) hosts.push_back(name);
-  const auto* gloo = dynamic_cast<const transport::GlooCommunicator*>(&comm);
-  REQUIRE(gloo != nullptr);
-  REQUIRE(gloo->staged_hosts() == static_cast<int>(hosts.size()));
-  return true;
 }
 
 TEST_CASE("exact: a mean of rank <= r, uncompressed tensors and plain steps give the exact mean") {

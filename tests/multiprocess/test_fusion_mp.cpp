@@ -25,6 +25,7 @@
 #include "engine/fault_injection.hpp"
 #include "engine_reference.hpp"
 #include "error_of.hpp"
+#include "staged_check.hpp"
 
 using namespace powersgd;
 using powersgd::test::gradients;
@@ -610,6 +611,7 @@ void lost_in_fused_step(engine::FaultPoint point, engine::FaultEffect effect, Wi
   constexpr int kLostTimeoutMs = 3000;  // also the rendezvous's: ample for processes started together
   constexpr int kStopMs = 8000;          // longer than a survivor may take, so that none succeeds by waiting
   auto comm = connect(run_id, kLostTimeoutMs);
+  testing::require_staged_if_asked(*comm);  // the staged variants: staged over their pretend hosts
   const int me = comm->rank();
   const int victim = comm->size() - 1;
   engine::Fault fault{point, 2, true, effect, kStopMs};  // hold: each step's three reductions fused
