@@ -382,6 +382,39 @@ int mode_direct_bound() {
   return wrong == 0 ? 0 : 4;
 }
 
+// The last rank exits (_exit(0): its sockets close as under SIGKILL, and the launcher goes on) MS ms after
+// it starts, wherever it is then: in the rendezvous, the mesh, the fingerprint check, host staging's setup or
+// the direct bound's probe of Communicator::create, or after it. Every other rank must then fail, in create or
+// in the barrier after it, within the timeout: it prints where, the error's code and the seconds it took.
+int mode_lost_in_create(char** argv) {
+  const int ms = std::atoi(argv[2]);
+  if (ms < 0) die("lost-in-create MS: expected a delay in milliseconds");
+  const powersgd::CommOptions options = powersgd::CommOptions::from_env();
+  const bool victim = options.rank == options.world_size - 1;
+  if (victim)
+    std::thread([ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      ::_exit(0);
+    }).detach();
+  const auto start = Clock::now();
+  const char* where = "create";
+  try {
+    auto comm = powersgd::Communicator::create(options);
+    where = "barrier";
+    if (victim) std::this_thread::sleep_for(std::chrono::hours(1));  // until its thread exits it
+    comm->barrier();
+  } catch (const powersgd::Error& e) {
+    // mesh=1: Gloo's connect of the mesh timed out (connectFullMesh waits for each pair in turn: see the test).
+    const bool mesh = std::string(e.what()).find("Connect timeout") != std::string::npos;
+    std::printf("lost where=%s code=%d seconds=%.3f mesh=%d\n", where, static_cast<int>(e.code()),
+                std::chrono::duration<double>(Clock::now() - start).count(), mesh ? 1 : 0);
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s\n", e.what());
+    return 0;
+  }
+  die("lost-in-create: the barrier succeeded without the last rank");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -399,6 +432,7 @@ int main(int argc, char** argv) {
     if (mode == "pingpong" && argc == 3) return mode_pingpong(argv);
     if (mode == "allreduce" && argc == 3) return mode_allreduce(argv);
     if (mode == "direct-bound" && argc == 2) return mode_direct_bound();
+    if (mode == "lost-in-create" && argc == 3) return mode_lost_in_create(argv);
   } catch (const std::exception& e) {
     die(e.what());
   }
