@@ -173,6 +173,11 @@ const char* to_string(Algorithm algorithm) {
 GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : options_(options), api_(api) {
   if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
   host_stage_ = host_stage_from_env();
+  // Refused here, before any collective: a rank that throws after one may close its connections while a peer
+  // still waits for that collective's last message, which then fails there as a PeerError, not as this error.
+  PSGD_REQUIRE(host_stage_ != HostStageMode::On || api_ == GlooApi::New, UnsupportedError,
+               "PSGD_HOST_STAGE=1 needs Gloo's new API (TCP; the legacy API and ibverbs have no unbound buffers): "
+               "set PSGD_HOST_STAGE=0");
   host_shm_ = host_shm_from_env();  // parsed wherever staging may run: a typo is named at creation
   const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
   eager_direct_ = api_ == GlooApi::New && eager;
@@ -374,9 +379,7 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
     PSGD_LOG(Debug, setting, ": not staged: the legacy Gloo API (and ibverbs) have no unbound buffers");
     return;
   }
-  PSGD_REQUIRE(api_ == GlooApi::New, UnsupportedError,
-               "PSGD_HOST_STAGE=1 needs Gloo's new API (TCP; the legacy API and ibverbs have no unbound buffers): "
-               "set PSGD_HOST_STAGE=0");
+  PSGD_ASSERT(api_ == GlooApi::New, "PSGD_HOST_STAGE=1 with the legacy API is refused at construction");
   if (options_.world_size == 1) {
     PSGD_LOG(Debug, setting, " has no effect: a world of one");
     return;
