@@ -219,13 +219,13 @@ class Reducer::Impl final : public detail::CommUser {
   static void unprepare(Reduction& r);
   // `reduction`, then the claimed ones in the queue's order.
   static std::vector<Reduction*> together(Reduction& reduction, Claimed& claimed);
-  // Worker thread, once: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any rank that
-  // proposes nothing makes every rank run its reductions one by one).
+  // Read once, when the Reducer is made: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any
+  // rank that proposes nothing makes every rank run its reductions one by one).
   const bool fuse_ = switch_from_env("PSGD_FUSE_REDUCTIONS");
   // PSGD_CARRY_FIRST=0: this rank's announces never carry the first collective (OrderGuard::carry; bench A/B;
   // a rank that carries nothing makes every rank issue the first collective of its own).
   const bool carry_first_ = switch_from_env("PSGD_CARRY_FIRST");
-  // An on/off switch of this rank's: on unless the variable is "0".
+  // An on/off switch of this rank's: 1 (on, the default) or 0; another value is an InvalidArgumentError naming it.
   static bool switch_from_env(const char* name);
   // Runs fn on the worker after everything queued before it; rethrows its exception.
   void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn), {}})->wait(); }

@@ -1045,7 +1045,7 @@ TEST_SUITE("link-delay") {
       CHECK(namespaces_of(l.pid()).empty());
     }
     for (const auto& [where, count] : places) MESSAGE(count, " rank(s) failed in ", where);
-    MESSAGE(mesh_waits, " rank(s) failed waiting for Gloo's connect of the mesh");
+    MESSAGE(mesh_waits, " rank(s) failed in the rendezvous, Gloo's connect of the mesh included");
   }
 
   TEST_CASE("--delay-mechanism netem on a kernel without netem: exit 1 naming tc's error, before any worker") {
