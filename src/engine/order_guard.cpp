@@ -198,7 +198,7 @@ uint64_t OrderGuard::first_collective_count(const Reduction& r) const {
   for (int b : r.buckets) {
     const BucketState& s = *buckets_[static_cast<size_t>(b)];
     const bool q_half = in_q_half(config_, s);
-    count += static_cast<uint64_t>(s.plan.packed_numel + 1 + (q_half ? s.plan.q_numel : s.plan.p_numel));
+    count += static_cast<uint64_t>(s.plan.float32_part_numel() + (q_half ? s.plan.q_numel : s.plan.p_numel));
   }
   return count;
 }
@@ -224,9 +224,7 @@ OrderGuard::OrderGuard(const Config& config, Communicator& comm, compute::Backen
 
 uint64_t OrderGuard::carried_count(const Reduction& r) const {
   if (config_.wire_dtype == WireDType::Float32) return first_collective_count(r);
-  uint64_t count = 0;
-  for (int b : r.buckets) count += static_cast<uint64_t>(buckets_[static_cast<size_t>(b)]->plan.packed_numel + 1);
-  return count;
+  return StepRunner::float32_count(buckets_, r.buckets);
 }
 
 bool OrderGuard::can_carry(const Reduction& r) const {

@@ -45,6 +45,10 @@ struct BucketPlan {
   int64_t q_numel = 0;
   bool whole = false;
   int64_t side = 0;  // whole bucket only
+
+  // The float32 part of the bucket's range in its first collective: the packed tensors, then the finite flag
+  // (its factor, P or Q, follows; 16-bit on a 16-bit wire).
+  int64_t float32_part_numel() const { return packed_numel + 1; }
 };
 
 // Throws InvalidArgumentError for an empty bucket, a negative dimension or a

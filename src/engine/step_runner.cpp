@@ -80,20 +80,28 @@ Work StepRunner::send(const Segment& seg, bool stage) {
   return allreduce(seg.host, seg.count, DataType::Float32);
 }
 
-void StepRunner::send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works) {
+void StepRunner::send_first(const Reduction& job, const Segment& unc, const Ranges& factors,
+                            std::vector<Work>& works) {
   if (config_.wire_dtype == WireDType::Float32) {
-    works.push_back(send(seg, stage));
+    works.push_back(send(unc, false));
     return;
   }
-  if (stage && seg.host != seg.dev) be_.copy_to_host(seg.host, seg.dev, seg.count);
-  wire_f32_.resize(seg.count - factor_count(factors));
-  gather_float32(seg, factors);
-  // Float32 first, then the factors: the same two collectives, in the same order, on every rank.
-  if (!wire_f32_.empty()) {
-    stats_.bytes_sent += wire_f32_.size() * sizeof(float);
-    works.push_back(allreduce(wire_f32_.data(), wire_f32_.size(), DataType::Float32));
+  wire_f32_.resize(float32_count(buckets_, job.buckets));
+  gather_float32(job, unc);
+  // Float32 first (never empty: each bucket has its flag), then the factors: the same two collectives, in the
+  // same order, on every rank.
+  stats_.bytes_sent += wire_f32_.size() * sizeof(float);
+  works.push_back(allreduce(wire_f32_.data(), wire_f32_.size(), DataType::Float32));
+  send_factors(unc, factors, works);
+}
+
+void StepRunner::send_q(const Segment& q, const Ranges& all_of_q, bool stage, std::vector<Work>& works) {
+  if (config_.wire_dtype == WireDType::Float32) {
+    works.push_back(send(q, stage));
+    return;
   }
-  send_factors(seg, factors, works);
+  if (stage && q.host != q.dev) be_.copy_to_host(q.host, q.dev, q.count);
+  send_factors(q, all_of_q, works);
 }
 
 size_t StepRunner::factor_count(const Ranges& factors) {
@@ -102,14 +110,17 @@ size_t StepRunner::factor_count(const Ranges& factors) {
   return count;
 }
 
-void StepRunner::gather_float32(const Segment& seg, const Ranges& factors) noexcept {
+size_t StepRunner::float32_count(const std::vector<std::unique_ptr<BucketState>>& buckets,
+                                 std::span<const int> members) {
+  size_t count = 0;
+  for (int b : members) count += static_cast<size_t>(buckets[static_cast<size_t>(b)]->plan.float32_part_numel());
+  return count;
+}
+
+void StepRunner::gather_float32(const Reduction& job, const Segment& unc) noexcept {
   float* f32 = wire_f32_.data();
-  int64_t at = 0;
-  for (const auto& [offset, n] : factors) {
-    f32 = std::copy(seg.host + at, seg.host + offset, f32);
-    at = offset + n;
-  }
-  std::copy(seg.host + at, seg.host + static_cast<int64_t>(seg.count), f32);
+  for (size_t i = 0; i < job.buckets.size(); ++i)
+    f32 = std::copy_n(unc.host + (job.unc_at[i] - job.unc_begin), bucket(job.buckets[i]).plan.float32_part_numel(), f32);
 }
 
 void StepRunner::send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works) {
@@ -149,11 +160,11 @@ void StepRunner::widen_factors(const Segment& seg, const Ranges& factors) {
 
 StepRunner::Ranges StepRunner::factor_ranges(const Reduction& job) {
   Ranges ranges;
-  if (config_.wire_dtype == WireDType::Float32) return ranges;  // send_segment and wait_segment ignore them
+  if (config_.wire_dtype == WireDType::Float32) return ranges;  // send_first and wait_segment ignore them
   for (size_t i = 0; i < job.buckets.size(); ++i) {
     const BucketState& s = bucket(job.buckets[i]);
     const int64_t n = factor_numel(s, job.q_half[i]);
-    if (n > 0) ranges.emplace_back(job.unc_at[i] - job.unc_begin + s.plan.packed_numel + 1, n);
+    if (n > 0) ranges.emplace_back(job.unc_at[i] - job.unc_begin + s.plan.float32_part_numel(), n);
   }
   return ranges;
 }
@@ -218,17 +229,9 @@ bool StepRunner::reserve_carried(size_t count) noexcept {
 std::span<float> StepRunner::stage_carried(Reduction& job) noexcept {
   const Segment unc = stage_first(job);
   if (config_.wire_dtype == WireDType::Float32) return {unc.host, unc.count};
-  // Each bucket's range is its float32 part, then its factor (factor_ranges): the float32 parts in the order
-  // send_segment gathers them, into the capacity reserve_carried made (no allocation).
-  size_t count = 0;
-  for (size_t i = 0; i < job.buckets.size(); ++i) count += static_cast<size_t>(bucket(job.buckets[i]).plan.packed_numel + 1);
-  // Not reserved (reserve_carried was given another count: a bug): carrying nothing, this rank's sizes differ,
-  // so no rank's first collective is summed in the announce and every rank issues it as usual.
-  if (count > wire_f32_.capacity()) return {};
-  wire_f32_.resize(count);
-  float* f32 = wire_f32_.data();
-  for (size_t i = 0; i < job.buckets.size(); ++i)
-    f32 = std::copy_n(unc.host + (job.unc_at[i] - job.unc_begin), bucket(job.buckets[i]).plan.packed_numel + 1, f32);
+  // Within the capacity reserve_carried(OrderGuard::carried_count) made for these buckets: no allocation.
+  wire_f32_.resize(float32_count(buckets_, job.buckets));
+  gather_float32(job, unc);
   return wire_f32_;
 }
 
@@ -236,13 +239,13 @@ void StepRunner::first_collective(Reduction& job, const Segment& unc, const Rang
   if (!job.first_summed) {
     std::vector<Work> works;
     stage_first(job);
-    send_segment(unc, factors, false, works);
+    send_first(job, unc, factors, works);
     lookahead(job);
     wait_segment(works, unc, factors, !job.prepare_error);
     return;
   }
   if (config_.wire_dtype != WireDType::Float32) {
-    // The announce carried the float32 parts (stage_carried), summed in place in wire_f32_, as send_segment's
+    // The announce carried the float32 parts (stage_carried), summed in place in wire_f32_, as send_first's
     // float32 collective would have; the 16-bit factors follow in theirs, the same collective on every rank
     // (first_summed is), so the sums keep the bits and the bytes of the two collectives they replace.
     PSGD_ASSERT(wire_f32_.size() == unc.count - factor_count(factors), "the carried float32 parts, ",
@@ -276,7 +279,7 @@ void StepRunner::prepare(Reduction& job) {
       job.q_half[i] = q_half_now(s);
       job.unc_at[i] = n == 1 ? s.unc_offset : unc_end;
       job.q_at[i] = n == 1 ? s.q_offset : q_end;
-      unc_end = job.unc_at[i] + s.plan.packed_numel + 1 + factor_numel(s, job.q_half[i]);
+      unc_end = job.unc_at[i] + s.plan.float32_part_numel() + factor_numel(s, job.q_half[i]);
       q_end = job.q_at[i] + s.plan.q_numel;
     }
     job.unc_begin = job.unc_at[0];
@@ -430,7 +433,7 @@ bool StepRunner::can_fuse(std::vector<int> buckets) const {
     const int64_t q = config_.alternating ? 0 : s.plan.q_numel;
     if (i > 0) {
       const BucketState& before = bucket(buckets[i - 1]);
-      if (before.unc_offset + before.plan.packed_numel + 1 + factor_numel(before, q_half_now(before)) !=
+      if (before.unc_offset + before.plan.float32_part_numel() + factor_numel(before, q_half_now(before)) !=
               s.unc_offset ||
           before.q_offset + before.plan.q_numel != s.q_offset)
         return false;
@@ -439,8 +442,8 @@ bool StepRunner::can_fuse(std::vector<int> buckets) const {
     // fused ones, sent in rank order too, keep the bits and move the same bytes.
     const bool alone_in_rank_order =
         config_.wire_dtype == WireDType::Float32
-            ? in_rank_order(s.plan.packed_numel + 1 + factor, DataType::Float32) && in_rank_order(q, DataType::Float32)
-            : in_rank_order(s.plan.packed_numel + 1, DataType::Float32) &&
+            ? in_rank_order(s.plan.float32_part_numel() + factor, DataType::Float32) && in_rank_order(q, DataType::Float32)
+            : in_rank_order(s.plan.float32_part_numel(), DataType::Float32) &&
                   in_rank_order(factor, wire_type(config_.wire_dtype)) && in_rank_order(q, wire_type(config_.wire_dtype));
     if (!alone_in_rank_order) return false;
   }
@@ -596,7 +599,7 @@ void StepRunner::run_compressed(Reduction& job) {
   const Ranges all_of_q{{0, static_cast<int64_t>(q.count)}};  // Q is all factor
   if (q.count > 0) {
     if (between_failed) q.host[0] = std::numeric_limits<float>::quiet_NaN();
-    send_segment(q, all_of_q, !between_failed, works);
+    send_q(q, all_of_q, !between_failed, works);
   }
   lookahead(job);
   if (q.count > 0) wait_segment(works, q, all_of_q, !between_failed);
@@ -635,7 +638,7 @@ void StepRunner::run_alternating(Reduction& job) {
     if (config_.adaptive) {
       const float* range = unc.host + (job.unc_at[i] - job.unc_begin);
       job.out2[i] = host_squared_sum(range, s.plan.packed_numel) +
-                    host_squared_sum(range + s.plan.packed_numel + 1, count);
+                    host_squared_sum(range + s.plan.float32_part_numel(), count);
     }
     be_.scale(factor(job, i), inv, static_cast<size_t>(count));
   }

@@ -90,13 +90,16 @@ class StepRunner {
   Segment stage_first(Reduction& job) noexcept;
   // What the order guard's announce carries of a prepared compressed `job`'s first collective, staged
   // (stage_first): with the float32 wire its host range, summed there; with a 16-bit wire its float32 parts
-  // (each bucket's packed tensors and flag), gathered in send_segment's order into the capacity that
+  // (each bucket's packed tensors and flag), gathered in send_first's order (gather_float32) into the capacity that
   // reserve_carried(OrderGuard::carried_count) made, and summed there, first_collective scattering them back.
   // Throws nothing, allocates nothing: the announce must leave.
   std::span<float> stage_carried(Reduction& job) noexcept;
   // Makes room for `count` carried float32 parts (a 16-bit wire); false where that fails (the announce then
   // carries nothing). Before the announce is begun.
   bool reserve_carried(size_t count) noexcept;
+  // The float32 parts' elements of the buckets `members` (each's float32_part_numel): what a 16-bit wire's
+  // float32 collective of their fused first collective sends, and so what its announce carries.
+  static size_t float32_count(const std::vector<std::unique_ptr<BucketState>>& buckets, std::span<const int> members);
   // Whether stage_carried's span is the reduction's own host range (the float32 wire), which sums that come back
   // and are not kept then overwrite; else it is a gathered copy.
   bool carries_in_place() const { return config_.wire_dtype == WireDType::Float32; }
@@ -165,7 +168,7 @@ class StepRunner {
   // The factor the bucket's first-collective range carries this step: P, or Q in an alternating Q half.
   int64_t factor_numel(const BucketState& s, bool q_half) const { return q_half ? s.plan.q_numel : s.plan.p_numel; }
   float* factor(const Reduction& job, size_t i) {
-    return arenas_.unc.data() + job.unc_at[i] + bucket(job.buckets[i]).plan.packed_numel + 1;
+    return arenas_.unc.data() + job.unc_at[i] + bucket(job.buckets[i]).plan.float32_part_numel();
   }
   // Bucket i's finite flag in the reduction's first-collective segment `unc`.
   float& flag(const Reduction& job, size_t i, const Segment& unc) {
@@ -183,21 +186,24 @@ class StepRunner {
   // A segment whose `factors` ranges ([offset, count) from the segment's start,
   // ascending) hold P or Q: with a 16-bit wire_dtype those travel in their own
   // collective, rounded once (engine/half.hpp), after one float32 collective of
-  // the rest; with float32, the whole segment in one. wait_segment waits for
-  // `works`, puts the sums back into the segment's host range (the factors
-  // widened to float32) and, with copy_back, into its device range.
+  // the rest (gather_float32); with float32, the whole segment in one.
+  // send_first sends the job's first collective (unc, staged by stage_first), send_q its Q (all factor;
+  // stage: copied from the device first). wait_segment waits for `works`, puts the sums back into the
+  // segment's host range (the factors widened to float32) and, with copy_back, into its device range.
   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
-  void send_segment(const Segment& seg, const Ranges& factors, bool stage, std::vector<Work>& works);
+  void send_first(const Reduction& job, const Segment& unc, const Ranges& factors, std::vector<Work>& works);
+  void send_q(const Segment& q, const Ranges& all_of_q, bool stage, std::vector<Work>& works);
   void wait_segment(std::vector<Work>& works, const Segment& seg, const Ranges& factors, bool copy_back);
-  // The 16-bit half of send_segment and wait_segment: the factors encoded into
+  // The 16-bit half of the sends and wait_segment: the factors encoded into
   // wire_half_ and, where there are any, their collective; the sums widened back.
   void send_factors(const Segment& seg, const Ranges& factors, std::vector<Work>& works);
   static size_t factor_count(const Ranges& factors);  // the elements of the ranges
   void widen_factors(const Segment& seg, const Ranges& factors);
-  // The segment's float32 elements (all but the factors) into wire_f32_, sized for them.
-  void gather_float32(const Segment& seg, const Ranges& factors) noexcept;
+  // Each bucket's float32 part of the job's first-collective segment `unc`, in bucket order, into wire_f32_,
+  // which the caller sized for them (float32_count).
+  void gather_float32(const Reduction& job, const Segment& unc) noexcept;
   // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
-  // computed once per step for send_segment and wait_segment.
+  // computed once per step for send_first and wait_segment.
   Ranges factor_ranges(const Reduction& job);
   void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back = true);
   // Collective, on the error path only (every rank saw from the sums that one
@@ -222,7 +228,7 @@ class StepRunner {
   QueuedReductions queued_;
   std::optional<Fault> fault_;  // test-only fault injection (fault_injection.hpp)
   // The 16-bit wire's buffers: one segment's float32 ranges and its factors,
-  // valid from send_segment (or stage_carried) until wait_segment (one segment in flight at a time).
+  // valid from send_first or send_q (or stage_carried) until wait_segment (one segment in flight at a time).
   std::vector<float> wire_f32_;
   std::vector<uint16_t> wire_half_;
 };
