@@ -9,9 +9,15 @@
 
 #include <stdlib.h>
 
+#include <gloo/transport/tcp/address.h>
+#include <netinet/in.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
+#include <future>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -20,7 +26,9 @@
 #include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
 #include "comm/fingerprint.hpp"
+#include "comm/device.hpp"
 #include "comm/host_stage.hpp"
+#include "comm/mesh.hpp"
 #include "comm/options.hpp"
 #include "comm/peer_attribution.hpp"
 #include "powersgd/comm.hpp"
@@ -409,3 +417,77 @@ TEST_CASE("require_bindable accepts this host's addresses and names PSGD_ADDR ot
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
+
+// The mesh's one deadline (MeshContext): rank 0 of 2 on loopback, whose peer publishes its pair's address and
+// never connects. Rank 0 listens on its side of the pair (its port below the peer's: Gloo's tcp::Pair listens
+// from the lower address), where Debian's Gloo waited 5 timeouts; here it fails after one.
+TEST_CASE("a peer that publishes its address and never connects: the mesh fails within its one timeout") {
+  char pattern[] = "/tmp/psgd-mesh-XXXXXX";
+  REQUIRE(::mkdtemp(pattern) != nullptr);
+  const std::filesystem::path dir = pattern;
+  constexpr auto kTimeout = std::chrono::milliseconds(1000);
+  {
+    CommOptions options;
+    options.address = "127.0.0.1";
+    const auto device = make_device(options);
+    auto store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
+    auto peer_store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
+    MeshContext context(0, 2);
+    const auto start = std::chrono::steady_clock::now();
+    auto connected = std::async(std::launch::async, [&] { context.connect_full_mesh(*store, device, kTimeout); });
+
+    // Rank 0's pair address (its one pair), then a pair of the peer's whose port is above it.
+    peer_store->wait({"0"}, std::chrono::milliseconds(5000));
+    const auto port_of = [](const std::vector<char>& bytes) {
+      const sockaddr_storage ss = gloo::transport::tcp::Address(bytes).getSockaddr();
+      REQUIRE(ss.ss_family == AF_INET);
+      sockaddr_in in{};
+      std::memcpy(&in, &ss, sizeof(in));
+      return in.sin_port;  // as Gloo compares them (network order)
+    };
+    const auto own_port = port_of(peer_store->get("0"));
+    std::vector<std::shared_ptr<gloo::transport::Context>> peers;
+    std::vector<char> published;
+    for (int attempt = 0; attempt < 200 && published.empty(); ++attempt) {
+      peers.push_back(device->createContext(1, 2));
+      std::vector<char> bytes = peers.back()->createPair(0)->address().bytes();
+      if (port_of(bytes) > own_port) published = bytes;
+    }
+    REQUIRE_MESSAGE(!published.empty(), "no pair port above rank 0's in 200 tries");
+    peer_store->set("1", published);
+
+    std::string error;
+    try {
+      connected.get();
+    } catch (const MeshTimeout& e) {
+      error = e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    MESSAGE("rank 0 failed after ", seconds, " s: ", error);
+    CHECK(error == "rank 0's pair with rank 1 was not connected within 1000 ms");
+    CHECK(seconds >= 0.95);
+    CHECK(seconds < 4.0);  // Gloo's connectFullMesh: 5 s
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// The deadline covers the wait for a peer's addresses too: a peer that never publishes them fails rank 0 in
+// the store's wait, at the timeout.
+TEST_CASE("a peer that never publishes its address: the mesh fails at its timeout, in the store's wait") {
+  char pattern[] = "/tmp/psgd-mesh-XXXXXX";
+  REQUIRE(::mkdtemp(pattern) != nullptr);
+  const std::filesystem::path dir = pattern;
+  {
+    CommOptions options;
+    options.address = "127.0.0.1";
+    const auto device = make_device(options);
+    auto store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
+    MeshContext context(0, 2);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(context.connect_full_mesh(*store, device, std::chrono::milliseconds(500)), TimeoutError);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(seconds >= 0.45);
+    CHECK(seconds < 3.0);  // not the store's own 10 s
+  }
+  std::filesystem::remove_all(dir);
+}

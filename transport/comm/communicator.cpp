@@ -19,6 +19,7 @@
 #include "comm/device.hpp"
 #include "comm/fingerprint.hpp"
 #include "comm/host_stage.hpp"
+#include "comm/mesh.hpp"
 #include "comm/options.hpp"
 #include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
@@ -328,7 +329,7 @@ void GlooCommunicator::connect() {
   }
 
   device_ = make_device(options_);
-  context_ = std::make_shared<gloo::rendezvous::Context>(options_.rank, options_.world_size);
+  context_ = std::make_shared<MeshContext>(options_.rank, options_.world_size);
   connect_mesh(*context_, *scoped, detail::concat("rendezvous of ", options_.world_size, " ranks"));
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
@@ -338,12 +339,17 @@ void GlooCommunicator::connect() {
   if (eager_direct_) algorithms_->enable_eager_direct(direct_max_bytes_);
 }
 
-void GlooCommunicator::connect_mesh(gloo::rendezvous::Context& context, Store& store, const std::string& what) {
-  context.setTimeout(options_.timeout);  // before connectFullMesh: pairs copy it
+void GlooCommunicator::connect_mesh(MeshContext& context, Store& store, const std::string& what) {
   try {
-    context.connectFullMesh(store, device_);
+    context.connect_full_mesh(store, device_, options_.timeout);
+  } catch (const TimeoutError& e) {  // the store's wait for a peer's addresses, within the mesh's deadline
+    PSGD_THROW(TimeoutError, what, " at ", store_name_, " timed out after ", options_.timeout.count(), " ms: ",
+               e.what());
   } catch (const Error&) {
     throw;
+  } catch (const MeshTimeout& e) {
+    PSGD_THROW(TimeoutError, what, " at ", store_name_, " timed out after ", options_.timeout.count(), " ms: ",
+               e.what(), " (a rank died or stalled while the mesh was connected?)");
   } catch (const std::exception& e) {
     std::string message = e.what();
     if (is_timeout_message(message))
@@ -424,9 +430,9 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
   }
   const int host = groups.host_of[static_cast<size_t>(options_.rank)];
   const int hosts = static_cast<int>(groups.hosts.size());
-  std::shared_ptr<gloo::rendezvous::Context> leaders;
+  std::shared_ptr<MeshContext> leaders;
   if (groups.hosts[static_cast<size_t>(host)].front() == options_.rank) {
-    leaders = std::make_shared<gloo::rendezvous::Context>(host, hosts);
+    leaders = std::make_shared<MeshContext>(host, hosts);
     auto store = make_prefix_store(scoped, "leaders");
     connect_mesh(*leaders, *store, detail::concat("rendezvous of the ", hosts, " hosts' leaders"));
   }

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <vector>
 
+#include "comm/mesh.hpp"
 #include "comm/options.hpp"
 #include "comm/peer_attribution.hpp"
 #include "common/serial_worker.hpp"
@@ -134,8 +135,9 @@ class GlooCommunicator final : public Communicator {
   // Collective, at creation with PSGD_HOST_STAGE=1: groups the ranks by host
   // and, unless that is degenerate, connects the leaders' context and sets stage_.
   void setup_host_stage(Store& scoped);
-  // connectFullMesh with Gloo's errors translated, naming `what` ("rendezvous of 4 ranks").
-  void connect_mesh(gloo::rendezvous::Context& context, Store& store, const std::string& what);
+  // The context's full mesh, connected within the timeout (MeshContext), Gloo's errors translated, naming
+  // `what` ("rendezvous of 4 ranks").
+  void connect_mesh(MeshContext& context, Store& store, const std::string& what);
   Work submit(std::string name, RunFn run);
   // The communication thread's body for one operation: fails at once when the
   // group is broken; translates Gloo's errors, breaking the group on a PeerError.
@@ -216,7 +218,7 @@ class GlooCommunicator final : public Communicator {
   std::string store_name_;  // in rendezvous errors: "ADDR:PORT", or the caller's store's name
   std::shared_ptr<gloo::transport::Device> device_;
   // Dropped by the communication thread after a fatal failure.
-  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::shared_ptr<MeshContext> context_;
   // Which rank a failure message is about (filled by the fingerprint exchange).
   PeerTable peers_;
   // The staged allreduce (null unless staging is in effect); after creation the communication thread's alone.

@@ -21,6 +21,9 @@
 //   allreduce DIR         join a Communicator, write DIR/rank-R.running after the first allreduce, then
 //                         allreduce 1 MiB in a loop for up to 120 s; on failure print "allreduce failed:
 //                         CODE: MESSAGE" and exit 3 (PSGD_TIMEOUT_MS bounds each collective)
+//   lost-in-create MS     the last rank exits MS ms after it starts, inside Communicator::create or after it;
+//                         every other rank prints "lost where=create|barrier code=C seconds=S mesh=0|1"
+//   stalled-in-create MS  like lost-in-create, but the last rank stops (SIGSTOP) for 8 s, then exits 0
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -28,6 +31,7 @@
 #include <signal.h>
 #include <sys/syscall.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -382,18 +386,36 @@ int mode_direct_bound() {
   return wrong == 0 ? 0 : 4;
 }
 
+// The seconds a stalled-in-create victim stays stopped: beyond every survivor's bound in the test.
+constexpr int kStalledSeconds = 8;
+
 // The last rank exits (_exit(0): its sockets close as under SIGKILL, and the launcher goes on) MS ms after
 // it starts, wherever it is then: in the rendezvous, the mesh, the fingerprint check, host staging's setup or
 // the direct bound's probe of Communicator::create, or after it. Every other rank must then fail, in create or
 // in the barrier after it, within the timeout: it prints where, the error's code and the seconds it took.
-int mode_lost_in_create(char** argv) {
+// With `stall`, the last rank stops instead (SIGSTOP: its connections stay open and silent) for
+// kStalledSeconds, continued by a child of its own, then exits 0.
+int mode_lost_in_create(char** argv, bool stall) {
   const int ms = std::atoi(argv[2]);
-  if (ms < 0) die("lost-in-create MS: expected a delay in milliseconds");
+  if (ms < 0) die("lost-in-create / stalled-in-create MS: expected a delay in milliseconds");
   const powersgd::CommOptions options = powersgd::CommOptions::from_env();
   const bool victim = options.rank == options.world_size - 1;
   if (victim)
-    std::thread([ms] {
+    std::thread([ms, stall] {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      if (stall) {
+        // A child stops it and continues it (on this machine a process's SIGSTOP to itself, sent after a
+        // fork, did not stop it); this thread then waits for the child and exits.
+        const pid_t self = ::getpid();
+        const pid_t stopper = ::fork();
+        if (stopper == 0) {  // async-signal-safe calls only: the parent has threads
+          ::kill(self, SIGSTOP);
+          ::sleep(kStalledSeconds);
+          ::kill(self, SIGCONT);
+          ::_exit(0);
+        }
+        if (stopper > 0) ::waitpid(stopper, nullptr, 0);
+      }
       ::_exit(0);
     }).detach();
   const auto start = Clock::now();
@@ -404,8 +426,7 @@ int mode_lost_in_create(char** argv) {
     if (victim) std::this_thread::sleep_for(std::chrono::hours(1));  // until its thread exits it
     comm->barrier();
   } catch (const powersgd::Error& e) {
-    // mesh=1: it failed in the rendezvous, Gloo's connect of the mesh included (connect_mesh's "rendezvous of N
-    // ranks ..."; connectFullMesh waits for each pair in turn: see the test).
+    // mesh=1: it failed in the rendezvous, the mesh's connect included (connect_mesh's "rendezvous of N ranks").
     const bool mesh = std::string(e.what()).find("rendezvous of ") != std::string::npos;
     std::printf("lost where=%s code=%d seconds=%.3f mesh=%d\n", where, static_cast<int>(e.code()),
                 std::chrono::duration<double>(Clock::now() - start).count(), mesh ? 1 : 0);
@@ -413,7 +434,7 @@ int mode_lost_in_create(char** argv) {
     std::fprintf(stderr, "%s\n", e.what());
     return 0;
   }
-  die("lost-in-create: the barrier succeeded without the last rank");
+  die("lost-in-create / stalled-in-create: the barrier succeeded without the last rank");
 }
 
 }  // namespace
@@ -433,7 +454,8 @@ int main(int argc, char** argv) {
     if (mode == "pingpong" && argc == 3) return mode_pingpong(argv);
     if (mode == "allreduce" && argc == 3) return mode_allreduce(argv);
     if (mode == "direct-bound" && argc == 2) return mode_direct_bound();
-    if (mode == "lost-in-create" && argc == 3) return mode_lost_in_create(argv);
+    if (mode == "lost-in-create" && argc == 3) return mode_lost_in_create(argv, false);
+    if (mode == "stalled-in-create" && argc == 3) return mode_lost_in_create(argv, true);
   } catch (const std::exception& e) {
     die(e.what());
   }
