@@ -1299,6 +1299,24 @@ TEST_CASE("fingerprint: a rank with a different ring threshold is named") {
   }
 }
 
+// A setting that changes how collectives run (the direct bound) differs on rank 1: the records still travel by
+// the one allgather, and so does the exchange every rank makes before it throws (so that none closes while
+// another waits for a record): every rank gets the MismatchError naming rank 1, none a PeerError or an abort.
+TEST_CASE("fingerprint: a rank with another direct bound is named on every rank") {
+  if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
+  unsetenv("PSGD_RING_THRESHOLD_BYTES");
+  setenv("PSGD_DIRECT_MAX_BYTES", std::atoi(std::getenv("RANK")) == 1 ? "0" : "262144", 1);
+  try {
+    connect("fingerprint-direct");
+    FAIL("expected a MismatchError");
+  } catch (const MismatchError& e) {
+    std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("rank 1 has PSGD_DIRECT_MAX_BYTES 0 (rank 0: 262144)") != std::string::npos);
+  }
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+}
+
 TEST_CASE("check_same: names what differs and the first differing rank") {
   auto comm = connect("check-same");
   comm->check_same(42, "layout");

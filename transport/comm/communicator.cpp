@@ -527,10 +527,28 @@ void GlooCommunicator::check_fingerprint() {
   std::vector<std::string> pair_addresses(static_cast<size_t>(n));
   for (int peer = 0; peer < n; ++peer)
     if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
-  peers_ = exchange_fingerprints(
-      options_, api_, direct_max_bytes_, host_stage_, eager_direct_, scatter_gather_, pair_addresses,
-      [this](const void* in, void* out, size_t bytes) { allgather_async(in, out, bytes, Sizes::Agreed).wait(); },
-      &established_connections);
+  // The allgather the records travel by: the same on every rank whatever the settings compared (the direct
+  // bound, staging), as a barrier, which takes the lead exchange where the direct bound allows, could not be.
+  const auto allgather = [this](const void* in, void* out, size_t bytes) {
+    allgather_async(in, out, bytes, Sizes::Agreed).wait();
+  };
+  try {
+    peers_ = exchange_fingerprints(options_, api_, direct_max_bytes_, host_stage_, eager_direct_, scatter_gather_,
+                                   pair_addresses, allgather, &established_connections);
+  } catch (const MismatchError&) {
+    // Every rank gathered the same records, so every rank throws here, and create() then closes its connections.
+    // None may close before every other rank has its records: Gloo fails a rank's pending receives on any
+    // pair's end of stream, so a rank still waiting for one would get a PeerError, not this MismatchError. One
+    // more allgather first (no rank's completes before every rank has entered it, its records gathered); its
+    // own failure (a rank that passed it and closed) changes nothing here: this rank has its records.
+    try {
+      const uint64_t mine = 0;
+      std::vector<uint64_t> all(static_cast<size_t>(n));
+      allgather(&mine, all.data(), sizeof(mine));
+    } catch (const Error&) {
+    }
+    throw;
+  }
 }
 
 GlooCommunicator::~GlooCommunicator() {
