@@ -340,21 +340,21 @@ void GlooCommunicator::connect() {
 }
 
 void GlooCommunicator::connect_mesh(MeshContext& context, Store& store, const std::string& what) {
+  const auto timed_out = [&](const std::string& reason) {
+    return TimeoutError(detail::concat(what, " at ", store_name_, " timed out after ", options_.timeout.count(),
+                                       " ms: ", reason));
+  };
   try {
     context.connect_full_mesh(store, device_, options_.timeout);
   } catch (const TimeoutError& e) {  // the store's wait for a peer's addresses, within the mesh's deadline
-    PSGD_THROW(TimeoutError, what, " at ", store_name_, " timed out after ", options_.timeout.count(), " ms: ",
-               e.what());
+    throw timed_out(e.what());
   } catch (const Error&) {
     throw;
   } catch (const MeshTimeout& e) {
-    PSGD_THROW(TimeoutError, what, " at ", store_name_, " timed out after ", options_.timeout.count(), " ms: ",
-               e.what(), " (a rank died or stalled while the mesh was connected?)");
+    throw timed_out(detail::concat(e.what(), " (a rank died or stalled while the mesh was connected?)"));
   } catch (const std::exception& e) {
     std::string message = e.what();
-    if (is_timeout_message(message))
-      PSGD_THROW(TimeoutError, what, " at ", store_name_, " timed out after ", options_.timeout.count(), " ms: ",
-                 message);
+    if (is_timeout_message(message)) throw timed_out(message);
     PSGD_THROW(IoError, what, " at ", store_name_, " failed: ", message);
   }
 }
