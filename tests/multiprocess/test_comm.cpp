@@ -751,10 +751,11 @@ TEST_CASE("rounds: each collective adds its algorithm's sequential rounds") {
   using Sizes = GlooCommunicator::Sizes;
   CHECK(rounds_of([&] { comm->broadcast(data.data(), 16, 0); }) == log2n + 1);
   CHECK(rounds_of([&] { comm->broadcast_async(data.data(), 16, 0, Sizes::Agreed).wait(); }) == log2n);
+  // A small allgather is one exchange with every peer (n - 1 rounds fewer than Gloo's ring).
   std::vector<float> all(n);
-  CHECK(rounds_of([&] { comm->allgather(data.data(), all.data(), sizeof(float)); }) == n - 1 + 1);
+  CHECK(rounds_of([&] { comm->allgather(data.data(), all.data(), sizeof(float)); }) == (n > 1 ? 1 : 0) + 1);
   CHECK(rounds_of([&] { comm->allgather_async(data.data(), all.data(), sizeof(float), Sizes::Agreed).wait(); }) ==
-        n - 1);
+        (n > 1 ? 1 : 0));
   // The barrier is the shapes' exchange: one round (the lead exchange).
   CHECK(rounds_of([&] { comm->barrier(); }) == (n > 1 ? 1 : 0));
   // A count of 0: nothing sent but the shape (publicly), nothing at all with the sizes agreed.
@@ -1231,6 +1232,32 @@ TEST_CASE("allgather: 1 byte to several MiB per rank") {
   }
 }
 
+// Up to 1 MiB received per rank the allgather is one exchange with every peer (its own buffer, copied out once
+// every contribution arrived); above, Gloo's ring of n - 1 rounds. Both give every rank's bytes in rank order,
+// at the bound and one byte past it, publicly (the shape first: one round more) and with the sizes agreed.
+TEST_CASE("allgather: one exchange up to 1 MiB received per rank, the ring above") {
+  auto comm = connect("allgather-direct");
+  const size_t n = static_cast<size_t>(comm->size());
+  if (n < 2) return;
+  const size_t largest_direct = (size_t{1} << 20) / (n - 1);
+  using Sizes = GlooCommunicator::Sizes;
+  for (size_t bytes : {size_t{8}, largest_direct, largest_direct + 1}) {
+    for (Sizes sizes : {Sizes::Unknown, Sizes::Agreed}) {
+      std::vector<uint8_t> in(bytes), out(bytes * n, 0xEE);
+      for (size_t i = 0; i < bytes; ++i) in[i] = static_cast<uint8_t>(i * 7 + 13 * static_cast<size_t>(comm->rank()));
+      const uint64_t before = comm->communication_rounds();
+      comm->allgather_async(in.data(), out.data(), bytes, sizes).wait();
+      const uint64_t rounds = comm->communication_rounds() - before;
+      size_t wrong = 0;
+      for (size_t r = 0; r < n; ++r)
+        for (size_t i = 0; i < bytes; ++i) wrong += out[r * bytes + i] != static_cast<uint8_t>(i * 7 + 13 * r);
+      INFO("bytes ", bytes, (sizes == Sizes::Agreed ? ", sizes agreed" : ", public"));
+      CHECK(wrong == 0);
+      CHECK(rounds == (bytes <= largest_direct ? 1 : n - 1) + (sizes == Sizes::Agreed ? 0 : 1));
+    }
+  }
+}
+
 TEST_CASE("barrier: no rank leaves before the last arrives") {
   auto comm = connect("barrier");
   // The last rank arrives late. Every rank shares this host's CLOCK_REALTIME, so
@@ -1351,19 +1378,38 @@ namespace {
 // second, and the group stays broken.
 // The bound pinned at 256 KiB (not auto, which a loaded machine may measure at 1 MiB): the large scatter-gather
 // cases must take the path without the receives posted ahead.
-// The failure cases' operation: an allreduce of `data`, or a lead exchange carrying it.
-Work pending_operation(GlooCommunicator& comm, std::vector<float>& data, Algorithm algorithm, bool lead) {
+// The failure cases' operation: an allreduce of `data`, a lead exchange carrying it, or an allgather of its bytes
+// (with the sizes agreed, as the engine's reports: the direct allgather where they come to at most 1 MiB).
+enum class Pending { Allreduce, Lead, Allgather };
+constexpr uint8_t kUngathered = 0xEE;
+std::vector<uint8_t>& gathered() {
+  static std::vector<uint8_t> out;
+  return out;
+}
+Work pending_operation(GlooCommunicator& comm, std::vector<float>& data, Algorithm algorithm, Pending kind) {
   static double one_lead[8] = {};
   static std::vector<double> leads;
   static bool summed = false;
-  if (!lead) return comm.allreduce_async(data.data(), data.size(), DataType::Float32, algorithm);
+  if (kind == Pending::Allreduce) return comm.allreduce_async(data.data(), data.size(), DataType::Float32, algorithm);
+  if (kind == Pending::Allgather) {
+    const size_t bytes = data.size() * sizeof(float);
+    gathered().assign(bytes * static_cast<size_t>(comm.size()), kUngathered);
+    return comm.allgather_async(data.data(), gathered().data(), bytes, GlooCommunicator::Sizes::Agreed);
+  }
   leads.assign(8 * static_cast<size_t>(comm.size()), 0.0);
   return comm.lead_exchange_async(one_lead, leads.data(), sizeof(one_lead), data.data(), data.size(), DataType::Float32,
                                   &summed);
 }
+const char* operation_name(Pending kind) {
+  return kind == Pending::Lead ? "lead exchange" : kind == Pending::Allgather ? "allgather" : "allreduce";
+}
+// A failed allgather leaves its output as it was.
+bool gathered_untouched() {
+  return std::all_of(gathered().begin(), gathered().end(), [](uint8_t b) { return b == kUngathered; });
+}
 
-// `lead`: the pending operation is a lead exchange carrying the data instead of an allreduce.
-void killed_peer_case(const char* run_id, Algorithm algorithm, size_t count, bool lead = false) {
+// `kind`: the pending operation (pending_operation).
+void killed_peer_case(const char* run_id, Algorithm algorithm, size_t count, Pending kind = Pending::Allreduce) {
   setenv("PSGD_DIRECT_MAX_BYTES", "262144", 1);
   auto comm = connect(run_id);
   unsetenv("PSGD_DIRECT_MAX_BYTES");
@@ -1380,13 +1426,14 @@ void killed_peer_case(const char* run_id, Algorithm algorithm, size_t count, boo
   auto start = Clock::now();
   try {
     // Pending when the victim dies.
-    pending_operation(*comm, data, algorithm, lead).wait();
+    pending_operation(*comm, data, algorithm, kind).wait();
     FAIL("expected a PeerError");
   } catch (const PeerError& e) {
     auto elapsed = Clock::now() - start;
     MESSAGE(std::string(e.what()));
     CHECK(e.code() == ErrorCode::Io);
-    CHECK(e.operation().find(lead ? "lead exchange" : "allreduce") == 0);
+    CHECK(e.operation().find(operation_name(kind)) == 0);
+    if (kind == Pending::Allgather) CHECK(gathered_untouched());
     CHECK(e.peer() >= 0);
     CHECK(e.peer() != comm->rank());
     if (comm->size() == 2) CHECK(e.peer() == victim);
@@ -1400,7 +1447,7 @@ void killed_peer_case(const char* run_id, Algorithm algorithm, size_t count, boo
 }
 
 // The same with the last rank stopped (SIGSTOP) for longer than the 1 s timeout.
-void stopped_peer_case(const char* run_id, Algorithm algorithm, size_t count, bool lead = false) {
+void stopped_peer_case(const char* run_id, Algorithm algorithm, size_t count, Pending kind = Pending::Allreduce) {
   CommOptions o = options(run_id);
   if (o.world_size < 2) return;
   o.timeout = std::chrono::milliseconds(1000);
@@ -1419,11 +1466,13 @@ void stopped_peer_case(const char* run_id, Algorithm algorithm, size_t count, bo
   std::vector<float> data(count, 1.0f);
   auto start = Clock::now();
   try {
-    pending_operation(*comm, data, algorithm, lead).wait();
+    pending_operation(*comm, data, algorithm, kind).wait();
     FAIL("expected a PeerError");
   } catch (const PeerError& e) {
     auto elapsed = Clock::now() - start;
     MESSAGE(std::string(e.what()));
+    CHECK(e.operation().find(operation_name(kind)) == 0);
+    if (kind == Pending::Allgather) CHECK(gathered_untouched());
     // Ranks that talk to the victim time out; the others see them close.
     if (comm->size() == 2) CHECK(e.code() == ErrorCode::Timeout);
     // A timeout never blames another survivor (one that timed out first and closed its pairs).
@@ -1440,11 +1489,19 @@ TEST_CASE("failure: a killed peer makes every survivor fail within a second") {
 }
 
 TEST_CASE("failure: a lead exchange with a killed peer makes every survivor fail within a second") {
-  killed_peer_case("killed-lead", Algorithm::Auto, 4096, true);
+  killed_peer_case("killed-lead", Algorithm::Auto, 4096, Pending::Lead);
+}
+
+TEST_CASE("failure: a direct allgather with a killed peer makes every survivor fail within a second") {
+  killed_peer_case("killed-allgather", Algorithm::Auto, 4096, Pending::Allgather);
+}
+
+TEST_CASE("failure: a direct allgather with a stopped peer gives a timeout after the configured time") {
+  stopped_peer_case("stopped-allgather", Algorithm::Auto, 4096, Pending::Allgather);
 }
 
 TEST_CASE("failure: a lead exchange with a stopped peer gives a timeout after the configured time") {
-  stopped_peer_case("stopped-lead", Algorithm::Auto, 4096, true);
+  stopped_peer_case("stopped-lead", Algorithm::Auto, 4096, Pending::Lead);
 }
 
 TEST_CASE("failure: a stopped peer gives a timeout after the configured time") {

@@ -101,6 +101,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
 
   void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const void* in, void* out,
                  size_t bytes) override {
+    if (takes_direct_allgather(context->size, bytes)) return direct_allgather(*context, tag, in, out, bytes);
     gloo::AllgatherOptions opts(context);
     // Gloo's input buffer is not written to; its API just lacks const.
     opts.setInput(static_cast<uint8_t*>(const_cast<void*>(in)), bytes);
@@ -121,9 +122,12 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     return algorithm == Algorithm::Ring ? ring_allreduce_rounds(n) : bcube_rounds(n);
   }
   uint64_t broadcast_rounds(int n) const override { return ceil_log2(n); }  // a binomial tree
-  uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
+  uint64_t allgather_rounds(int n, size_t bytes) const override {
+    return takes_direct_allgather(n, bytes) ? 1 : static_cast<uint64_t>(n - 1);  // one exchange, or a ring
+  }
 
   void enable_eager_direct(size_t bound) override { eager_bound_ = bound; }
+  void enable_direct_allgather() override { direct_allgather_ = true; }
   bool checks_sizes(Algorithm algorithm, size_t count, DataType type, int n) const override {
     // Direct on the receives posted ahead (eager_for's test): one exchange, every header read before anything
     // else. Not scatter-gather: a rank that finds a peer's header unlike its own still waits for that peer's
@@ -139,6 +143,38 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   }
 
  private:
+  // The direct allgather's bound on the bytes a rank receives (n - 1 peers' contributions): records, reports and
+  // shapes take one exchange; larger gathers keep Gloo's ring, whose neighbour-to-neighbour steps do not make
+  // every rank receive from every peer at once.
+  static constexpr size_t kMaxDirectAllgatherBytes = size_t{1} << 20;
+  // Beside the eager path's and scatter-gather's (0x52-0x54) and host_stage's (0x50-0x51, 0x55-0x5b).
+  static constexpr uint8_t kDirectAllgatherSlotPrefix = 0x5c;
+
+  bool takes_direct_allgather(int n, size_t bytes) const {
+    return direct_allgather_ && n > 1 && bytes <= kMaxDirectAllgatherBytes / static_cast<size_t>(n - 1);
+  }
+
+  // Every rank sends its contribution to every peer at once and receives theirs (one exchange: two one-way
+  // delays, as Gloo's unbound buffers wait for the receiver's notice; the ring pays them n - 1 times). Into a
+  // buffer of its own, copied to `out` once all arrived: a failed gather leaves `out` as it was, and no late
+  // message can land in the caller's memory. Sizes are agreed (the caller's contract, as for the ring).
+  void direct_allgather(gloo::Context& context, uint32_t tag, const void* in, void* out, size_t bytes) {
+    const size_t n = static_cast<size_t>(context.size), me = static_cast<size_t>(context.rank);
+    if (gathered_.size() < n * bytes) gathered_.resize(n * bytes);
+    if (contribution_.size() < bytes) contribution_.resize(bytes);
+    std::memcpy(contribution_.data(), in, bytes);
+    auto received = context.createUnboundBuffer(gathered_.data(), n * bytes);
+    auto sent = context.createUnboundBuffer(contribution_.data(), bytes);
+    const uint64_t slot = gloo::Slot::build(kDirectAllgatherSlotPrefix, tag);
+    for (size_t peer = 0; peer < n; ++peer)
+      if (peer != me) received->recv(static_cast<int>(peer), slot, peer * bytes, bytes);
+    for (size_t peer = 0; peer < n; ++peer)
+      if (peer != me) sent->send(static_cast<int>(peer), slot, 0, bytes);
+    wait_exchange(*received, *sent, n - 1, "direct allgather");
+    std::memcpy(gathered_.data() + me * bytes, contribution_.data(), bytes);
+    std::memcpy(out, gathered_.data(), n * bytes);
+  }
+
   // Gloo's unbound buffers rendezvous: a send leaves only once the receiver's "ready to receive" notice has
   // arrived, so an exchange whose receives are posted when its sends are costs two one-way delays. The eager
   // path posts the receives of a context's next direct or scatter-gather collective at the start of the
@@ -518,6 +554,8 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // scatter_gather_allreduce's messages, kept between calls as direct's: about the buffer's bytes each
   // (scatter_*: the first exchange where it is not posted ahead; gather_out_: one chunk).
   std::vector<uint8_t> scatter_in_, scatter_out_, gather_in_, gather_out_;
+  std::vector<uint8_t> gathered_, contribution_;  // direct_allgather's, kept between calls as direct's
+  bool direct_allgather_ = false;                 // enable_direct_allgather was called
   size_t eager_bound_ = 0;                       // 0: the eager path is off
   std::vector<Eager> eager_;                     // per context (the group's; the host leaders')
 };
@@ -569,6 +607,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   }
   size_t max_allgather_bytes() const override { return INT_MAX; }
   void enable_eager_direct(size_t) override {}  // no direct algorithm here
+  void enable_direct_allgather() override {}     // AllgatherRing only
   bool checks_sizes(Algorithm, size_t, DataType, int) const override { return false; }  // no headers
   size_t lead_capacity(int) const override { return 0; }
   bool lead_allreduce(const std::shared_ptr<gloo::Context>&, LeadKind, const void*, void*, size_t, void*, size_t,
@@ -623,7 +662,7 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
     return 2 * log_p + ((uint64_t{1} << log_p) == static_cast<uint64_t>(n) ? 0 : 2);
   }
   uint64_t broadcast_rounds(int) const override { return 1; }  // the root sends to every rank at once
-  uint64_t allgather_rounds(int n) const override { return static_cast<uint64_t>(n - 1); }  // a ring
+  uint64_t allgather_rounds(int n, size_t) const override { return static_cast<uint64_t>(n - 1); }  // a ring
 };
 
 }  // namespace

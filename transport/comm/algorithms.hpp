@@ -64,6 +64,9 @@ class CollectiveAlgorithms {
                          DataType type, Algorithm algorithm) = 0;
   virtual void broadcast(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t bytes,
                          int root) = 0;
+  // A ring of n - 1 exchanges, or, once enable_direct_allgather was called and every rank's `bytes` come to at
+  // most kMaxDirectAllgatherBytes received per rank, one exchange with every peer at once (the same bytes on the
+  // wire; n - 1 rounds fewer). `out` is written only once every contribution arrived.
   virtual void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const void* in, void* out,
                          size_t bytes) = 0;
   virtual void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;
@@ -73,6 +76,10 @@ class CollectiveAlgorithms {
   // direct allreduce"). Every rank calls it at the same point of its sequence of collectives, with the same
   // bound. No effect with the legacy API.
   virtual void enable_eager_direct(size_t bound) = 0;
+  // From now on small allgathers take one exchange (allgather above). Every rank calls it at the same point of its
+  // sequence of collectives: after the fingerprint exchange, whose allgather is the ring of every build, so that
+  // ranks of builds that gather otherwise meet there and get a MismatchError. No effect with the legacy API.
+  virtual void enable_direct_allgather() = 0;
   // Drops the receives posted ahead and the buffers behind them: they hold the contexts' connections open,
   // which a broken group must close now.
   virtual void release_eager_direct() = 0;
@@ -103,7 +110,7 @@ class CollectiveAlgorithms {
   // Communicator::communication_rounds() adds up (docs/transport.md, "Rounds").
   virtual uint64_t allreduce_rounds(Algorithm algorithm, int n) const = 0;
   virtual uint64_t broadcast_rounds(int n) const = 0;
-  virtual uint64_t allgather_rounds(int n) const = 0;
+  virtual uint64_t allgather_rounds(int n, size_t bytes) const = 0;
 };
 
 // c[i] = a[i] + b[i] over n elements of one type (Gloo's new-style reduce

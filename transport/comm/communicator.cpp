@@ -333,6 +333,7 @@ void GlooCommunicator::connect() {
   connect_mesh(*context_, *scoped, detail::concat("rendezvous of ", options_.world_size, " ranks"));
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
+  algorithms_->enable_direct_allgather();  // every rank's build gathers alike (the fingerprint's wire revision)
   if (host_stage_ != HostStageMode::Off) setup_host_stage(*scoped);
   if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
   // Every rank at the same point, with the same bound (the fingerprint; auto is agreed).
@@ -724,7 +725,7 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
       throw MismatchError(detail::concat(describe(mine, false), ", its shape sent first: ", e.what()));
     }
   } else {
-    add_rounds(algorithms_->allgather_rounds(context->size));
+    add_rounds(algorithms_->allgather_rounds(context->size, sizeof(Shape)));
     algorithms_->allgather(context, tag, &mine, all.data(), sizeof(Shape));  // the same size on every rank
   }
   // A refusal first: the lowest refusing rank's, named alike on every other rank; a refusing rank throws its own
@@ -908,7 +909,7 @@ Work GlooCommunicator::allgather_async(const void* in, void* out, size_t bytes, 
                   }
                   tag = agree_on_shape(context, tag, sizes, {.kind = ShapeKind::Allgather, .size = bytes});
                   if (bytes == 0) return;
-                  add_rounds(algorithms_->allgather_rounds(context->size));
+                  add_rounds(algorithms_->allgather_rounds(context->size, bytes));
                   algorithms_->allgather(context, tag, in, out, bytes);
                 });
 }

@@ -46,7 +46,9 @@ static_assert(sizeof(Fingerprint) == 96, "the creation record's size is part of 
 //   1: public collectives agree on their shape first (agree_on_shape)
 //   2: the lead exchange's header says whether it carries a shape (LeadKind)
 //   3: a public collective refused on one rank sends a refusal where its shape would go
-inline constexpr uint16_t kWireRevision = 3;
+//   4: an allgather of at most 1 MiB received per rank is one exchange with every peer, not Gloo's ring
+//      (after this record's own gather, which stays the ring of every build)
+inline constexpr uint16_t kWireRevision = 4;
 
 inline constexpr uint16_t kFlagHostStage = 1;        // PSGD_HOST_STAGE=1
 inline constexpr uint16_t kFlagDirectNotEager = 2;   // PSGD_DIRECT_EAGER=0 (set where it is off: old fingerprints had 0)

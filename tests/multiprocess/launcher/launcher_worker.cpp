@@ -368,7 +368,9 @@ int mode_allreduce(char** argv) {
 int mode_direct_bound() {
   using powersgd::transport::Algorithm;
   using powersgd::transport::GlooCommunicator;
+  const auto start = std::chrono::steady_clock::now();
   auto comm = GlooCommunicator::create(powersgd::CommOptions::from_env(), powersgd::transport::GlooApi::New);
+  const double create_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   const size_t bound = comm->direct_max_bytes();
   const auto others = static_cast<size_t>((comm->staged_hosts() > 0 ? comm->staged_hosts() : comm->size()) - 1);
   const size_t largest_direct = bound / others / sizeof(float);  // floats per rank
@@ -381,7 +383,8 @@ int mode_direct_bound() {
     const auto n = static_cast<float>(comm->size());
     wrong += static_cast<int>(std::count_if(data.begin(), data.end(), [&](float v) { return v != n * (n + 1) / 2; }));
   }
-  std::printf("direct_bound=%zu wrong=%d\n", bound, wrong);  // the launcher prefixes the rank
+  // The launcher prefixes the rank; create_ms: how long Communicator::create took on this rank.
+  std::printf("direct_bound=%zu wrong=%d create_ms=%.0f\n", bound, wrong, create_ms);
   std::fflush(stdout);
   return wrong == 0 ? 0 : 4;
 }
