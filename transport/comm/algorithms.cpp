@@ -183,7 +183,8 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // peer larger than the receives posted ahead (`capacity`) takes the path without them, as every rank
   // decides alike; the sums are the same either way (rank order).
   static constexpr size_t kMaxEagerBytesPerPeer = size_t{1} << 20;
-  // Beside Gloo's 0x01-0x08, host_stage's 0x50-0x51 and 0x55-0x58 and scatter-gather's 0x53-0x54 (below).
+  // Beside Gloo's 0x01-0x08, host_stage's 0x50-0x51 and 0x55-0x5b, scatter-gather's 0x53-0x54 (below) and the
+  // direct allgather's 0x5c (above).
   static constexpr uint8_t kEagerDirectSlotPrefix = 0x52;
 
   // Each message starts with a header (kHeader bytes, so the payload stays 8-byte aligned; the stride of the

@@ -64,9 +64,9 @@ class CollectiveAlgorithms {
                          DataType type, Algorithm algorithm) = 0;
   virtual void broadcast(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t bytes,
                          int root) = 0;
-  // A ring of n - 1 exchanges, or, once enable_direct_allgather was called and every rank's `bytes` come to at
-  // most kMaxDirectAllgatherBytes received per rank, one exchange with every peer at once (the same bytes on the
-  // wire; n - 1 rounds fewer). `out` is written only once every contribution arrived.
+  // A ring of n - 1 exchanges (which writes `out` as it goes), or, once enable_direct_allgather was called and
+  // the ranks' `bytes` come to at most 1 MiB received per rank, one exchange with every peer at once (the same
+  // bytes on the wire, n - 2 rounds fewer; `out` written only once every contribution arrived).
   virtual void allgather(const std::shared_ptr<gloo::Context>& context, uint32_t tag, const void* in, void* out,
                          size_t bytes) = 0;
   virtual void barrier(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;

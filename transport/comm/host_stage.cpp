@@ -85,7 +85,7 @@ HostStage::HostStage(HostGroups groups, int rank, std::shared_ptr<gloo::Context>
 namespace {
 
 // The slots of the hops within a host: apart from Gloo's collectives' (0x01-0x08, gloo/types.h) and the
-// communicator's own (0x52-0x54, algorithms.cpp), and each kind of message its own, so that ranks at different
+// communicator's own (0x52-0x54 and 0x5c, algorithms.cpp), and each kind of message its own, so that ranks at different
 // operations time out rather than read one's message as the other's.
 // The staged allreduce: a rank's header (its count and type) and data to its leader, the leader's status and
 // the sum (or the rank's own data) back.

@@ -107,21 +107,14 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   }
   store.set(std::to_string(rank), addresses);
 
-  // One wait for every peer's addresses (one round trip to the store once the last is there, not one per peer).
-  std::vector<std::string> keys;
-  for (int peer = 0; peer < size; ++peer)
-    if (peer != rank) keys.push_back(std::to_string(peer));
-  if (!keys.empty()) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) throw not_reached(std::stoi(keys.front()), "was not connected");
-    store.wait(keys, left);
-  }
-
   ConnectWatchdog watchdog(deadline);
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
-    if (Clock::now() >= deadline) throw not_reached(peer, "was not connected");
-    std::vector<char> all = store.get(std::to_string(peer));
+    const std::string key = std::to_string(peer);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) throw not_reached(peer, "was not connected");
+    store.wait({key}, left);
+    std::vector<char> all = store.get(key);
     const std::vector<char> address = extractAddress(all, peer);
     const std::unique_ptr<gloo::transport::Pair>& pair = transport->getPair(peer);
     if (!watchdog.arm(pair.get())) throw not_reached(peer, "was not connected");
