@@ -75,6 +75,18 @@ std::unique_ptr<GlooCommunicator> connect(const char* run_id, GlooApi api = Gloo
   return GlooCommunicator::create(options(run_id), api);
 }
 
+// The MismatchError's message where creating the communicator must fail with one on this rank ("" and a failed
+// check where it did not).
+std::string creation_mismatch(const char* run_id) {
+  try {
+    connect(run_id);
+  } catch (const MismatchError& e) {
+    return e.what();
+  }
+  FAIL_CHECK("expected a MismatchError");
+  return "";
+}
+
 // Integer-valued element i of rank r: sums over <= 5 ranks stay below 256, so
 // they are exact even in bfloat16.
 double value(int rank, size_t i) { return static_cast<double>((rank + 1) * static_cast<int>(i % 13 + 1)); }
@@ -280,11 +292,8 @@ TEST_CASE("direct: eager and not, mixed with larger messages and other collectiv
     CHECK(std::memcmp(all.data(), all.data() + static_cast<size_t>(r) * x.size(), x.size() * sizeof(float)) == 0);
   // Eager on one rank and off on another: named at creation.
   if (eager->rank() == n - 1) setenv("PSGD_DIRECT_EAGER", "0", 1);
-  try {
-    connect("direct-eager-mismatch");
-    FAIL("expected a MismatchError");
-  } catch (const MismatchError& e) {
-    const std::string what = e.what();
+  {
+    const std::string what = creation_mismatch("direct-eager-mismatch");
     INFO(what);
     CHECK(what.find("rank " + std::to_string(n - 1) + " has PSGD_DIRECT_EAGER 0 (rank 0: 1)") != std::string::npos);
   }
@@ -1315,15 +1324,10 @@ TEST_CASE("async: many operations in flight complete in submission order") {
 TEST_CASE("fingerprint: a rank with a different ring threshold is named") {
   if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
   if (std::atoi(std::getenv("RANK")) == 1) setenv("PSGD_RING_THRESHOLD_BYTES", "12345", 1);
-  try {
-    connect("fingerprint");
-    FAIL("expected a MismatchError");
-  } catch (const MismatchError& e) {
-    std::string what = e.what();
-    INFO(what);
-    CHECK(what.find("rank 1") != std::string::npos);
-    CHECK(what.find("PSGD_RING_THRESHOLD_BYTES 12345") != std::string::npos);
-  }
+  const std::string what = creation_mismatch("fingerprint");
+  INFO(what);
+  CHECK(what.find("rank 1") != std::string::npos);
+  CHECK(what.find("PSGD_RING_THRESHOLD_BYTES 12345") != std::string::npos);
 }
 
 // A setting that changes how collectives run (the direct bound) differs on rank 1: the records still travel by
@@ -1333,11 +1337,8 @@ TEST_CASE("fingerprint: a rank with another direct bound is named on every rank"
   if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
   unsetenv("PSGD_RING_THRESHOLD_BYTES");
   setenv("PSGD_DIRECT_MAX_BYTES", std::atoi(std::getenv("RANK")) == 1 ? "0" : "262144", 1);
-  try {
-    connect("fingerprint-direct");
-    FAIL("expected a MismatchError");
-  } catch (const MismatchError& e) {
-    std::string what = e.what();
+  {
+    const std::string what = creation_mismatch("fingerprint-direct");
     INFO(what);
     CHECK(what.find("rank 1 has PSGD_DIRECT_MAX_BYTES 0 (rank 0: 262144)") != std::string::npos);
   }

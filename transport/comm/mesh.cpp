@@ -87,8 +87,8 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
                                     std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   setTimeout(timeout);
-  auto not_reached = [&](int peer, const char* what) {
-    return MeshTimeout(detail::concat("rank ", rank, "'s pair with rank ", peer, " ", what, " within ",
+  auto not_reached = [&](int peer) {
+    return MeshTimeout(detail::concat("rank ", rank, "'s pair with rank ", peer, " was not connected within ",
                                       timeout.count(), " ms"));
   };
 
@@ -112,19 +112,19 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
     if (peer == rank) continue;
     const std::string key = std::to_string(peer);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) throw not_reached(peer, "was not connected");
+    if (left.count() <= 0) throw not_reached(peer);
     store.wait({key}, left);
     std::vector<char> all = store.get(key);
     const std::vector<char> address = extractAddress(all, peer);
     const std::unique_ptr<gloo::transport::Pair>& pair = transport->getPair(peer);
-    if (!watchdog.arm(pair.get())) throw not_reached(peer, "was not connected");
+    if (!watchdog.arm(pair.get())) throw not_reached(peer);
     try {
       pair->connect(address);
     } catch (...) {
-      if (watchdog.disarm()) throw not_reached(peer, "was not connected");
+      if (watchdog.disarm()) throw not_reached(peer);
       throw;
     }
-    if (watchdog.disarm()) throw not_reached(peer, "was not connected");
+    if (watchdog.disarm()) throw not_reached(peer);
   }
   device_ = device;
   transportContext_ = std::move(transport);
