@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing (Debian 12, apt-get, idempotent), then configures and
 # builds one build directory.
-#   scripts/setup.sh BUILD_DIR [meson options...]
+#   scripts/setup.sh [--configure-only] BUILD_DIR [meson options...]
+# --configure-only: no build; `meson test` then builds only what the tests it runs need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,11 +30,16 @@ fi
 # The CUDA toolkit is not a Debian package: use it when /usr/local/cuda has one.
 if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 
-build_dir=${1:?usage: scripts/setup.sh BUILD_DIR [meson options...]}
+configure_only=0
+if [ "${1:-}" = "--configure-only" ]; then
+  configure_only=1
+  shift
+fi
+build_dir=${1:?usage: scripts/setup.sh [--configure-only] BUILD_DIR [meson options...]}
 shift
 if [ -f "$build_dir/build.ninja" ]; then
   [ $# -eq 0 ] || meson configure "$build_dir" "$@" >/dev/null
 else
   meson setup "$build_dir" "$@"
 fi
-ninja -C "$build_dir"
+[ $configure_only -eq 1 ] || ninja -C "$build_dir"

@@ -22,7 +22,9 @@
 //                         allreduce 1 MiB in a loop for up to 120 s; on failure print "allreduce failed:
 //                         CODE: MESSAGE" and exit 3 (PSGD_TIMEOUT_MS bounds each collective)
 //   lost-in-create MS     the last rank exits MS ms after it starts, inside Communicator::create or after it;
-//                         every other rank prints "lost where=create|barrier code=C seconds=S mesh=0|1"
+//                         every rank prints "started at_ms=T" first (T: ms on the system clock, shared by the
+//                         emulated hosts), every other rank then "lost where=create|barrier code=C seconds=S
+//                         at_ms=T mesh=0|1"
 //   stalled-in-create MS  like lost-in-create, but the last rank stops (SIGSTOP) for 8 s, then exits 0
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -395,7 +397,7 @@ constexpr int kStalledSeconds = 8;
 // The last rank exits (_exit(0): its sockets close as under SIGKILL, and the launcher goes on) MS ms after
 // it starts, wherever it is then: in the rendezvous, the mesh, the fingerprint check, host staging's setup or
 // the direct bound's probe of Communicator::create, or after it. Every other rank must then fail, in create or
-// in the barrier after it, within the timeout: it prints where, the error's code and the seconds it took.
+// in the barrier after it, within the timeout: it prints where, the error's code, the seconds it took and when.
 // With `stall`, the last rank stops instead (SIGSTOP: its connections stay open and silent) for
 // kStalledSeconds, continued by a child of its own, then exits 0.
 int mode_lost_in_create(char** argv, bool stall) {
@@ -403,6 +405,12 @@ int mode_lost_in_create(char** argv, bool stall) {
   if (ms < 0) die("lost-in-create / stalled-in-create MS: expected a delay in milliseconds");
   const powersgd::CommOptions options = powersgd::CommOptions::from_env();
   const bool victim = options.rank == options.world_size - 1;
+  // The system clock, not steady_clock: the test compares times of different processes (one machine).
+  auto now_ms = [] {
+    return std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  std::printf("started at_ms=%.1f\n", now_ms());
+  std::fflush(stdout);
   if (victim)
     std::thread([ms, stall] {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
@@ -431,8 +439,8 @@ int mode_lost_in_create(char** argv, bool stall) {
   } catch (const powersgd::Error& e) {
     // mesh=1: it failed in the rendezvous, the mesh's connect included (connect_mesh's "rendezvous of N ranks").
     const bool mesh = std::string(e.what()).find("rendezvous of ") != std::string::npos;
-    std::printf("lost where=%s code=%d seconds=%.3f mesh=%d\n", where, static_cast<int>(e.code()),
-                std::chrono::duration<double>(Clock::now() - start).count(), mesh ? 1 : 0);
+    std::printf("lost where=%s code=%d seconds=%.3f at_ms=%.1f mesh=%d\n", where, static_cast<int>(e.code()),
+                std::chrono::duration<double>(Clock::now() - start).count(), now_ms(), mesh ? 1 : 0);
     std::fflush(stdout);
     std::fprintf(stderr, "%s\n", e.what());
     return 0;
