@@ -418,76 +418,119 @@ TEST_CASE("require_bindable accepts this host's addresses and names PSGD_ADDR ot
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
 
-// The mesh's one deadline (MeshContext): rank 0 of 2 on loopback, whose peer publishes its pair's address and
-// never connects. Rank 0 listens on its side of the pair (its port below the peer's: Gloo's tcp::Pair listens
-// from the lower address), where Debian's Gloo waited 5 timeouts; here it fails after one.
-TEST_CASE("a peer that publishes its address and never connects: the mesh fails within its one timeout") {
-  char pattern[] = "/tmp/psgd-mesh-XXXXXX";
-  REQUIRE(::mkdtemp(pattern) != nullptr);
-  const std::filesystem::path dir = pattern;
-  constexpr auto kTimeout = std::chrono::milliseconds(1000);
-  {
+// ---- MeshContext: rank 0's mesh on loopback, its peers played by the test ----
+
+// A file store in a directory of its own (one client for rank 0, one for the peers), and a loopback device.
+struct MeshFixture {
+  std::filesystem::path dir;
+  std::shared_ptr<gloo::transport::Device> device;
+  std::unique_ptr<Store> store, peer_store;
+
+  MeshFixture() {
+    char pattern[] = "/tmp/psgd-mesh-XXXXXX";
+    REQUIRE(::mkdtemp(pattern) != nullptr);
+    dir = pattern;
     CommOptions options;
     options.address = "127.0.0.1";
-    const auto device = make_device(options);
-    auto store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
-    auto peer_store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
-    MeshContext context(0, 2);
-    const auto start = std::chrono::steady_clock::now();
-    auto connected = std::async(std::launch::async, [&] { context.connect_full_mesh(*store, device, kTimeout); });
-
-    // Rank 0's pair address (its one pair), then a pair of the peer's whose port is above it.
-    peer_store->wait({"0"}, std::chrono::milliseconds(5000));
-    const auto port_of = [](const std::vector<char>& bytes) {
-      const sockaddr_storage ss = gloo::transport::tcp::Address(bytes).getSockaddr();
-      REQUIRE(ss.ss_family == AF_INET);
-      sockaddr_in in{};
-      std::memcpy(&in, &ss, sizeof(in));
-      return in.sin_port;  // as Gloo compares them (network order)
-    };
-    const auto own_port = port_of(peer_store->get("0"));
-    std::vector<std::shared_ptr<gloo::transport::Context>> peers;
-    std::vector<char> published;
-    for (int attempt = 0; attempt < 200 && published.empty(); ++attempt) {
-      peers.push_back(device->createContext(1, 2));
-      std::vector<char> bytes = peers.back()->createPair(0)->address().bytes();
-      if (port_of(bytes) > own_port) published = bytes;
-    }
-    REQUIRE_MESSAGE(!published.empty(), "no pair port above rank 0's in 200 tries");
-    peer_store->set("1", published);
-
-    std::string error;
-    try {
-      connected.get();
-    } catch (const MeshTimeout& e) {
-      error = e.what();
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    MESSAGE("rank 0 failed after ", seconds, " s: ", error);
-    CHECK(error == "rank 0's pair with rank 1 was not connected within 1000 ms");
-    CHECK(seconds >= 0.95);
-    CHECK(seconds < 4.0);  // Gloo's connectFullMesh: 5 s
+    device = make_device(options);
+    store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
+    peer_store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
   }
-  std::filesystem::remove_all(dir);
+  ~MeshFixture() { std::filesystem::remove_all(dir); }
+  MeshFixture(const MeshFixture&) = delete;
+  MeshFixture& operator=(const MeshFixture&) = delete;
+};
+
+// A pair address's port as Gloo's tcp::Pair compares them (network order): the lower address listens.
+uint16_t gloo_port(const std::vector<char>& bytes) {
+  const sockaddr_storage ss = gloo::transport::tcp::Address(bytes).getSockaddr();
+  REQUIRE(ss.ss_family == AF_INET);
+  sockaddr_in in{};
+  std::memcpy(&in, &ss, sizeof(in));
+  return in.sin_port;
+}
+
+// A pair of rank `peer` of `size` with rank 0 whose port is above `rank0_side`'s (rank 0 then listens) or below
+// it (rank 0 connects); its context is kept in `contexts`. Null where 500 tries found none.
+gloo::transport::Pair* pair_beside(MeshFixture& mesh, std::vector<std::shared_ptr<gloo::transport::Context>>& contexts,
+                                   int peer, int size, const std::vector<char>& rank0_side, bool above) {
+  for (int attempt = 0; attempt < 500; ++attempt) {
+    contexts.push_back(mesh.device->createContext(peer, size));
+    contexts.back()->setTimeout(std::chrono::milliseconds(2000));  // a connect of its own waits 5 times that
+    gloo::transport::Pair* pair = contexts.back()->createPair(0).get();
+    if ((gloo_port(pair->address().bytes()) > gloo_port(rank0_side)) == above) return pair;
+  }
+  return nullptr;
+}
+
+// The mesh's one deadline: rank 0 of 2, whose peer publishes its pair's address and never connects. Rank 0
+// listens on its side of the pair, where Debian's Gloo waited 5 timeouts; here it fails after one.
+TEST_CASE("a peer that publishes its address and never connects: the mesh fails within its one timeout") {
+  constexpr auto kTimeout = std::chrono::milliseconds(1000);
+  MeshFixture mesh;
+  MeshContext context(0, 2);
+  const auto start = std::chrono::steady_clock::now();
+  auto connected = std::async(std::launch::async, [&] { context.connect_full_mesh(*mesh.store, mesh.device, kTimeout); });
+
+  mesh.peer_store->wait({"0"}, std::chrono::milliseconds(5000));
+  std::vector<std::shared_ptr<gloo::transport::Context>> contexts;
+  gloo::transport::Pair* pair = pair_beside(mesh, contexts, 1, 2, mesh.peer_store->get("0"), true);
+  REQUIRE_MESSAGE(pair != nullptr, "no pair port above rank 0's in 500 tries");
+  mesh.peer_store->set("1", pair->address().bytes());
+
+  std::string error;
+  try {
+    connected.get();
+  } catch (const MeshTimeout& e) {
+    error = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  MESSAGE("rank 0 failed after ", seconds, " s: ", error);
+  CHECK(error == "rank 0's pair with rank 1 was not connected within 1000 ms");
+  CHECK(seconds >= 0.95);
+  CHECK(seconds < 4.0);  // Gloo's connectFullMesh: 5 s
 }
 
 // The deadline covers the wait for a peer's addresses too: a peer that never publishes them fails rank 0 in
 // the store's wait, at the timeout.
 TEST_CASE("a peer that never publishes its address: the mesh fails at its timeout, in the store's wait") {
-  char pattern[] = "/tmp/psgd-mesh-XXXXXX";
-  REQUIRE(::mkdtemp(pattern) != nullptr);
-  const std::filesystem::path dir = pattern;
-  {
-    CommOptions options;
-    options.address = "127.0.0.1";
-    const auto device = make_device(options);
-    auto store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
-    MeshContext context(0, 2);
-    const auto start = std::chrono::steady_clock::now();
-    CHECK_THROWS_AS(context.connect_full_mesh(*store, device, std::chrono::milliseconds(500)), TimeoutError);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    CHECK(seconds >= 0.45);
-    CHECK(seconds < 3.0);  // not the store's own 10 s
+  MeshFixture mesh;
+  MeshContext context(0, 2);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(context.connect_full_mesh(*mesh.store, mesh.device, std::chrono::milliseconds(500)), TimeoutError);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  CHECK(seconds >= 0.45);
+  CHECK(seconds < 3.0);  // not the store's own 10 s
+}
+
+// The mesh's pairs connect at once, not one after the other: rank 0 of 3 listens on its pair with rank 1 and
+// connects its pair with rank 2, and the peers connect rank 1 only once rank 2's pair is connected. One after
+// the other in rank order, rank 0 would wait for rank 1 until its timeout (as Gloo's connectFullMesh does); at
+// once, it connects both.
+TEST_CASE("the mesh's pairs connect at once: a peer that connects only after another pair did is reached") {
+  MeshFixture mesh;
+  MeshContext context(0, 3);
+  auto connected = std::async(std::launch::async, [&] {
+    context.connect_full_mesh(*mesh.store, mesh.device, std::chrono::milliseconds(5000));
+  });
+
+  mesh.peer_store->wait({"0"}, std::chrono::milliseconds(5000));
+  const std::vector<char> rank0 = mesh.peer_store->get("0");  // its pairs' addresses for rank 1, then rank 2
+  REQUIRE(rank0.size() % 2 == 0);
+  const auto half = static_cast<std::ptrdiff_t>(rank0.size() / 2);
+  const std::vector<char> for1(rank0.begin(), rank0.begin() + half), for2(rank0.begin() + half, rank0.end());
+  std::vector<std::shared_ptr<gloo::transport::Context>> contexts;
+  gloo::transport::Pair* pair1 = pair_beside(mesh, contexts, 1, 3, for1, true);
+  gloo::transport::Pair* pair2 = pair_beside(mesh, contexts, 2, 3, for2, false);
+  REQUIRE_MESSAGE((pair1 != nullptr && pair2 != nullptr), "no pair port on the needed side in 500 tries");
+  // Each peer's addresses: its pair with rank 0 first (what rank 0 reads), then one standing for the other peer.
+  for (auto [peer, pair] : {std::pair{1, pair1}, std::pair{2, pair2}}) {
+    const std::vector<char> own = pair->address().bytes();
+    std::vector<char> bytes = own;
+    bytes.insert(bytes.end(), own.begin(), own.end());
+    mesh.peer_store->set(std::to_string(peer), bytes);
   }
-  std::filesystem::remove_all(dir);
+  pair2->connect(for2);  // rank 2 listens: returns once rank 0 connected to it
+  pair1->connect(for1);  // then rank 1 connects to rank 0, which listens
+  CHECK_NOTHROW(connected.get());
 }

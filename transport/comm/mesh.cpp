@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <string>
 #include <system_error>
@@ -26,8 +28,11 @@ using Clock = std::chrono::steady_clock;
 // deadline passed). Only a pair still waiting after the grace, with no connection made, is closed.
 constexpr auto kCloseGrace = std::chrono::milliseconds(50);
 
-// Closes the pair being connected when the deadline (and kCloseGrace) passed, so that its connect returns; a
-// pair armed after the deadline is refused. One thread for the whole mesh.
+// The most pairs connected at once, each on a thread of its own; beyond, one after the other.
+constexpr int kMaxConcurrentConnects = 256;
+
+// Closes the pairs still connecting when the deadline (and kCloseGrace) passed, so that their connects return;
+// a pair armed after the deadline is refused. One thread for the whole mesh; the connects run concurrently.
 class ConnectWatchdog {
  public:
   explicit ConnectWatchdog(Clock::time_point deadline)
@@ -35,11 +40,12 @@ class ConnectWatchdog {
           std::unique_lock lock(mutex_);
           if (wake_.wait_until(lock, deadline, [this] { return done_; })) return;
           fired_ = true;
-          if (current_ == nullptr) return;
-          // The same pair or none after the grace: disarm clears it, and arm refuses once fired_ is set.
-          if (wake_.wait_for(lock, kCloseGrace, [this] { return done_ || current_ == nullptr; })) return;
-          // Blocks until the connect waits (it holds the pair's lock until then); the close wakes it.
-          current_->close();
+          if (armed_.empty()) return;
+          // Only pairs still armed after the grace: disarm removes them, and arm refuses once fired_ is set.
+          if (wake_.wait_for(lock, kCloseGrace, [this] { return done_ || armed_.empty(); })) return;
+          // Each close blocks until its connect waits (it holds the pair's lock until then); the close wakes it.
+          // A connect that returns meanwhile blocks in disarm until the last close: its pair stays alive.
+          for (gloo::transport::Pair* pair : armed_) pair->close();
         }) {}
   ~ConnectWatchdog() {
     {
@@ -52,34 +58,37 @@ class ConnectWatchdog {
   ConnectWatchdog(const ConnectWatchdog&) = delete;
   ConnectWatchdog& operator=(const ConnectWatchdog&) = delete;
 
-  // The pair about to be connected; false where the deadline passed already.
+  // A pair about to be connected; false where the deadline passed already.
   bool arm(gloo::transport::Pair* pair) {
     std::lock_guard lock(mutex_);
     if (fired_) return false;
-    current_ = pair;
+    armed_.push_back(pair);
     return true;
   }
-  // After the connect returned or threw: whether the deadline passed meanwhile (the mesh then fails, whatever
+  // After its connect returned or threw: whether the deadline passed meanwhile (the mesh then fails, whatever
   // connect said: the watchdog may have closed the pair).
-  bool disarm() {
+  bool disarm(gloo::transport::Pair* pair) {
     bool fired = false;
     {
       std::lock_guard lock(mutex_);
-      current_ = nullptr;
+      armed_.erase(std::find(armed_.begin(), armed_.end(), pair));
       fired = fired_;
     }
-    wake_.notify_all();  // a watchdog in its grace: nothing left to close
+    wake_.notify_all();  // a watchdog in its grace: perhaps nothing left to close
     return fired;
   }
 
  private:
   std::mutex mutex_;
   std::condition_variable wake_;
-  gloo::transport::Pair* current_ = nullptr;
+  std::vector<gloo::transport::Pair*> armed_;
   bool fired_ = false;
   bool done_ = false;
   std::thread thread_;  // last: started once the members it reads are
 };
+
+// What became of one pair's connect.
+enum class PairOutcome { Pending, Connected, Late, Failed };
 
 }  // namespace
 
@@ -107,7 +116,39 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   }
   store.set(std::to_string(rank), addresses);
 
+  // Each pair connects on a thread of its own, started as soon as its peer's addresses are read: a connect
+  // waits a round trip as the connecting side, and until the peer reaches it as the listening side, so one
+  // after the other they took up to a round trip per peer. All at once, not a bounded pool: a pool's threads
+  // could all wait as listeners for peers whose own pools wait likewise. Above kMaxConcurrentConnects peers
+  // they connect one after the other, as connectFullMesh does.
+  const bool concurrent = size - 1 <= kMaxConcurrentConnects;
   ConnectWatchdog watchdog(deadline);
+  std::vector<PairOutcome> outcomes(static_cast<size_t>(size), PairOutcome::Pending);
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  // Each thread writes its peer's entries only; they are read once every thread was joined.
+  auto connect_pair = [&](int peer, gloo::transport::Pair* pair, const std::vector<char>& address) {
+    PairOutcome& outcome = outcomes[static_cast<size_t>(peer)];
+    if (!watchdog.arm(pair)) {
+      outcome = PairOutcome::Late;
+      return;
+    }
+    try {
+      pair->connect(address);
+      outcome = PairOutcome::Connected;
+    } catch (...) {
+      outcome = PairOutcome::Failed;
+      errors[static_cast<size_t>(peer)] = std::current_exception();
+    }
+    if (watchdog.disarm(pair)) outcome = PairOutcome::Late;
+  };
+  // Joined before the watchdog ends (it closes what is still connecting at the deadline) and before the pairs
+  // go, on every path out of here.
+  struct Joiner {
+    std::vector<std::thread> threads;
+    ~Joiner() {
+      for (std::thread& thread : threads) thread.join();
+    }
+  } connects;
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
     const std::string key = std::to_string(peer);
@@ -115,16 +156,29 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
     if (left.count() <= 0) throw not_reached(peer);
     store.wait({key}, left);
     std::vector<char> all = store.get(key);
-    const std::vector<char> address = extractAddress(all, peer);
-    const std::unique_ptr<gloo::transport::Pair>& pair = transport->getPair(peer);
-    if (!watchdog.arm(pair.get())) throw not_reached(peer);
-    try {
-      pair->connect(address);
-    } catch (...) {
-      if (watchdog.disarm()) throw not_reached(peer);
-      throw;
+    std::vector<char> address = extractAddress(all, peer);
+    gloo::transport::Pair* pair = transport->getPair(peer).get();
+    if (concurrent) {
+      connects.threads.emplace_back(connect_pair, peer, pair, std::move(address));
+    } else {
+      connect_pair(peer, pair, address);
+      if (outcomes[static_cast<size_t>(peer)] != PairOutcome::Connected) break;
     }
-    if (watchdog.disarm()) throw not_reached(peer);
+  }
+  for (std::thread& thread : connects.threads) thread.join();
+  connects.threads.clear();
+  // The lowest peer not connected names the failure: past the deadline, or the connect's own exception.
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    switch (outcomes[static_cast<size_t>(peer)]) {
+      case PairOutcome::Connected:
+        continue;
+      case PairOutcome::Failed:
+        std::rethrow_exception(errors[static_cast<size_t>(peer)]);
+      case PairOutcome::Late:
+      case PairOutcome::Pending:
+        throw not_reached(peer);
+    }
   }
   device_ = device;
   transportContext_ = std::move(transport);
