@@ -11,6 +11,9 @@
 
 #include <gloo/transport/tcp/address.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -418,7 +421,9 @@ TEST_CASE("require_bindable accepts this host's addresses and names PSGD_ADDR ot
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
 
-// ---- MeshContext: rank 0's mesh on loopback, its peers played by the test ----
+// ---- MeshContext: rank 0's mesh on loopback, its peers played by plain sockets ----
+// Debian's Gloo (tcp::Pair) makes no handshake beyond TCP's: a pair listens on a port of its own, and the side
+// with the lower address connects to the other (the ports compared as Gloo does, their network-order values).
 
 // A file store in a directory of its own (one client for rank 0, one for the peers), and a loopback device.
 struct MeshFixture {
@@ -439,9 +444,25 @@ struct MeshFixture {
   ~MeshFixture() { std::filesystem::remove_all(dir); }
   MeshFixture(const MeshFixture&) = delete;
   MeshFixture& operator=(const MeshFixture&) = delete;
+
+  // Rank 0's pair address for `peer` of `size` (its published addresses, one per other rank in rank order).
+  std::vector<char> rank0_address_for(int peer, int size) {
+    peer_store->wait({"0"}, std::chrono::milliseconds(5000));
+    const std::vector<char> all = peer_store->get("0");
+    const size_t one = all.size() / static_cast<size_t>(size - 1);
+    const auto at = static_cast<std::ptrdiff_t>(one * static_cast<size_t>(peer - 1));
+    return std::vector<char>(all.begin() + at, all.begin() + at + static_cast<std::ptrdiff_t>(one));
+  }
+  // Publishes rank `peer` of `size`'s addresses: `address` for its pair with rank 0 and, as rank 0 reads no
+  // other, for every other pair too.
+  void publish(int peer, int size, const std::vector<char>& address) {
+    std::vector<char> all;
+    for (int k = 0; k < size - 1; ++k) all.insert(all.end(), address.begin(), address.end());
+    peer_store->set(std::to_string(peer), all);
+  }
 };
 
-// A pair address's port as Gloo's tcp::Pair compares them (network order): the lower address listens.
+// A pair address's port as Gloo's tcp::Pair compares it: sin_port's value, in network order.
 uint16_t gloo_port(const std::vector<char>& bytes) {
   const sockaddr_storage ss = gloo::transport::tcp::Address(bytes).getSockaddr();
   REQUIRE(ss.ss_family == AF_INET);
@@ -450,45 +471,106 @@ uint16_t gloo_port(const std::vector<char>& bytes) {
   return in.sin_port;
 }
 
-// A pair of rank `peer` of `size` with rank 0 whose port is above `rank0_side`'s (rank 0 then listens) or below
-// it (rank 0 connects); its context is kept in `contexts`. Null where 500 tries found none.
-gloo::transport::Pair* pair_beside(MeshFixture& mesh, std::vector<std::shared_ptr<gloo::transport::Context>>& contexts,
-                                   int peer, int size, const std::vector<char>& rank0_side, bool above) {
-  for (int attempt = 0; attempt < 500; ++attempt) {
-    contexts.push_back(mesh.device->createContext(peer, size));
-    contexts.back()->setTimeout(std::chrono::milliseconds(2000));  // a connect of its own waits 5 times that
-    gloo::transport::Pair* pair = contexts.back()->createPair(0).get();
-    if ((gloo_port(pair->address().bytes()) > gloo_port(rank0_side)) == above) return pair;
+// A peer's side of one pair: a socket bound on 127.0.0.1 at a port chosen (not drawn) so that Gloo ranks it
+// above rank 0's (rank 0 then listens for this peer) or below it (rank 0 connects to it): the first port
+// that binds, trying network-order values down from the largest, or up from the smallest unprivileged.
+struct PeerSocket {
+  int fd = -1;
+  int connection = -1;        // rank 0's, once accepted: open until the end (Gloo fails a pair closed by its peer)
+  std::vector<char> address;  // Gloo's serialized address of it
+
+  PeerSocket(const std::vector<char>& rank0_side, bool above) {
+    const uint16_t rank0 = gloo_port(rank0_side);
+    for (uint32_t step = 0; step < 0x10000 && fd < 0; ++step) {
+      const auto value = static_cast<uint16_t>(above ? 0xffff - step : step);
+      if (above ? value <= rank0 : value >= rank0) break;
+      sockaddr_in in{};
+      in.sin_family = AF_INET;
+      in.sin_port = value;  // network order, as compared
+      in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (ntohs(value) < 1024) continue;
+      const int candidate = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      REQUIRE(candidate >= 0);
+      if (::bind(candidate, reinterpret_cast<const sockaddr*>(&in), sizeof(in)) == 0) {
+        fd = candidate;
+        address = gloo::transport::tcp::Address(reinterpret_cast<const sockaddr*>(&in), sizeof(in)).bytes();
+      } else {
+        ::close(candidate);
+      }
+    }
+    REQUIRE_MESSAGE(fd >= 0, "no free port ", (above ? "above" : "below"), " rank 0's (", ntohs(rank0), ")");
   }
-  return nullptr;
+  ~PeerSocket() { close(); }
+  PeerSocket(const PeerSocket&) = delete;
+  PeerSocket& operator=(const PeerSocket&) = delete;
+  void close() {
+    if (connection >= 0) ::close(connection);
+    if (fd >= 0) ::close(fd);
+    fd = connection = -1;
+  }
+  // Listens; true once rank 0 connected (accepted within `limit`).
+  bool accept_within(std::chrono::milliseconds limit) {
+    REQUIRE(::listen(fd, 4) == 0);
+    pollfd ready{fd, POLLIN, 0};
+    if (::poll(&ready, 1, static_cast<int>(limit.count())) != 1) return false;
+    connection = ::accept4(fd, nullptr, nullptr, SOCK_CLOEXEC);
+    return connection >= 0;
+  }
+};
+
+// Connects to rank 0's listening side of a pair (from a port of the kernel's choice: Gloo accepts any).
+int connect_to(const std::vector<char>& rank0_side) {
+  const sockaddr_storage ss = gloo::transport::tcp::Address(rank0_side).getSockaddr();
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  REQUIRE(::connect(fd, reinterpret_cast<const sockaddr*>(&ss), sizeof(sockaddr_in)) == 0);
+  return fd;
 }
+
+// Rank 0's mesh of `size` connecting in the background with `timeout`, and how it ended.
+struct BackgroundMesh {
+  MeshContext context;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::future<void> connected;
+
+  BackgroundMesh(MeshFixture& mesh, int size, std::chrono::milliseconds timeout)
+      : context(0, size),
+        connected(std::async(std::launch::async,
+                             [this, &mesh, timeout] { context.connect_full_mesh(*mesh.store, mesh.device, timeout); })) {}
+
+  struct Failure {
+    std::string error;       // empty: it connected
+    bool timed_out = false;  // a MeshTimeout
+    double seconds = 0;
+  };
+  Failure failure() {
+    Failure failure;
+    try {
+      connected.get();
+    } catch (const MeshTimeout& e) {
+      failure.timed_out = true;
+      failure.error = e.what();
+    } catch (const std::exception& e) {
+      failure.error = e.what();
+    }
+    failure.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    MESSAGE("rank 0's mesh ended after ", failure.seconds, " s: ", failure.error);
+    return failure;
+  }
+};
 
 // The mesh's one deadline: rank 0 of 2, whose peer publishes its pair's address and never connects. Rank 0
 // listens on its side of the pair, where Debian's Gloo waited 5 timeouts; here it fails after one.
 TEST_CASE("a peer that publishes its address and never connects: the mesh fails within its one timeout") {
-  constexpr auto kTimeout = std::chrono::milliseconds(1000);
   MeshFixture mesh;
-  MeshContext context(0, 2);
-  const auto start = std::chrono::steady_clock::now();
-  auto connected = std::async(std::launch::async, [&] { context.connect_full_mesh(*mesh.store, mesh.device, kTimeout); });
-
-  mesh.peer_store->wait({"0"}, std::chrono::milliseconds(5000));
-  std::vector<std::shared_ptr<gloo::transport::Context>> contexts;
-  gloo::transport::Pair* pair = pair_beside(mesh, contexts, 1, 2, mesh.peer_store->get("0"), true);
-  REQUIRE_MESSAGE(pair != nullptr, "no pair port above rank 0's in 500 tries");
-  mesh.peer_store->set("1", pair->address().bytes());
-
-  std::string error;
-  try {
-    connected.get();
-  } catch (const MeshTimeout& e) {
-    error = e.what();
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  MESSAGE("rank 0 failed after ", seconds, " s: ", error);
-  CHECK(error == "rank 0's pair with rank 1 was not connected within 1000 ms");
-  CHECK(seconds >= 0.95);
-  CHECK(seconds < 4.0);  // Gloo's connectFullMesh: 5 s
+  BackgroundMesh rank0(mesh, 2, std::chrono::milliseconds(1000));
+  PeerSocket peer(mesh.rank0_address_for(1, 2), true);
+  mesh.publish(1, 2, peer.address);
+  const auto failure = rank0.failure();
+  CHECK(failure.timed_out);
+  CHECK(failure.error == "rank 0's pair with rank 1 was not connected within 1000 ms");
+  CHECK(failure.seconds >= 0.95);
+  CHECK(failure.seconds < 4.0);  // Gloo's connectFullMesh: 5 s
 }
 
 // The deadline covers the wait for a peer's addresses too: a peer that never publishes them fails rank 0 in
@@ -504,33 +586,34 @@ TEST_CASE("a peer that never publishes its address: the mesh fails at its timeou
 }
 
 // The mesh's pairs connect at once, not one after the other: rank 0 of 3 listens on its pair with rank 1 and
-// connects its pair with rank 2, and the peers connect rank 1 only once rank 2's pair is connected. One after
-// the other in rank order, rank 0 would wait for rank 1 until its timeout (as Gloo's connectFullMesh does); at
-// once, it connects both.
+// connects its pair with rank 2, and rank 1 connects only once rank 2 was reached. One after the other in rank
+// order, rank 0 would wait for rank 1 until its timeout (as Gloo's connectFullMesh does); at once, it connects
+// both.
 TEST_CASE("the mesh's pairs connect at once: a peer that connects only after another pair did is reached") {
   MeshFixture mesh;
-  MeshContext context(0, 3);
-  auto connected = std::async(std::launch::async, [&] {
-    context.connect_full_mesh(*mesh.store, mesh.device, std::chrono::milliseconds(5000));
-  });
+  BackgroundMesh rank0(mesh, 3, std::chrono::milliseconds(5000));
+  const std::vector<char> for1 = mesh.rank0_address_for(1, 3), for2 = mesh.rank0_address_for(2, 3);
+  PeerSocket peer1(for1, true), peer2(for2, false);
+  mesh.publish(1, 3, peer1.address);
+  mesh.publish(2, 3, peer2.address);
+  CHECK(peer2.accept_within(std::chrono::milliseconds(5000)));  // rank 0 connected to rank 2
+  const int to_rank0 = connect_to(for1);                         // then rank 1 to rank 0, which listens
+  CHECK(rank0.failure().error.empty());
+  ::close(to_rank0);  // after the mesh connected: a pair closed by its peer fails
+}
 
-  mesh.peer_store->wait({"0"}, std::chrono::milliseconds(5000));
-  const std::vector<char> rank0 = mesh.peer_store->get("0");  // its pairs' addresses for rank 1, then rank 2
-  REQUIRE(rank0.size() % 2 == 0);
-  const auto half = static_cast<std::ptrdiff_t>(rank0.size() / 2);
-  const std::vector<char> for1(rank0.begin(), rank0.begin() + half), for2(rank0.begin() + half, rank0.end());
-  std::vector<std::shared_ptr<gloo::transport::Context>> contexts;
-  gloo::transport::Pair* pair1 = pair_beside(mesh, contexts, 1, 3, for1, true);
-  gloo::transport::Pair* pair2 = pair_beside(mesh, contexts, 2, 3, for2, false);
-  REQUIRE_MESSAGE((pair1 != nullptr && pair2 != nullptr), "no pair port on the needed side in 500 tries");
-  // Each peer's addresses: its pair with rank 0 first (what rank 0 reads), then one standing for the other peer.
-  for (auto [peer, pair] : {std::pair{1, pair1}, std::pair{2, pair2}}) {
-    const std::vector<char> own = pair->address().bytes();
-    std::vector<char> bytes = own;
-    bytes.insert(bytes.end(), own.begin(), own.end());
-    mesh.peer_store->set(std::to_string(peer), bytes);
-  }
-  pair2->connect(for2);  // rank 2 listens: returns once rank 0 connected to it
-  pair1->connect(for1);  // then rank 1 connects to rank 0, which listens
-  CHECK_NOTHROW(connected.get());
+// A connect that fails ends the mesh's other connects after the grace, not at its deadline, and its error is
+// the mesh's: rank 0 of 3 listens for rank 1, which never connects, and connects to rank 2, which refuses (its
+// port bound, not listening). One after the other, rank 0 waited for rank 1 until the timeout (a MeshTimeout
+// naming rank 1); with the connects at once but no early end, it still did.
+TEST_CASE("the mesh's pairs connect at once: a refused connect fails the mesh at once, with its own error") {
+  MeshFixture mesh;
+  BackgroundMesh rank0(mesh, 3, std::chrono::milliseconds(5000));
+  PeerSocket peer1(mesh.rank0_address_for(1, 3), true), peer2(mesh.rank0_address_for(2, 3), false);
+  mesh.publish(1, 3, peer1.address);
+  mesh.publish(2, 3, peer2.address);
+  const auto failure = rank0.failure();
+  CHECK_FALSE(failure.timed_out);
+  CHECK(failure.error.find("Connection refused") != std::string::npos);
+  CHECK(failure.seconds < 2.5);  // the timeout is 5 s
 }

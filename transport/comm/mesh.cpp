@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
@@ -25,27 +26,35 @@ using Clock = std::chrono::steady_clock;
 // ticks. Pair::close resets an established connection (SO_LINGER 0), and a peer whose device loop then accepts
 // it aborts (getpeername fails in tcp::Pair::handleConnected, a GLOO_ENFORCE on the loop thread). A connect whose
 // handshake is done turns CONNECTED within a tick and returns; its pair then closes normally (disarm says the
-// deadline passed). Only a pair still waiting after the grace, with no connection made, is closed.
+// deadline passed). Only a pair still waiting after the grace is closed, one at a time (a connect that returns
+// meanwhile keeps its pair).
 constexpr auto kCloseGrace = std::chrono::milliseconds(50);
 
 // The most pairs connected at once, each on a thread of its own; beyond, one after the other.
 constexpr int kMaxConcurrentConnects = 256;
 
 // Closes the pairs still connecting when the deadline (and kCloseGrace) passed, so that their connects return;
-// a pair armed after the deadline is refused. One thread for the whole mesh; the connects run concurrently.
+// a pair armed after the deadline is refused. expire() brings the deadline forward to now (a connect failed, or
+// the mesh gave up): the others end after the grace instead of the timeout. One thread for the whole mesh.
 class ConnectWatchdog {
  public:
   explicit ConnectWatchdog(Clock::time_point deadline)
       : thread_([this, deadline] {
           std::unique_lock lock(mutex_);
-          if (wake_.wait_until(lock, deadline, [this] { return done_; })) return;
+          if (wake_.wait_until(lock, deadline, [this] { return done_ || expired_; }) && done_) return;
           fired_ = true;
-          if (armed_.empty()) return;
           // Only pairs still armed after the grace: disarm removes them, and arm refuses once fired_ is set.
           if (wake_.wait_for(lock, kCloseGrace, [this] { return done_ || armed_.empty(); })) return;
-          // Each close blocks until its connect waits (it holds the pair's lock until then); the close wakes it.
-          // A connect that returns meanwhile blocks in disarm until the last close: its pair stays alive.
-          for (gloo::transport::Pair* pair : armed_) pair->close();
+          // One at a time, unlocked while closing: a close waits for its connect to wait (the connect holds the
+          // pair's lock until then) and for a tick of the device loop, and a connect that returns meanwhile
+          // takes its pair out of armed_ rather than have it reset. The pairs outlive this thread.
+          while (!done_ && !armed_.empty()) {
+            gloo::transport::Pair* pair = armed_.front();
+            armed_.erase(armed_.begin());
+            lock.unlock();
+            pair->close();
+            lock.lock();
+          }
         }) {}
   ~ConnectWatchdog() {
     {
@@ -71,17 +80,26 @@ class ConnectWatchdog {
     bool fired = false;
     {
       std::lock_guard lock(mutex_);
-      armed_.erase(std::find(armed_.begin(), armed_.end(), pair));
+      const auto at = std::find(armed_.begin(), armed_.end(), pair);
+      if (at != armed_.end()) armed_.erase(at);  // absent: the watchdog took it to close it
       fired = fired_;
     }
     wake_.notify_all();  // a watchdog in its grace: perhaps nothing left to close
     return fired;
+  }
+  void expire() {
+    {
+      std::lock_guard lock(mutex_);
+      expired_ = true;
+    }
+    wake_.notify_all();
   }
 
  private:
   std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<gloo::transport::Pair*> armed_;
+  bool expired_ = false;
   bool fired_ = false;
   bool done_ = false;
   std::thread thread_;  // last: started once the members it reads are
@@ -119,12 +137,14 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   // Each pair connects on a thread of its own, started as soon as its peer's addresses are read: a connect
   // waits a round trip as the connecting side, and until the peer reaches it as the listening side, so one
   // after the other they took up to a round trip per peer. All at once, not a bounded pool: a pool's threads
-  // could all wait as listeners for peers whose own pools wait likewise. Above kMaxConcurrentConnects peers
-  // they connect one after the other, as connectFullMesh does.
-  const bool concurrent = size - 1 <= kMaxConcurrentConnects;
+  // could all wait as listeners for peers whose own pools wait likewise. Above kMaxConcurrentConnects peers,
+  // or where a thread cannot be started, they connect one after the other, as connectFullMesh does. The first
+  // connect that fails ends the others after the grace, as the deadline would.
+  bool concurrent = size - 1 <= kMaxConcurrentConnects;
   ConnectWatchdog watchdog(deadline);
   std::vector<PairOutcome> outcomes(static_cast<size_t>(size), PairOutcome::Pending);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
+  std::atomic<bool> failed{false};
   // Each thread writes its peer's entries only; they are read once every thread was joined.
   auto connect_pair = [&](int peer, gloo::transport::Pair* pair, const std::vector<char>& address) {
     PairOutcome& outcome = outcomes[static_cast<size_t>(peer)];
@@ -139,17 +159,29 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
       outcome = PairOutcome::Failed;
       errors[static_cast<size_t>(peer)] = std::current_exception();
     }
+    // Past the deadline (or another's failure) the watchdog may have closed the pair: whatever connect said,
+    // it was not connected in time. A failure before that is the mesh's.
     if (watchdog.disarm(pair)) outcome = PairOutcome::Late;
-  };
-  // Joined before the watchdog ends (it closes what is still connecting at the deadline) and before the pairs
-  // go, on every path out of here.
-  struct Joiner {
-    std::vector<std::thread> threads;
-    ~Joiner() {
-      for (std::thread& thread : threads) thread.join();
+    if (outcome == PairOutcome::Failed) {
+      failed = true;
+      watchdog.expire();
     }
-  } connects;
-  for (int peer = 0; peer < size; ++peer) {
+  };
+  // Joined before the watchdog ends and before the pairs go, on every path out of here; on a throw, the
+  // connects still going end after the grace, not at the deadline.
+  struct Joiner {
+    ConnectWatchdog& watchdog;
+    std::vector<std::thread> threads;
+    void join() {
+      for (std::thread& thread : threads) thread.join();
+      threads.clear();
+    }
+    ~Joiner() {
+      if (!threads.empty()) watchdog.expire();
+      join();
+    }
+  } connects{watchdog, {}};
+  for (int peer = 0; peer < size && !failed; ++peer) {
     if (peer == rank) continue;
     const std::string key = std::to_string(peer);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -159,27 +191,23 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
     std::vector<char> address = extractAddress(all, peer);
     gloo::transport::Pair* pair = transport->getPair(peer).get();
     if (concurrent) {
-      connects.threads.emplace_back(connect_pair, peer, pair, std::move(address));
-    } else {
-      connect_pair(peer, pair, address);
-      if (outcomes[static_cast<size_t>(peer)] != PairOutcome::Connected) break;
-    }
-  }
-  for (std::thread& thread : connects.threads) thread.join();
-  connects.threads.clear();
-  // The lowest peer not connected names the failure: past the deadline, or the connect's own exception.
-  for (int peer = 0; peer < size; ++peer) {
-    if (peer == rank) continue;
-    switch (outcomes[static_cast<size_t>(peer)]) {
-      case PairOutcome::Connected:
+      try {
+        connects.threads.emplace_back(connect_pair, peer, pair, address);
         continue;
-      case PairOutcome::Failed:
-        std::rethrow_exception(errors[static_cast<size_t>(peer)]);
-      case PairOutcome::Late:
-      case PairOutcome::Pending:
-        throw not_reached(peer);
+      } catch (const std::system_error&) {
+        concurrent = false;  // no thread to be had (a pids limit): this pair and the rest here
+      }
     }
+    connect_pair(peer, pair, address);
+    if (outcomes[static_cast<size_t>(peer)] != PairOutcome::Connected) break;
   }
+  connects.join();
+  // The lowest peer whose connect failed names the failure, else the lowest not connected by the deadline.
+  for (int peer = 0; peer < size; ++peer)
+    if (outcomes[static_cast<size_t>(peer)] == PairOutcome::Failed)
+      std::rethrow_exception(errors[static_cast<size_t>(peer)]);
+  for (int peer = 0; peer < size; ++peer)
+    if (peer != rank && outcomes[static_cast<size_t>(peer)] != PairOutcome::Connected) throw not_reached(peer);
   device_ = device;
   transportContext_ = std::move(transport);
 }
