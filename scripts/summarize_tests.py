@@ -3,8 +3,8 @@
 (one line per fuzz target: target, OK|FAIL, executions, cov, ft, seconds); prints
 'N passed, N failed, N skipped' last.
 
-For each failed test it prints, before that line, what the failure said: its doctest failure blocks, or
-else the end of its output. CI shows only the end of a run, where Meson's own error log has long scrolled by.
+For each failed test it prints, before that line, what the failure said (its doctest failure blocks, or
+else the end of its output and its first error; 300 lines in all), then the list of failures. CI shows only the end of a run, where Meson's own error log has long scrolled by.
 
 Exits 1 when a test failed or no test ran, so callers can use the exit code too.
 """
@@ -18,26 +18,44 @@ MAX_LINE = 400  # characters kept of one line of a failed test's output
 MAX_BLOCK_LINES = 60
 MAX_BLOCKS = 4
 TAIL_LINES = 40
+MAX_EXCERPT_LINES = 300  # of all failed tests together: CI shows only the end of a run
+# doctest's rules between test cases, also as powersgd-run prefixes a rank's lines ("[1] ====...").
+RULE = re.compile(r"(\[\d+\] )?={20,}")
+
+
+def around_error(lines, head, context, tail):
+    """The first `head` lines, `context` lines from just before the first error, and the last `tail` lines."""
+    first = next((i for i, line in enumerate(lines) if "ERROR" in line), len(lines))
+    keep = sorted(set(range(min(head, len(lines))))
+                  | set(range(max(0, first - 3), min(len(lines), first - 3 + context)))
+                  | set(range(max(0, len(lines) - tail), len(lines))))
+    excerpt, previous = [], -1
+    for i in keep:
+        if i != previous + 1:
+            excerpt.append("  ...")
+        excerpt.append(lines[i])
+        previous = i
+    return excerpt
 
 
 def failure_excerpt(test):
-    """The doctest blocks (between its '=====' rules) that report an error, else the output's last lines."""
+    """The doctest blocks (between its rules) that report an error, else the output's end and its first error."""
     output = (test.get("stdout") or "") + (test.get("stderr") or "")
     lines = [line[:MAX_LINE] for line in output.splitlines()]
     blocks, current = [], []
     for line in lines:
-        if re.fullmatch(r"={20,}", line):
+        if RULE.fullmatch(line):
             blocks.append(current)
             current = []
         else:
             current.append(line)
     blocks.append(current)
     failed = [b for b in blocks if any("ERROR:" in line or "FATAL ERROR" in line for line in b)]
-    if not failed:
-        return lines[-TAIL_LINES:]
+    if len(blocks) == 1 or not failed:  # no doctest report: the end, and the first error (a sanitizer's)
+        return around_error(lines, 0, 20, TAIL_LINES)
     excerpt = []
     for block in failed[:MAX_BLOCKS]:
-        excerpt += block[:MAX_BLOCK_LINES] + (["  ..."] if len(block) > MAX_BLOCK_LINES else []) + ["-" * 40]
+        excerpt += (block if len(block) <= MAX_BLOCK_LINES else around_error(block, 6, 30, 10)) + ["-" * 40]
     if len(failed) > MAX_BLOCKS:
         excerpt.append(f"  ({len(failed) - MAX_BLOCKS} more failure blocks)")
     return excerpt
@@ -45,10 +63,10 @@ def failure_excerpt(test):
 
 def main(paths):
     passed = failed = skipped = 0
-    excerpts = []
+    excerpts, failures = [], []
     for path in paths:
         if path.startswith("BUILD_FAILED:"):
-            print(f"summary: FAILED build of {path.split(':', 1)[1]}")
+            failures.append(f"summary: FAILED build of {path.split(':', 1)[1]}")
             failed += 1
             continue
         if path.endswith(".tsv"):
@@ -56,7 +74,7 @@ def main(paths):
                 with open(path, encoding="utf-8") as table:
                     rows = [line.rstrip("\n").split("\t") for line in table if line.strip()]
             except OSError as err:
-                print(f"summary: cannot read {path}: {err}")
+                failures.append(f"summary: cannot read {path}: {err}")
                 failed += 1
                 continue
             for row in rows:
@@ -64,16 +82,22 @@ def main(paths):
                     passed += 1
                 else:
                     failed += 1
-                    print(f"summary: FAILED fuzz target {row[0]} in {path}")
+                    failures.append(f"summary: FAILED fuzz target {row[0]} in {path}")
             continue
         try:
-            with open(path, encoding="utf-8") as log:
-                lines = [json.loads(line) for line in log if line.strip()]
+            with open(path, encoding="utf-8", errors="replace") as log:
+                lines = [line for line in log if line.strip()]
         except OSError as err:
-            print(f"summary: cannot read {path}: {err}")
+            failures.append(f"summary: cannot read {path}: {err}")
             failed += 1
             continue
-        for test in lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                test = json.loads(line)
+            except json.JSONDecodeError as err:  # a log cut short
+                failures.append(f"summary: line {number} of {path} is not a test's record: {err}")
+                failed += 1
+                continue
             result = test.get("result")
             if result in PASSED:
                 passed += 1
@@ -82,11 +106,19 @@ def main(paths):
             else:
                 failed += 1
                 excerpts.append((test.get("name"), result, failure_excerpt(test)))
-                print(f"summary: FAILED ({result}) {test.get('name')} in {path}")
+                failures.append(f"summary: FAILED ({result}) {test.get('name')} in {path}")
+    # The excerpts first, so that the list of failures stays in the end CI shows.
+    budget = MAX_EXCERPT_LINES
     for name, result, excerpt in excerpts:
+        if budget <= 0:
+            print(f"summary: (no room left to show what {name} printed)")
+            continue
         print(f"summary: what {name} ({result}) printed:")
-        for line in excerpt:
+        for line in excerpt[:budget]:
             print(f"  | {line}")
+        budget -= len(excerpt)
+    for failure in failures:
+        print(failure)
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 0 if failed == 0 and passed > 0 else 1
 

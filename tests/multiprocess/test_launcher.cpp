@@ -1017,7 +1017,7 @@ TEST_SUITE("link-delay") {
   // direct bound's probe take about a second): each failed, in create or in the barrier after it, with an I/O
   // error or a timeout, within PSGD_TIMEOUT_MS (3 s) and some slack of the victim's loss, where it was lost while
   // the mesh was connected too (MeshContext: Gloo's own connect waited 5 timeouts there, 15.5 s); none hangs or
-  // aborts, no namespace is left. Measured from the victim's start, on the clock the emulated hosts share: the
+  // aborts, no namespace is left. Measured from the victim's loss, on the clock the emulated hosts share: the
   // launcher starts the ranks one after another, and a survivor that started earlier waited that much longer.
   void check_lost_in_create(const char* mode) {
     constexpr double kSlackSeconds = 1.5;
@@ -1041,10 +1041,13 @@ TEST_SUITE("link-delay") {
         const std::string where = word_after(r.out, prefix);
         const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
         const int code = std::stoi(word_after(line, " code="));
-        const double after_loss = (std::stod(word_after(line, " at_ms=")) - lost_at_ms) / 1000.0;
+        const std::string at_ms = word_after(line, " at_ms=");
+        REQUIRE(!at_ms.empty());
+        const double after_loss = (std::stod(at_ms) - lost_at_ms) / 1000.0;
         const bool mesh = word_after(line, " mesh=") == "1";
         INFO(line, ": ", after_loss, " s after the victim's loss");
         CHECK((code == 2 || code == 3));  // ErrorCode::Io or ErrorCode::Timeout
+        CHECK(after_loss >= 0.0);  // it failed because of the loss (or a victim started 3 s after it)
         CHECK(after_loss < 3.0 + kSlackSeconds);
         closest = std::min(closest, 3.0 + kSlackSeconds - after_loss);
         mesh_waits += mesh ? 1 : 0;

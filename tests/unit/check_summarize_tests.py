@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """scripts/summarize_tests.py on made-up Meson logs: the counts, the last line, the exit status, and what a failed
-test printed (its doctest failure blocks, else its output's end) shown before that line.
+test printed (its doctest failure blocks, prefixed by a rank or not; else its output's end and first error)
+shown before the list of failures and that line.
 
   check_summarize_tests.py SOURCE_ROOT
 """
@@ -72,6 +73,31 @@ def main(root):
            "the last 40 lines of a test without doctest blocks", lines)
     expect("not a failure" not in text, "nothing of a passed test", lines)
     expect(text.index("what s:launcher") < text.index(lines[-1]), "the excerpts before the last line", lines)
+
+    # Under powersgd-run every line of a rank is prefixed ("[1] "), its rules too; a sanitizer's report has no
+    # rules at all and may stand far from the end.
+    prefixed = "\n".join("[1] " + line for line in DOCTEST_FAILURE.splitlines())
+    asan = "\n".join([f"line {i}" for i in range(70)] + ["==123==ERROR: AddressSanitizer: heap-use-after-free"]
+                     + [f"frame {i}" for i in range(100)])
+    code, lines = run(root, [{"name": "s:ranks", "result": "FAIL", "stdout": prefixed},
+                             {"name": "s:asan", "result": "FAIL", "stdout": asan}])
+    text = "\n".join(lines)
+    expect("  | [1] test_launcher.cpp:1030: ERROR: CHECK( seconds < 3.0 + 1.5 ) is NOT correct!" in lines
+           and "a passing case" not in text, "a rank's doctest block, its rules prefixed", lines)
+    expect("  | ==123==ERROR: AddressSanitizer: heap-use-after-free" in lines and "  | frame 99" in lines,
+           "a sanitizer's error far from the end, and the end", lines)
+    expect(text.index("summary: FAILED (FAIL) s:asan") > text.index("  | frame 99"),
+           "the list of failures after the excerpts", lines)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "testlog.json")
+        with open(log, "w", encoding="utf-8") as out:
+            out.write(json.dumps({"name": "a", "result": "OK"}) + "\n" + '{"name": "b", "resu')
+        done = subprocess.run([sys.executable, os.path.join(root, "scripts", "summarize_tests.py"), log],
+                              capture_output=True, text=True, check=False)
+        lines = done.stdout.splitlines()
+        expect(done.returncode == 1 and lines[-1] == "1 passed, 1 failed, 0 skipped",
+               "a log cut short: its last record a failure", lines)
 
     code, lines = run(root, [])
     expect(code == 1 and lines[-1] == "0 passed, 0 failed, 0 skipped", "no test ran: exit 1", lines)

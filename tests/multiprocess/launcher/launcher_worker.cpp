@@ -22,8 +22,8 @@
 //                         allreduce 1 MiB in a loop for up to 120 s; on failure print "allreduce failed:
 //                         CODE: MESSAGE" and exit 3 (PSGD_TIMEOUT_MS bounds each collective)
 //   lost-in-create MS     the last rank exits MS ms after it starts, inside Communicator::create or after it;
-//                         every rank prints "started at_ms=T" first (T: ms on the system clock, shared by the
-//                         emulated hosts), every other rank then "lost where=create|barrier code=C seconds=S
+//                         every rank prints "started at_ms=T" first (T: ms on the monotonic clock, shared by
+//                         the emulated hosts), every other rank then "lost where=create|barrier code=C seconds=S
 //                         at_ms=T mesh=0|1"
 //   stalled-in-create MS  like lost-in-create, but the last rank stops (SIGSTOP) for 8 s, then exits 0
 #include <arpa/inet.h>
@@ -405,9 +405,10 @@ int mode_lost_in_create(char** argv, bool stall) {
   if (ms < 0) die("lost-in-create / stalled-in-create MS: expected a delay in milliseconds");
   const powersgd::CommOptions options = powersgd::CommOptions::from_env();
   const bool victim = options.rank == options.world_size - 1;
-  // The system clock, not steady_clock: the test compares times of different processes (one machine).
+  // steady_clock (CLOCK_MONOTONIC) is one clock for every process of the machine: powersgd-run's emulated hosts
+  // are network namespaces, not time namespaces. The test compares these times across ranks.
   auto now_ms = [] {
-    return std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
+    return std::chrono::duration<double, std::milli>(Clock::now().time_since_epoch()).count();
   };
   std::printf("started at_ms=%.1f\n", now_ms());
   std::fflush(stdout);
