@@ -4,7 +4,8 @@
 'N passed, N failed, N skipped' last.
 
 For each failed test it prints, before that line, what the failure said (its doctest failure blocks, or
-else the end of its output and its first error; 300 lines in all), then the list of failures. CI shows only the end of a run, where Meson's own error log has long scrolled by.
+else the end of its output and its first error; 300 lines in all), then the list of failures. CI shows only
+the end of a run, where Meson's own error log has long scrolled by.
 
 Exits 1 when a test failed or no test ran, so callers can use the exit code too.
 """

@@ -534,9 +534,9 @@ struct BackgroundMesh {
   std::future<void> connected;
 
   BackgroundMesh(MeshFixture& mesh, int size, std::chrono::milliseconds timeout)
-      : context(0, size),
-        connected(std::async(std::launch::async,
-                             [this, &mesh, timeout] { context.connect_full_mesh(*mesh.store, mesh.device, timeout); })) {}
+      : context(0, size), connected(std::async(std::launch::async, [this, &mesh, timeout] {
+          context.connect_full_mesh(*mesh.store, mesh.device, timeout);
+        })) {}
 
   struct Failure {
     std::string error;       // empty: it connected
