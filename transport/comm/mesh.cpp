@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
@@ -94,6 +93,10 @@ class ConnectWatchdog {
     }
     wake_.notify_all();
   }
+  bool expired() {
+    std::lock_guard lock(mutex_);
+    return expired_;
+  }
 
  private:
   std::mutex mutex_;
@@ -105,8 +108,9 @@ class ConnectWatchdog {
   std::thread thread_;  // last: started once the members it reads are
 };
 
-// What became of one pair's connect.
-enum class PairOutcome { Pending, Connected, Late, Failed };
+// What became of one pair's connect: not connected (not yet, refused by the watchdog, or closed by it past the
+// deadline), connected, or failed on its own (the mesh's error then).
+enum class PairOutcome { NotConnected, Connected, Failed };
 
 }  // namespace
 
@@ -142,14 +146,13 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   // connect that fails ends the others after the grace, as the deadline would.
   bool concurrent = size - 1 <= kMaxConcurrentConnects;
   ConnectWatchdog watchdog(deadline);
-  std::vector<PairOutcome> outcomes(static_cast<size_t>(size), PairOutcome::Pending);
+  std::vector<PairOutcome> outcomes(static_cast<size_t>(size), PairOutcome::NotConnected);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
-  std::atomic<bool> failed{false};
   // Each thread writes its peer's entries only; they are read once every thread was joined.
   auto connect_pair = [&](int peer, gloo::transport::Pair* pair, const std::vector<char>& address) {
     PairOutcome& outcome = outcomes[static_cast<size_t>(peer)];
     if (!watchdog.arm(pair)) {
-      outcome = PairOutcome::Late;
+      outcome = PairOutcome::NotConnected;
       return;
     }
     try {
@@ -161,11 +164,8 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
     }
     // Past the deadline (or another's failure) the watchdog may have closed the pair: whatever connect said,
     // it was not connected in time. A failure before that is the mesh's.
-    if (watchdog.disarm(pair)) outcome = PairOutcome::Late;
-    if (outcome == PairOutcome::Failed) {
-      failed = true;
-      watchdog.expire();
-    }
+    if (watchdog.disarm(pair)) outcome = PairOutcome::NotConnected;
+    if (outcome == PairOutcome::Failed) watchdog.expire();
   };
   // Joined before the watchdog ends and before the pairs go, on every path out of here; on a throw, the
   // connects still going end after the grace, not at the deadline.
@@ -181,7 +181,8 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
       join();
     }
   } connects{watchdog, {}};
-  for (int peer = 0; peer < size && !failed; ++peer) {
+  // Until a connect failed (only that expires the watchdog while this loop runs).
+  for (int peer = 0; peer < size && !watchdog.expired(); ++peer) {
     if (peer == rank) continue;
     const std::string key = std::to_string(peer);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());

@@ -23,8 +23,8 @@
 //                         CODE: MESSAGE" and exit 3 (PSGD_TIMEOUT_MS bounds each collective)
 //   lost-in-create MS     the last rank exits MS ms after it starts, inside Communicator::create or after it;
 //                         every rank prints "started at_ms=T" first (T: ms on the monotonic clock, shared by
-//                         the emulated hosts), every other rank then "lost where=create|barrier code=C seconds=S
-//                         at_ms=T mesh=0|1"
+//                         the emulated hosts), every other rank then "lost where=create|barrier code=C at_ms=T
+//                         mesh=0|1"
 //   stalled-in-create MS  like lost-in-create, but the last rank stops (SIGSTOP) for 8 s, then exits 0
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -397,7 +397,7 @@ constexpr int kStalledSeconds = 8;
 // The last rank exits (_exit(0): its sockets close as under SIGKILL, and the launcher goes on) MS ms after
 // it starts, wherever it is then: in the rendezvous, the mesh, the fingerprint check, host staging's setup or
 // the direct bound's probe of Communicator::create, or after it. Every other rank must then fail, in create or
-// in the barrier after it, within the timeout: it prints where, the error's code, the seconds it took and when.
+// in the barrier after it, within the timeout: it prints where, the error's code and when.
 // With `stall`, the last rank stops instead (SIGSTOP: its connections stay open and silent) for
 // kStalledSeconds, continued by a child of its own, then exits 0.
 int mode_lost_in_create(char** argv, bool stall) {
@@ -430,7 +430,6 @@ int mode_lost_in_create(char** argv, bool stall) {
       }
       ::_exit(0);
     }).detach();
-  const auto start = Clock::now();
   const char* where = "create";
   try {
     auto comm = powersgd::Communicator::create(options);
@@ -440,8 +439,8 @@ int mode_lost_in_create(char** argv, bool stall) {
   } catch (const powersgd::Error& e) {
     // mesh=1: it failed in the rendezvous, the mesh's connect included (connect_mesh's "rendezvous of N ranks").
     const bool mesh = std::string(e.what()).find("rendezvous of ") != std::string::npos;
-    std::printf("lost where=%s code=%d seconds=%.3f at_ms=%.1f mesh=%d\n", where, static_cast<int>(e.code()),
-                std::chrono::duration<double>(Clock::now() - start).count(), now_ms(), mesh ? 1 : 0);
+    std::printf("lost where=%s code=%d at_ms=%.1f mesh=%d\n", where, static_cast<int>(e.code()), now_ms(),
+                mesh ? 1 : 0);
     std::fflush(stdout);
     std::fprintf(stderr, "%s\n", e.what());
     return 0;
