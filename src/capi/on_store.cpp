@@ -68,9 +68,11 @@ class CallbackStore final : public transport::Store {
     return true;
   }
 
+  // The first 8 keys and how many there are (a mesh's wait names every peer's).
   static std::string joined(const std::vector<std::string>& keys) {
     std::string out;
-    for (const auto& key : keys) out += (out.empty() ? "'" : ", '") + key + "'";
+    for (size_t i = 0; i < keys.size() && i < 8; ++i) out += (i ? ", '" : "'") + keys[i] + "'";
+    if (keys.size() > 8) out += detail::concat(", ... (", keys.size(), " keys)");
     return out;
   }
 

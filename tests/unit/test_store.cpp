@@ -28,6 +28,7 @@
 #include <fstream>
 #include <iterator>
 #include <latch>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -167,6 +168,21 @@ class RawClient {
 };
 
 constexpr uint8_t kOk = 0x80, kError = 0x81, kRefused = 0x83, kBusy = 0x84;
+
+// A socket listening on 127.0.0.1 at a port of the kernel's choice (written to `port`), for stand-in servers.
+int loopback_listener(uint16_t& port) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(listener >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  REQUIRE(::listen(listener, 4) == 0);
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  port = ntohs(address.sin_port);
+  return listener;
+}
 
 // Proves the server still serves a well-behaved client, promptly.
 void check_server_serves(const TcpStoreServer& server) {
@@ -582,15 +598,8 @@ TEST_CASE("tcp store: a deadline that ends the reconnect after a Busy reply repo
   // A stand-in server: answers the first HELLO with Busy and stops listening first, so every reconnect is
   // refused until the client's deadline. The client must say why (the Busy reason), as when the deadline ends
   // a HELLO after a Busy; it once threw "could not connect" (seen under load in the per-address cap case).
-  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(listener >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(::listen(listener, 4) == 0);
-  socklen_t length = sizeof addr;
-  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &length) == 0);
+  uint16_t port = 0;
+  const int listener = loopback_listener(port);
   std::atomic<bool> answered{false};
   std::thread server([&] {
     int connection = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
@@ -610,7 +619,7 @@ TEST_CASE("tcp store: a deadline that ends the reconnect after a Busy reply repo
   });
   auto start = Clock::now();
   try {
-    connect_tcp_store("127.0.0.1", ntohs(addr.sin_port), kToken, 500ms);
+    connect_tcp_store("127.0.0.1", port, kToken, 500ms);
     FAIL("connected to a server that stopped listening");
   } catch (const powersgd::IoError& e) {
     CHECK(std::string(e.what()).find("had no room for this client within 500 ms: full for this test") !=
@@ -642,6 +651,12 @@ TEST_CASE("file store: semantics, prefixes, timeout") {
   }
   CHECK(ms_since(start) >= 190);
   CHECK_THROWS_AS(other->wait({"k"}, 50ms), powersgd::TimeoutError);
+  CHECK_THROWS_AS(other->get_many({"k"}, 50ms), powersgd::TimeoutError);
+  a->set("k2", bytes("w"));
+  auto many = b->get_many({"k2", "k"}, 1s);  // the store's own get_many: a wait, then a get each
+  REQUIRE(many.size() == 2);
+  CHECK(text(many[0]) == "w");
+  CHECK(text(many[1]) == "v2");
   // Keys with separators, dots and long keys map to distinct files.
   std::vector<std::string> keys = {"a/b", "a%2fb", "..", ".", "", std::string(300, 'x'), std::string(300, 'x') + "y",
                                    std::string(kMaxKeyBytes, '/')};
@@ -678,12 +693,210 @@ TEST_CASE("prefix store: namespaces keys and keeps its own timeout") {
   CHECK(text(one->get("k")) == "1");
   CHECK(text(two->get("k")) == "2");
   CHECK(text(inner->get("one/k")) == "1");
+  auto both = one->get_many({"k", "k"}, 1s);
+  REQUIRE(both.size() == 2);
+  CHECK(text(both[1]) == "1");
   CHECK(one->add("c", 3) == 3);
   CHECK_FALSE(two->check({"c"}));
   two->set_timeout(100ms);
   auto start = Clock::now();
   CHECK_THROWS_AS(two->get("c"), powersgd::TimeoutError);
   CHECK(ms_since(start) < 1500);
+}
+
+std::string get_many_frame(const std::vector<std::string>& keys, uint64_t timeout_ms) {
+  std::string body;
+  put_le(body, keys.size(), 4);
+  for (const auto& key : keys) body += field(key);
+  put_le(body, timeout_ms, 8);
+  return frame(8, body);
+}
+
+// GET_MANY's reply read by hand: the values, nullopt where the reply is not Ok(u32 n, n x str).
+std::optional<std::vector<std::string>> values_of(const std::optional<std::pair<uint8_t, std::string>>& reply) {
+  if (!reply || reply->first != kOk || reply->second.size() < 4) return std::nullopt;
+  const std::string& body = reply->second;
+  auto u32_at = [&](size_t at) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(body[at + i])) << (8 * i);
+    return v;
+  };
+  std::vector<std::string> values(u32_at(0));
+  size_t at = 4;
+  for (auto& value : values) {
+    if (body.size() < at + 4 || body.size() < at + 4 + u32_at(at)) return std::nullopt;
+    value = body.substr(at + 4, u32_at(at));
+    at += 4 + value.size();
+  }
+  if (at != body.size()) return std::nullopt;
+  return values;
+}
+
+TEST_CASE("tcp store: get_many waits for every key and returns the values in the order asked, in one reply") {
+  TcpStoreServer server(server_options());
+  auto a = client(server);
+  auto b = client(server);
+  a->set("one", bytes("1"));
+  a->set("empty", {});
+  std::thread late([&] {
+    std::this_thread::sleep_for(100ms);
+    b->set("late", bytes("value set later"));
+  });
+  auto start = Clock::now();
+  auto values = a->get_many({"late", "one", "empty", "one"}, 5s);
+  late.join();
+  CHECK(ms_since(start) >= 90);
+  REQUIRE(values.size() == 4);
+  CHECK(text(values[0]) == "value set later");
+  CHECK(text(values[1]) == "1");
+  CHECK(values[2].empty());
+  CHECK(text(values[3]) == "1");
+  CHECK(a->get_many({}, 1s).empty());
+
+  // On the wire: the server offers GET_MANY in its HELLO's Ok, and answers one request with every value.
+  RawClient raw(server.port());
+  raw.send(hello_frame(kToken));
+  auto hello = raw.reply();
+  REQUIRE(hello);
+  CHECK(hello->first == kOk);
+  REQUIRE(hello->second.size() == 4);
+  CHECK((static_cast<unsigned char>(hello->second[0]) & 1) == 1);
+  raw.send(get_many_frame({"one", "late", "empty"}, 1000));
+  auto got = values_of(raw.reply());
+  REQUIRE(got);
+  CHECK(*got == std::vector<std::string>{"1", "value set later", ""});
+  // A large value among small ones comes whole, and the connection goes on.
+  std::vector<char> large(300000);
+  for (size_t i = 0; i < large.size(); ++i) large[i] = static_cast<char>(i * 13);
+  a->set("large", large);
+  values = b->get_many({"one", "large", "one"}, 1s);
+  REQUIRE(values.size() == 3);
+  CHECK(values[1] == large);
+  CHECK(text(values[2]) == "1");
+}
+
+TEST_CASE("tcp store: get_many times out naming the keys and the missing ones; values over a frame are refused") {
+  TcpStoreServer server(server_options());
+  auto store = client(server, 60s);
+  store->set("here", bytes("x"));
+  auto start = Clock::now();
+  try {
+    store->get_many({"here", "never-set", "nor-this"}, 200ms);
+    FAIL("get_many returned");
+  } catch (const powersgd::TimeoutError& e) {
+    const std::string what = e.what();
+    MESSAGE(what);
+    CHECK(what.find("'here', 'never-set', 'nor-this'") != std::string::npos);
+    CHECK(what.find("200 ms") != std::string::npos);
+    CHECK(what.find("missing 'never-set', 'nor-this'") != std::string::npos);
+  }
+  CHECK(ms_since(start) >= 190);
+  CHECK(ms_since(start) < 1500);
+  CHECK(text(store->get_many({"here"}, 100ms)[0]) == "x");  // the connection stays usable
+
+  // Two values of 40 MiB make a reply over the largest frame: an error naming the limit, nothing queued, and the
+  // connection stays usable.
+  store->set("half-a", std::vector<char>(40u << 20, 'a'));
+  store->set("half-b", std::vector<char>(40u << 20, 'b'));
+  try {
+    store->get_many({"half-a", "half-b"}, 1s);
+    FAIL("get_many returned");
+  } catch (const powersgd::InvalidArgumentError& e) {
+    const std::string what = e.what();
+    MESSAGE(what);
+    CHECK(what.find("'half-a', 'half-b'") != std::string::npos);
+    CHECK(what.find("the limit is") != std::string::npos);
+  }
+  for (auto deadline = Clock::now() + 2s; server.queued_reply_bytes() != 0 && Clock::now() < deadline;)
+    std::this_thread::sleep_for(10ms);  // the Error's own bytes, until the server saw them written
+  CHECK(server.queued_reply_bytes() == 0);
+  auto halves = store->get_many({"half-a", "here"}, 30s);  // present: the limit bounds 40 MiB's transfer
+  CHECK(halves[0] == std::vector<char>(40u << 20, 'a'));
+  CHECK(text(halves[1]) == "x");
+  check_server_serves(server);
+}
+
+// A server of a build before GET_MANY, played by hand: its HELLO's Ok carries nothing, it answers WAIT with Ok
+// and GET with the key's value, and any other request with an Error (as that build closes the connection on a
+// request type it does not know). It serves one connection and records the request types it got.
+class ServerBeforeGetMany {
+ public:
+  explicit ServerBeforeGetMany(std::map<std::string, std::string> values)
+      : values_(std::move(values)), listener_(loopback_listener(port)) {
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~ServerBeforeGetMany() {
+    thread_.join();  // ends when its client closes, or after 5 s without a request
+    ::close(listener_);
+  }
+  std::vector<uint8_t> requests() {
+    std::lock_guard lock(mutex_);
+    return requests_;
+  }
+
+  uint16_t port = 0;
+
+ private:
+  // Reads exactly n bytes within 5 s; false on EOF or timeout.
+  static bool read_exactly(int fd, std::string& out, size_t n) {
+    out.clear();
+    while (out.size() < n) {
+      pollfd ready{fd, POLLIN, 0};
+      if (::poll(&ready, 1, 5000) != 1) return false;
+      char buffer[4096];
+      const ssize_t got = ::recv(fd, buffer, std::min(sizeof buffer, n - out.size()), 0);
+      if (got <= 0) return false;
+      out.append(buffer, static_cast<size_t>(got));
+    }
+    return true;
+  }
+  void serve() {
+    pollfd ready{listener_, POLLIN, 0};
+    if (::poll(&ready, 1, 5000) != 1) return;
+    const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    std::string header, body;
+    while (read_exactly(fd, header, 4)) {
+      uint32_t length = 0;
+      for (int i = 0; i < 4; ++i) length |= static_cast<uint32_t>(static_cast<unsigned char>(header[i])) << (8 * i);
+      if (length == 0 || length > (1u << 20) || !read_exactly(fd, body, length)) break;
+      const auto type = static_cast<uint8_t>(body[0]);
+      {
+        std::lock_guard lock(mutex_);
+        requests_.push_back(type);
+      }
+      std::string reply = frame(kError, field("unknown request type"));
+      if (type == 1 || type == 4) reply = frame(kOk, "");
+      if (type == 3 && body.size() >= 5) {
+        uint32_t key_length = 0;
+        for (int i = 0; i < 4; ++i)
+          key_length |= static_cast<uint32_t>(static_cast<unsigned char>(body[1 + i])) << (8 * i);
+        const std::string key = body.substr(5, key_length);
+        reply = values_.count(key) ? frame(kOk, field(values_.at(key))) : frame(kError, field("no such key"));
+      }
+      if (::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(reply.size())) break;
+    }
+    ::close(fd);
+  }
+
+  std::map<std::string, std::string> values_;
+  int listener_ = -1;
+  std::mutex mutex_;
+  std::vector<uint8_t> requests_;
+  std::thread thread_;  // last: started once the members it reads are
+};
+
+TEST_CASE("tcp store: get_many with a server that does not offer it waits, then gets each key") {
+  ServerBeforeGetMany older({{"a", "1"}, {"b", "two"}});
+  {
+    auto store = connect_tcp_store("127.0.0.1", older.port, kToken, 5s);
+    auto values = store->get_many({"b", "a"}, 1s);
+    REQUIRE(values.size() == 2);
+    CHECK(text(values[0]) == "two");
+    CHECK(text(values[1]) == "1");
+  }
+  // HELLO, WAIT, GET, GET: no request that server would not know.
+  CHECK(older.requests() == std::vector<uint8_t>{1, 4, 3, 3});
 }
 
 TEST_CASE("gloo connectFullMesh and allreduce over the TCP store") {

@@ -108,6 +108,33 @@ class ConnectWatchdog {
   std::thread thread_;  // last: started once the members it reads are
 };
 
+// The peers' addresses read in one get_many: at most this many bytes of them (each peer's are as long as this
+// rank's: one Gloo address per pair; a reply must fit the store's frame) and kMaxKeysPerGet peers' (the
+// store's limit of keys per request is 4096).
+constexpr size_t kMaxBytesPerGet = size_t{16} << 20;
+constexpr size_t kMaxKeysPerGet = 1024;
+
+// Which peer's addresses this rank waited for in vain, for the mesh's timeout: the lowest of `peers` whose key
+// the store does not hold, found by halving (a check of the first keys each, log2(peers) round trips, on this
+// failure only).
+std::string unpublished(Store& store, int rank, const std::vector<int>& peers, const std::vector<std::string>& keys) {
+  try {
+    size_t present = 0, absent = keys.size();  // the first `present` keys are held; not all of the first `absent`
+    if (store.check(keys)) return detail::concat("rank ", rank, " did not get every peer's addresses");
+    while (absent - present > 1) {
+      const size_t half = present + (absent - present) / 2;
+      if (store.check(std::vector<std::string>(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(half))))
+        present = half;
+      else
+        absent = half;
+    }
+    return detail::concat("rank ", rank, " never got rank ", peers[present], "'s addresses (a rank died or stalled ",
+                          "before publishing them?)");
+  } catch (const std::exception&) {  // the store failed too: its timeout says enough
+  }
+  return detail::concat("rank ", rank, " did not get every peer's addresses");
+}
+
 // What became of one pair's connect: not connected (not yet, refused by the watchdog, or closed by it past the
 // deadline), connected, or failed on its own (the mesh's error then).
 enum class PairOutcome { NotConnected, Connected, Failed };
@@ -138,12 +165,39 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   }
   store.set(std::to_string(rank), addresses);
 
-  // Each pair connects on a thread of its own, started as soon as its peer's addresses are read: a connect
-  // waits a round trip as the connecting side, and until the peer reaches it as the listening side, so one
-  // after the other they took up to a round trip per peer. All at once, not a bounded pool: a pool's threads
-  // could all wait as listeners for peers whose own pools wait likewise. Above kMaxConcurrentConnects peers,
-  // or where a thread cannot be started, they connect one after the other, as connectFullMesh does. The first
-  // connect that fails ends the others after the grace, as the deadline would.
+  // The peers' addresses in one request (one round trip where the store has one; a peer's own after another
+  // were two each, or three through a prefix store), or in a few for a large world. Each pair's connect needs
+  // its peer to have read this rank's addresses too, so none could start much before the last peer published.
+  const size_t per_get = std::clamp<size_t>(kMaxBytesPerGet / std::max<size_t>(addresses.size(), 1), 1,
+                                            kMaxKeysPerGet);
+  std::vector<std::vector<char>> published;  // peer p's at p, or p - 1 above this rank
+  published.reserve(static_cast<size_t>(size));
+  std::vector<int> peers;
+  std::vector<std::string> keys;
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer != rank) {
+      peers.push_back(peer);
+      keys.push_back(std::to_string(peer));
+    }
+    if (keys.size() < per_get && peer + 1 < size) continue;
+    if (keys.empty()) break;
+    const auto left = std::max(std::chrono::milliseconds(0),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    try {
+      for (std::vector<char>& value : store.get_many(keys, left)) published.push_back(std::move(value));
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(detail::concat(unpublished(store, rank, peers, keys), ": ", e.what()));
+    }
+    peers.clear();
+    keys.clear();
+  }
+
+  // Each pair connects on a thread of its own, all started at once: a connect waits a round trip as the
+  // connecting side, and until the peer reaches it as the listening side, so one after the other they took up
+  // to a round trip per peer. All at once, not a bounded pool: a pool's threads could all wait as listeners for
+  // peers whose own pools wait likewise. Above kMaxConcurrentConnects peers, or where a thread cannot be
+  // started, they connect one after the other, as connectFullMesh does. The first connect that fails ends the
+  // others after the grace, as the deadline would.
   bool concurrent = size - 1 <= kMaxConcurrentConnects;
   ConnectWatchdog watchdog(deadline);
   std::vector<PairOutcome> outcomes(static_cast<size_t>(size), PairOutcome::NotConnected);
@@ -184,12 +238,7 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   // Until a connect failed (only that expires the watchdog while this loop runs).
   for (int peer = 0; peer < size && !watchdog.expired(); ++peer) {
     if (peer == rank) continue;
-    const std::string key = std::to_string(peer);
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) throw not_reached(peer);
-    store.wait({key}, left);
-    std::vector<char> all = store.get(key);
-    std::vector<char> address = extractAddress(all, peer);
+    std::vector<char> address = extractAddress(published[static_cast<size_t>(peer < rank ? peer : peer - 1)], peer);
     gloo::transport::Pair* pair = transport->getPair(peer).get();
     if (concurrent) {
       try {

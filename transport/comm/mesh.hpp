@@ -21,10 +21,10 @@ struct MeshTimeout : std::runtime_error {
 // connects the pairs one after the other, and a pair's connect waits up to 5 times the pair's timeout
 // (tcp::Pair::waitUntil: "a longer timeout when waiting for initial connect"), so a rank that died while the
 // mesh was connected held a peer waiting on it 5 timeouts (15.5 s at 3 s). Here the pairs connect at once
-// (a thread each, up to 256 peers), and every wait ends at the one deadline: the store's for a peer's
-// addresses, and a pair's connect, whose pair a watchdog closes when the deadline and a short grace passed
-// (Pair::close wakes the connect; Gloo takes the pair's lock for it, so never mid-setup; the grace lets a
-// connection already made finish instead of being reset). The store's set and get calls keep the store's own
+// (a thread each, up to 256 peers), and every wait ends at the one deadline: the store's for the peers'
+// addresses (one get_many for all), and a pair's connect, whose pair a watchdog closes when the deadline and a
+// short grace passed (Pair::close wakes the connect; Gloo takes the pair's lock for it, so never mid-setup; the
+// grace lets a connection already made finish instead of being reset). The store's set keeps the store's own
 // timeout.
 // The pairs keep the whole timeout for what follows (the legacy API's waits). The store keys are
 // connectFullMesh's (rank -> its pairs' addresses; "rank_<r>" -> host name), so ranks of an older build meet
@@ -34,7 +34,7 @@ class MeshContext final : public gloo::rendezvous::Context {
   using gloo::rendezvous::Context::Context;
 
   // Sets the context's timeout to `timeout` (pairs copy it) and connects every pair before now + timeout.
-  // Throws MeshTimeout past it, the store's TimeoutError where a peer's addresses never came, Gloo's
+  // Throws MeshTimeout past it, TimeoutError naming the lowest peer whose addresses never came, Gloo's
   // exception where a connect failed (the lowest such peer's; the other connects then end after the grace).
   void connect_full_mesh(Store& store, const std::shared_ptr<gloo::transport::Device>& device,
                          std::chrono::milliseconds timeout);

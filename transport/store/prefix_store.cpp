@@ -20,8 +20,12 @@ class PrefixStore final : public Store {
 
   // Waits with this store's timeout, which may differ from the inner store's.
   std::vector<char> get(const std::string& key) override {
-    inner_.wait({full(key)}, timeout());
-    return inner_.get(full(key));
+    return std::move(inner_.get_many({full(key)}, timeout()).front());
+  }
+
+  std::vector<std::vector<char>> get_many(const std::vector<std::string>& keys,
+                                          std::chrono::milliseconds limit) override {
+    return inner_.get_many(full(keys), limit);
   }
 
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& limit) override {

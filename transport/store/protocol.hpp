@@ -21,23 +21,33 @@ inline constexpr uint32_t kVersion = 1;
 inline constexpr size_t kMaxFrameBytes = kMaxValueBytes + kMaxKeyBytes + 64;
 // Largest frame accepted before authentication (a HELLO with a token of up to kMaxKeyBytes).
 inline constexpr size_t kMaxHelloBytes = kMaxKeyBytes + 64;
-// Most keys in one WAIT or CHECK.
+// Most keys in one WAIT, CHECK or GET_MANY.
 inline constexpr size_t kMaxKeysPerRequest = 4096;
 
+// What a server offers beyond version 1's requests: the u32 of its HELLO's Ok (a bit each). A server that
+// sends none (an empty Ok, every build before GET_MANY) offers nothing; a client ignores bits it does not
+// know, and version 1 clients ignore the field, so neither side needs a new protocol version.
+inline constexpr uint32_t kFeatureGetMany = 1u << 0;
+inline constexpr uint32_t kServerFeatures = kFeatureGetMany;
+
 enum class Request : uint8_t {
-  Hello = 1,   // u32 version, str token                -> Ok | Refused | Error
+  Hello = 1,   // u32 version, str token                -> Ok(u32 features; may be absent) | Refused | Busy | Error
   Set = 2,     // str key, str value                    -> Ok
   Get = 3,     // str key, u64 timeout_ms               -> Ok(str value) | Timeout
   Wait = 4,    // u32 n, n x str key, u64 timeout_ms    -> Ok | Timeout
   Add = 5,     // str key, i64 delta                    -> Ok(i64 new value)
   Check = 6,   // u32 n, n x str key                    -> Ok(u8 all present)
   Remove = 7,  // str key                               -> Ok(u8 existed)
+  // Waits for all keys, then returns their values in the order asked; Error (connection usable) when they
+  // would not fit one frame. Only where the server offers kFeatureGetMany.
+  GetMany = 8,  // u32 n, n x str key, u64 timeout_ms   -> Ok(u32 n, n x str value) | Timeout | Error
 };
 
 enum class Reply : uint8_t {
   Ok = 0x80,
   Error = 0x81,    // str message; the request failed, the connection stays usable
-  Timeout = 0x82,  // str message; a Get/Wait expired on the server
+  Timeout = 0x82,  // str message (naming the keys missing); a Get/Wait/GetMany expired on the server; after
+                   // GetMany also u32 m, m x u32: the indices of the keys missing, ascending
   Refused = 0x83,  // str message; authentication failed, the server closes
   Busy = 0x84,     // str message; no room for this connection now (caps), the server closes; retry
 };

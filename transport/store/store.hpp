@@ -31,6 +31,13 @@ class Store : public gloo::rendezvous::Store {
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout()); }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override = 0;
 
+  // Waits up to `timeout` for all keys, then returns their values in the order of `keys`: what wait() and a
+  // get() of each would return, in one request where the store can (the TCP store, where its server offers
+  // it: one round trip instead of 1 + keys.size()). TimeoutError naming the keys; InvalidArgumentError where
+  // the values would not fit one reply (kMaxValueBytes + kMaxKeyBytes in all, about).
+  virtual std::vector<std::vector<char>> get_many(const std::vector<std::string>& keys,
+                                                  std::chrono::milliseconds timeout);
+
   // Atomically adds delta to the 64-bit counter stored at key (absent = 0) and
   // returns the new value. The counter is stored as decimal text, so get() reads
   // it; add() on a value that is not one, or an overflow, is InvalidArgumentError.

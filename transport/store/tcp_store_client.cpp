@@ -68,6 +68,9 @@ class TcpStore final : public Store {
             PSGD_THROW(IoError, "store at ", where_, " refused this client: ", message(payload));
           }
           expect_ok(type, payload, "HELLO");
+          // What the server offers: absent from servers that offer nothing beyond version 1.
+          protocol::Reader offered(payload.data(), payload.size());
+          features_ = offered.u32().value_or(0);
           return;
         }
       } catch (const TimeoutError&) {
@@ -122,6 +125,33 @@ class TcpStore final : public Store {
       PSGD_THROW(TimeoutError, "store wait for key(s) ", key_list(keys), " timed out after ", limit.count(),
                  " ms (store at ", where_, ")");
     expect_ok(type, payload, "wait");
+  }
+
+  std::vector<std::vector<char>> get_many(const std::vector<std::string>& keys,
+                                          std::chrono::milliseconds requested) override {
+    if (!(features_ & protocol::kFeatureGetMany)) return Store::get_many(keys, requested);  // an older server
+    if (keys.empty()) return {};
+    auto limit = std::max(requested, std::chrono::milliseconds(0));
+    auto frame = keys_frame(Request::GetMany, keys).u64(static_cast<uint64_t>(limit.count())).finish();
+    std::lock_guard lock(mutex_);
+    auto [type, payload] =
+        exchange(frame, Clock::now() + limit + kReplyGrace, "get of key(s) " + key_list(keys), limit);
+    if (type == Reply::Timeout)
+      PSGD_THROW(TimeoutError, "store get of key(s) ", key_list(keys), " timed out after ", limit.count(),
+                 " ms (store at ", where_, ")", missing_keys(payload, keys));
+    expect_ok(type, payload, "get of several keys");
+    protocol::Reader in(payload.data(), payload.size());
+    auto count = in.u32();
+    if (!count || *count != keys.size()) bad_reply("get of several keys");
+    std::vector<std::vector<char>> values;
+    values.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto value = in.str(kMaxValueBytes);
+      if (!value) bad_reply("get of several keys");
+      values.emplace_back(value->begin(), value->end());
+    }
+    if (!in.done()) bad_reply("get of several keys");
+    return values;
   }
 
   int64_t add(const std::string& key, int64_t delta) override {
@@ -181,6 +211,21 @@ class TcpStore final : public Store {
       w.str(k);
     }
     return w;
+  }
+
+  // "; missing 'k', ..." from GET_MANY's Timeout reply (its message, then the indices of the keys missing),
+  // or nothing where the reply does not say.
+  static std::string missing_keys(const std::vector<char>& payload, const std::vector<std::string>& keys) {
+    protocol::Reader in(payload.data(), payload.size());
+    auto count = in.str(payload.size()) ? in.u32() : std::nullopt;
+    if (!count || *count == 0 || *count > keys.size()) return {};
+    std::vector<std::string> missing;
+    for (uint32_t i = 0; i < *count; ++i) {
+      auto at = in.u32();
+      if (!at || *at >= keys.size()) return {};
+      missing.push_back(keys[*at]);
+    }
+    return in.done() ? "; missing " + key_list(missing) : std::string();
   }
 
   static std::string message(const std::vector<char>& payload) {
@@ -302,6 +347,7 @@ class TcpStore final : public Store {
   std::mutex mutex_;
   bool broken_ = false;
   bool connection_lost_ = false;  // the last exchange failed on the connection itself
+  uint32_t features_ = 0;         // what the server's HELLO reply offered (protocol::kFeature*)
 };
 
 }  // namespace

@@ -252,34 +252,67 @@ class Session : public std::enable_shared_from_this<Session> {
     close();
   }
 
-  // A key this session waits for was set: answer when all are present.
-  void key_arrived() {
+  // `key`, which this session waits for, was set: answer once none is missing. O(1) per key that comes, so a
+  // GET_MANY of n keys set one by one costs O(n), not O(n^2).
+  void key_arrived(const std::string& key) {
     if (closed_ || !pending_) return;
-    for (const auto& k : pending_->keys)
-      if (!server_.data.count(k)) return;
-    Pending done = std::move(*pending_);
-    drop_pending();
-    wait_timer_.cancel();
-    if (done.is_get) {
-      const Value& value = server_.data.at(done.keys[0]);
-      // Ok + str: the value's length here, its bytes shared, not copied.
-      send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).u32(static_cast<uint32_t>(value->size())).finish(value->size()),
-           false, value);
-    } else
-      send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
+    auto it = server_.waiting.find(key);
+    if (it != server_.waiting.end() && it->second.erase(this) > 0) {
+      if (it->second.empty()) server_.waiting.erase(it);
+      --pending_->missing;
+    }
+    if (pending_->missing > 0 || !register_missing()) return;  // a key that came was removed since: wait again
+    answer();
   }
 
  private:
   struct Pending {
-    bool is_get;
+    enum class Kind { Wait, Get, GetMany } kind;
     std::vector<std::string> keys;
     uint64_t timeout_ms;
+    size_t missing = 0;  // keys (distinct) this session is registered in `waiting` for
+  };
+
+  // Registers this session as a waiter on each pending key not stored yet (once per distinct key); true when
+  // none is missing.
+  bool register_missing() {
+    for (const auto& k : pending_->keys)
+      if (!server_.data.count(k) && server_.waiting[k].insert(this).second) ++pending_->missing;
+    return pending_->missing == 0;
+  }
+
+  // Every pending key is present: the reply.
+  void answer() {
+    Pending done = std::move(*pending_);
+    drop_pending();
+    wait_timer_.cancel();
+    switch (done.kind) {
+      case Pending::Kind::Wait:
+        return send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
+      case Pending::Kind::Get: {
+        const Value& value = server_.data.at(done.keys[0]);
+        // Ok + str: the value's length here, its bytes shared, not copied.
+        return send(protocol::Writer(static_cast<uint8_t>(Reply::Ok))
+                        .u32(static_cast<uint32_t>(value->size()))
+                        .finish(value->size()),
+                    false, value);
+      }
+      case Pending::Kind::GetMany:
+        return send_values(done.keys);
+    }
+  }
+
+  struct Out {
+    std::vector<char> head;  // the frame, or what precedes `value` of it (GET_MANY: a value's length)
+    Value value;             // shared stored value sent after head; may be null
   };
 
   // Body buffer growth: a frame's buffer starts at this size and doubles as
   // bytes arrive, so a header declaring 64 MiB costs memory only once the
   // client has actually sent that much.
   static constexpr size_t kInitialBodyBytes = 4096;
+  // GET_MANY copies smaller values into its reply, shares larger ones.
+  static constexpr size_t kSharedValueBytes = 64 * 1024;
 
   void leave_unauthenticated() {
     if (!unauthenticated_entry) return;
@@ -321,7 +354,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // An authenticated connection with nothing in progress (no frame being read,
   // no get/wait pending, no reply queued) is idle: only then does the idle
-  // timeout run. A client blocked in a long GET/WAIT is not idle.
+  // timeout run. A client blocked in a long GET/WAIT/GET_MANY is not idle.
   void rearm_idle() {
     if (!authenticated_ || closed_ || closing_) return;
     if (header_got_ != 0 || pending_ || !out_.empty()) return;
@@ -418,7 +451,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     leave_unused();
     if (pending_) {
-      fail("a request arrived while a get/wait was pending");
+      fail("a request arrived while a get/wait/get_many was pending");
       return;
     }
     auto malformed = [&] { fail(detail::concat("malformed frame of type ", int{type})); };
@@ -437,13 +470,19 @@ class Session : public std::enable_shared_from_this<Session> {
         auto key = in.str(kMaxKeyBytes);
         auto timeout = in.u64();
         if (!key || !timeout || !in.done()) return malformed();
-        return wait_for(true, {*key}, *timeout);
+        return wait_for(Pending::Kind::Get, {*key}, *timeout);
       }
       case Request::Wait: {
         auto keys = read_keys(in);
         auto timeout = in.u64();
         if (!keys || !timeout || !in.done()) return malformed();
-        return wait_for(false, std::move(*keys), *timeout);
+        return wait_for(Pending::Kind::Wait, std::move(*keys), *timeout);
+      }
+      case Request::GetMany: {
+        auto keys = read_keys(in);
+        auto timeout = in.u64();
+        if (!keys || !timeout || !in.done()) return malformed();
+        return wait_for(Pending::Kind::GetMany, std::move(*keys), *timeout);
       }
       case Request::Add: {
         auto key = in.str(kMaxKeyBytes);
@@ -528,7 +567,7 @@ class Session : public std::enable_shared_from_this<Session> {
     unused_entry = caps.unused.insert(caps.unused.end(), this);
     leave_unauthenticated();
     disarm_deadline();
-    send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).finish());
+    send(protocol::Writer(static_cast<uint8_t>(Reply::Ok)).u32(protocol::kServerFeatures).finish());
   }
 
   static std::optional<std::vector<std::string>> read_keys(protocol::Reader& in) {
@@ -543,17 +582,11 @@ class Session : public std::enable_shared_from_this<Session> {
     return keys;
   }
 
-  void wait_for(bool is_get, std::vector<std::string> keys, uint64_t timeout_ms) {
-    pending_ = Pending{is_get, std::move(keys), timeout_ms};
+  void wait_for(Pending::Kind kind, std::vector<std::string> keys, uint64_t timeout_ms) {
+    pending_ = Pending{kind, std::move(keys), timeout_ms};
     disarm_deadline();  // waiting is not idling
-    bool missing = false;
-    for (const auto& k : pending_->keys)
-      if (!server_.data.count(k)) {
-        server_.waiting[k].insert(this);
-        missing = true;
-      }
-    if (!missing) {
-      key_arrived();
+    if (register_missing()) {
+      answer();
       return;
     }
     // The server enforces the timeout too, so an abandoned waiter never stays.
@@ -563,8 +596,21 @@ class Session : public std::enable_shared_from_this<Session> {
       if (ec || self->closed_ || !self->pending_) return;
       Pending expired = std::move(*self->pending_);
       self->drop_pending();
-      self->send(reply(Reply::Timeout, detail::concat("timed out after ", expired.timeout_ms,
-                                                      " ms waiting for key(s) ", key_list(expired.keys))));
+      std::vector<std::string> absent;
+      std::vector<uint32_t> absent_at;
+      for (size_t i = 0; i < expired.keys.size(); ++i)
+        if (!self->server_.data.count(expired.keys[i])) {
+          absent.push_back(expired.keys[i]);
+          absent_at.push_back(static_cast<uint32_t>(i));
+        }
+      protocol::Writer timed_out(static_cast<uint8_t>(Reply::Timeout));
+      timed_out.str(detail::concat("timed out after ", expired.timeout_ms, " ms waiting for key(s) ",
+                                   key_list(expired.keys), "; missing ", key_list(absent)));
+      if (expired.kind == Pending::Kind::GetMany) {  // and which of the keys asked were missing
+        timed_out.u32(static_cast<uint32_t>(absent_at.size()));
+        for (uint32_t at : absent_at) timed_out.u32(at);
+      }
+      self->send(timed_out.finish());
     });
   }
 
@@ -577,6 +623,35 @@ class Session : public std::enable_shared_from_this<Session> {
       if (it->second.empty()) server_.waiting.erase(it);
     }
     pending_.reset();
+  }
+
+  // GET_MANY's reply, every key present: Ok, u32 n, then each value as a str. A value of kSharedValueBytes or
+  // more is shared, not copied (a part of its own, as a GET's); smaller ones are copied into the part before,
+  // so a reply of many small values is one buffer, not a write each. Values that would not fit one frame get an
+  // Error instead (the connection stays usable: the request was well formed).
+  void send_values(const std::vector<std::string>& keys) {
+    size_t body = 1 + 4;
+    for (const auto& k : keys) body += 4 + server_.data.at(k)->size();
+    if (body > protocol::kMaxFrameBytes)
+      return send(reply(Reply::Error, detail::concat("the values of the ", keys.size(), " keys asked (", key_list(keys),
+                                                     ") make a reply of ", body, " bytes, the limit is ",
+                                                     protocol::kMaxFrameBytes, ": get them in fewer at a time")));
+    std::vector<Out> parts;
+    std::vector<char> head =
+        protocol::Writer(static_cast<uint8_t>(Reply::Ok)).u32(static_cast<uint32_t>(keys.size())).finish(body - 1 - 4);
+    for (const auto& k : keys) {
+      const Value& value = server_.data.at(k);
+      const auto size = static_cast<uint32_t>(value->size());
+      for (int b = 0; b < 4; ++b) head.push_back(static_cast<char>((size >> (8 * b)) & 0xff));
+      if (value->size() < kSharedValueBytes) {
+        head.insert(head.end(), value->begin(), value->end());
+      } else {
+        parts.push_back(Out{std::move(head), value});
+        head.clear();
+      }
+    }
+    if (!head.empty()) parts.push_back(Out{std::move(head), nullptr});
+    queue(std::move(parts));
   }
 
   // Protocol violation: tell the client why (after any reply already queued),
@@ -595,10 +670,26 @@ class Session : public std::enable_shared_from_this<Session> {
   // connection's queued bytes over max_queued_bytes_per_connection, or the
   // server's over max_queued_bytes, closes the connection instead.
   void send(std::vector<char> frame, bool close_after = false, Value value = nullptr) {
+    std::vector<Out> parts;
+    parts.push_back(Out{std::move(frame), std::move(value)});
+    queue(std::move(parts), close_after);
+  }
+
+  // Queues one reply made of parts written in order (send's frame and value, or GET_MANY's values), its
+  // bytes counted against the budgets as a whole, so a reply is queued whole or not at all.
+  void queue(std::vector<Out> parts, bool close_after = false) {
     if (closed_ || closing_) return;
-    size_t bytes = frame.size() + (value ? value->size() : 0);
-    bool shared_already = value && server_.queued_values.count(value.get()) > 0;
-    size_t server_after = server_.queued_bytes + frame.size() + (value && !shared_already ? value->size() : 0);
+    size_t bytes = 0;
+    size_t server_bytes = 0;  // a value already queued, or twice in this reply, counts once in all
+    std::unordered_set<const std::vector<char>*> new_values;
+    for (const Out& part : parts) {
+      bytes += part.head.size() + (part.value ? part.value->size() : 0);
+      server_bytes += part.head.size();
+      const std::vector<char>* value = part.value.get();
+      if (value && server_.queued_values.count(value) == 0 && new_values.insert(value).second)
+        server_bytes += value->size();
+    }
+    size_t server_after = server_.queued_bytes + server_bytes;
     if (queued_ + bytes > server_.options.max_queued_bytes_per_connection ||
         server_after > server_.options.max_queued_bytes) {
       server_.log.warn("reply budget", detail::concat("closing connection from ", peer_, ": a reply of ", bytes,
@@ -611,15 +702,18 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     queued_ += bytes;
-    server_.account_queued(frame, value, +1);
-    out_.push_back(Out{std::move(frame), std::move(value)});
+    const bool idle = out_.empty();
+    for (Out& part : parts) {
+      server_.account_queued(part.head, part.value, +1);
+      out_.push_back(std::move(part));
+    }
     if (close_after) {
       closing_ = true;
       arm_deadline(server_.options.frame_timeout, "read its last reply", "frame deadline");
     } else if (header_got_ == 0) {
       disarm_deadline();  // a reply being written is not idling; rearmed once written
     }
-    if (out_.size() == 1) write_front();
+    if (idle) write_front();
   }
 
   // Writes what is left of the front reply, piece by piece: each piece must
@@ -684,7 +778,7 @@ class Session : public std::enable_shared_from_this<Session> {
   TcpStoreServer::Impl& server_;
   tcp::socket socket_;
   asio::steady_timer deadline_;    // authentication, frame in progress, idle, last reply
-  asio::steady_timer wait_timer_;  // pending get/wait
+  asio::steady_timer wait_timer_;  // pending get/wait/get_many
   uint64_t deadline_gen_ = 0;
   std::string peer_;     // address:port, for logs
   std::string address_;  // source (address, or loopback), for the per-source caps
@@ -697,10 +791,6 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<char> body_;
   size_t body_length_ = 0;
   size_t body_got_ = 0;
-  struct Out {
-    std::vector<char> head;  // the frame, or its start when `value` follows
-    Value value;             // shared stored value sent after head; may be null
-  };
   std::deque<Out> out_;  // replies not yet written; front is in flight
   size_t written_ = 0;   // bytes of out_.front() written
   size_t queued_ = 0;    // bytes of out_
@@ -888,7 +978,7 @@ void TcpStoreServer::Impl::on_set(const std::string& key) {
   if (it == waiting.end()) return;
   // key_arrived() edits `waiting`: work on a copy.
   std::vector<Session*> waiters(it->second.begin(), it->second.end());
-  for (Session* s : waiters) s->key_arrived();
+  for (Session* s : waiters) s->key_arrived(key);
 }
 
 void TcpStoreServer::Impl::run() {
