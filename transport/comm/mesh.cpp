@@ -1,8 +1,11 @@
 #include "comm/mesh.hpp"
 
+#include <gloo/transport/tcp/device.h>
+
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <condition_variable>
 #include <cstring>
@@ -135,11 +138,34 @@ std::string unpublished(Store& store, int rank, const std::vector<int>& peers, c
   return detail::concat("rank ", rank, " did not get every peer's addresses");
 }
 
+// The most threads that close a context's pairs (close_pairs): each waits a loop tick per pair it closes, and
+// all of them wait for the same ticks.
+constexpr size_t kMaxClosingThreads = 64;
+
 // What became of one pair's connect: not connected (not yet, refused by the watchdog, or closed by it past the
 // deadline), connected, or failed on its own (the mesh's error then).
 enum class PairOutcome { NotConnected, Connected, Failed };
 
 }  // namespace
+
+void close_pairs(std::shared_ptr<gloo::transport::Context>& transport, const gloo::transport::Device* device) {
+  if (!transport || transport.use_count() != 1) return;  // someone else's still (an unbound buffer's)
+  // TCP's only: the loop tick is its cost, and another transport's pairs (ibverbs) never ran here to be tried.
+  if (dynamic_cast<const gloo::transport::tcp::Device*>(device) == nullptr) return;
+  const auto size = static_cast<size_t>(transport->size);
+  std::atomic<size_t> next{0};
+  auto close_some = [&] {
+    for (size_t peer = next++; peer < size; peer = next++)
+      if (static_cast<int>(peer) != transport->rank) transport->getPair(static_cast<int>(peer)).reset();
+  };
+  std::vector<std::thread> threads;
+  try {
+    for (size_t t = 0; t < std::min(size - 1, kMaxClosingThreads); ++t) threads.emplace_back(close_some);
+  } catch (const std::exception&) {  // no thread to be had: this one closes what is left
+  }
+  close_some();
+  for (std::thread& thread : threads) thread.join();
+}
 
 void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::transport::Device>& device,
                                     std::chrono::milliseconds timeout) {
@@ -156,6 +182,13 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   store.set("rank_" + std::to_string(rank), std::vector<char>(hostname, hostname + std::strlen(hostname)));
 
   std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
+  // On a failure the pairs go with `transport`, at once (a connect thread or the watchdog may still touch them:
+  // declared before those, this guard runs after they were joined).
+  struct PairsCloser {
+    std::shared_ptr<gloo::transport::Context>& transport;
+    const gloo::transport::Device* device;
+    ~PairsCloser() { close_pairs(transport, device); }
+  } closer{transport, device.get()};
   transport->setTimeout(timeout);
   std::vector<char> addresses;
   for (int peer = 0; peer < size; ++peer) {

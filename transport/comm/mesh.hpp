@@ -40,4 +40,12 @@ class MeshContext final : public gloo::rendezvous::Context {
                          std::chrono::milliseconds timeout);
 };
 
+// Destroys `transport`'s pairs, several at a time, where `transport` is its last reference (as its destructor
+// would, only sooner): each pair's close waits for a tick of Gloo's device loop (up to 10 ms,
+// tcp::Loop::unregisterDescriptor), so one after the other, as Gloo's context does, a rank's pairs took 10 ms
+// each (4 s for 400 peers). A mesh that failed to connect closes its pairs so. Never throws (a thread that
+// cannot be started leaves its pairs to the caller). `device`: the one `transport` was made by; only a TCP
+// device's pairs are closed so. Not from Gloo's device loop thread (its closes would wait for its own tick).
+void close_pairs(std::shared_ptr<gloo::transport::Context>& transport, const gloo::transport::Device* device);
+
 }  // namespace powersgd::transport
