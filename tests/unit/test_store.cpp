@@ -81,6 +81,27 @@ std::unique_ptr<Store> client(const TcpStoreServer& server, std::chrono::millise
 void put_le(std::string& out, uint64_t v, int n) {
   for (int i = 0; i < n; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
 }
+// The little-endian u32 at `at` of `bytes` (which holds at least at + 4).
+uint32_t u32_at(const std::string& bytes, size_t at = 0) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + i])) << (8 * i);
+  return v;
+}
+// Reads exactly n bytes from fd within the timeout; nullopt on EOF/reset/timeout.
+std::optional<std::string> read_exactly(int fd, size_t n, std::chrono::milliseconds timeout) {
+  std::string out;
+  auto deadline = Clock::now() + timeout;
+  while (out.size() < n) {
+    pollfd p{fd, POLLIN, 0};
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return std::nullopt;
+    char buf[4096];
+    ssize_t got = ::recv(fd, buf, std::min(sizeof buf, n - out.size()), 0);
+    if (got <= 0) return std::nullopt;
+    out.append(buf, static_cast<size_t>(got));
+  }
+  return out;
+}
 std::string field(const std::string& s) {
   std::string out;
   put_le(out, s.size(), 4);
@@ -120,26 +141,12 @@ class RawClient {
     REQUIRE(::send(fd_, data.data(), data.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(data.size()));
   }
   // Reads exactly n bytes; nullopt on EOF/reset/timeout.
-  std::optional<std::string> read(size_t n, std::chrono::milliseconds timeout) {
-    std::string out;
-    auto deadline = Clock::now() + timeout;
-    while (out.size() < n) {
-      pollfd p{fd_, POLLIN, 0};
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) <= 0) return std::nullopt;
-      char buf[4096];
-      ssize_t got = ::recv(fd_, buf, std::min(sizeof buf, n - out.size()), 0);
-      if (got <= 0) return std::nullopt;
-      out.append(buf, static_cast<size_t>(got));
-    }
-    return out;
-  }
+  std::optional<std::string> read(size_t n, std::chrono::milliseconds timeout) { return read_exactly(fd_, n, timeout); }
   // One reply frame: type and the rest.
   std::optional<std::pair<uint8_t, std::string>> reply(std::chrono::milliseconds timeout = 2s) {
     auto header = read(4, timeout);
     if (!header) return std::nullopt;
-    uint32_t length = 0;
-    for (int i = 0; i < 4; ++i) length |= static_cast<uint32_t>(static_cast<unsigned char>((*header)[i])) << (8 * i);
+    const uint32_t length = u32_at(*header);
     if (length == 0 || length > 1u << 20) return std::nullopt;
     auto body = read(length, timeout);
     if (!body) return std::nullopt;
@@ -716,16 +723,11 @@ std::string get_many_frame(const std::vector<std::string>& keys, uint64_t timeou
 std::optional<std::vector<std::string>> values_of(const std::optional<std::pair<uint8_t, std::string>>& reply) {
   if (!reply || reply->first != kOk || reply->second.size() < 4) return std::nullopt;
   const std::string& body = reply->second;
-  auto u32_at = [&](size_t at) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(body[at + i])) << (8 * i);
-    return v;
-  };
-  std::vector<std::string> values(u32_at(0));
+  std::vector<std::string> values(u32_at(body));
   size_t at = 4;
   for (auto& value : values) {
-    if (body.size() < at + 4 || body.size() < at + 4 + u32_at(at)) return std::nullopt;
-    value = body.substr(at + 4, u32_at(at));
+    if (body.size() < at + 4 || body.size() < at + 4 + u32_at(body, at)) return std::nullopt;
+    value = body.substr(at + 4, u32_at(body, at));
     at += 4 + value.size();
   }
   if (at != body.size()) return std::nullopt;
@@ -837,29 +839,17 @@ class ServerBeforeGetMany {
   uint16_t port = 0;
 
  private:
-  // Reads exactly n bytes within 5 s; false on EOF or timeout.
-  static bool read_exactly(int fd, std::string& out, size_t n) {
-    out.clear();
-    while (out.size() < n) {
-      pollfd ready{fd, POLLIN, 0};
-      if (::poll(&ready, 1, 5000) != 1) return false;
-      char buffer[4096];
-      const ssize_t got = ::recv(fd, buffer, std::min(sizeof buffer, n - out.size()), 0);
-      if (got <= 0) return false;
-      out.append(buffer, static_cast<size_t>(got));
-    }
-    return true;
-  }
   void serve() {
     pollfd ready{listener_, POLLIN, 0};
     if (::poll(&ready, 1, 5000) != 1) return;
     const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) return;
-    std::string header, body;
-    while (read_exactly(fd, header, 4)) {
-      uint32_t length = 0;
-      for (int i = 0; i < 4; ++i) length |= static_cast<uint32_t>(static_cast<unsigned char>(header[i])) << (8 * i);
-      if (length == 0 || length > (1u << 20) || !read_exactly(fd, body, length)) break;
+    for (;;) {
+      const auto header = read_exactly(fd, 4, 5s);
+      if (!header || u32_at(*header) == 0 || u32_at(*header) > (1u << 20)) break;
+      const auto received = read_exactly(fd, u32_at(*header), 5s);
+      if (!received) break;
+      const std::string& body = *received;
       const auto type = static_cast<uint8_t>(body[0]);
       {
         std::lock_guard lock(mutex_);
@@ -868,10 +858,7 @@ class ServerBeforeGetMany {
       std::string reply = frame(kError, field("unknown request type"));
       if (type == 1 || type == 4) reply = frame(kOk, "");
       if (type == 3 && body.size() >= 5) {
-        uint32_t key_length = 0;
-        for (int i = 0; i < 4; ++i)
-          key_length |= static_cast<uint32_t>(static_cast<unsigned char>(body[1 + i])) << (8 * i);
-        const std::string key = body.substr(5, key_length);
+        const std::string key = body.substr(5, u32_at(body, 1));
         reply = values_.count(key) ? frame(kOk, field(values_.at(key))) : frame(kError, field("no such key"));
       }
       if (::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(reply.size())) break;
@@ -1296,8 +1283,7 @@ TEST_CASE("tcp store: a protocol error while a reply is being written still reac
   std::this_thread::sleep_for(50ms);
   auto header = raw.read(5, 5s);
   REQUIRE(header);
-  uint32_t length = 0;
-  for (int i = 0; i < 4; ++i) length |= static_cast<uint32_t>(static_cast<unsigned char>((*header)[i])) << (8 * i);
+  const uint32_t length = u32_at(*header);
   CHECK(static_cast<uint8_t>((*header)[4]) == kOk);
   CHECK(length == 1 + 4 + kBig);
   REQUIRE(raw.read(length - 1, 10s));

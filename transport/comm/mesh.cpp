@@ -117,10 +117,10 @@ class ConnectWatchdog {
 constexpr size_t kMaxBytesPerGet = size_t{16} << 20;
 constexpr size_t kMaxKeysPerGet = 1024;
 
-// Which peer's addresses this rank waited for in vain, for the mesh's timeout: the lowest of `peers` whose key
-// the store does not hold, found by halving (a check of the first keys each, log2(peers) round trips, on this
-// failure only).
-std::string unpublished(Store& store, int rank, const std::vector<int>& peers, const std::vector<std::string>& keys) {
+// Which peer's addresses this rank waited for in vain, for the mesh's timeout: the lowest of `keys` (peers'
+// ranks, ascending) that the store does not hold, found by halving (a check of the first keys each, log2(keys)
+// round trips, on this failure only).
+std::string unpublished(Store& store, int rank, const std::vector<std::string>& keys) {
   try {
     size_t present = 0, absent = keys.size();  // the first `present` keys are held; not all of the first `absent`
     if (store.check(keys)) return detail::concat("rank ", rank, " did not get every peer's addresses");
@@ -131,7 +131,7 @@ std::string unpublished(Store& store, int rank, const std::vector<int>& peers, c
       else
         absent = half;
     }
-    return detail::concat("rank ", rank, " never got rank ", peers[present], "'s addresses (a rank died or stalled ",
+    return detail::concat("rank ", rank, " never got rank ", keys[present], "'s addresses (a rank died or stalled ",
                           "before publishing them?)");
   } catch (const std::exception&) {  // the store failed too: its timeout says enough
   }
@@ -205,13 +205,9 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
                                             kMaxKeysPerGet);
   std::vector<std::vector<char>> published;  // peer p's at p, or p - 1 above this rank
   published.reserve(static_cast<size_t>(size));
-  std::vector<int> peers;
-  std::vector<std::string> keys;
+  std::vector<std::string> keys;  // the peers' ranks
   for (int peer = 0; peer < size; ++peer) {
-    if (peer != rank) {
-      peers.push_back(peer);
-      keys.push_back(std::to_string(peer));
-    }
+    if (peer != rank) keys.push_back(std::to_string(peer));
     if (keys.size() < per_get && peer + 1 < size) continue;
     if (keys.empty()) break;
     const auto left = std::max(std::chrono::milliseconds(0),
@@ -219,9 +215,8 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
     try {
       for (std::vector<char>& value : store.get_many(keys, left)) published.push_back(std::move(value));
     } catch (const TimeoutError& e) {
-      throw TimeoutError(detail::concat(unpublished(store, rank, peers, keys), ": ", e.what()));
+      throw TimeoutError(detail::concat(unpublished(store, rank, keys), ": ", e.what()));
     }
-    peers.clear();
     keys.clear();
   }
 
