@@ -560,8 +560,8 @@ GlooCommunicator::~GlooCommunicator() {
     worker_->stop(std::make_exception_ptr(IoError("communicator destroyed before the operation ran")));
   // The receives posted ahead hold the contexts; the worker has stopped, so nothing uses them now.
   algorithms_->release_eager_direct();
-  // context_ and device_ close their sockets here, Gloo's pairs one after the other (a device loop tick each,
-  // up to 10 ms: docs/transport.md, step 4 of the rendezvous).
+  // context_ and device_ close their sockets here, Gloo's pairs at once (MeshContext's close_context:
+  // docs/transport.md, step 4 of the rendezvous), the device after a tick of its loop (up to 10 ms).
 }
 
 uint64_t GlooCommunicator::eager_direct_collectives() const { return algorithms_->eager_direct_collectives(); }

@@ -2,6 +2,8 @@
 
 #include <gloo/transport/tcp/device.h>
 
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +19,10 @@
 #include <vector>
 
 #include "common/check.hpp"
+
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
 
 namespace powersgd::transport {
 
@@ -138,9 +144,72 @@ std::string unpublished(Store& store, int rank, const std::vector<std::string>& 
   return detail::concat("rank ", rank, " did not get every peer's addresses");
 }
 
-// The most threads that close a context's pairs (close_pairs): each waits a loop tick per pair it closes, and
-// all of them wait for the same ticks.
-constexpr size_t kMaxClosingThreads = 64;
+// How long a LoopWaker waits for the loop to take its descriptor out (microseconds where the loop ticks) before
+// it takes it out itself, waiting for a tick.
+constexpr auto kLoopWakerStopWait = std::chrono::seconds(1);
+
+// Keeps Gloo's device loop ticking without its 10 ms wait while it lives: an eventfd, readable from the start
+// and never read, registered with the loop (level-triggered, so every epoll_wait returns at once). A pair's
+// close waits for the loop's next tick (tcp::Loop::unregisterDescriptor), so with this it waits microseconds.
+// The loop spins meanwhile: hold one only while pairs close. Taken out of the loop by the loop's own thread, in
+// the handler (where unregisterDescriptor does not wait; from another thread it would wait a whole tick: this
+// descriptor gone, nothing wakes the loop). Throws where the eventfd cannot be made or registered.
+class LoopWaker final : public gloo::transport::tcp::Handler {
+ public:
+  explicit LoopWaker(std::shared_ptr<gloo::transport::tcp::Device> device)
+      : device_(std::move(device)), fd_(::eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (fd_ < 0) throw std::system_error(errno, std::system_category(), "eventfd");
+    // The loop's thread gets this through epoll (registered here, returned by its epoll_wait, both called from
+    // uninstrumented Gloo): a hand-over ThreadSanitizer does not see, told to it here and in handleEvents.
+#if defined(__SANITIZE_THREAD__)
+    __tsan_release(this);
+#endif
+    try {
+      device_->registerDescriptor(fd_, EPOLLIN, this);
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
+  }
+  ~LoopWaker() override {
+    phase_ = Phase::Stopping;
+    const auto give_up = Clock::now() + kLoopWakerStopWait;
+    while (phase_ != Phase::Unregistered) {
+      Phase stopping = Phase::Stopping;
+      if (Clock::now() >= give_up && phase_.compare_exchange_strong(stopping, Phase::Abandoned)) {
+        device_->unregisterDescriptor(fd_, this);  // after a tick: the loop no longer calls this
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    ::close(fd_);
+  }
+  LoopWaker(const LoopWaker&) = delete;
+  LoopWaker& operator=(const LoopWaker&) = delete;
+
+  // On the loop's thread. Its store of Unregistered is its last touch of `this`.
+  void handleEvents(int /*events*/) override {
+#if defined(__SANITIZE_THREAD__)
+    __tsan_acquire(this);
+#endif
+    Phase stopping = Phase::Stopping;
+    if (!phase_.compare_exchange_strong(stopping, Phase::Unregistering)) {
+      std::this_thread::yield();  // spinning: where cores are few, the closing thread's turn comes sooner
+      return;
+    }
+    device_->unregisterDescriptor(fd_, this);
+    phase_ = Phase::Unregistered;
+  }
+
+ private:
+  // Running until the destructor; then taken out by the loop (Unregistering, Unregistered) or, where the loop
+  // did not come within kLoopWakerStopWait, by the destructor (Abandoned).
+  enum class Phase { Running, Stopping, Unregistering, Unregistered, Abandoned };
+  // Held: the context's pairs, closing, may drop the device's last other reference.
+  const std::shared_ptr<gloo::transport::tcp::Device> device_;
+  const int fd_;
+  std::atomic<Phase> phase_{Phase::Running};
+};
 
 // What became of one pair's connect: not connected (not yet, refused by the watchdog, or closed by it past the
 // deadline), connected, or failed on its own (the mesh's error then).
@@ -148,24 +217,23 @@ enum class PairOutcome { NotConnected, Connected, Failed };
 
 }  // namespace
 
-void close_pairs(std::shared_ptr<gloo::transport::Context>& transport, const gloo::transport::Device* device) {
-  if (!transport || transport.use_count() != 1) return;  // someone else's still (an unbound buffer's)
-  // TCP's only: the loop tick is its cost, and another transport's pairs (ibverbs) never ran here to be tried.
-  if (dynamic_cast<const gloo::transport::tcp::Device*>(device) == nullptr) return;
-  const auto size = static_cast<size_t>(transport->size);
-  std::atomic<size_t> next{0};
-  auto close_some = [&] {
-    for (size_t peer = next++; peer < size; peer = next++)
-      if (static_cast<int>(peer) != transport->rank) transport->getPair(static_cast<int>(peer)).reset();
-  };
-  std::vector<std::thread> threads;
-  try {
-    for (size_t t = 0; t < std::min(size - 1, kMaxClosingThreads); ++t) threads.emplace_back(close_some);
-  } catch (const std::exception&) {  // no thread to be had: this one closes what is left
+void close_context(std::shared_ptr<gloo::transport::Context>& transport, gloo::transport::Device* device) {
+  auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device);
+  // TCP's only: its loop's tick is the cost; another transport's pairs (ibverbs) close as they do.
+  if (!transport || transport.use_count() != 1 || tcp == nullptr) {
+    transport.reset();
+    return;
   }
-  close_some();
-  for (std::thread& thread : threads) thread.join();
+  std::unique_ptr<LoopWaker> waker;
+  try {
+    waker = std::make_unique<LoopWaker>(tcp->shared_from_this());
+  } catch (const std::exception&) {  // no descriptor to be had (or a device not owned by a shared_ptr): the
+    // pairs close a tick after another
+  }
+  transport.reset();
 }
+
+MeshContext::~MeshContext() { close_context(transportContext_, device_.get()); }
 
 void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::transport::Device>& device,
                                     std::chrono::milliseconds timeout) {
@@ -184,10 +252,10 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   std::shared_ptr<gloo::transport::Context> transport = device->createContext(rank, size);
   // On a failure the pairs go with `transport`, at once (a connect thread or the watchdog may still touch them:
   // declared before those, this guard runs after they were joined).
-  struct PairsCloser {
+  struct ContextCloser {
     std::shared_ptr<gloo::transport::Context>& transport;
-    const gloo::transport::Device* device;
-    ~PairsCloser() { close_pairs(transport, device); }
+    gloo::transport::Device* device;
+    ~ContextCloser() { close_context(transport, device); }
   } closer{transport, device.get()};
   transport->setTimeout(timeout);
   std::vector<char> addresses;

@@ -32,6 +32,8 @@ struct MeshTimeout : std::runtime_error {
 class MeshContext final : public gloo::rendezvous::Context {
  public:
   using gloo::rendezvous::Context::Context;
+  // Closes the pairs at once where it holds the transport context's last reference (close_context).
+  ~MeshContext() override;
 
   // Sets the context's timeout to `timeout` (pairs copy it) and connects every pair before now + timeout.
   // Throws MeshTimeout past it, TimeoutError naming the lowest peer whose addresses never came, Gloo's
@@ -40,12 +42,13 @@ class MeshContext final : public gloo::rendezvous::Context {
                          std::chrono::milliseconds timeout);
 };
 
-// Destroys `transport`'s pairs, several at a time, where `transport` is its last reference (as its destructor
-// would, only sooner): each pair's close waits for a tick of Gloo's device loop (up to 10 ms,
-// tcp::Loop::unregisterDescriptor), so one after the other, as Gloo's context does, a rank's pairs took 10 ms
-// each (4 s for 400 peers). A mesh that failed to connect closes its pairs so. Never throws (a thread that
-// cannot be started leaves its pairs to the caller). `device`: the one `transport` was made by; only a TCP
-// device's pairs are closed so. Not from Gloo's device loop thread (its closes would wait for its own tick).
-void close_pairs(std::shared_ptr<gloo::transport::Context>& transport, const gloo::transport::Device* device);
+// Drops `transport`, the pairs closing at once where it was the last reference: each pair's close waits for a
+// tick of Gloo's TCP device loop (up to 10 ms, tcp::Loop::unregisterDescriptor), so as Gloo's context destroys
+// them, one after the other, a rank's pairs took 10 ms each (4 s for 400 peers). Here the loop ticks without
+// its wait while they close (microseconds each where a core is free), all on the calling thread. Never throws
+// (where the loop cannot be woken, the pairs close as Gloo closes them). `device`: the one `transport` was made
+// by; another transport's (ibverbs) are dropped as they are. Not from Gloo's device loop thread: the loop would
+// not tick while the pairs close there, and the wake-up would wait 1 s before taking itself out.
+void close_context(std::shared_ptr<gloo::transport::Context>& transport, gloo::transport::Device* device);
 
 }  // namespace powersgd::transport

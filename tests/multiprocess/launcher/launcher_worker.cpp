@@ -385,8 +385,13 @@ int mode_direct_bound() {
     const auto n = static_cast<float>(comm->size());
     wrong += static_cast<int>(std::count_if(data.begin(), data.end(), [&](float v) { return v != n * (n + 1) / 2; }));
   }
-  // The launcher prefixes the rank; create_ms: how long Communicator::create took on this rank.
-  std::printf("direct_bound=%zu wrong=%d create_ms=%.0f\n", bound, wrong, create_ms);
+  const auto destroying = std::chrono::steady_clock::now();
+  comm.reset();
+  const double destroy_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - destroying).count();
+  // The launcher prefixes the rank; create_ms and destroy_ms: how long Communicator::create and the
+  // communicator's destruction took on this rank.
+  std::printf("direct_bound=%zu wrong=%d create_ms=%.0f destroy_ms=%.1f\n", bound, wrong, create_ms, destroy_ms);
   std::fflush(stdout);
   return wrong == 0 ? 0 : 4;
 }
