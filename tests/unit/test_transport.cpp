@@ -431,6 +431,13 @@ int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(a
 // Debian's Gloo (tcp::Pair) makes no handshake beyond TCP's: a pair listens on a port of its own, and the side
 // with the lower address connects to the other (the ports compared as Gloo does, their network-order values).
 
+// A TCP device on loopback.
+std::shared_ptr<gloo::transport::Device> loopback_device() {
+  CommOptions options;
+  options.address = "127.0.0.1";
+  return make_device(options);
+}
+
 // A file store in a directory of its own (one client for rank 0, one for the peers), and a loopback device.
 struct MeshFixture {
   std::filesystem::path dir;
@@ -441,9 +448,7 @@ struct MeshFixture {
     char pattern[] = "/tmp/psgd-mesh-XXXXXX";
     REQUIRE(::mkdtemp(pattern) != nullptr);
     dir = pattern;
-    CommOptions options;
-    options.address = "127.0.0.1";
-    device = make_device(options);
+    device = loopback_device();
     store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
     peer_store = make_file_store(dir.string(), "mesh", std::chrono::milliseconds(10000));
   }
@@ -667,17 +672,21 @@ size_t open_descriptors() {
   return static_cast<size_t>(std::distance(std::filesystem::begin(entries), std::filesystem::end(entries)));
 }
 
+// Rank 0's context of a world of `peers` + 1, its pairs created and listening (a socket each), none connected.
+std::shared_ptr<gloo::transport::Context> listening_context(gloo::transport::Device& device, int peers) {
+  std::shared_ptr<gloo::transport::Context> transport = device.createContext(0, peers + 1);
+  for (int peer = 1; peer <= peers; ++peer) transport->createPair(peer);
+  return transport;
+}
+
 // Gloo's context destroys its pairs one after the other, a tick of its device loop each (200 listening pairs:
 // about 2 s); close_context closes them at once where it drops the context's last reference, and where another
 // reference holds the context, only drops its own.
 TEST_CASE("close_context closes a context's pairs at once, not a device loop tick after another") {
-  CommOptions options;
-  options.address = "127.0.0.1";
-  const std::shared_ptr<gloo::transport::Device> device = make_device(options);
+  const std::shared_ptr<gloo::transport::Device> device = loopback_device();
   constexpr int kPeers = 200;
   const size_t before = open_descriptors();
-  std::shared_ptr<gloo::transport::Context> transport = device->createContext(0, kPeers + 1);
-  for (int peer = 1; peer <= kPeers; ++peer) transport->createPair(peer);  // a listening socket each
+  std::shared_ptr<gloo::transport::Context> transport = listening_context(*device, kPeers);
   REQUIRE(open_descriptors() == before + kPeers);
   auto other = transport;
   close_context(transport, device.get());
@@ -696,12 +705,9 @@ TEST_CASE("close_context closes a context's pairs at once, not a device loop tic
 // Where no descriptor is left for the loop's wake-up, close_context still closes the pairs, as Gloo would (a tick
 // after another), and throws nothing: the process is out of descriptors while it closes them.
 TEST_CASE("close_context without a descriptor to spare closes the pairs as Gloo does") {
-  CommOptions options;
-  options.address = "127.0.0.1";
-  const std::shared_ptr<gloo::transport::Device> device = make_device(options);
+  const std::shared_ptr<gloo::transport::Device> device = loopback_device();
   const size_t before = open_descriptors();
-  std::shared_ptr<gloo::transport::Context> transport = device->createContext(0, 4);
-  for (int peer = 1; peer < 4; ++peer) transport->createPair(peer);
+  std::shared_ptr<gloo::transport::Context> transport = listening_context(*device, 3);
   rlimit files{};
   REQUIRE(::getrlimit(RLIMIT_NOFILE, &files) == 0);
   const rlimit saved = files;
