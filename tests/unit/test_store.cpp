@@ -777,6 +777,48 @@ TEST_CASE("tcp store: get_many waits for every key and returns the values in the
   CHECK(text(values[2]) == "1");
 }
 
+// A rendezvous's reads: every rank asks for every other rank's addresses at once, and the last rank's set answers
+// them all in one go. Each reply carried its own copy of every value under 64 KiB, counted against the server's
+// budget once per reply: 400 ranks of 54 KB values passed the default 1 GiB, and the server reset the ranks'
+// connections. Shared, each value counts once.
+TEST_CASE("tcp store: get_many replies share the values: many readers of the same values fit the server's budget") {
+  constexpr int kReaders = 12;
+  constexpr int kKeys = 24;
+  constexpr size_t kValueBytes = 40000;  // under the 64 KiB that were copied: 0.96 MB a reply, 11.5 MB for all
+  auto o = server_options();
+  o.max_queued_bytes = 2u << 20;
+  TcpStoreServer server(o);
+  auto store = client(server);
+  std::vector<std::string> keys;
+  std::vector<std::string> expected;
+  for (int k = 0; k < kKeys; ++k) {
+    keys.push_back("rank" + std::to_string(k));
+    expected.emplace_back(kValueBytes, static_cast<char>('a' + k % 26));
+    if (k + 1 < kKeys) store->set(keys.back(), bytes(expected.back()));
+  }
+  std::vector<std::unique_ptr<RawClient>> readers;
+  for (int i = 0; i < kReaders; ++i) {
+    readers.push_back(std::make_unique<RawClient>(server.port()));
+    readers.back()->send(hello_frame(kToken));
+    auto hello = readers.back()->reply();
+    REQUIRE(hello);
+    REQUIRE(hello->first == kOk);
+    readers.back()->send(get_many_frame(keys, 10000));
+  }
+  // Every reader waits for the last key (the reply to a check after them comes once the server has read theirs).
+  CHECK_FALSE(store->check({"nothing"}));
+  std::this_thread::sleep_for(100ms);
+  store->set(keys.back(), bytes(expected.back()));  // answers every reader at once
+  for (auto& reader : readers) {
+    auto got = values_of(reader->reply(10s));
+    REQUIRE(got);  // not reset for the budget
+    CHECK(*got == expected);
+  }
+  for (auto deadline = Clock::now() + 2s; server.queued_reply_bytes() != 0 && Clock::now() < deadline;)
+    std::this_thread::sleep_for(10ms);
+  CHECK(server.queued_reply_bytes() == 0);
+}
+
 TEST_CASE("tcp store: get_many times out naming the keys and the missing ones; values over a frame are refused") {
   TcpStoreServer server(server_options());
   auto store = client(server, 60s);

@@ -8,6 +8,7 @@
 
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "asio.hpp"
@@ -139,18 +140,19 @@ class TcpStore final : public Store {
     if (type == Reply::Timeout)
       PSGD_THROW(TimeoutError, "store get of key(s) ", key_list(keys), " timed out after ", limit.count(),
                  " ms (store at ", where_, ")", missing_keys(payload, keys));
-    expect_ok(type, payload, "get of several keys");
+    const std::string what = "get of key(s) " + key_list(keys);
+    expect_ok(type, payload, what);
     protocol::Reader in(payload.data(), payload.size());
     auto count = in.u32();
-    if (!count || *count != keys.size()) bad_reply("get of several keys");
+    if (!count || *count != keys.size()) bad_reply(what);
     std::vector<std::vector<char>> values;
     values.reserve(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       auto value = in.str(kMaxValueBytes);
-      if (!value) bad_reply("get of several keys");
+      if (!value) bad_reply(what);
       values.emplace_back(value->begin(), value->end());
     }
-    if (!in.done()) bad_reply("get of several keys");
+    if (!in.done()) bad_reply(what);
     return values;
   }
 
@@ -234,14 +236,14 @@ class TcpStore final : public Store {
     return text ? *text : std::string("(no message)");
   }
 
-  void expect_ok(Reply type, const std::vector<char>& payload, const char* what) {
+  void expect_ok(Reply type, const std::vector<char>& payload, std::string_view what) {
     if (type == Reply::Ok) return;
     if (type == Reply::Error)
       PSGD_THROW(InvalidArgumentError, "store ", what, " failed at ", where_, ": ", message(payload));
     bad_reply(what);
   }
 
-  [[noreturn]] void bad_reply(const char* what) {
+  [[noreturn]] void bad_reply(std::string_view what) {
     broken_ = true;
     PSGD_THROW(IoError, "store at ", where_, " sent a malformed reply to ", what);
   }
