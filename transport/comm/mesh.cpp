@@ -43,6 +43,86 @@ constexpr auto kCloseGrace = std::chrono::milliseconds(50);
 // (called_from_lib), misses the lock but sees the unlock as ours and reports it unlocked (tsan-gloo.supp).
 [[gnu::noinline]] void close_connecting_pair(gloo::transport::Pair& pair) { pair.close(); }
 
+// How long a LoopWaker waits for the loop to take its descriptor out (microseconds where the loop ticks) before
+// it takes it out itself, waiting for a tick.
+constexpr auto kLoopWakerStopWait = std::chrono::seconds(1);
+
+// Keeps Gloo's device loop ticking without its 10 ms wait while it lives: an eventfd, readable from the start
+// and never read, registered with the loop (level-triggered, so every epoll_wait returns at once). A pair's
+// close waits for the loop's next tick (tcp::Loop::unregisterDescriptor), so with this it waits microseconds.
+// The loop spins meanwhile: hold one only while pairs close. Taken out of the loop by the loop's own thread, in
+// the handler (where unregisterDescriptor does not wait; from another thread it would wait a whole tick: this
+// descriptor gone, nothing wakes the loop). Throws where the eventfd cannot be made or registered.
+class LoopWaker final : public gloo::transport::tcp::Handler {
+ public:
+  explicit LoopWaker(std::shared_ptr<gloo::transport::tcp::Device> device)
+      : device_(std::move(device)), fd_(::eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (fd_ < 0) throw std::system_error(errno, std::system_category(), "eventfd");
+    // The loop's thread gets this through epoll (registered here, returned by its epoll_wait, both called from
+    // uninstrumented Gloo): a hand-over ThreadSanitizer does not see, told to it here and in handleEvents.
+#if defined(__SANITIZE_THREAD__)
+    __tsan_release(this);
+#endif
+    try {
+      device_->registerDescriptor(fd_, EPOLLIN, this);
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
+  }
+  ~LoopWaker() override {
+    phase_ = Phase::Stopping;
+    const auto give_up = Clock::now() + kLoopWakerStopWait;
+    while (phase_ != Phase::Unregistered) {
+      Phase stopping = Phase::Stopping;
+      if (Clock::now() >= give_up && phase_.compare_exchange_strong(stopping, Phase::Abandoned)) {
+        device_->unregisterDescriptor(fd_, this);  // after a tick: the loop no longer calls this
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    ::close(fd_);
+  }
+  LoopWaker(const LoopWaker&) = delete;
+  LoopWaker& operator=(const LoopWaker&) = delete;
+
+  // On the loop's thread. Its store of Unregistered is its last touch of `this`.
+  void handleEvents(int /*events*/) override {
+#if defined(__SANITIZE_THREAD__)
+    __tsan_acquire(this);
+#endif
+    Phase stopping = Phase::Stopping;
+    if (!phase_.compare_exchange_strong(stopping, Phase::Unregistering)) {
+      std::this_thread::yield();  // spinning: where cores are few, the closing thread's turn comes sooner
+      return;
+    }
+    device_->unregisterDescriptor(fd_, this);
+    phase_ = Phase::Unregistered;
+  }
+
+ private:
+  // Running until the destructor; then taken out by the loop (Unregistering, Unregistered) or, where the loop
+  // did not come within kLoopWakerStopWait, by the destructor (Abandoned).
+  enum class Phase { Running, Stopping, Unregistering, Unregistered, Abandoned };
+  // Held: the context's pairs, closing, may drop the device's last other reference.
+  const std::shared_ptr<gloo::transport::tcp::Device> device_;
+  const int fd_;
+  std::atomic<Phase> phase_{Phase::Running};
+};
+
+// Keeps `device`'s loop ticking while it lives, where the device is TCP's and a LoopWaker can be had; null
+// otherwise (no descriptor to spare, or a device not owned by a shared_ptr): pairs then close a tick after
+// another, as Gloo closes them.
+std::unique_ptr<LoopWaker> wake_loop(gloo::transport::Device* device) {
+  auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device);
+  if (tcp == nullptr) return nullptr;  // TCP's only: its loop's tick is the cost; ibverbs' pairs close as they do
+  try {
+    return std::make_unique<LoopWaker>(tcp->shared_from_this());
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
 // The most pairs connected at once, each on a thread of its own; beyond, one after the other.
 constexpr int kMaxConcurrentConnects = 256;
 
@@ -51,16 +131,18 @@ constexpr int kMaxConcurrentConnects = 256;
 // the mesh gave up): the others end after the grace instead of the timeout. One thread for the whole mesh.
 class ConnectWatchdog {
  public:
-  explicit ConnectWatchdog(Clock::time_point deadline)
-      : thread_([this, deadline] {
+  ConnectWatchdog(Clock::time_point deadline, gloo::transport::Device* device)
+      : thread_([this, deadline, device] {
           std::unique_lock lock(mutex_);
           if (wake_.wait_until(lock, deadline, [this] { return done_ || expired_; }) && done_) return;
           fired_ = true;
           // Only pairs still armed after the grace: disarm removes them, and arm refuses once fired_ is set.
           if (wake_.wait_for(lock, kCloseGrace, [this] { return done_ || armed_.empty(); })) return;
           // One at a time, unlocked while closing: a close waits for its connect to wait (the connect holds the
-          // pair's lock until then) and for a tick of the device loop, and a connect that returns meanwhile
-          // takes its pair out of armed_ rather than have it reset. The pairs outlive this thread.
+          // pair's lock until then) and for a tick of the device loop (a LoopWaker makes that microseconds, not
+          // up to 10 ms: 255 stalled peers' pairs took 2.6 s), and a connect that returns meanwhile takes its
+          // pair out of armed_ rather than have it reset. The pairs outlive this thread.
+          const auto waker = wake_loop(device);
           while (!done_ && !armed_.empty()) {
             gloo::transport::Pair* pair = armed_.front();
             armed_.erase(armed_.begin());
@@ -68,6 +150,7 @@ class ConnectWatchdog {
             close_connecting_pair(*pair);
             lock.lock();
           }
+          lock.unlock();  // the waker goes first, unlocked: it waits for the loop to take it out
         }) {}
   ~ConnectWatchdog() {
     {
@@ -149,73 +232,6 @@ std::string unpublished(Store& store, int rank, const std::vector<std::string>& 
   return detail::concat("rank ", rank, " did not get every peer's addresses");
 }
 
-// How long a LoopWaker waits for the loop to take its descriptor out (microseconds where the loop ticks) before
-// it takes it out itself, waiting for a tick.
-constexpr auto kLoopWakerStopWait = std::chrono::seconds(1);
-
-// Keeps Gloo's device loop ticking without its 10 ms wait while it lives: an eventfd, readable from the start
-// and never read, registered with the loop (level-triggered, so every epoll_wait returns at once). A pair's
-// close waits for the loop's next tick (tcp::Loop::unregisterDescriptor), so with this it waits microseconds.
-// The loop spins meanwhile: hold one only while pairs close. Taken out of the loop by the loop's own thread, in
-// the handler (where unregisterDescriptor does not wait; from another thread it would wait a whole tick: this
-// descriptor gone, nothing wakes the loop). Throws where the eventfd cannot be made or registered.
-class LoopWaker final : public gloo::transport::tcp::Handler {
- public:
-  explicit LoopWaker(std::shared_ptr<gloo::transport::tcp::Device> device)
-      : device_(std::move(device)), fd_(::eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK)) {
-    if (fd_ < 0) throw std::system_error(errno, std::system_category(), "eventfd");
-    // The loop's thread gets this through epoll (registered here, returned by its epoll_wait, both called from
-    // uninstrumented Gloo): a hand-over ThreadSanitizer does not see, told to it here and in handleEvents.
-#if defined(__SANITIZE_THREAD__)
-    __tsan_release(this);
-#endif
-    try {
-      device_->registerDescriptor(fd_, EPOLLIN, this);
-    } catch (...) {
-      ::close(fd_);
-      throw;
-    }
-  }
-  ~LoopWaker() override {
-    phase_ = Phase::Stopping;
-    const auto give_up = Clock::now() + kLoopWakerStopWait;
-    while (phase_ != Phase::Unregistered) {
-      Phase stopping = Phase::Stopping;
-      if (Clock::now() >= give_up && phase_.compare_exchange_strong(stopping, Phase::Abandoned)) {
-        device_->unregisterDescriptor(fd_, this);  // after a tick: the loop no longer calls this
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-    ::close(fd_);
-  }
-  LoopWaker(const LoopWaker&) = delete;
-  LoopWaker& operator=(const LoopWaker&) = delete;
-
-  // On the loop's thread. Its store of Unregistered is its last touch of `this`.
-  void handleEvents(int /*events*/) override {
-#if defined(__SANITIZE_THREAD__)
-    __tsan_acquire(this);
-#endif
-    Phase stopping = Phase::Stopping;
-    if (!phase_.compare_exchange_strong(stopping, Phase::Unregistering)) {
-      std::this_thread::yield();  // spinning: where cores are few, the closing thread's turn comes sooner
-      return;
-    }
-    device_->unregisterDescriptor(fd_, this);
-    phase_ = Phase::Unregistered;
-  }
-
- private:
-  // Running until the destructor; then taken out by the loop (Unregistering, Unregistered) or, where the loop
-  // did not come within kLoopWakerStopWait, by the destructor (Abandoned).
-  enum class Phase { Running, Stopping, Unregistering, Unregistered, Abandoned };
-  // Held: the context's pairs, closing, may drop the device's last other reference.
-  const std::shared_ptr<gloo::transport::tcp::Device> device_;
-  const int fd_;
-  std::atomic<Phase> phase_{Phase::Running};
-};
-
 // What became of one pair's connect: not connected (not yet, refused by the watchdog, or closed by it past the
 // deadline), connected, or failed on its own (the mesh's error then).
 enum class PairOutcome { NotConnected, Connected, Failed };
@@ -223,18 +239,11 @@ enum class PairOutcome { NotConnected, Connected, Failed };
 }  // namespace
 
 void close_context(std::shared_ptr<gloo::transport::Context>& transport, gloo::transport::Device* device) {
-  auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device);
-  // TCP's only: its loop's tick is the cost; another transport's pairs (ibverbs) close as they do.
-  if (!transport || transport.use_count() != 1 || tcp == nullptr) {
+  if (!transport || transport.use_count() != 1) {
     transport.reset();
     return;
   }
-  std::unique_ptr<LoopWaker> waker;
-  try {
-    waker = std::make_unique<LoopWaker>(tcp->shared_from_this());
-  } catch (const std::exception&) {  // no descriptor to be had (or a device not owned by a shared_ptr): the
-    // pairs close a tick after another
-  }
+  const auto waker = wake_loop(device);
   transport.reset();
 }
 
@@ -300,7 +309,7 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   // started, they connect one after the other, as connectFullMesh does. The first connect that fails ends the
   // others after the grace, as the deadline would.
   bool concurrent = size - 1 <= kMaxConcurrentConnects;
-  ConnectWatchdog watchdog(deadline);
+  ConnectWatchdog watchdog(deadline, device.get());
   std::vector<PairOutcome> outcomes(static_cast<size_t>(size), PairOutcome::NotConnected);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
   // Each thread writes its peer's entries only; they are read once every thread was joined.
