@@ -214,7 +214,13 @@ std::unique_ptr<ShmHostLink> ShmHostLink::create(size_t members, size_t ring_byt
     why = "/proc/self/stat cannot be read (the waits could not tell when a peer exits)";
     return nullptr;
   }
-  const std::string name = segment_name(::getpid(), start);
+  std::string name;
+  try {
+    name = segment_name(::getpid(), start);
+  } catch (const std::exception& e) {  // std::random_device without a source: TCP hops, as for any setup failure
+    why = detail::concat("no random source for the segment's name (", e.what(), ")");
+    return nullptr;
+  }
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) {
     why = errno_text("shm_open", errno);
