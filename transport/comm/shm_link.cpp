@@ -129,13 +129,25 @@ void futex_wake(std::atomic<uint32_t>& word) {
 
 constexpr const char* kNamePrefix = "psgd-";
 
-// "/psgd-<pid>-<start time>-<16 hex digits>": the creator's process in the name, so that a later creator can
-// tell a segment whose creator died before unlinking it (killed during setup) from a live one.
+// "/psgd-<pid>-<start time>-<pid namespace, hex>-<16 hex digits>": the creator's process in the name, so that a
+// later creator can tell a segment whose creator died before unlinking it (killed during setup) from a live one;
+// and its pid namespace, since a pid names that process only there (a creator in another one, sharing /dev/shm,
+// would otherwise judge a live segment by an unrelated pid and remove it). At most 60 characters: the leader
+// sends it to its members in 64 bytes (host_stage.cpp).
 constexpr char kHex[] = "0123456789abcdef";
+
+std::string hex_of(uint64_t value) {
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), kHex[value & 15]);
+    value >>= 4;
+  } while (value != 0);
+  return digits;
+}
 
 std::string segment_name(pid_t pid, uint64_t start) {
   std::random_device device;
-  std::string name = detail::concat("/", kNamePrefix, pid, "-", start, "-");
+  std::string name = detail::concat("/", kNamePrefix, pid, "-", start, "-", hex_of(pid_namespace()), "-");
   for (int k = 0; k < 2; ++k) {  // 64 random bits: with O_EXCL and the pid, enough to be unguessable and unique
     const uint32_t word = device();
     for (int nibble = 0; nibble < 8; ++nibble) name += kHex[(word >> (4 * nibble)) & 15];
@@ -144,17 +156,21 @@ std::string segment_name(pid_t pid, uint64_t start) {
 }
 
 // Unlinks this user's segments in /dev/shm whose creator is gone (the name's pid no longer runs with the
-// name's start time). Best effort: what cannot be read or removed stays.
+// name's start time), of creators in this pid namespace only. Best effort: what cannot be read or removed stays
+// (a name without a namespace too: a build before it, whose pid this process cannot judge).
 void remove_stale_segments() {
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return;
   const uid_t me = ::geteuid();
+  const unsigned long long here = pid_namespace();
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
     if (name.rfind(kNamePrefix, 0) != 0) continue;
-    unsigned long long pid = 0, start = 0;
+    unsigned long long pid = 0, start = 0, space = 0;
     char rest[32] = {};
-    if (std::sscanf(name.c_str() + std::strlen(kNamePrefix), "%llu-%llu-%16s", &pid, &start, rest) != 3) continue;
+    if (std::sscanf(name.c_str() + std::strlen(kNamePrefix), "%llu-%llu-%llx-%16s", &pid, &start, &space, rest) != 4 ||
+        space != here || here == 0)
+      continue;
     struct stat st {};
     if (::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != me) continue;
     uint64_t running_start = 0;
