@@ -136,18 +136,9 @@ constexpr const char* kNamePrefix = "psgd-";
 // sends it to its members in 64 bytes (host_stage.cpp).
 constexpr char kHex[] = "0123456789abcdef";
 
-std::string hex_of(uint64_t value) {
-  std::string digits;
-  do {
-    digits.insert(digits.begin(), kHex[value & 15]);
-    value >>= 4;
-  } while (value != 0);
-  return digits;
-}
-
-std::string segment_name(pid_t pid, uint64_t start) {
+std::string segment_name(pid_t pid, uint64_t start, uint64_t space) {
   std::random_device device;
-  std::string name = detail::concat("/", kNamePrefix, pid, "-", start, "-", hex_of(pid_namespace()), "-");
+  std::string name = detail::concat("/", kNamePrefix, pid, "-", start, "-", std::hex, space, "-");
   for (int k = 0; k < 2; ++k) {  // 64 random bits: with O_EXCL and the pid, enough to be unguessable and unique
     const uint32_t word = device();
     for (int nibble = 0; nibble < 8; ++nibble) name += kHex[(word >> (4 * nibble)) & 15];
@@ -156,13 +147,12 @@ std::string segment_name(pid_t pid, uint64_t start) {
 }
 
 // Unlinks this user's segments in /dev/shm whose creator is gone (the name's pid no longer runs with the
-// name's start time), of creators in this pid namespace only. Best effort: what cannot be read or removed stays
-// (a name without a namespace too: a build before it, whose pid this process cannot judge).
-void remove_stale_segments() {
+// name's start time), of creators in pid namespace `here` (this process's) only. Best effort: what cannot be
+// read or removed stays (a name without a namespace too: a build before it, whose pid this cannot judge).
+void remove_stale_segments(uint64_t here) {
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return;
   const uid_t me = ::geteuid();
-  const unsigned long long here = pid_namespace();
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
     if (name.rfind(kNamePrefix, 0) != 0) continue;
@@ -224,7 +214,8 @@ std::unique_ptr<ShmHostLink> ShmHostLink::create(size_t members, size_t ring_byt
   PSGD_ASSERT(members >= 1 && ring_bytes >= kPage && (ring_bytes & (ring_bytes - 1)) == 0,
               "shared-memory link of ", members, " members, ", ring_bytes, " bytes per ring");
   const Layout layout(members, ring_bytes);
-  remove_stale_segments();
+  const uint64_t space = pid_namespace();
+  remove_stale_segments(space);
   uint64_t start = 0;
   if (process_state(::getpid(), start) != Process::Running) {
     why = "/proc/self/stat cannot be read (the waits could not tell when a peer exits)";
@@ -232,7 +223,7 @@ std::unique_ptr<ShmHostLink> ShmHostLink::create(size_t members, size_t ring_byt
   }
   std::string name;
   try {
-    name = segment_name(::getpid(), start);
+    name = segment_name(::getpid(), start, space);
   } catch (const std::exception& e) {  // std::random_device without a source: TCP hops, as for any setup failure
     why = detail::concat("no random source for the segment's name (", e.what(), ")");
     return nullptr;

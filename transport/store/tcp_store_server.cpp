@@ -23,7 +23,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <charconv>
 #include <deque>
@@ -305,6 +304,7 @@ class Session : public std::enable_shared_from_this<Session> {
   struct Out {
     std::vector<char> head;  // the frame, or what precedes `value` of it (GET_MANY: a value's length)
     Value value;             // shared stored value sent after head; may be null
+    size_t bytes() const { return head.size() + (value ? value->size() : 0); }
   };
 
   // Body buffer growth: a frame's buffer starts at this size and doubles as
@@ -682,7 +682,7 @@ class Session : public std::enable_shared_from_this<Session> {
     size_t server_bytes = 0;  // a value already queued, or twice in this reply, counts once in all
     std::unordered_set<const std::vector<char>*> new_values;
     for (const Out& part : parts) {
-      bytes += part.head.size() + (part.value ? part.value->size() : 0);
+      bytes += part.bytes();
       server_bytes += part.head.size();
       const std::vector<char>* value = part.value.get();
       if (value && server_.queued_values.count(value) == 0 && new_values.insert(value).second)
@@ -715,8 +715,6 @@ class Session : public std::enable_shared_from_this<Session> {
     if (idle) write_front();
   }
 
-  // Writes what is left of the front reply, piece by piece: each piece must
-  // go out within frame_timeout, so a client that stops reading is closed.
   // Writes what is left of the queued replies, up to kMaxWriteBuffers parts' buffers in one write (writev),
   // from `written_` bytes into the front part on; each write must go out within frame_timeout, so a client
   // that stops reading is closed.
@@ -760,7 +758,7 @@ class Session : public std::enable_shared_from_this<Session> {
     // The parts written whole leave the queue and the budgets; what was written of the next stays in written_.
     while (!out_.empty()) {
       const Out& front = out_.front();
-      const size_t total = front.head.size() + (front.value ? front.value->size() : 0);
+      const size_t total = front.bytes();
       if (written_ < total) break;
       written_ -= total;
       queued_ -= total;
