@@ -25,10 +25,11 @@ class CallbackStore final : public transport::Store {
     check(c_.set(c_.user, key.c_str(), value.data(), value.size(), error, sizeof error), "set", key, error);
   }
 
-  std::vector<char> get(const std::string& key) override {
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds limit) override {
     char error[kErrorBytes] = {};
     psgd_store_value value;
-    check(c_.get(c_.user, key.c_str(), timeout().count(), &value, error, sizeof error), "get", key, error);
+    check(c_.get(c_.user, key.c_str(), limit.count(), &value, error, sizeof error), "get", key, error);
     PSGD_REQUIRE(value.set, InternalError, "the caller's store: get of key '", key,
                  "' returned PSGD_OK without a value (psgd_store_value_set not called)");
     return std::move(value.bytes);

@@ -690,6 +690,47 @@ TEST_CASE("file store: semantics, prefixes, timeout") {
   std::filesystem::remove_all(dir);
 }
 
+// Passes every call on to `inner`; once a wait returns, removes `victim`, as another client could between the
+// wait and the gets of get_many's fallback (stores without a request of their own, servers before GET_MANY).
+class RemovesAfterWait final : public powersgd::transport::Store {
+ public:
+  RemovesAfterWait(Store& inner, std::string victim) : inner_(inner), victim_(std::move(victim)) {}
+  void set(const std::string& key, const std::vector<char>& value) override { inner_.set(key, value); }
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds limit) override {
+    return inner_.get(key, limit);
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& limit) override {
+    inner_.wait(keys, limit);
+    inner_.remove(victim_);
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_.add(key, delta); }
+  bool check(const std::vector<std::string>& keys) override { return inner_.check(keys); }
+  bool remove(const std::string& key) override { return inner_.remove(key); }
+
+ private:
+  Store& inner_;
+  std::string victim_;
+};
+
+TEST_CASE("get_many's fallback: a key removed after its wait fails within get_many's timeout, not the store's") {
+  auto dir = fresh_dir("removed");
+  auto files = powersgd::transport::make_file_store(dir.string(), "run1", 10s);
+  files->set("a", bytes("1"));
+  files->set("b", bytes("2"));
+  RemovesAfterWait store(*files, "b");
+  store.set_timeout(10s);
+  auto start = Clock::now();
+  try {
+    store.get_many({"a", "b"}, 500ms);
+    FAIL("get_many returned");
+  } catch (const powersgd::TimeoutError& e) {
+    CHECK(std::string(e.what()).find("'b'") != std::string::npos);
+  }
+  CHECK(ms_since(start) < 3000);  // what was left of the 500 ms; the store's own 10 s before
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("prefix store: namespaces keys and keeps its own timeout") {
   TcpStoreServer server(server_options());
   auto inner = client(server);

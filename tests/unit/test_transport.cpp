@@ -84,7 +84,8 @@ class RecordingStore final : public Store {
     written.push_back(key);
     values[key] = data;
   }
-  std::vector<char> get(const std::string& key) override {
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds) override {
     auto it = values.find(key);
     REQUIRE_MESSAGE(it != values.end(), "get of a key never set: ", key);
     return it->second;
@@ -628,7 +629,10 @@ class GetManyLog final : public Store {
  public:
   explicit GetManyLog(std::unique_ptr<Store> inner) : inner_(std::move(inner)) { set_timeout(inner_->timeout()); }
   void set(const std::string& key, const std::vector<char>& value) override { inner_->set(key, value); }
-  std::vector<char> get(const std::string& key) override { return inner_->get(key); }
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds limit) override {
+    return inner_->get(key, limit);
+  }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& limit) override {
     inner_->wait(keys, limit);
   }

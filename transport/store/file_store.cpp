@@ -105,10 +105,10 @@ class FileStore final : public Store {
     publish(path(key), value);
   }
 
-  std::vector<char> get(const std::string& key) override {
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds limit) override {
     check_key(key);
     std::string p = path(key);
-    auto limit = timeout();
     auto deadline = Clock::now() + limit;
     for (auto delay = std::chrono::milliseconds(1);; delay = std::min(delay * 2, std::chrono::milliseconds(20))) {
       if (auto value = read_file(p)) return *value;

@@ -18,9 +18,10 @@ class PrefixStore final : public Store {
 
   void set(const std::string& key, const std::vector<char>& value) override { inner_.set(full(key), value); }
 
-  // Waits with this store's timeout, which may differ from the inner store's.
-  std::vector<char> get(const std::string& key) override {
-    return std::move(inner_.get_many({full(key)}, timeout()).front());
+  // get(key) waits with this store's timeout, which may differ from the inner store's.
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds limit) override {
+    return std::move(inner_.get_many({full(key)}, limit).front());
   }
 
   std::vector<std::vector<char>> get_many(const std::vector<std::string>& keys,

@@ -29,6 +29,10 @@ class Store : public gloo::rendezvous::Store {
   // client are serialized); set_timeout() is not synchronized: call it before sharing.
   using gloo::rendezvous::Store::wait;
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout()); }
+  // get with the store's timeout (Gloo's form), and with the caller's: a deadline of its own (get_many's
+  // fallback gets what is left of its timeout once its wait returned).
+  std::vector<char> get(const std::string& key) final { return get(key, timeout()); }
+  virtual std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override = 0;
 
   // Waits up to `timeout` for all keys, then returns their values in the order of `keys`: what wait() and a

@@ -98,9 +98,10 @@ class TcpStore final : public Store {
     expect_ok(type, payload, "set");
   }
 
-  std::vector<char> get(const std::string& key) override {
+  using Store::get;
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds requested) override {
     check_key(key);
-    auto limit = std::max(timeout(), std::chrono::milliseconds(0));
+    auto limit = std::max(requested, std::chrono::milliseconds(0));
     std::lock_guard lock(mutex_);
     auto [type, payload] = exchange(
         protocol::Writer(static_cast<uint8_t>(Request::Get)).str(key).u64(static_cast<uint64_t>(limit.count())).finish(),
