@@ -310,6 +310,35 @@ TEST_CASE("tcp store: get and wait time out with TimeoutError naming key and tim
   CHECK(text(store->get("a")) == "x");
 }
 
+// A wait the server timed out must leave no registration behind: the timeout's handler moved the keys out
+// before unregistering them, so a later set of such a key counted against the session's next request (its GET
+// answered with the key absent: the handler failed, the client got no reply) or, the session closed, called
+// the freed session (AddressSanitizer: heap-use-after-free).
+TEST_CASE("tcp store: a timed-out wait leaves nothing behind: a later set of its key touches no session") {
+  TcpStoreServer server(server_options());
+  auto waiter = client(server, 5s);
+  auto setter = client(server);
+  CHECK_THROWS_AS(waiter->wait({"x"}, 100ms), powersgd::TimeoutError);
+  std::thread late([&] {
+    std::this_thread::sleep_for(200ms);
+    setter->set("x", bytes("1"));  // counted against the waiter's get of "y" before the fix
+    std::this_thread::sleep_for(200ms);
+    setter->set("y", bytes("why"));
+  });
+  auto start = Clock::now();
+  CHECK(text(waiter->get("y")) == "why");
+  CHECK(ms_since(start) >= 350);
+  late.join();
+  {
+    auto gone = client(server);
+    CHECK_THROWS_AS(gone->get_many({"w", "x"}, 100ms), powersgd::TimeoutError);
+  }  // closed: the server forgets the session once it reads the end of the stream
+  std::this_thread::sleep_for(200ms);
+  setter->set("w", bytes("2"));  // called the closed session before the fix
+  CHECK(text(setter->get("w")) == "2");
+  CHECK(text(waiter->get("x")) == "1");
+}
+
 TEST_CASE("tcp store: many concurrent clients, shared clients and counters") {
   TcpStoreServer server(server_options());
   constexpr int kClients = 12, kAdds = 100;

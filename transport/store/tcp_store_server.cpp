@@ -282,8 +282,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Every pending key is present: the reply.
   void answer() {
-    Pending done = std::move(*pending_);
-    drop_pending();
+    Pending done = take_pending();
     wait_timer_.cancel();
     switch (done.kind) {
       case Pending::Kind::Wait:
@@ -594,8 +593,7 @@ class Session : public std::enable_shared_from_this<Session> {
     wait_timer_.expires_after(std::chrono::milliseconds(std::min<uint64_t>(timeout_ms, uint64_t{1} << 40)));
     wait_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
       if (ec || self->closed_ || !self->pending_) return;
-      Pending expired = std::move(*self->pending_);
-      self->drop_pending();
+      Pending expired = self->take_pending();
       std::vector<std::string> absent;
       std::vector<uint32_t> absent_at;
       for (size_t i = 0; i < expired.keys.size(); ++i)
@@ -615,14 +613,23 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void drop_pending() {
-    if (!pending_) return;
+    if (pending_) take_pending();
+  }
+
+  // The pending request, this session no longer registered in `waiting` for any of its keys. Unregistered
+  // before its keys are moved out: a registration left behind (as when the timeout's handler moved them out
+  // first) made a later set of that key count against this session's next request (a GET answered with its
+  // key absent failed the handler) or, once the session had closed, call a freed session.
+  Pending take_pending() {
     for (const auto& k : pending_->keys) {
       auto it = server_.waiting.find(k);
       if (it == server_.waiting.end()) continue;
       it->second.erase(this);
       if (it->second.empty()) server_.waiting.erase(it);
     }
+    Pending taken = std::move(*pending_);
     pending_.reset();
+    return taken;
   }
 
   // GET_MANY's reply, every key present: Ok, u32 n, then each value as a str. Every value is shared, not
