@@ -123,6 +123,18 @@ class Launcher {
     REQUIRE(::kill(pid_, sig) == 0);
   }
 
+  // Whether the launcher exits within `limit` while nobody reads its output (finish() still reaps it).
+  bool exits_within(std::chrono::milliseconds limit) const {
+    const auto until = Clock::now() + limit;
+    for (;;) {
+      siginfo_t info{};
+      if (::waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid_)
+        return true;
+      if (Clock::now() >= until) return false;
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+
   // Reads output until the launcher exits; fails (and kills it) past `limit`.
   Result finish(std::chrono::seconds limit = 60s) {
     Result result;
@@ -406,6 +418,41 @@ TEST_SUITE("local") {
     CHECK(contains(r.err, "--timeout 1 s"));
     CHECK(r.seconds >= 1.0);
     CHECK(r.seconds < 5.0);
+  }
+
+  // Once a worker exits the launcher passes on what its pipes hold, not what a child it left behind (here
+  // `yes`, in its process group) writes meanwhile: that drain never ended, the exit was never reported and
+  // --timeout and signals went unheeded.
+  TEST_CASE("a child left behind that floods the worker's stdout does not keep the launcher from the exit") {
+    Result r = run({"-n", "1", "--timeout", "20", "--grace", "1", "--", "sh", "-c", "yes & sleep 0.3; exit 3"}, 30s);
+    INFO("stderr (end):\n", r.err.substr(r.err.size() > 2000 ? r.err.size() - 2000 : 0));
+    CHECK(r.code == 3);
+    CHECK(contains(r.err, "exited with code 3"));
+    CHECK(r.seconds < 10.0);
+  }
+
+  // A reader of the launcher's output that stops (a pager, a stuck log shipper) blocked it in write(): neither
+  // --timeout nor SIGINT was heeded. Nothing reads the launcher's stdout here until it has exited.
+  TEST_CASE("a launcher stdout nobody reads does not keep the launcher from --timeout or a signal") {
+    {
+      Launcher l({"-n", "1", "--timeout", "1", "--grace", "1", "--", "yes"});
+      CHECK(l.exits_within(8s));
+      Result r = l.finish(10s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == 124);
+      CHECK(contains(r.err, "--timeout 1 s"));
+      CHECK(contains(r.err, "bytes of the workers' output"));
+    }
+    {
+      Launcher l({"-n", "2", "--grace", "1", "--", "yes"});
+      std::this_thread::sleep_for(500ms);
+      l.signal(SIGINT);
+      CHECK(l.exits_within(8s));
+      Result r = l.finish(10s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == 128 + SIGINT);
+      CHECK(contains(r.err, "got SIGINT"));
+    }
   }
 
   TEST_CASE("SIGTERM and SIGINT to the launcher are forwarded to every worker") {

@@ -1,8 +1,10 @@
 #include "supervisor.hpp"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,11 +22,6 @@ namespace {
 
 // A line longer than this is passed on in pieces so memory stays bounded.
 constexpr size_t kMaxLine = 64 * 1024;
-
-void say(const std::string& message) {
-  std::string line = "powersgd-run: " + message + "\n";
-  write_all(2, line.data(), line.size());
-}
 
 std::string seconds_text(std::chrono::milliseconds d) {
   char buffer[32];
@@ -114,23 +111,72 @@ int Supervisor::running_count() const {
   return static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; }));
 }
 
+void Supervisor::say(const std::string& message) {
+  std::string line = "powersgd-run: " + message + "\n";
+  write_output(2, line.data(), line.size());
+}
+
+Supervisor::Clock::time_point Supervisor::output_deadline() const {
+  if (killed_) return Clock::time_point::min();
+  if (stopping_) return kill_at_;
+  return deadline_;
+}
+
+void Supervisor::collect_signals() {
+  signalfd_siginfo info{};
+  while (::read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info))
+    if (info.ssi_signo != SIGCHLD) pending_signals_.push_back(static_cast<int>(info.ssi_signo));
+}
+
+void Supervisor::write_output(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    if (!pending_signals_.empty()) break;
+    pollfd fds[2] = {{fd, POLLOUT, 0}, {signal_fd_, POLLIN, 0}};
+    const auto limit = output_deadline();
+    const int wait_ms = limit == Clock::time_point::max() ? -1
+                        : limit <= Clock::now()          ? 0
+                                                         : poll_timeout_ms(limit - Clock::now());
+    const int ready = ::poll(fds, 2, wait_ms);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0 || (fds[0].revents & (POLLERR | POLLHUP | POLLNVAL)) != 0) return;  // closed: output lost
+    if ((fds[1].revents & POLLIN) != 0) collect_signals();
+    if ((fds[0].revents & POLLOUT) == 0) {
+      if (ready == 0) break;  // the deadline passed
+      continue;               // a SIGCHLD alone
+    }
+    const ssize_t n = ::write(fd, data, std::min<size_t>(size, PIPE_BUF));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) return;  // EPIPE (a closed launcher stdout) only loses output
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+  dropped_bytes_ += size;
+}
+
 void Supervisor::emit_line(Worker& w, Stream& s, const std::string& line) {
   std::string text = detail::concat("[", w.rank, "] ", line, "\n");
-  write_all(s.out_fd, text.data(), text.size());  // a closed launcher stdout (EPIPE) only loses output
+  write_output(s.out_fd, text.data(), text.size());
   w.last.push_back((s.out_fd == 1 ? "  stdout| " : "  stderr| ") + line);
   if (w.last.size() > options_.last_lines) w.last.pop_front();
 }
 
-void Supervisor::read_stream(Worker& w, Stream& s, bool to_eof) {
+void Supervisor::read_stream(Worker& w, Stream& s, Read amount) {
   char buffer[65536];
-  while (s.fd) {
-    ssize_t n = ::read(s.fd.get(), buffer, sizeof buffer);
+  size_t left = sizeof buffer;
+  if (amount == Read::Held) {
+    int held = 0;
+    if (!s.fd || ::ioctl(s.fd.get(), FIONREAD, &held) != 0) return;
+    left = static_cast<size_t>(std::max(held, 0));
+  }
+  while (s.fd && left > 0) {
+    ssize_t n = ::read(s.fd.get(), buffer, std::min(left, sizeof buffer));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EAGAIN) return;
     if (n <= 0) {  // EOF, or an error that ends the stream just the same
       close_stream(w, s);
       return;
     }
+    left -= static_cast<size_t>(n);
     if (s.log) write_all(s.log.get(), buffer, static_cast<size_t>(n));
     s.partial.append(buffer, static_cast<size_t>(n));
     size_t begin = 0;
@@ -141,7 +187,7 @@ void Supervisor::read_stream(Worker& w, Stream& s, bool to_eof) {
       emit_line(w, s, s.partial.substr(0, kMaxLine));
       s.partial.erase(0, kMaxLine);
     }
-    if (!to_eof) return;  // one chunk per poll round keeps the ranks fair
+    if (amount == Read::Chunk) return;  // one chunk per poll round keeps the ranks fair
   }
 }
 
@@ -172,8 +218,8 @@ void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
   w.stdin_pending.clear();
   // Everything the worker wrote before exiting is in the pipes now; a child it
   // left behind may keep them open, so do not wait for EOF.
-  read_stream(w, w.out, true);
-  read_stream(w, w.err, true);
+  read_stream(w, w.out, Read::Held);
+  read_stream(w, w.err, Read::Held);
   close_stream(w, w.out);
   close_stream(w, w.err);
   int code = exit_code_of(wait_status);
@@ -199,7 +245,7 @@ void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
     say(detail::concat("rank ", w.rank, " printed nothing"));
   } else {
     say(detail::concat("last ", w.last.size(), " lines of rank ", w.rank, ":"));
-    for (const auto& line : w.last) write_all(2, (line + "\n").data(), line.size() + 1);
+    for (const auto& line : w.last) write_output(2, (line + "\n").data(), line.size() + 1);
   }
   stop(SIGTERM);
 }
@@ -226,10 +272,10 @@ void Supervisor::reap() {
 }
 
 void Supervisor::handle_signals() {
-  signalfd_siginfo info{};
-  while (::read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
-    int sig = static_cast<int>(info.ssi_signo);
-    if (sig == SIGCHLD) continue;  // reap() runs after every wake-up
+  collect_signals();
+  while (!pending_signals_.empty()) {
+    const int sig = pending_signals_.front();
+    pending_signals_.erase(pending_signals_.begin());
     if (!stopping_) {
       exit_code_ = 128 + sig;
       say(detail::concat("got SIG", sigabbrev_np(sig), "; forwarding it to ", running_count(), " workers (SIGKILL after --grace ",
@@ -244,7 +290,7 @@ void Supervisor::handle_signals() {
 }
 
 int Supervisor::run() {
-  const auto deadline = Clock::now() + options_.timeout;
+  if (options_.timeout.count() > 0) deadline_ = Clock::now() + options_.timeout;
   std::vector<pollfd> fds;
   std::vector<std::pair<Worker*, Stream*>> owners;
   reap();  // a worker may have exited before the loop started
@@ -264,7 +310,7 @@ int Supervisor::run() {
     }
     auto now = Clock::now();
     auto wake = Clock::time_point::max();
-    if (options_.timeout.count() > 0 && !stopping_) wake = deadline;
+    if (!stopping_) wake = deadline_;
     if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
     int wait_ms = -1;
     if (wake != Clock::time_point::max()) wait_ms = poll_timeout_ms(wake - now);
@@ -273,10 +319,10 @@ int Supervisor::run() {
     if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);
     for (size_t i = 1; ready > 0 && i < fds.size(); ++i)
       if (fds[i].revents != 0) {
-        if (owners[i].second != nullptr) read_stream(*owners[i].first, *owners[i].second, false);
+        if (owners[i].second != nullptr) read_stream(*owners[i].first, *owners[i].second, Read::Chunk);
         else write_stdin(*owners[i].first);
       }
-    if (ready > 0 && fds[0].revents != 0) handle_signals();
+    if ((ready > 0 && fds[0].revents != 0) || !pending_signals_.empty()) handle_signals();
     reap();
     if (check_helpers && !stopping_ && running_count() > 0) {
       if (std::string failure = check_helpers(); !failure.empty()) {
@@ -288,7 +334,7 @@ int Supervisor::run() {
     }
 
     now = Clock::now();
-    if (options_.timeout.count() > 0 && !stopping_ && now >= deadline && running_count() > 0) {
+    if (!stopping_ && now >= deadline_ && running_count() > 0) {
       exit_code_ = 124;
       say(detail::concat("job timed out: --timeout ", seconds_text(options_.timeout), " s passed; stopping ",
                          running_count(), " workers (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
@@ -313,6 +359,9 @@ int Supervisor::run() {
     w.reaped = true;
     if (on_reap) on_reap(w.pid);
   }
+  if (dropped_bytes_ > 0)
+    say(detail::concat("dropped ", dropped_bytes_, " bytes of the workers' output that the launcher's stdout or "
+                       "stderr did not take in time (--log-dir keeps every byte)"));
   return exit_code_;
 }
 

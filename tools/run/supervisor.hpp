@@ -78,7 +78,21 @@ class Supervisor {
   };
   using Clock = std::chrono::steady_clock;
 
-  void read_stream(Worker& w, Stream& s, bool to_eof);
+  // One chunk (the poll loop's turn), or, once the worker exited, what its pipe holds now: not what a child it
+  // left behind writes meanwhile, which could keep the launcher reading forever.
+  enum class Read { Chunk, Held };
+  void read_stream(Worker& w, Stream& s, Read amount);
+  // Writes to the launcher's own stdout or stderr (`fd`) in pieces a pipe that polls writable takes whole, each
+  // waiting for room beside the signal descriptor: a reader that stops (a pager, a stuck log shipper) slows
+  // the job, as any pipe does, but keeps the launcher neither from a signal (the rest is dropped and the
+  // signal handled) nor from its next deadline (--timeout, SIGKILL after --grace; once SIGKILL was sent it
+  // waits no more). Dropped bytes are counted and reported when the job ends.
+  void write_output(int fd, const char* data, size_t size);
+  void say(const std::string& message);
+  // When write_output stops waiting for room.
+  Clock::time_point output_deadline() const;
+  // Reads the signal descriptor into pending_signals_ (SIGCHLD dropped: reap() runs after every wake-up).
+  void collect_signals();
   // Writes what stdin_w takes now of stdin_pending, never blocking.
   void write_stdin(Worker& w);
   void emit_line(Worker& w, Stream& s, const std::string& line);
@@ -99,6 +113,9 @@ class Supervisor {
   int sent_signal_ = 0;  // the signal stop() sent to every worker
   int exit_code_ = 0;  // set by the first reason to stop
   Clock::time_point kill_at_{};
+  Clock::time_point deadline_ = Clock::time_point::max();  // --timeout's, set by run()
+  std::vector<int> pending_signals_;                        // collected, not handled yet
+  uint64_t dropped_bytes_ = 0;                              // of output write_output dropped
 };
 
 }  // namespace powersgd::run
