@@ -74,8 +74,14 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       guard_->finish(reduction);
       loaded_on_worker_ = false;
       engine::lay_out_for_note(config_, comm_, *backend_, arenas_, buckets_);
+      NotedBefore before = save_noted(reduction);
       apply_note(reduction);
-      runner_->run(reduction);
+      try {
+        runner_->run(reduction);
+      } catch (...) {
+        restore_noted(before);
+        throw;
+      }
     } else {
       // While the announce travels; the proposals too (local work, nothing lasting: any not agreed runs
       // later as prepared, like the lookahead's).
@@ -243,6 +249,41 @@ void Reducer::Impl::apply_note(const Reduction& reduction) {
     s.reason = choice.reason;
     log_.add(reduction.iteration, b, s);
   }
+}
+
+Reducer::Impl::NotedBefore Reducer::Impl::save_noted(const Reduction& reduction) {
+  NotedBefore before{{}, log_};
+  for (int b : reduction.buckets) {
+    const BucketState& s = *buckets_[static_cast<size_t>(b)];
+    if (!s.note_pending) continue;
+    NotedState& saved = before.buckets.emplace_back();
+    saved = {b, s.level, s.plan, s.current_rank, s.reason, s.note_pending, s.boost_left, s.draws, {}, {}, {}};
+    if (s.q_initialized) {
+      saved.p.resize(static_cast<size_t>(s.plan.p_numel));
+      saved.q.resize(static_cast<size_t>(s.plan.q_numel));
+      backend_->copy_to_host(saved.p.data(), arenas_.p_state.data() + s.p_offset, saved.p.size());
+      backend_->copy_to_host(saved.q.data(), arenas_.q_state.data() + s.q_offset, saved.q.size());
+    }
+    if (!s.nerr.empty()) saved.error = engine::read_error(*backend_, s);
+  }
+  return before;
+}
+
+void Reducer::Impl::restore_noted(NotedBefore& before) {
+  for (NotedState& saved : before.buckets) {
+    BucketState& s = *buckets_[static_cast<size_t>(saved.bucket)];
+    s.level = saved.level;
+    s.plan = saved.plan;
+    s.current_rank = saved.current_rank;
+    s.reason = saved.reason;
+    s.note_pending = saved.note_pending;
+    s.boost_left = saved.boost_left;
+    s.draws = saved.draws;
+    if (!saved.p.empty()) backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, saved.p.data(), saved.p.size());
+    if (!saved.q.empty()) backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, saved.q.data(), saved.q.size());
+    if (!saved.error.empty()) engine::write_error(*backend_, s, saved.error);
+  }
+  log_ = std::move(before.log);
 }
 
 std::vector<RankDecision> Reducer::Impl::decisions(size_t max) {

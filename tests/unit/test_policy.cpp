@@ -8,7 +8,9 @@
 #include "support/doctest_main.hpp"
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -145,6 +147,51 @@ TEST_CASE("policy: note_lr_change only at a step boundary, after add_bucket; fie
   bad = Config{};
   bad.lr_boost_steps = -5;
   CHECK(error_of([&] { bad.validate(); }).find("config.lr_boost_steps = -5") != std::string::npos);
+}
+
+// The note's level switch ran before the step: a step that then failed (NaN, a local failure) kept the new
+// level, the rewritten warm P and Q and error memory, and the note's decision, and said "state unchanged".
+TEST_CASE("policy: a noted step that fails leaves the rank, warm start, error memory and log as they were") {
+  auto comm = solo();
+  Config c;
+  c.rank = 1;
+  c.rank_high = 4;
+  c.start_iter = 0;
+  c.lr_boost_steps = 3;
+  Reducer a(*comm, c), b(*comm, c);  // a fails the noted step, b skips it
+  for (Reducer* r : {&a, &b}) {
+    r->add_bucket(kShapes);
+    r->add_bucket({{16, 20}});
+  }
+  const auto step = [&](Reducer& r, int t, bool poisoned) {
+    std::vector<float> x = gradients(r.bucket_size(0), 0, t), y = gradients(r.bucket_size(1), 1, t);
+    if (poisoned) x[5] = NAN;
+    std::vector<std::span<float>> data = {x, y};
+    r.reduce_all(data);
+    return std::pair{x, y};
+  };
+  for (int t = 0; t < 3; ++t) CHECK(step(a, t, false) == step(b, t, false));
+  a.note_lr_change();
+  b.note_lr_change();
+  std::vector<float> error_before(a.bucket_size(0));
+  a.error_feedback(0, error_before);
+  CHECK_THROWS_AS(step(a, 3, true), NonFiniteError);
+  CHECK(a.bucket_rank(0) == 1);
+  std::vector<float> error_after(a.bucket_size(0));
+  a.error_feedback(0, error_after);
+  CHECK(std::memcmp(error_before.data(), error_after.data(), error_before.size() * sizeof(float)) == 0);
+  CHECK(entries_of(a.decisions(), 0) == entries_of(b.decisions(), 0));  // no LrNote of a step that failed
+  // The note still pending applies on the next step: the boost, the same bits as b's.
+  for (int t = 4; t < 9; ++t) {
+    CAPTURE(t);
+    CHECK(step(a, t, false) == step(b, t, false));
+    CHECK(a.bucket_rank(0) == b.bucket_rank(0));
+  }
+  // A failed step is a step (a's 4th, b's 3rd): the boost of 3 steps from the note's, then the fixed rank.
+  const std::vector<Entry> got = entries_of(a.decisions(), 0);
+  CAPTURE(describe(got));
+  CHECK(got == std::vector<Entry>{{4, 4, RankReason::LrNote}, {7, 1, RankReason::Fixed}});
+  CHECK(entries_of(b.decisions(), 0) == std::vector<Entry>{{3, 4, RankReason::LrNote}, {6, 1, RankReason::Fixed}});
 }
 
 TEST_CASE("policy: with adaptive, a boost overrides the rule, which keeps measuring and decides after it") {
