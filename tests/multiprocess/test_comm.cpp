@@ -1015,6 +1015,10 @@ void check_paths_refused(GlooCommunicator& comm, size_t count, size_t odd_count)
 // of those throws its own InvalidArgumentError, every other rank a MismatchError naming the lowest refusing
 // rank, at once (before, the others waited out the timeout and the group broke); nothing was sent, no buffer
 // changed, and the group goes on.
+const DataType kUnknownType = static_cast<DataType>(9);
+const std::string kUnknownTypeError =
+    "allreduce: unknown DataType 9: expected float32, float64, float16 or bfloat16";
+
 void check_refusals(GlooCommunicator& comm) {
   const int n = comm.size(), me = comm.rank();
   // `theirs`: what a rank that did not refuse says where it is not the shapes' message below (the direct
@@ -1067,16 +1071,36 @@ void check_refusals(GlooCommunicator& comm) {
       CAPTURE(count);
       const bool headers = count == 16 && comm.staged_hosts() == 0 && comm.lead_capacity() >= 64 &&
                            comm.choose(64) == Algorithm::Direct;
-      expect(
-          refuses,
-          [&](bool refusing) { comm.allreduce(refusing ? nullptr : values.data(), count, DataType::Float32); },
-          "allreduce", detail::concat("allreduce of ", count, " x float32"),
-          detail::concat("allreduce: data is null for ", count, " elements"),
+      const std::string theirs =
           headers ? detail::concat("direct allreduce: rank ", refuses(0) ? 0 : n - 1,
                                    " sent the shape a public collective sends first (another collective, or a call "
                                    "that rank refused: its own error says why) where this rank (", me,
                                    ") reduces 64 bytes: every rank must run the same collectives in the same order")
-                  : std::string());
+                  : std::string();
+      expect(
+          refuses,
+          [&](bool refusing) { comm.allreduce(refusing ? nullptr : values.data(), count, DataType::Float32); },
+          "allreduce", detail::concat("allreduce of ", count, " x float32"),
+          detail::concat("allreduce: data is null for ", count, " elements"), theirs);
+      // A DataType outside the enum (a C++ caller's cast) is refused like any bad argument: its size was read
+      // on that rank alone before the refusal, which left its peers waiting for the timeout.
+      expect(
+          refuses,
+          [&](bool refusing) { comm.allreduce(values.data(), count, refusing ? kUnknownType : DataType::Float32); },
+          "allreduce", detail::concat("allreduce of ", count, " x float32"), kUnknownTypeError, theirs);
+    }
+    // The same in rank order, whose algorithm is chosen by the type's size before the call.
+    if (comm.choose_in_rank_order(64) != Algorithm::Auto) {
+      try {
+        comm.allreduce_in_rank_order_async(values.data(), 16, refuses(me) ? kUnknownType : DataType::Float32)
+            .wait();
+        FAIL("expected a refusal");
+      } catch (const InvalidArgumentError& e) {
+        CHECK(refuses(me));
+        CHECK(std::string(e.what()) == kUnknownTypeError);
+      } catch (const MismatchError&) {
+        CHECK(!refuses(me));
+      }
     }
     CHECK(std::count(values.begin(), values.end(), 1.0f) == 32768);
     // An argument every rank refuses (halving-doubling needs the legacy API), where some also pass a null
@@ -1110,6 +1134,15 @@ void check_refusals(GlooCommunicator& comm) {
       };
       expect(refuses, [&](bool refusing) { lead_exchange(refusing ? 12 : 32); }, "lead exchange", "", own,
              kind_mismatch_message(hosts, n, me, 32, [&](int r) { return !refuses(r); }));
+      expect(
+          refuses,
+          [&](bool refusing) {
+            comm.lead_exchange_async(lead.data(), leads.data(), 32, nullptr, 0,
+                                     refusing ? kUnknownType : DataType::Float32, &summed)
+                .wait();
+          },
+          "lead exchange", "", "lead exchange: unknown DataType 9: expected float32, float64, float16 or bfloat16",
+          kind_mismatch_message(hosts, n, me, 32, [&](int r) { return !refuses(r); }));
       std::vector<uint8_t> bytes(16, static_cast<uint8_t>(me + 1));
       expect(
           refuses,

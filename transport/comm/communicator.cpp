@@ -67,11 +67,31 @@ bool Communicator::sums_in_rank_order(size_t count, DataType type) const {
 }
 
 namespace {
+// A DataType outside the enum (a C++ caller's cast) is a bad argument like any other: checked among a call's
+// refusal checks, so that every rank refuses the call (size_of would throw later, on that rank alone).
+bool known_type(DataType type) {
+  switch (type) {
+    case DataType::Float32:
+    case DataType::Float64:
+    case DataType::Float16:
+    case DataType::BFloat16:
+      return true;
+  }
+  return false;
+}
+void require_known_type(DataType type, const char* call) {
+  PSGD_REQUIRE(known_type(type), InvalidArgumentError, call, ": unknown DataType ", static_cast<int>(type),
+               ": expected float32, float64, float16 or bfloat16");
+}
+
 Work in_rank_order(Communicator& comm, void* data, size_t count, DataType type,
                    transport::GlooCommunicator::Sizes sizes) {
   auto* gloo = gloo_of(&comm);
+  // An unknown type goes on to allreduce_async, which refuses it on every rank (the algorithm is not used; Auto,
+  // as for every rank, where the communicator has neither).
   const transport::Algorithm algorithm =
-      gloo != nullptr ? gloo->choose_in_rank_order(count * size_of(type)) : transport::Algorithm::Auto;
+      gloo != nullptr ? gloo->choose_in_rank_order(known_type(type) ? count * size_of(type) : 0)
+                      : transport::Algorithm::Auto;
   PSGD_REQUIRE(algorithm != transport::Algorithm::Auto, UnsupportedError,
                "allreduce_in_rank_order_async: this communicator has neither the direct nor the scatter-gather "
                "allreduce (made by create() with Gloo's new API, and PSGD_DIRECT_MAX_BYTES above 0 or "
@@ -800,6 +820,7 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
   // Every check of the arguments refuses collectively: a rank that fails one alone takes the call's place in
   // the sequence, and where every rank fails it, every rank refuses alike.
   refuse_unless(ShapeKind::Allreduce, sizes, [&] {
+    require_known_type(type, "allreduce");
     PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "allreduce: data is null for ", count,
                  " elements");
     if (algorithm == Algorithm::Auto) algorithm = choose(count * size_of(type));
@@ -860,6 +881,7 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
                  " bytes; expected a positive multiple of 8 up to the capacity ", capacity);
     PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
                  " elements");
+    require_known_type(type, "lead exchange");
   });
   std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type),
                                      stage_ != nullptr ? ", host-staged)" : ")");
