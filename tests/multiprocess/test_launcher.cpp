@@ -15,6 +15,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -546,6 +547,35 @@ TEST_SUITE("local") {
     CHECK(r.err.find("powersgd-run:") == std::string::npos);
   }
 
+  // The launcher holds every worker's pipes and its rank's store connection: the usual soft limit of 1024
+  // descriptors ran out at about 500 workers ("Too many open files" from pipe2, once some had started).
+  TEST_CASE("the launcher raises its descriptor limit for itself, not for its workers; too low a one is refused") {
+    rlimit files{};
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &files) == 0);
+    if (files.rlim_max < 2048) {
+      MESSAGE("skipped: RLIMIT_NOFILE's hard limit ", files.rlim_max, " is below 2048");
+      return;
+    }
+    {
+      Launcher l({"-n", "300", "--", "/bin/sh", "-c", "ulimit -Sn"},
+                 {"/bin/sh", "-c", "ulimit -Sn 256 && exec \"$0\" \"$@\""});
+      Result r = l.finish(60s);
+      INFO("stderr:\n", r.err);
+      CHECK(r.code == 0);
+      CHECK(std::count(r.out.begin(), r.out.end(), '\n') == 300);
+      CHECK(contains(r.out, "[299] 256\n"));  // the workers' limit is the one the launcher was given
+    }
+    TempDir dir;
+    const std::string marker = dir / "started";
+    Launcher l({"-n", "300", "--", "/bin/touch", marker}, {"/bin/sh", "-c", "ulimit -n 256 && exec \"$0\" \"$@\""});
+    Result r = l.finish(30s);
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 2);
+    CHECK(contains(r.err, "-n 300 needs about 1328 descriptors in the launcher"));
+    CHECK(contains(r.err, "more than its limit of 256 (RLIMIT_NOFILE's hard limit)"));
+    CHECK_FALSE(std::filesystem::exists(marker));
+  }
+
   TEST_CASE("bad command lines are refused with a message before anything starts") {
     TempDir dir;
     std::string marker = dir / "started";
@@ -592,6 +622,14 @@ TEST_SUITE("local") {
          "--link-delay '5parsecs' is not a delay"},
         {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "11s", "--", "/bin/touch", marker},
          "--link-delay '11s' is out of range: expected 0 to 10s"},
+        // Positive values that round to nothing meant no timeout or no delay, silently; a rate whose burst tc
+        // cannot hold failed only at setup.
+        {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "0.4ns", "--", "/bin/touch", marker},
+         "--link-delay '0.4ns' is below the resolution of 1ns"},
+        {{"-n", "1", "--timeout", "0.0004", "--", "/bin/touch", marker},
+         "--timeout 0.0004 is below the resolution of 1 ms: expected 0 (none) or at least 0.001 seconds"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-rate", "50tbit", "--", "/bin/touch", marker},
+         "--link-rate '50tbit' is out of range: expected 8kbit to 10tbit"},
         {{"-n", "2", "--link-delay", "5ms", "--", "/bin/touch", marker}, "--link-delay requires --emulate-hosts"},
         {{"-n", "2", "--emulate-hosts", "2", "--link-delay", "5ms", "--delay-mechanism", "tc", "--", "/bin/touch",
           marker},

@@ -271,6 +271,29 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Each worker's pipes (3 with ssh) and its rank's connection to the store, each emulated host's namespace and
+  // delayer, and a margin for the rest: refused here, before anything starts, where the limit cannot hold them.
+  try {
+    const uint64_t files = run::raise_descriptor_limit();
+    const uint64_t needed =
+        4 * static_cast<uint64_t>(options.nproc) + 4 * static_cast<uint64_t>(options.emulate_hosts) + 128;
+    if (needed > files) {
+      const std::string hosts =
+          options.emulate_hosts > 0 ? detail::concat(" on ", options.emulate_hosts, " emulated hosts") : "";
+      std::fprintf(stderr, "%s\n",
+                   detail::concat("powersgd-run: error: -n ", options.nproc, hosts, " needs about ", needed,
+                                  " descriptors in the launcher (the workers' pipes, their ranks' store connections",
+                                  hosts.empty() ? "" : ", the hosts' delayers", "), more than its limit of ", files,
+                                  " (RLIMIT_NOFILE's hard limit): raise it (ulimit -Hn, LimitNOFILE=) or start "
+                                  "fewer workers per launcher")
+                       .c_str());
+      return 2;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "powersgd-run: error: %s\n", e.what());
+    return 1;
+  }
+
   // Signals are taken through a signalfd by the supervisor's poll loop; block
   // them before any thread exists so that no thread receives them instead.
   sigset_t set;

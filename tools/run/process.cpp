@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -40,7 +41,7 @@ struct ChildFailure {
   int err;
 };
 constexpr const char* kSteps[] = {"setpgid", "prctl(PR_SET_PDEATHSIG)", "setns",      "dup2",
-                                  "execve",  "parent died",             "close_range"};
+                                  "execve",  "parent died",             "close_range", "setrlimit(RLIMIT_NOFILE)"};
 
 [[noreturn]] void child_fail(int pipe_fd, int step, int err = errno) {
   ChildFailure f{step, err};
@@ -49,6 +50,24 @@ constexpr const char* kSteps[] = {"setpgid", "prctl(PR_SET_PDEATHSIG)", "setns",
 }
 
 }  // namespace
+
+namespace {
+// The descriptor limit the launcher was started with, given back to what it spawns (raise_descriptor_limit).
+rlimit inherited_files{};
+bool raised_files = false;
+}  // namespace
+
+uint64_t raise_descriptor_limit() {
+  rlimit files{};
+  PSGD_CHECK_SYS(::getrlimit(RLIMIT_NOFILE, &files));
+  inherited_files = files;
+  if (files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    raised_files = ::setrlimit(RLIMIT_NOFILE, &files) == 0;
+    if (!raised_files) files.rlim_cur = inherited_files.rlim_cur;
+  }
+  return files.rlim_cur;
+}
 
 Child spawn(const SpawnSpec& spec) {
   PSGD_ASSERT(!spec.argv.empty());
@@ -84,6 +103,8 @@ Child spawn(const SpawnSpec& spec) {
     if (::dup2(stdin_fd, 0) < 0 || ::dup2(out.w.get(), 1) < 0 || ::dup2(err.w.get(), 2) < 0) child_fail(report, 3);
     // Descriptors opened without O_CLOEXEC by libraries (Asio's sockets) must not leak into workers.
     if (int failed = close_descriptors_from(3, true); failed != 0) child_fail(report, 6, failed);
+    // After the closes, whose last resort walks the launcher's (raised) limit.
+    if (raised_files && ::setrlimit(RLIMIT_NOFILE, &inherited_files) != 0) child_fail(report, 7);
     ::execve(argv[0], argv.data(), envp.data());
     child_fail(report, 4);
   }

@@ -27,10 +27,16 @@ struct Child {
   Fd stderr_r;     // non-blocking
 };
 
+// Raises this process's soft RLIMIT_NOFILE to its hard limit and returns the soft limit now: the launcher
+// holds pipes of every worker and emulated host and the store's connection of every rank (the usual soft 1024
+// ran out at about 500 workers). Processes spawn() starts get the soft limit back as it was (programs that
+// use select() count on it). Call once, before any spawn.
+uint64_t raise_descriptor_limit();
+
 // Forks and execs. The child leads its own process group, gets SIGKILL when the
 // calling thread exits (closing the race with getppid()), starts with default
-// signal dispositions and an empty signal mask, and inherits no other
-// descriptor. Throws IoError when fork or exec fails (exec errors are reported
+// signal dispositions, an empty signal mask and the descriptor limit the launcher
+// was started with, and inherits no other descriptor. Throws IoError when fork or exec fails (exec errors are reported
 // back through a close-on-exec pipe, so "cannot execute" is never a silent 127).
 Child spawn(const SpawnSpec& spec);
 
