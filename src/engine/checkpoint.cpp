@@ -371,20 +371,41 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& byt
   PSGD_CHECK_SYS_CTX(::fsync(dir_fd.get()), "fsync of the directory of checkpoint ", path);
 }
 
+namespace {
+// Reads bytes [total, want) of `fd` into `bytes` (sized `want`); returns how many there were in all (fewer where
+// the file shrank while being read: the frame check reports it truncated).
+size_t read_up_to(int fd, std::vector<char>& bytes, size_t total, const std::string& path) {
+  while (total < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + total, bytes.size() - total);
+    if (n < 0 && errno == EINTR) continue;
+    PSGD_CHECK_SYS_CTX(n, "reading checkpoint ", path);
+    if (n == 0) break;
+    total += static_cast<size_t>(n);
+  }
+  return total;
+}
+}  // namespace
+
 std::vector<char> read_checkpoint_file(const std::string& path) {
-  Fd fd(PSGD_CHECK_SYS_CTX(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "cannot open checkpoint ", path));
+  // O_NONBLOCK: a FIFO at the path must be refused below, not block the open until a writer comes (a job's
+  // load_job waited forever on rank 0). A regular file's reads ignore it.
+  Fd fd(PSGD_CHECK_SYS_CTX(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK), "cannot open checkpoint ", path));
   struct stat st {};
   PSGD_CHECK_SYS_CTX(::fstat(fd.get(), &st), "reading checkpoint ", path);
   PSGD_REQUIRE(S_ISREG(st.st_mode), IoError, "cannot read checkpoint ", path, ": ",
                S_ISDIR(st.st_mode) ? "a directory" : "not a regular file", ", expected a checkpoint file");
-  std::vector<char> bytes(static_cast<size_t>(st.st_size));
-  size_t total = 0;
-  while (total < bytes.size()) {
-    const ssize_t n = ::read(fd.get(), bytes.data() + total, bytes.size() - total);
-    if (n < 0 && errno == EINTR) continue;
-    PSGD_CHECK_SYS_CTX(n, "reading checkpoint ", path);
-    if (n == 0) break;  // shrank while reading: the frame check reports it truncated
-    total += static_cast<size_t>(n);
+  // The header first: no more is read (nor allocated) than it says the payload is, and one byte more to tell
+  // a longer file, so a file that is not a checkpoint (a sparse terabyte of zeros) costs its header, and
+  // checked_payload names what is wrong with it.
+  const size_t size = static_cast<size_t>(st.st_size);
+  std::vector<char> bytes(std::min(size, kCheckpointHeaderBytes));
+  size_t total = read_up_to(fd.get(), bytes, 0, path);
+  if (total == kCheckpointHeaderBytes) {
+    uint64_t recorded = 0;
+    for (int i = 7; i >= 0; --i) recorded = recorded << 8 | static_cast<uint8_t>(bytes[16 + static_cast<size_t>(i)]);
+    const uint64_t claimed = recorded > size ? size : recorded + 1;  // at most the file
+    bytes.resize(kCheckpointHeaderBytes + static_cast<size_t>(std::min<uint64_t>(claimed, size - kCheckpointHeaderBytes)));
+    total = read_up_to(fd.get(), bytes, total, path);
   }
   bytes.resize(total);
   return bytes;

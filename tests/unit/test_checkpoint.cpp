@@ -4,6 +4,7 @@
 // test_engine.cpp ("checkpoint: ...").
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
@@ -348,6 +350,44 @@ TEST_CASE("checkpoint file: written atomically, read back whole; a missing file 
   CHECK_THROWS_AS(read_checkpoint_file("/tmp"), IoError);
   CHECK(error_of([&] { read_checkpoint_file("/tmp"); }) ==
         "cannot read checkpoint /tmp: a directory, expected a checkpoint file");
+}
+
+// A FIFO at the path blocked the open until a writer came (load_job: rank 0 forever); a file that is not a
+// checkpoint was read (and allocated) whole before its header was looked at: a sparse terabyte of zeros ran out
+// of memory. Now the header first, and no more than it says, plus a byte to tell a longer file.
+TEST_CASE("checkpoint file: a FIFO is refused at once; only what the header says is read") {
+  const std::string dir = "/tmp/psgd-test-checkpoint-read-" + std::to_string(::getpid());
+  std::filesystem::create_directory(dir);
+  const std::string fifo = dir + "/fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK(error_of([&] { read_checkpoint_file(fifo); }) ==
+        "cannot read checkpoint " + fifo + ": not a regular file, expected a checkpoint file");
+  const std::string sparse = dir + "/sparse";
+  {
+    std::ofstream(sparse).put('x');
+  }
+  std::filesystem::resize_file(sparse, uint64_t{1} << 40);  // 1 TiB of zeros, taking no disk
+  CHECK(read_checkpoint_file(sparse).size() == kCheckpointHeaderBytes + 1);  // its header says 0 bytes follow
+  // A real checkpoint with bytes after it, and one cut short: read as they are, so the frame check names them.
+  std::vector<char> file = encode_checkpoint(test_contents());
+  const std::string longer = dir + "/longer", shorter = dir + "/shorter";
+  std::vector<char> extended = file;
+  extended.insert(extended.end(), 4096, 'z');
+  write_checkpoint_file(longer, extended);
+  write_checkpoint_file(shorter, std::vector<char>(file.begin(), file.end() - 10));
+  CHECK(read_checkpoint_file(longer).size() == file.size() + 1);
+  CHECK(read_checkpoint_file(shorter).size() == file.size() - 10);
+  const auto payload_error = [&](const std::string& path) {
+    return error_of([&] {
+      uint32_t version = 0;
+      checked_payload(read_checkpoint_file(path), path, kCheckpointMagic, kCheckpointVersion, kCheckpointVersion,
+                      version);
+    });
+  };
+  CHECK(contains(payload_error(longer), "is longer than recorded"));
+  CHECK(contains(payload_error(shorter), "is truncated"));
+  CHECK(contains(payload_error(sparse), "is not a powersgd checkpoint (bad magic)"));
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("checkpoint file: concurrent savers to one path never fail and never leave a torn or temporary file") {
