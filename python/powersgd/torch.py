@@ -98,6 +98,11 @@ class _Group:
         self.id = "ranks-" + text
 
 
+def _members(group):
+    """A _group_of() result's global ranks, None for the whole job."""
+    return None if group is None else list(group.members)
+
+
 def _group_of(process_group):
     """None for the whole job (None, the default group, or a group of every rank in rank order); else the
     _Group. ValueError for a group this process is not in, or anything torch.distributed does not know as a
@@ -321,11 +326,28 @@ class PowerSGDState:
         self.wire_dtype = wire_dtype  # "f32", "bf16" or "fp16": the factors' type on the wire
         # The engine's divergence detector: every N steps the ranks compare their outputs' hashes (0: off).
         self.divergence_check_interval = divergence_check_interval
-        self._group = _group_of(process_group)  # None: the whole job
         # Every field is checked now, with the engine's ranges, not first at the declaration inside backward().
         self._engine_config(whole_bucket=False)
         self.iter = 0               # DDP iterations completed (bucket.is_last() closes one), as the reference
         self._init_runtime()
+
+    @property
+    def process_group(self):
+        """The group DDP averages over (None: the whole job). Settable until the engine reducer exists, e.g.
+        after torch.load(state), as PyTorch documents for its own state: the engine's communicator follows it
+        (before, an assignment changed torch's collectives only, and the engine averaged over every rank).
+        ValueError for a group this process is not in, or another group once the reducer exists."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, process_group):
+        group = _group_of(process_group)  # None: the whole job
+        if getattr(self, "_reducer", None) is not None and _members(group) != _members(self._group):
+            raise ValueError("PowerSGDState: process_group cannot change once the engine reducer exists (from "
+                             "the first compressed iteration): it serves ranks %s; set the group before training, "
+                             "or make a new PowerSGDState" % (_members(self._group) or "all",))
+        self._process_group = process_group
+        self._group = group
 
     def _init_runtime(self):
         """What lives in this process only (__init__ and __setstate__): engine handles, threads, layouts."""
@@ -711,7 +733,6 @@ class PowerSGDState:
                            "to the default group (every rank): set `process_group` after loading if a group is "
                            "desired", list(state["group"]))
         self.process_group = None
-        self._group = None
         self.iter = 0
         self.next_stats_report = 0
         self.lr_watch = None         # an optimizer is not part of the state: pass lr_watch again

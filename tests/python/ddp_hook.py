@@ -59,6 +59,7 @@ import datetime
 import logging
 import math
 import os
+import pickle
 import sys
 import time
 
@@ -314,6 +315,26 @@ def case_groups():
         dist.get_rank(group), dist.get_world_size(group)), "the engine's group communicator"
     # And the whole job's beside it (under torchrun's variables rank 0 hosts the store once, in the group's).
     _capi.check(_capi.lib.psgd_comm_barrier(pst._engine_comm()))
+
+    # PyTorch's reload pattern: torch.load(state) gives the default group, then the group is set. The
+    # assignment changed torch's collectives only, and the engine averaged over every rank (0.3 away).
+    restored = pickle.loads(pickle.dumps(pst.PowerSGDState(process_group=group, **settings)))
+    restored.process_group = group
+    reloaded = copy.deepcopy(initial)
+    model = ddp(reloaded, process_group=group)
+    model.register_comm_hook(restored, pst.powerSGD_hook)
+    train(model, inputs, targets)
+    check_close("groups, the group set after unpickling", reloaded, theirs, 1e-5,
+                reference="PyTorch's powerSGD_hook's")
+    # Once the engine reducer exists its communicator serves that group: another is refused, the same kept.
+    restored.process_group = group
+    try:
+        restored.process_group = None
+    except ValueError as e:
+        assert "cannot change once the engine reducer exists" in str(e), e
+    else:
+        raise AssertionError("process_group changed under a running reducer")
+    assert restored.process_group is group
 
     # What an average over every rank gives: the check below can tell the two apart.
     everyone = copy.deepcopy(initial)
