@@ -139,38 +139,63 @@ def state_dict(state, job=False):
 
 
 def load_state_dict(state, loaded):
+    """Nothing of `state` changes unless the whole load succeeds: every field is read and checked, and the engine's
+    state loaded (where its reducer exists), before any attribute is assigned."""
     if not isinstance(loaded, dict) or loaded.get("version") not in READABLE_VERSIONS:
         raise ValueError("PowerSGDState.load_state_dict: expected a dict from PowerSGDState.state_dict() (version "
                          "%d), got %s" % (VERSION, type(loaded).__name__ if not isinstance(loaded, dict)
                                           else "version %r" % (loaded.get("version"),)))
     if state._layout:
         raise RuntimeError("PowerSGDState.load_state_dict() inside an iteration: call it between iterations")
-    previous = {name: getattr(state, name, None) for name in CONFIG_FIELDS}
-    for name in CONFIG_FIELDS:
-        setattr(state, name, loaded["config"][name] if name in loaded["config"] else _ADDED_FIELDS[name])
     try:
+        config = {name: loaded["config"][name] if name in loaded["config"] else _ADDED_FIELDS[name]
+                  for name in CONFIG_FIELDS}
+        counters = int(loaded["iter"]), int(loaded["next_stats_report"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError("PowerSGDState.load_state_dict: the dict lacks or mangles %s: expected a dict from "
+                         "PowerSGDState.state_dict()" % (e,)) from None
+    engine = loaded.get("engine")
+    if engine is None and state._reducer is not None:
+        # Its buckets were never declared: the running engine's error memory and warm start would stay, and the
+        # run would not be the one the dict continues.
+        raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint was saved before the first compressed "
+                            "iteration (it holds no engine state), and this state's engine already runs from "
+                            "iteration %d: load it into a new PowerSGDState" % (state._declared_at,))
+    if engine is not None and state._reducer is not None:
+        # The running engine keeps the configuration it was made with (its load compares the checkpoint's
+        # engine data with it): a dict whose own fields say otherwise would leave the attributes and the engine
+        # apart, and a later state_dict() that no process could load.
+        for name in CONFIG_FIELDS:
+            if name != "compression_stats_logging_frequency" and config[name] != getattr(state, name):
+                raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's %s = %r, this state's running "
+                                    "engine has %r: load it into a new PowerSGDState" % (
+                                        name, config[name], getattr(state, name)))
+    if engine is not None and state._reducer is not None and (
+            engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket)):
+        raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
+                            "this state declared, %s (%s)" % (engine["declared"], _hook_name(engine),
+                                                              state._declared, state._hook_name(
+                                                                  state._whole_bucket)))
+    previous = {name: getattr(state, name, None) for name in CONFIG_FIELDS}
+    try:
+        for name, value in config.items():
+            setattr(state, name, value)
         state._engine_config(whole_bucket=False)  # every field checked again, as at construction
-    except (TypeError, ValueError):
+        if engine is not None and state._reducer is not None:
+            _load_engine(state, state._comm, engine)  # refused: the engine's state as it was
+    except BaseException:
         for name, value in previous.items():
             setattr(state, name, value)
         raise
-    state.iter = int(loaded["iter"])
-    state.next_stats_report = int(loaded["next_stats_report"])
+    state.iter, state.next_stats_report = counters
     # A note_lr_change() made before the engine reducer existed (after it, the engine's checkpoint has it).
     state._note_pending = bool(loaded.get("note_pending", False))
     state._agreed = False  # compared over the group again at the next hook call
-    engine = loaded.get("engine")
     state._restored = None
     state._restored_layout = loaded.get("layout") if engine is None else None
     if engine is None:
         return
     if state._reducer is not None:
-        if engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket):
-            raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
-                                "this state declared, %s (%s)" % (engine["declared"], _hook_name(engine),
-                                                                  state._declared, state._hook_name(
-                                                                      state._whole_bucket)))
-        _load_engine(state, state._comm, engine)
         state._declared_keys = dict(engine["declared_keys"])
         state._declared_order = tuple(engine["declared_order"])
         state._declared_at = engine["declared_at"]

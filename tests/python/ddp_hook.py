@@ -1011,6 +1011,34 @@ def case_checkpoint_resume(directory):
     state.load_state_dict(torch.load("%s/ckpt-rank0.pt" % directory)["powersgd"].state_dict())
     assert state._resumed_from == "shared", state._resumed_from
     assert all(memory.abs().max().item() == 0 for memory in error_memories(state))
+    # Refused loads change nothing: the attributes (iter, the config) were assigned before the engine refused,
+    # or before a missing key was found; a dict from before the first compressed iteration left the running
+    # engine's state in place. Every rank refuses alike.
+    from powersgd import _checkpoint
+    train_steps(model, optimizer, *ckpt_data(), CKPT_STEP, CKPT_STEP + 2)  # error memory that is not zero
+    before = ({name: getattr(state, name) for name in _checkpoint.CONFIG_FIELDS}, state.iter,
+              [memory.clone() for memory in error_memories(state)])
+    other_rank = state.state_dict()
+    other_rank["config"]["matrix_approximation_rank"] += 1
+    other_rank["iter"] = 3
+    no_iter = state.state_dict()
+    del no_iter["iter"]
+    untrained = pst.PowerSGDState(None, **CKPT_OPTIONS).state_dict()
+    for what, bad, error, words in [("another matrix rank", other_rank, pst.PowerSGDError,
+                                     "the checkpoint's matrix_approximation_rank = %d, this state's running engine "
+                                     "has %d" % (state.matrix_approximation_rank + 1, state.matrix_approximation_rank)),
+                                    ("no iter", no_iter, ValueError, "lacks or mangles 'iter'"),
+                                    ("before compression", untrained, pst.PowerSGDError, "holds no engine state")]:
+        try:
+            state.load_state_dict(bad)
+        except error as e:
+            assert words in str(e), (what, e)
+        else:
+            raise AssertionError("load_state_dict(%s) accepted" % what)
+        after = ({name: getattr(state, name) for name in _checkpoint.CONFIG_FIELDS}, state.iter,
+                 error_memories(state))
+        assert after[:2] == before[:2], (what, after[:2], before[:2])
+        assert all(torch.equal(a, b) for a, b in zip(after[2], before[2])), what
     if rank() == 0:
         print("checkpoint-resume/2: %d steps on 2 ranks from the 3 ranks' job checkpoint; error memory = the saved "
               "ranks' mean; compression counters continued; rank 0's own file: error memory zero"
