@@ -26,7 +26,13 @@ class PowerSGDError(RuntimeError):
 
     def __init__(self, status, message):
         self.status = STATUS_NAMES.get(status, "status %d" % status)
+        self._arguments = (status, message)
         super().__init__("powersgd: %s: %s" % (self.status, message))
+
+    def __reduce__(self):
+        # Pickled as its arguments (multiprocessing, an error sent between processes): the default passes
+        # the formatted message alone, which __init__ cannot take.
+        return type(self), self._arguments
 
 
 class Config(ctypes.Structure):

@@ -280,6 +280,7 @@ def _reduce_deferred(state, deferred, final):
     for _, _, parameters, views in deferred:
         for parameter, view in zip(parameters, views):
             gradients[state._param_keys.get(parameter.data_ptr(), -1)] = view
+    sticky = True  # a layout that does not match; not a failed step (NaN, a timeout), as in the direct path
     try:
         for index in state._declared_order:
             keys = state._declared_keys[index]
@@ -302,6 +303,7 @@ def _reduce_deferred(state, deferred, final):
             message = _capi.last_error() if status != 0 else ""
             _capi.lib.psgd_reduce_handle_free(handle)
             if status != 0:
+                sticky = False
                 raise PowerSGDError(status, message)
             offset = 0
             for key in keys:
@@ -314,7 +316,10 @@ def _reduce_deferred(state, deferred, final):
                                 "declared buckets %s: resume the same model with the same DDP options"
                                 % (state._layout_keys, state._declared_keys))
     except PowerSGDError as e:
-        state._failure = e
+        # A step the engine failed fails this iteration only (NaN or Inf: the engine changed nothing, and the
+        # step is skipped, as AMP's GradScaler does; a broken group fails every later step by itself).
+        if sticky:
+            state._failure = e
         for future, _, _, _ in deferred:
             future.set_exception(e)
         return

@@ -458,6 +458,24 @@ class PowerSGDState:
     # ---- the hook ----
 
     def _hook(self, bucket, whole_bucket):
+        """DDP's hook. Whatever fails in it (an attribute changed to a bad value, a bucket of another dtype, a
+        file of a restored checkpoint) fails this bucket's future and every later bucket's (the state's
+        failure), as the engine's errors do: raised into DDP instead, it left DDP's reducer unable to run
+        another backward (INTERNAL ASSERT FAILED, unmarked_param_indices) and the iteration open."""
+        try:
+            return self._hook_bucket(bucket, whole_bucket)
+        except Exception as error:
+            if self._failure is None:
+                self._failure = error
+            pending, self._pending = self._pending, []
+            for handle, future, *_ in pending:  # their reductions still complete; destroy waits for them
+                _capi.lib.psgd_reduce_handle_free(handle)
+                future.set_exception(self._failure)
+            if bucket.is_last() and self._layout:
+                self._close_iteration()
+            return self._failed_future(self._failure)
+
+    def _hook_bucket(self, bucket, whole_bucket):
         entered = time.monotonic()
         timer = None
         buffer = bucket.buffer()
@@ -522,21 +540,24 @@ class PowerSGDState:
         pending, self._pending = self._pending, []
         failed = False
         for handle, future, buffer, work in pending:
-            status = _capi.lib.psgd_reduce_handle_wait(handle)
-            if status != 0:
-                error = PowerSGDError(status, _capi.last_error())
-            elif timer is not None:
-                timer.reduction_finished(_timing.handle_times(_capi.lib, handle))
-            _capi.lib.psgd_reduce_handle_free(handle)
-            if status != 0:
+            # Every future completes, whatever fails on the way (a copy, the timing): DDP waits for each.
+            try:
+                status = _capi.lib.psgd_reduce_handle_wait(handle)
+                if status != 0:
+                    raise PowerSGDError(status, _capi.last_error())
+                if timer is not None:
+                    timer.reduction_finished(_timing.handle_times(_capi.lib, handle))
+                if work is not buffer:
+                    start = time.monotonic()
+                    buffer.copy_(work)
+                    if timer is not None:
+                        timer.copy_took(time.monotonic() - start)
+            except Exception as error:
                 failed = True
                 future.set_exception(error)
                 continue
-            if work is not buffer:
-                start = time.monotonic()
-                buffer.copy_(work)
-                if timer is not None:
-                    timer.copy_took(time.monotonic() - start)
+            finally:
+                _capi.lib.psgd_reduce_handle_free(handle)
             future.set_result(buffer)
         if timer is not None:
             if failed:

@@ -459,6 +459,43 @@ def case_errors():
     expect_failure("two hooks", pst.batched_powerSGD_hook(state, FakeBucket(0, [(8, 8)], True)).wait,
                    ["use one state per hook"])
 
+    # The same in the process's first iterations (reduced at the last bucket through the declared buckets):
+    # that step fails, and the next ones train (before, every later bucket failed with it, state_dict too).
+    torch.manual_seed(7)
+    model = ddp(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+    state = pst.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    train(model, inputs[:2], targets[:2])
+    assert state._local_iter < pst.DECLARATION_ITER, state._local_iter
+    expect_failure("NaN gradients, deferred", lambda: nn.functional.mse_loss(model(bad), targets[2]).backward(),
+                   ["PSGD_ERR_NONFINITE", "NaN or Inf"])
+    before = state.compression_stats()[1]
+    train(model, inputs[3:], targets[3:])
+    assert state.compression_stats()[1] > before and state._failure is None, state.compression_stats()
+    state.state_dict()
+    # An error goes between processes whole (pickled with its arguments, not its formatted message alone).
+    error = pickle.loads(pickle.dumps(pst.PowerSGDError(3, "x")))
+    assert isinstance(error, pst.PowerSGDError) and str(error) == str(pst.PowerSGDError(3, "x")), error
+
+    # An attribute changed to a bad value after construction fails at the declaration through the futures, on
+    # every rank, and every later iteration with it; DDP stays usable. Raised from the hook into DDP instead, it
+    # left DDP unable to run another backward (INTERNAL ASSERT FAILED) and the iteration open.
+    torch.manual_seed(7)
+    model = ddp(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+    state = pst.PowerSGDState(process_group=None, start_powerSGD_iter=4)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    inputs, targets = data(4, 6, seed=8)
+    train(model, inputs[:4], targets[:4])
+    state.matrix_approximation_rank = 100
+    for step in (4, 5):
+        message = expect_failure("a bad attribute", lambda: nn.functional.mse_loss(model(inputs[step]),
+                                                                                   targets[step]).backward(),
+                                 ["matrix_approximation_rank = 100"])
+        assert "INTERNAL ASSERT" not in message, message
+        assert not state._layout and state.iter == step + 1, (state._layout, state.iter)
+    if rank() == 0:
+        print("errors: a bad attribute ->", message.splitlines()[0][:200])
+
     # Bad configuration fails in the constructor, naming the value (every argument: case_validation).
     for options, words in [(dict(matrix_approximation_rank=0), "matrix_approximation_rank = 0"),
                            (dict(use_error_feedback=2), "use_error_feedback = 2"),
