@@ -1016,6 +1016,29 @@ TEST_SUITE("emulated") {
       l.finish(10s);
       CHECK(wait_for([&] { return namespaces_of(pid).empty(); }, 5s));
     }
+    // A worker's descendant that left its process group (setsid) outlived the group's SIGKILL, in a namespace
+    // without a name any more. Killed with the namespace, on a normal end and by the watchdog.
+    SUBCASE("a worker's descendant that left its process group") {
+      for (const bool launcher_killed : {false, true}) {
+        CAPTURE(launcher_killed);
+        TempDir dir;
+        const std::string marker = dir / "escaped.pid";
+        const std::string script = "setsid sh -c 'echo $$ > " + marker + "; exec sleep 77' & sleep ";
+        Launcher l({"--emulate-hosts", "1", "-n", "1", "--", "/bin/sh", "-c", script + (launcher_killed ? "60" : "1")});
+        REQUIRE(wait_for([&] { return std::filesystem::exists(marker) && std::filesystem::file_size(marker) > 0; },
+                         20s));
+        pid_t escaped = 0;
+        std::ifstream(marker) >> escaped;
+        REQUIRE(escaped > 0);
+        if (launcher_killed) l.signal(SIGKILL);
+        Result r = l.finish(30s);
+        if (!launcher_killed) {
+          CHECK(r.code == 0);
+          CHECK(contains(r.err, "killed 1 process(es) still in network namespace"));
+        }
+        CHECK(wait_for([&] { return !process_alive(escaped); }, 5s));
+      }
+    }
   }
 }
 

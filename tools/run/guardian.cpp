@@ -52,6 +52,7 @@ namespace {
   // The launcher is gone without cleaning up.
   for (pid_t g : groups) ::kill(-g, SIGKILL);
   for (const auto& name : namespaces) {
+    kill_namespace_members(name);
     try {
       run_command({find_tool("ip"), "netns", "delete", name});
     } catch (const std::exception& e) {

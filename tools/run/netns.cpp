@@ -1,10 +1,14 @@
 #include "netns.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -169,6 +173,35 @@ void EmulatedCluster::start_delayers(std::chrono::nanoseconds delay, const std::
   delay_method_ = detail::concat("powersgd-delay (NFQUEUE) in each host's namespace; netem: ", netem_problem);
 }
 
+int kill_namespace_members(const std::string& name) noexcept {
+  struct stat target {};
+  if (::stat(("/run/netns/" + name).c_str(), &target) != 0) return 0;
+  const pid_t self = ::getpid();
+  std::vector<pid_t> killed;  // a killed process may still be listed (dying, a zombie) in the next pass
+  for (int pass = 0; pass < 3; ++pass) {
+    DIR* proc = ::opendir("/proc");
+    if (proc == nullptr) break;
+    bool found = false;
+    while (const dirent* entry = ::readdir(proc)) {
+      char* end = nullptr;
+      const long number = std::strtol(entry->d_name, &end, 10);
+      const auto pid = static_cast<pid_t>(number);
+      if (end == entry->d_name || *end != '\0' || number <= 0 || pid == self ||
+          std::find(killed.begin(), killed.end(), pid) != killed.end())
+        continue;
+      struct stat ns {};
+      if (::stat(detail::concat("/proc/", pid, "/ns/net").c_str(), &ns) != 0) continue;  // gone, or a kernel thread
+      if (ns.st_dev == target.st_dev && ns.st_ino == target.st_ino && ::kill(pid, SIGKILL) == 0) {
+        killed.push_back(pid);
+        found = true;
+      }
+    }
+    ::closedir(proc);
+    if (!found) break;
+  }
+  return static_cast<int>(killed.size());
+}
+
 void EmulatedCluster::remove() noexcept {
   // A delayer keeps its namespace alive: they go first. Their iptables rules go with the namespaces.
   delayers_.stop();
@@ -176,6 +209,9 @@ void EmulatedCluster::remove() noexcept {
   bridge_fd_.reset();
   // Hosts first: deleting a host namespace also deletes its veth pair.
   for (auto it = names_.rbegin(); it != names_.rend(); ++it) {
+    if (const int left = kill_namespace_members(*it); left > 0)
+      std::fprintf(stderr, "powersgd-run: killed %d process(es) still in network namespace %s (descendants of a "
+                   "worker that left its process group)\n", left, it->c_str());
     try {
       auto result = run_command({ip_, "netns", "delete", *it});
       if (result.code != 0)

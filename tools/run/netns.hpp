@@ -33,6 +33,12 @@ std::string look_up_tool(const std::string& name);
 // The same for iproute2's tools, which the emulated cluster cannot do without. Throws UnsupportedError.
 std::string find_tool(const std::string& name);
 
+// SIGKILLs every process whose network namespace is the named one (`ip netns` name), this one excepted, and
+// returns how many: a worker's descendant that left its process group (setsid) outlives the group's SIGKILL and
+// would keep running in a namespace that no longer has a name. Scans /proc a few times, for processes forked
+// meanwhile. Never throws.
+int kill_namespace_members(const std::string& name) noexcept;
+
 // What each host's link gets.
 struct LinkOptions {
   uint64_t rate_bits = 0;                   // 0: unshaped
