@@ -284,6 +284,34 @@ std::vector<char> encode_checkpoint(const CheckpointContents& c, CheckpointKind 
   return frame_checkpoint(framing.magic, framing.newest, payload);
 }
 
+// What a reducer never saves, though the CRC holds (a file written by hand, or by a defective build): refused
+// as malformed instead of loaded into a reducer that then fails every step (non-finite values: "NaN in the
+// gradients") or asserts (a boost at a level whose buffers were not laid out).
+void require_values_finite(const std::vector<float>& values, const char* what, const std::string& path,
+                           size_t bucket) {
+  const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+  PSGD_REQUIRE(bad == values.end(), IoError, "checkpoint ", path, " is malformed: bucket ", bucket, "'s ", what,
+               " holds ", *bad, " at ", bad - values.begin(), ", expected finite values");
+}
+
+void require_consistent(const CheckpointBucket& out, const Config& config, size_t levels, const std::string& path,
+                        size_t bucket) {
+  require_values_finite(out.error, "error memory", path, bucket);
+  require_values_finite(out.p, "P", path, bucket);
+  require_values_finite(out.q, "Q", path, bucket);
+  PSGD_REQUIRE(out.boost_left <= static_cast<uint64_t>(config.lr_boost_steps) &&
+                   (out.boost_left == 0 || out.level == levels - 1),
+               IoError, "checkpoint ", path, " is malformed: bucket ", bucket, " has ", out.boost_left,
+               " boosted steps left at rank level ", out.level, ", expected at most lr_boost_steps (",
+               config.lr_boost_steps, "), and none but at the highest level (", levels - 1, ")");
+  const bool previous_valid =
+      std::isnan(out.previous_window) || (std::isfinite(out.previous_window) && out.previous_window >= 0);
+  PSGD_REQUIRE(std::isfinite(out.window_sum) && out.window_sum >= 0 && previous_valid,
+               IoError, "checkpoint ", path, " is malformed: bucket ", bucket, " has the adaptive windows' sums ",
+               out.window_sum, " and ", out.previous_window, ", expected finite and >= 0 (the previous one NaN before "
+               "the first window)");
+}
+
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
                                      uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets,
                                      CheckpointKind kind) {
@@ -308,7 +336,9 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
   c.world_size = r.get<int32_t>("world size");
   c.rank = r.get<int32_t>("rank");
   c.iteration = r.get<int64_t>("iteration");
-  PSGD_REQUIRE(c.iteration >= 0, IoError, "checkpoint ", path, " is malformed: iteration ", c.iteration);
+  // Bounded far beyond any run, so that the step counter never overflows (signed: undefined behaviour).
+  PSGD_REQUIRE(c.iteration >= 0 && c.iteration <= kMaxCheckpointIteration, IoError, "checkpoint ", path,
+               " is malformed: iteration ", c.iteration, ", expected 0 to ", kMaxCheckpointIteration);
   c.numel_before = r.get<uint64_t>("numel_before");
   c.numel_after = r.get<uint64_t>("numel_after");
   c.bytes_sent = r.get<uint64_t>("bytes_sent");
@@ -343,6 +373,7 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
     out.error = get_counted_floats(r, buckets[b].error, "error", b, buckets[b].error_without_padding);
     out.p = get_counted_floats(r, level->p, "P", b);
     out.q = get_counted_floats(r, level->q, "Q", b);
+    require_consistent(out, config, levels.size(), path, b);
   }
   PSGD_REQUIRE(r.at_end(), IoError, "checkpoint ", path, " is malformed: bytes after the last bucket");
   return c;
@@ -404,7 +435,8 @@ std::vector<char> read_checkpoint_file(const std::string& path) {
     uint64_t recorded = 0;
     for (int i = 7; i >= 0; --i) recorded = recorded << 8 | static_cast<uint8_t>(bytes[16 + static_cast<size_t>(i)]);
     const uint64_t claimed = recorded > size ? size : recorded + 1;  // at most the file
-    bytes.resize(kCheckpointHeaderBytes + static_cast<size_t>(std::min<uint64_t>(claimed, size - kCheckpointHeaderBytes)));
+    const uint64_t rest = std::min<uint64_t>(claimed, size - kCheckpointHeaderBytes);
+    bytes.resize(kCheckpointHeaderBytes + static_cast<size_t>(rest));
     total = read_up_to(fd.get(), bytes, total, path);
   }
   bytes.resize(total);

@@ -30,6 +30,8 @@ inline constexpr char kCheckpointMagic[8] = {'P', 'S', 'G', 'D', 'C', 'K', 'P', 
 inline constexpr uint32_t kCheckpointVersion = 4;
 inline constexpr uint32_t kCheckpointOldestVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
+// The largest step count a checkpoint may hold (2^62: the counter never overflows after a load).
+inline constexpr int64_t kMaxCheckpointIteration = int64_t{1} << 62;
 // A job checkpoint (Reducer::save_job) has the same header and payload layout
 // under its own magic and version, so that load() refuses a job file and
 // load_job() a per-rank file, naming the other kind.

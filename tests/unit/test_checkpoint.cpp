@@ -666,3 +666,41 @@ TEST_CASE("checkpoint codec: the rank policy's state is kept; a version 3 file l
   CHECK(old_job.buckets[0].boost_left == 0);
   CHECK(old_job.buckets[0].q == v3.buckets[0].q);
 }
+
+// Values no reducer saves, under a valid CRC (a file written by hand or by a defective build), loaded: a huge
+// boost at the low level made every later step an internal error ("switches to rank level 1, whose buffers are
+// not laid out"), NaN in the error memory made every step a NonFiniteError blaming the gradients, an
+// iteration of INT64_MAX overflowed the step counter. Each is refused as malformed, naming the value.
+TEST_CASE("checkpoint codec: values no reducer saves are refused as malformed, naming them") {
+  const auto refused = [](const CheckpointContents& in) {
+    return error_of([&] { decode_checkpoint(encode_checkpoint(in), "ckpt", in.config, in.layout_fingerprint,
+                                            two_levels(in)); });
+  };
+  CheckpointContents good = equal_ranks_contents(1);
+  good.config.lr_boost_steps = 9;
+  good.buckets[0].boost_left = 9;
+  CHECK(refused(good).empty());
+  CheckpointContents in = good;
+  in.buckets[0].boost_left = 10;
+  CHECK(contains(refused(in), "bucket 0 has 10 boosted steps left at rank level 1, expected at most lr_boost_steps "
+                              "(9), and none but at the highest level (1)"));
+  in = equal_ranks_contents(0);
+  in.config.lr_boost_steps = 9;
+  in.buckets[0].boost_left = 3;
+  CHECK(contains(refused(in), "bucket 0 has 3 boosted steps left at rank level 0"));
+  in = good;
+  in.buckets[1].error[2] = NAN;
+  CHECK(contains(refused(in), "bucket 1's error memory holds nan at 2, expected finite values"));
+  in = good;
+  in.buckets[0].q[4] = -INFINITY;
+  CHECK(contains(refused(in), "bucket 0's Q holds -inf at 4"));
+  in = good;
+  in.iteration = INT64_MAX;
+  CHECK(contains(refused(in), "is malformed: iteration 9223372036854775807, expected 0 to 4611686018427387904"));
+  in = good;
+  in.buckets[0].window_sum = INFINITY;
+  CHECK(contains(refused(in), "bucket 0 has the adaptive windows' sums inf and nan"));
+  in = good;
+  in.buckets[1].previous_window = -1.0;
+  CHECK(contains(refused(in), "bucket 1 has the adaptive windows' sums 0 and -1"));
+}
