@@ -50,6 +50,7 @@ VERSION = 2
 DECLARATION_ITER = 3
 # Version 1 (before issue 30) always held "job"; it loads as a job_state_dict().
 READABLE_VERSIONS = (1, 2)
+IO = 2
 MISMATCH = 4
 
 
@@ -79,10 +80,16 @@ def _write(path, data):
         f.write(data)
 
 
+_NO_DATA = 2**64 - 1  # the size _broadcast_bytes sends for rank 0's None
+
+
 def _broadcast_bytes(comm, data):
-    """Collective: rank 0's `data` (bytes) on every rank of the engine communicator."""
-    size = ctypes.c_uint64(len(data) if data is not None else 0)
+    """Collective: rank 0's `data` (bytes, or None where it has none: then None on every rank) on every rank
+    of the engine communicator."""
+    size = ctypes.c_uint64(len(data) if data is not None else _NO_DATA)
     _capi.check(_capi.lib.psgd_comm_broadcast(comm, ctypes.byref(size), ctypes.sizeof(size), 0))
+    if size.value == _NO_DATA:
+        return None
     buffer = ctypes.create_string_buffer(data if data is not None else b"", size.value)
     _capi.check(_capi.lib.psgd_comm_broadcast(comm, buffer, size.value, 0))
     return buffer.raw[:size.value]
@@ -110,17 +117,42 @@ def state_dict(state, job=False):
     if state._reducer is not None:
         comm = state._comm
         rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
-        directory = _temporary_dir()
+        directory = None
         try:
-            own = os.path.join(directory, "rank.ckpt")
-            _capi.check(_capi.lib.psgd_reducer_save(state._reducer, own.encode()))
-            rank_data = _read(own)
+            # Local work first; a job checkpoint's collectives follow on every rank whatever failed here (a full
+            # temporary directory, an unreadable file), so that no rank waits for one that raised before them,
+            # and every rank fails alike: a null path makes save_job refuse on every rank.
+            local_error = None
+            try:
+                directory = _temporary_dir()
+                own = os.path.join(directory, "rank.ckpt")
+                _capi.check(_capi.lib.psgd_reducer_save(state._reducer, own.encode()))
+                rank_data = _read(own)
+            except Exception as e:
+                if not job:
+                    raise
+                local_error = e
             if job:
-                path = os.path.join(directory, "job.ckpt")
-                _capi.check(_capi.lib.psgd_reducer_save_job(state._reducer, path.encode()))
-                job_data = _broadcast_bytes(comm, _read(path) if rank == 0 else None)
+                path = os.path.join(directory, "job.ckpt") if local_error is None else None
+                status = _capi.lib.psgd_reducer_save_job(state._reducer, path.encode() if path else None)
+                if local_error is not None:
+                    raise local_error
+                _capi.check(status)
+                job_data = None
+                if rank == 0:
+                    try:
+                        job_data = _read(path)
+                    except OSError as e:
+                        local_error = e
+                job_data = _broadcast_bytes(comm, job_data)
+                if local_error is not None:
+                    raise local_error
+                if job_data is None:
+                    raise PowerSGDError(IO, "job_state_dict: rank 0 could not read the job checkpoint it wrote "
+                                        "(its own error says why)")
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
         result["engine"] = {"declared": dict(state._declared), "declared_keys": dict(state._declared_keys),
                             "declared_order": tuple(state._declared_order), "declared_at": state._declared_at,
                             "whole_bucket": bool(state._whole_bucket), "rank": rank, "world_size": world,
@@ -218,15 +250,24 @@ def _load_engine(state, comm, engine):
     flags = (ctypes.c_float * 2)(1.0 if own else 0.0, 1.0 if engine.get("job") is not None else 0.0)
     _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, flags, 2))
     kind = "rank" if flags[0] == world else "job" if flags[1] == world else "shared"
-    directory = _temporary_dir()
+    directory = None
     try:
-        path = os.path.join(directory, "state.ckpt")
-        _write(path, engine["job"] if kind == "job" else engine["rank_data"])
+        try:
+            directory = _temporary_dir()
+            path = os.path.join(directory, "state.ckpt")
+            _write(path, engine["job"] if kind == "job" else engine["rank_data"])
+        except OSError:
+            if kind != "job":
+                raise  # load and load_shared are this rank's (the next step's state check names it)
+            # load_job is collective: a null path refuses it on every rank, none waiting for this one.
+            _capi.lib.psgd_reducer_load_job(state._reducer, None)
+            raise
         load = {"rank": _capi.lib.psgd_reducer_load, "job": _capi.lib.psgd_reducer_load_job,
                 "shared": _capi.lib.psgd_reducer_load_shared}[kind]
         _capi.check(load(state._reducer, path.encode()))
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
     state._resumed_from = kind
 
 

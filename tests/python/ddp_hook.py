@@ -1076,6 +1076,28 @@ def case_checkpoint_resume(directory):
                  error_memories(state))
         assert after[:2] == before[:2], (what, after[:2], before[:2])
         assert all(torch.equal(a, b) for a, b in zip(after[2], before[2])), what
+    # A local failure on one rank before a job checkpoint's collectives (a full temporary directory): every rank
+    # fails at once, none waiting for the one that raised (before, they waited for the group's timeout, and the
+    # raising rank's next collective paired with their save_job); the group goes on.
+    job = torch.load("%s/ckpt-job.pt" % directory)["powersgd"]
+    for what, name in [("job_state_dict", "_temporary_dir"), ("load_state_dict of a job checkpoint", "_write")]:
+        real = getattr(_checkpoint, name)
+        if rank() == 1:
+            def full(*_):
+                raise OSError(28, "No space left on device")
+            setattr(_checkpoint, name, full)
+        start = time.monotonic()
+        try:
+            state.job_state_dict() if name == "_temporary_dir" else state.load_state_dict(job)
+        except (OSError, pst.PowerSGDError) as e:
+            assert (rank() == 1) == isinstance(e, OSError), (what, e)
+        else:
+            raise AssertionError("%s with a full disk on rank 1 returned" % what)
+        finally:
+            setattr(_checkpoint, name, real)
+        assert time.monotonic() - start < 10, (what, time.monotonic() - start)
+    assert state.iter == before[1], state.iter
+    state.job_state_dict()
     if rank() == 0:
         print("checkpoint-resume/2: %d steps on 2 ranks from the 3 ranks' job checkpoint; error memory = the saved "
               "ranks' mean; compression counters continued; rank 0's own file: error memory zero"
