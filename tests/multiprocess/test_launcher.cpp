@@ -210,6 +210,15 @@ bool wait_for(const std::function<bool()>& condition, std::chrono::milliseconds 
 }
 
 // Alive and not a zombie.
+// Whether RLIMIT_NOFILE's hard limit lets the launcher hold `needed` descriptors; says it skips where not.
+bool hard_descriptor_limit_at_least(rlim_t needed) {
+  rlimit files{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &files) == 0);
+  if (files.rlim_max >= needed) return true;
+  MESSAGE("skipped: RLIMIT_NOFILE's hard limit ", files.rlim_max, " is below ", needed);
+  return false;
+}
+
 bool process_alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
@@ -550,12 +559,7 @@ TEST_SUITE("local") {
   // The launcher holds every worker's pipes and its rank's store connection: the usual soft limit of 1024
   // descriptors ran out at about 500 workers ("Too many open files" from pipe2, once some had started).
   TEST_CASE("the launcher raises its descriptor limit for itself, not for its workers; too low a one is refused") {
-    rlimit files{};
-    REQUIRE(::getrlimit(RLIMIT_NOFILE, &files) == 0);
-    if (files.rlim_max < 2048) {
-      MESSAGE("skipped: RLIMIT_NOFILE's hard limit ", files.rlim_max, " is below 2048");
-      return;
-    }
+    if (!hard_descriptor_limit_at_least(2048)) return;
     {
       Launcher l({"-n", "300", "--", "/bin/sh", "-c", "ulimit -Sn"},
                  {"/bin/sh", "-c", "ulimit -Sn 256 && exec \"$0\" \"$@\""});
@@ -979,6 +983,22 @@ TEST_SUITE("emulated") {
     CHECK((contains(r.out, "[0] allreduce failed: timeout") || contains(r.out, "[0] allreduce failed: I/O") ||
            contains(r.out, "[1] allreduce failed: timeout") || contains(r.out, "[1] allreduce failed: I/O")));
     CHECK(seconds < 30.0);
+    CHECK(namespaces_of(l.pid()).empty());
+  }
+
+  // The supervisor reads signals once the workers run: a SIGINT during a setup of many hosts (seconds) waited
+  // for it to finish, every worker started, then got the signal.
+  TEST_CASE("a signal during the emulated cluster's setup stops it before any worker starts") {
+    if (!hard_descriptor_limit_at_least(2048)) return;
+    TempDir dir;
+    Launcher l({"--emulate-hosts", "150", "-n", "150", "--", "/bin/sh", "-c", "touch " + dir.path.string() + "/$$"});
+    REQUIRE(wait_for([&] { return !namespaces_of(l.pid()).empty(); }, 20s));
+    l.signal(SIGINT);
+    Result r = l.finish(60s);
+    INFO("stderr:\n", r.err);
+    CHECK(r.code == 128 + SIGINT);
+    CHECK(contains(r.err, "got SIGINT while setting up the job; stopped before any worker started"));
+    CHECK(std::distance(std::filesystem::directory_iterator(dir.path), std::filesystem::directory_iterator()) == 0);
     CHECK(namespaces_of(l.pid()).empty());
   }
 

@@ -124,14 +124,34 @@ std::vector<std::string> flatten(const EnvList& env) {
   return out;
 }
 
+// A signal that came while the job was set up (the emulated cluster takes seconds for many hosts; the
+// supervisor reads signals only once the workers run): the setup stops at its next step, what it made is
+// removed on the way out, and the launcher exits 128 + signal before any worker starts.
+struct SetupInterrupted {
+  int signal;
+};
+
+void stop_on_signal(int signal_fd) {
+  signalfd_siginfo info{};
+  while (::read(signal_fd, &info, sizeof info) == static_cast<ssize_t>(sizeof info))
+    if (info.ssi_signo != SIGCHLD) throw SetupInterrupted{static_cast<int>(info.ssi_signo)};
+}
+
 int run_job(const Options& options, int signal_fd) {
   Guardian guardian;  // first, while the launcher has one thread
   std::unique_ptr<EmulatedCluster> cluster;
   if (options.mode == Mode::Emulated) {
     cluster = std::make_unique<EmulatedCluster>(
         options.emulate_hosts, LinkOptions{options.link_rate_bits, options.link_delay, options.delay_mechanism},
-        [&](const std::string& name) { guardian.watch_namespace(name); },
-        [&](pid_t pid) { guardian.watch_group(pid); });
+        [&](const std::string& name) {
+          stop_on_signal(signal_fd);
+          guardian.watch_namespace(name);
+        },
+        [&](pid_t pid) {
+          guardian.watch_group(pid);
+          stop_on_signal(signal_fd);
+        });
+    stop_on_signal(signal_fd);
     if (!cluster->delay_method().empty())
       std::fprintf(stderr, "powersgd-run: --link-delay %s one way into each host: %s\n",
                    delay_text(options.link_delay).c_str(), cluster->delay_method().c_str());
@@ -304,6 +324,10 @@ int main(int argc, char** argv) {
     ::signal(SIGPIPE, SIG_IGN);  // a closed stdout must not kill the launcher (and its cleanup)
     Fd signal_fd(PSGD_CHECK_SYS(::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)));
     return run::run_job(options, signal_fd.get());
+  } catch (const run::SetupInterrupted& interrupted) {
+    std::fprintf(stderr, "powersgd-run: got SIG%s while setting up the job; stopped before any worker started\n",
+                 sigabbrev_np(interrupted.signal));
+    return 128 + interrupted.signal;
   } catch (const InvalidArgumentError& e) {
     std::fprintf(stderr, "powersgd-run: error: %s\n", e.what());
     return 2;
