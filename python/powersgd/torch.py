@@ -781,8 +781,10 @@ class PowerSGDState:
             self._failure = PowerSGDError(4, "DDP's bucket %d changed after powersgd declared the layout in "
                                           "iteration %d: it holds gradients of shapes %s, declared %s; the "
                                           "engine's per-bucket state (error feedback, warm start) cannot "
-                                          "follow a layout change" % (index, self._declared_at,
-                                                                       list(self._layout[index]), declared))
+                                          "follow a layout change. A state serves one DDP model: for a new "
+                                          "DDP wrapper, register a new PowerSGDState and load_state_dict() "
+                                          "this one's state_dict() into it" % (
+                                              index, self._declared_at, list(self._layout[index]), declared))
             return self._failed_future(self._failure)
         if not buffer.is_contiguous():
             raise TypeError("powersgd.torch: bucket %d's buffer is not contiguous" % index)
