@@ -384,7 +384,10 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& byt
   // file or link), so that concurrent savers to one path never write into each
   // other's file; the last rename wins whole. fsync of the file and then of its
   // directory makes the rename survive a crash.
-  std::string tmp = path + ".tmp.XXXXXX";
+  // Its name: the file's own, cut to 200 bytes so that ".tmp.XXXXXX" stays within NAME_MAX (255: a valid name
+  // of 250 bytes failed with ENAMETOOLONG).
+  const size_t name_at = path.find_last_of('/') + 1;  // 0 without a slash
+  std::string tmp = path.substr(0, name_at + std::min<size_t>(path.size() - name_at, 200)) + ".tmp.XXXXXX";
   Fd fd(PSGD_CHECK_SYS_CTX(::mkostemp(tmp.data(), O_CLOEXEC), "cannot create a temporary file for checkpoint ", path));
   try {
     PSGD_CHECK_SYS_CTX(::fchmod(fd.get(), 0644), "setting the mode of checkpoint ", tmp);

@@ -346,6 +346,12 @@ TEST_CASE("checkpoint file: written atomically, read back whole; a missing file 
   CHECK(contains(error_of([&] { read_checkpoint_file(path); }), "cannot open checkpoint " + path));
   CHECK(contains(error_of([&] { write_checkpoint_file("/nonexistent-dir/x", file); }),
                  "cannot create a temporary file for checkpoint /nonexistent-dir/x"));
+  // A name of 250 bytes (NAME_MAX is 255): its temporary file's name is cut, not too long (ENAMETOOLONG before).
+  const std::string long_name = "/tmp/" + std::string(250 - std::to_string(::getpid()).size(), 'c') +
+                                std::to_string(::getpid());
+  write_checkpoint_file(long_name, file);
+  CHECK(read_checkpoint_file(long_name) == file);
+  ::unlink(long_name.c_str());
   // Before: "reading checkpoint /tmp: n failed at ../src/engine/checkpoint.cpp:373: Is a directory".
   CHECK_THROWS_AS(read_checkpoint_file("/tmp"), IoError);
   CHECK(error_of([&] { read_checkpoint_file("/tmp"); }) ==
