@@ -194,14 +194,11 @@ def load_state_dict(state, loaded):
                             "iteration (it holds no engine state), and this state's engine already runs from "
                             "iteration %d: load it into a new PowerSGDState" % (state._declared_at,))
     if engine is not None and state._reducer is not None:
-        # The running engine keeps the configuration it was made with (its load compares the checkpoint's
-        # engine data with it): a dict whose own fields say otherwise would leave the attributes and the engine
-        # apart, and a later state_dict() that no process could load.
-        for name in CONFIG_FIELDS:
-            if name != "compression_stats_logging_frequency" and config[name] != getattr(state, name):
-                raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's %s = %r, this state's running "
-                                    "engine has %r: load it into a new PowerSGDState" % (
-                                        name, config[name], getattr(state, name)))
+        # The running engine keeps the configuration it was made with, and its load compares the fields in use
+        # with the checkpoint's engine data (those it lets differ, e.g. wire_dtype, stay the running ones): the
+        # attributes, which made that engine, stay as they are. Assigned from the dict, they and the engine
+        # went apart, and a later state_dict() was one no process could load.
+        config = {name: getattr(state, name) for name in CONFIG_FIELDS}
     if engine is not None and state._reducer is not None and (
             engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket)):
         raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
@@ -306,10 +303,16 @@ def defer(state, bucket, buffer, final, prepare):
         state._deferred.append((future, buffer, bucket.parameters(), bucket.gradients()))
     if bucket.is_last():
         deferred, state._deferred = state._deferred, []
-        if state._failure is None:
-            prepare()
-        if state._failure is None:
-            _reduce_deferred(state, deferred, final)
+        try:
+            if state._failure is None:
+                prepare()
+            if state._failure is None:
+                _reduce_deferred(state, deferred, final)
+        except Exception as error:
+            # Whatever else fails here (an attribute the engine refuses at the declaration, memory) is the state's
+            # failure, as in the hook (torch.py, _hook): every deferred future completes, or backward waits forever.
+            if state._failure is None:
+                state._failure = error
         for item in deferred:
             if not item[0].done():
                 item[0].set_exception(state._failure)
@@ -322,6 +325,9 @@ def _reduce_deferred(state, deferred, final):
         for parameter, view in zip(parameters, views):
             gradients[state._param_keys.get(parameter.data_ptr(), -1)] = view
     sticky = True  # a layout that does not match; not a failed step (NaN, a timeout), as in the direct path
+    # The first reduction the engine failed: the step's other buckets still go (the engine closes a step once
+    # every bucket came; the next iteration's first was refused as "already reduced"), then every future fails.
+    failed_step = None
     try:
         for index in state._declared_order:
             keys = state._declared_keys[index]
@@ -344,8 +350,8 @@ def _reduce_deferred(state, deferred, final):
             message = _capi.last_error() if status != 0 else ""
             _capi.lib.psgd_reduce_handle_free(handle)
             if status != 0:
-                sticky = False
-                raise PowerSGDError(status, message)
+                failed_step = failed_step or PowerSGDError(status, message)
+                continue
             offset = 0
             for key in keys:
                 view = gradients[key]
@@ -356,6 +362,9 @@ def _reduce_deferred(state, deferred, final):
             raise PowerSGDError(MISMATCH, "DDP's buckets after its rebuild, %s, are not the checkpoint's "
                                 "declared buckets %s: resume the same model with the same DDP options"
                                 % (state._layout_keys, state._declared_keys))
+        if failed_step is not None:
+            sticky = False
+            raise failed_step
     except PowerSGDError as e:
         # A step the engine failed fails this iteration only (NaN or Inf: the engine changed nothing, and the
         # step is skipped, as AMP's GradScaler does; a broken group fails every later step by itself).

@@ -467,8 +467,11 @@ class PowerSGDState:
         except Exception as error:
             if self._failure is None:
                 self._failure = error
+            # The step's reductions in flight write into their buffers (a copy, for another dtype) until done:
+            # waited for before those are let go (bounded by the communicator's timeout).
             pending, self._pending = self._pending, []
-            for handle, future, *_ in pending:  # their reductions still complete; destroy waits for them
+            for handle, future, *_ in pending:
+                _capi.lib.psgd_reduce_handle_wait(handle)
                 _capi.lib.psgd_reduce_handle_free(handle)
                 future.set_exception(self._failure)
             if bucket.is_last() and self._layout:

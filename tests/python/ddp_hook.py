@@ -461,18 +461,23 @@ def case_errors():
 
     # The same in the process's first iterations (reduced at the last bucket through the declared buckets):
     # that step fails, and the next ones train (before, every later bucket failed with it, state_dict too).
-    torch.manual_seed(7)
-    model = ddp(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+    # Several buckets: the step's other buckets are still reduced after one failed (the next iteration's first was
+    # refused as "already reduced in step 2", and that failure stuck).
+    first_bucket_bytes = dist._DEFAULT_FIRST_BUCKET_BYTES
+    model = ckpt_ddp(ckpt_model())  # two buckets once DDP rebuilt them
     state = pst.PowerSGDState(process_group=None, start_powerSGD_iter=2)
     model.register_comm_hook(state, pst.powerSGD_hook)
     train(model, inputs[:2], targets[:2])
     assert state._local_iter < pst.DECLARATION_ITER, state._local_iter
     expect_failure("NaN gradients, deferred", lambda: nn.functional.mse_loss(model(bad), targets[2]).backward(),
                    ["PSGD_ERR_NONFINITE", "NaN or Inf"])
+    assert len(state._declared) >= 2, state._declared
     before = state.compression_stats()[1]
     train(model, inputs[3:], targets[3:])
-    assert state.compression_stats()[1] > before and state._failure is None, state.compression_stats()
+    assert state.compression_stats()[1] > before and state._failure is None, (state.compression_stats(),
+                                                                               state._failure)
     state.state_dict()
+    dist._DEFAULT_FIRST_BUCKET_BYTES = first_bucket_bytes  # read when DDP rebuilds its buckets
     # An error goes between processes whole (pickled with its arguments, not its formatted message alone).
     error = pickle.loads(pickle.dumps(pst.PowerSGDError(3, "x")))
     assert isinstance(error, pst.PowerSGDError) and str(error) == str(pst.PowerSGDError(3, "x")), error
@@ -1055,15 +1060,15 @@ def case_checkpoint_resume(directory):
     train_steps(model, optimizer, *ckpt_data(), CKPT_STEP, CKPT_STEP + 2)  # error memory that is not zero
     before = ({name: getattr(state, name) for name in _checkpoint.CONFIG_FIELDS}, state.iter,
               [memory.clone() for memory in error_memories(state)])
-    other_rank = state.state_dict()
-    other_rank["config"]["matrix_approximation_rank"] += 1
-    other_rank["iter"] = 3
+    corrupted = state.state_dict()
+    corrupted["iter"] = 3
+    data = bytearray(corrupted["engine"]["rank_data"])
+    data[-1] ^= 0xFF  # the engine refuses it (CRC) on every rank: its own data on each
+    corrupted["engine"]["rank_data"] = bytes(data)
     no_iter = state.state_dict()
     del no_iter["iter"]
     untrained = pst.PowerSGDState(None, **CKPT_OPTIONS).state_dict()
-    for what, bad, error, words in [("another matrix rank", other_rank, pst.PowerSGDError,
-                                     "the checkpoint's matrix_approximation_rank = %d, this state's running engine "
-                                     "has %d" % (state.matrix_approximation_rank + 1, state.matrix_approximation_rank)),
+    for what, bad, error, words in [("corrupted engine data", corrupted, pst.PowerSGDError, "is corrupted: CRC-32"),
                                     ("no iter", no_iter, ValueError, "lacks or mangles 'iter'"),
                                     ("before compression", untrained, pst.PowerSGDError, "holds no engine state")]:
         try:
@@ -1098,6 +1103,12 @@ def case_checkpoint_resume(directory):
         assert time.monotonic() - start < 10, (what, time.monotonic() - start)
     assert state.iter == before[1], state.iter
     state.job_state_dict()
+    # A dict whose configuration says otherwise than its engine data (another matrix rank): the running
+    # engine's configuration stays, and so do the attributes that made it (they took the dict's before).
+    other = state.state_dict()
+    other["config"]["matrix_approximation_rank"] += 1
+    state.load_state_dict(other)
+    assert state.matrix_approximation_rank == other["config"]["matrix_approximation_rank"] - 1
     if rank() == 0:
         print("checkpoint-resume/2: %d steps on 2 ranks from the 3 ranks' job checkpoint; error memory = the saved "
               "ranks' mean; compression counters continued; rank 0's own file: error memory zero"
