@@ -291,12 +291,14 @@ int main(int argc, char** argv) {
     }
   }
 
-  // Each worker's pipes (3 with ssh) and its rank's connection to the store, each emulated host's namespace and
-  // delayer, and a margin for the rest: refused here, before anything starts, where the limit cannot hold them.
+  // Each worker's stdout and stderr pipes (and stdin over ssh), its rank's connection to the store and, with
+  // --log-dir, its two log files; each emulated host's namespace and delayer (3); a margin for the rest: refused
+  // here, before anything starts, where the limit cannot hold them.
   try {
     const uint64_t files = run::raise_descriptor_limit();
-    const uint64_t needed =
-        4 * static_cast<uint64_t>(options.nproc) + 4 * static_cast<uint64_t>(options.emulate_hosts) + 128;
+    const uint64_t per_worker = 3 + (options.mode == run::Mode::Ssh ? 1 : 0) + (options.log_dir.empty() ? 0 : 2);
+    const uint64_t needed = per_worker * static_cast<uint64_t>(options.nproc) +
+                            3 * static_cast<uint64_t>(options.emulate_hosts) + 64;
     if (needed > files) {
       const std::string hosts =
           options.emulate_hosts > 0 ? detail::concat(" on ", options.emulate_hosts, " emulated hosts") : "";

@@ -46,7 +46,11 @@ int cause_order(int wait_status) { return WIFSIGNALED(wait_status) && WTERMSIG(w
 
 }  // namespace
 
-Supervisor::Supervisor(SupervisorOptions options, int signal_fd) : options_(std::move(options)), signal_fd_(signal_fd) {}
+Supervisor::Supervisor(SupervisorOptions options, int signal_fd)
+    : options_(std::move(options)),
+      signal_fd_(signal_fd),
+      out_piece_(::isatty(1) ? 256 : PIPE_BUF),
+      err_piece_(::isatty(2) ? 256 : PIPE_BUF) {}
 
 Supervisor::~Supervisor() {
   for (auto& w : workers_) {
@@ -124,8 +128,10 @@ Supervisor::Clock::time_point Supervisor::output_deadline() const {
 
 void Supervisor::collect_signals() {
   signalfd_siginfo info{};
-  while (::read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info))
-    if (info.ssi_signo != SIGCHLD) pending_signals_.push_back(static_cast<int>(info.ssi_signo));
+  while (::read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+    if (info.ssi_signo == SIGCHLD) child_signalled_ = true;
+    else pending_signals_.push_back(static_cast<int>(info.ssi_signo));
+  }
 }
 
 void Supervisor::write_output(int fd, const char* data, size_t size) {
@@ -144,7 +150,10 @@ void Supervisor::write_output(int fd, const char* data, size_t size) {
       if (ready == 0) break;  // the deadline passed
       continue;               // a SIGCHLD alone
     }
-    const ssize_t n = ::write(fd, data, std::min<size_t>(size, PIPE_BUF));
+    // A terminal polls writable with room for less than PIPE_BUF (and none once stopped, ^S, with a full buffer):
+    // a piece of 256 bytes fits what it reported.
+    const size_t piece = fd == 1 ? out_piece_ : fd == 2 ? err_piece_ : 256;
+    const ssize_t n = ::write(fd, data, std::min(size, piece));
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n < 0) return;  // EPIPE (a closed launcher stdout) only loses output
     data += n;
@@ -314,6 +323,10 @@ int Supervisor::run() {
     if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
     int wait_ms = -1;
     if (wake != Clock::time_point::max()) wait_ms = poll_timeout_ms(wake - now);
+    // Signals or a child's exit that write_output took from the signalfd while relaying: handled now, not
+    // after the next event (which may never come).
+    if (!pending_signals_.empty() || child_signalled_) wait_ms = 0;
+    child_signalled_ = false;
     // EINTR counts as a wake-up with nothing ready: the loop re-checks signals and deadlines.
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
     if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);

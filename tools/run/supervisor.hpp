@@ -116,6 +116,8 @@ class Supervisor {
   Clock::time_point deadline_ = Clock::time_point::max();  // --timeout's, set by run()
   std::vector<int> pending_signals_;                        // collected, not handled yet
   uint64_t dropped_bytes_ = 0;                              // of output write_output dropped
+  bool child_signalled_ = false;  // a SIGCHLD collect_signals took: reap() is due without waiting
+  size_t out_piece_, err_piece_;  // the most write_output writes at once to stdout, stderr (a terminal: less)
 };
 
 }  // namespace powersgd::run
