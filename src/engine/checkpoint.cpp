@@ -294,6 +294,7 @@ void require_values_finite(const std::vector<float>& values, const char* what, c
                " holds ", *bad, " at ", bad - values.begin(), ", expected finite values");
 }
 
+namespace {
 void require_consistent(const CheckpointBucket& out, const Config& config, size_t levels, const std::string& path,
                         size_t bucket) {
   require_values_finite(out.error, "error memory", path, bucket);
@@ -311,6 +312,8 @@ void require_consistent(const CheckpointBucket& out, const Config& config, size_
                out.window_sum, " and ", out.previous_window, ", expected finite and >= 0 (the previous one NaN before "
                "the first window)");
 }
+
+}  // namespace
 
 CheckpointContents decode_checkpoint(std::span<const char> file, const std::string& path, const Config& config,
                                      uint64_t layout_fingerprint, std::span<const CheckpointBucketShape> buckets,
@@ -418,6 +421,8 @@ size_t read_up_to(int fd, std::vector<char>& bytes, size_t total, const std::str
   }
   return total;
 }
+
+constexpr const char* kAllMagics[] = {kCheckpointMagic, kJobCheckpointMagic, kOuterCheckpointMagic};
 }  // namespace
 
 std::vector<char> read_checkpoint_file(const std::string& path) {
@@ -434,12 +439,19 @@ std::vector<char> read_checkpoint_file(const std::string& path) {
   const size_t size = static_cast<size_t>(st.st_size);
   std::vector<char> bytes(std::min(size, kCheckpointHeaderBytes));
   size_t total = read_up_to(fd.get(), bytes, 0, path);
-  if (total == kCheckpointHeaderBytes) {
+  // Only a powersgd checkpoint's header (any kind: checked_payload names the one expected) is read on from, and
+  // only where the file holds what it says: a model.pt (a zip) given by mistake, whose bytes 16-23 read as a
+  // length beyond the file, was read whole.
+  const bool ours = total == kCheckpointHeaderBytes &&
+                    std::any_of(std::begin(kAllMagics), std::end(kAllMagics),
+                                [&](const char* magic) { return std::memcmp(bytes.data(), magic, 8) == 0; });
+  if (ours) {
     uint64_t recorded = 0;
     for (int i = 7; i >= 0; --i) recorded = recorded << 8 | static_cast<uint8_t>(bytes[16 + static_cast<size_t>(i)]);
-    const uint64_t claimed = recorded > size ? size : recorded + 1;  // at most the file
-    const uint64_t rest = std::min<uint64_t>(claimed, size - kCheckpointHeaderBytes);
-    bytes.resize(kCheckpointHeaderBytes + static_cast<size_t>(rest));
+    const uint64_t held = size - kCheckpointHeaderBytes;
+    PSGD_REQUIRE(recorded <= held, IoError, "checkpoint ", path, " is truncated: its header says ", recorded,
+                 " bytes of payload, the file holds ", held);
+    bytes.resize(kCheckpointHeaderBytes + static_cast<size_t>(std::min<uint64_t>(recorded + 1, held)));
     total = read_up_to(fd.get(), bytes, total, path);
   }
   bytes.resize(total);

@@ -32,6 +32,9 @@ inline constexpr uint32_t kCheckpointOldestVersion = 1;
 inline constexpr size_t kCheckpointHeaderBytes = 24;
 // The largest step count a checkpoint may hold (2^62: the counter never overflows after a load).
 inline constexpr int64_t kMaxCheckpointIteration = int64_t{1} << 62;
+// IoError naming `what` and the first value that is NaN or Inf: a checkpoint's values that no saver writes.
+void require_values_finite(const std::vector<float>& values, const char* what, const std::string& path,
+                           size_t bucket);
 // A job checkpoint (Reducer::save_job) has the same header and payload layout
 // under its own magic and version, so that load() refuses a job file and
 // load_job() a per-rank file, naming the other kind.

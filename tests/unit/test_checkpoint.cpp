@@ -373,8 +373,19 @@ TEST_CASE("checkpoint file: a FIFO is refused at once; only what the header says
     std::ofstream(sparse).put('x');
   }
   std::filesystem::resize_file(sparse, uint64_t{1} << 40);  // 1 TiB of zeros, taking no disk
-  CHECK(read_checkpoint_file(sparse).size() == kCheckpointHeaderBytes + 1);  // its header says 0 bytes follow
-  // A real checkpoint with bytes after it, and one cut short: read as they are, so the frame check names them.
+  CHECK(read_checkpoint_file(sparse).size() == kCheckpointHeaderBytes);  // not a checkpoint's header
+  // Another file given by mistake (a model.pt, a zip) whose bytes 16-23 read as a length beyond the file: its
+  // header alone is read.
+  const std::string other = dir + "/model.pt";
+  {
+    std::ofstream out(other);
+    out << "PK\x03\x04" << std::string(12, '\0') << std::string(8, '\x7f');
+  }
+  std::filesystem::resize_file(other, uint64_t{1} << 40);
+  CHECK(read_checkpoint_file(other).size() == kCheckpointHeaderBytes);
+  // A real checkpoint with bytes after it: read to one byte more than recorded, so the frame check names it. One
+  // cut short: refused from its header, the file not read on (one of a terabyte whose header says more costs 24
+  // bytes too).
   std::vector<char> file = encode_checkpoint(test_contents());
   const std::string longer = dir + "/longer", shorter = dir + "/shorter";
   std::vector<char> extended = file;
@@ -382,7 +393,9 @@ TEST_CASE("checkpoint file: a FIFO is refused at once; only what the header says
   write_checkpoint_file(longer, extended);
   write_checkpoint_file(shorter, std::vector<char>(file.begin(), file.end() - 10));
   CHECK(read_checkpoint_file(longer).size() == file.size() + 1);
-  CHECK(read_checkpoint_file(shorter).size() == file.size() - 10);
+  CHECK(contains(error_of([&] { read_checkpoint_file(shorter); }),
+                 "is truncated: its header says " + std::to_string(file.size() - kCheckpointHeaderBytes) +
+                     " bytes of payload, the file holds " + std::to_string(file.size() - kCheckpointHeaderBytes - 10)));
   const auto payload_error = [&](const std::string& path) {
     return error_of([&] {
       uint32_t version = 0;
@@ -393,6 +406,7 @@ TEST_CASE("checkpoint file: a FIFO is refused at once; only what the header says
   CHECK(contains(payload_error(longer), "is longer than recorded"));
   CHECK(contains(payload_error(shorter), "is truncated"));
   CHECK(contains(payload_error(sparse), "is not a powersgd checkpoint (bad magic)"));
+  CHECK(contains(payload_error(other), "is not a powersgd checkpoint (bad magic)"));
   std::filesystem::remove_all(dir);
 }
 
