@@ -40,11 +40,16 @@ def main():
     parser.add_argument("--no-compression", action="store_true")
     parser.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
     args = parser.parse_args()
+    if args.local_steps < 1:
+        parser.error("--local-steps %d: expected at least 1 inner step per outer step" % args.local_steps)
 
     torch.set_num_threads(1)
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     train_x, train_y, test_x, test_y, steps = shards(args.data, args.train_limit, args.batch_size)
+    if steps < args.local_steps:
+        raise SystemExit("torch_local_steps: --local-steps %d is more than the %d steps of an epoch (--batch-size "
+                         "%d): nothing would be trained" % (args.local_steps, steps, args.batch_size))
     steps -= steps % args.local_steps  # each epoch ends on an outer step
 
     torch.manual_seed(0)

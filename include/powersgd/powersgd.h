@@ -329,12 +329,16 @@ typedef struct psgd_outer psgd_outer;
    become the start point. local_steps >= 1, lr finite > 0 (DiLoCo: 0.7), 0 <= momentum < 1 (DiLoCo: 0.9); a
    bad value, or a params count other than the reducer's buckets, on one rank fails every rank (the others
    naming it), ranks with other values fail with PSGD_ERR_MISMATCH. A null comm, r, params or out is refused on
-   this rank alone. Destroy the psgd_outer before its reducer. */
+   this rank alone. Its collectives take their turn among the communicator's users, after a reduction of any
+   reducer still in flight on it. Destroy the psgd_outer before its reducer and its communicator. */
 PSGD_API psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_steps, double lr,
                                        double momentum, float* const* params, size_t num_buckets, psgd_outer** out);
 /* Collective: one outer step; on success params hold the new start point. Any failure (a null params[b] or a
    wrong num_buckets, refused on every rank at once; NaN/Inf in any rank's pseudo-gradient: PSGD_ERR_NONFINITE)
-   fails every rank and leaves the start point, the momentum, params and r's error memory as they were. */
+   fails every rank and leaves the start point, the momentum, params and r's error memory as they were; r given
+   another bucket since psgd_outer_create is refused the same way. An update that would leave the start point
+   or the momentum non-finite fails every rank with PSGD_ERR_NONFINITE, those and params unchanged (r's error
+   memory took the step's reduction). */
 PSGD_API psgd_status psgd_outer_step(psgd_outer* o, float* const* params, size_t num_buckets);
 /* 1 when an outer step is due after inner_steps completed inner steps (> 0, a multiple of local_steps), else 0;
    -1 for a null o. */

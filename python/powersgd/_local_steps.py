@@ -293,20 +293,23 @@ class LocalSteps:
         try:
             backup = os.path.join(directory, "backup.ckpt")
             _capi.check(_capi.lib.psgd_reducer_save(self._reducer, backup.encode()))
+            reducer, outer = os.path.join(directory, "reducer.ckpt"), os.path.join(directory, "outer.ckpt")
             if reason is None:
-                reducer = os.path.join(directory, "reducer.ckpt")
-                with open(reducer, "wb") as f:
-                    f.write(state_dict["reducer"])
-                if _capi.lib.psgd_reducer_load(self._reducer, reducer.encode()) != 0:
-                    reason = _terms(_capi.last_error())
+                # Both files first: nothing is loaded before every local step succeeded, and a local failure (a
+                # full disk) is a refusal the ranks agree on, not an exception that leaves them waiting.
+                try:
+                    for path, data in ((reducer, state_dict["reducer"]), (outer, state_dict["outer"])):
+                        with open(path, "wb") as f:
+                            f.write(data)
+                except OSError as e:
+                    reason = "cannot write the checkpoint's data to %s: %s" % (directory, e)
+            if reason is None and _capi.lib.psgd_reducer_load(self._reducer, reducer.encode()) != 0:
+                reason = _terms(_capi.last_error())
             refusing = self._refusing_ranks(reason is not None)
             if refusing:
                 _capi.check(_capi.lib.psgd_reducer_load(self._reducer, backup.encode()))
                 raise PowerSGDError(4 if reason is None else 1, "LocalSteps.load_state_dict: %s; nothing loaded"
                                     % (reason if reason is not None else "refused on rank(s) %s" % refusing))
-            outer = os.path.join(directory, "outer.ckpt")
-            with open(outer, "wb") as f:
-                f.write(state_dict["outer"])
             status = _capi.lib.psgd_outer_load(self._handle(), outer.encode())
             if status != 0:
                 message = _terms(_capi.last_error())
@@ -336,6 +339,14 @@ class LocalSteps:
         if [[tuple(s) for s in bucket] for bucket in state_dict["layout"]] != layout:
             return "the checkpoint's buckets hold parameters of shapes %s, this model's %s" % (state_dict["layout"],
                                                                                              layout)
+        # Every field read after the agreement is checked before it (a missing "outer", an inner_steps of "x",
+        # were found once the reducer had been loaded: the state changed, and the other ranks waited).
+        for key in ("reducer", "outer"):
+            if not isinstance(state_dict[key], (bytes, bytearray)):
+                return "the checkpoint's %r is %s, expected bytes" % (key, type(state_dict[key]).__name__)
+        inner = state_dict["inner_steps"]
+        if isinstance(inner, bool) or not isinstance(inner, numbers.Integral) or inner < 0:
+            return "the checkpoint's inner_steps = %r: expected an integer >= 0" % (inner,)
         rank, world = _capi.lib.psgd_comm_rank(self._comm), _capi.lib.psgd_comm_size(self._comm)
         if (state_dict["rank"], state_dict["world_size"]) != (rank, world):
             return ("the checkpoint is rank %d's of %d ranks, this is rank %d of %d: each rank loads its own"

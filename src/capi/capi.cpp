@@ -697,8 +697,13 @@ struct psgd_outer {
 
 namespace {
 
-// The caller's buffers as spans of their buckets' sizes. A null buffer or a count other than the reducer's
-// buckets goes to the OuterOptimizer as it is, which has the reducer refuse it on every rank at once.
+void require_bucket_count(const powersgd::Reducer& reducer, size_t count) {
+  PSGD_REQUIRE(count == static_cast<size_t>(reducer.num_buckets()), InvalidArgumentError, "num_buckets = ", count,
+               ": expected the reducer's bucket count, ", reducer.num_buckets());
+}
+
+// The caller's buffers (`count`: the reducer's bucket count, checked first) as spans of their buckets' sizes. A
+// null buffer goes to the OuterOptimizer as it is, which has the reducer refuse it on every rank at once.
 std::vector<std::span<float>> bucket_spans(const powersgd::Reducer& reducer, float* const* params, size_t count) {
   std::vector<std::span<float>> spans(count);
   for (size_t b = 0; b < count; ++b)
@@ -714,13 +719,14 @@ extern "C" {
 psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_steps, double lr, double momentum,
                               float* const* params, size_t num_buckets, psgd_outer** out) {
   return guarded(__func__, [&] {
+    if (out != nullptr) *out = nullptr;  // first, as every constructor of the C API
     PSGD_C_NOT_NULL(comm);
-    if (out != nullptr) *out = nullptr;
     // A rank that refuses its arguments still takes part in the construction's agreement: every rank fails.
     if (const auto refused = powersgd::detail::exception_of([&] {
           PSGD_C_NOT_NULL(r);
           PSGD_C_NOT_NULL(params);
           PSGD_C_NOT_NULL(out);
+          require_bucket_count(*r->reducer, num_buckets);
         }))
       powersgd::detail::RefusedCalls::outer_create(*comm->comm, refused);
     auto handle = std::make_unique<psgd_outer>();
@@ -736,9 +742,11 @@ psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_st
 psgd_status psgd_outer_step(psgd_outer* o, float* const* params, size_t num_buckets) {
   return guarded(__func__, [&] {
     PSGD_C_NOT_NULL(o);
-    if (params == nullptr) {
+    if (params == nullptr || num_buckets != static_cast<size_t>(o->reducer->num_buckets())) {
       // Every bucket's buffer null: the outer step's Reducer refuses them on every rank at once (a local refusal
-      // would leave the others in the step's collectives); this rank then says what it was given.
+      // would leave the others in the step's collectives); this rank then says what it was given. Also for a
+      // count other than the buckets', whose buffers are not read (nor a vector of that many made: a count of
+      // 2^64 - 1 failed this rank alone, and its next step paired with the others' refusal).
       const std::vector<std::span<float>> none(static_cast<size_t>(o->reducer->num_buckets()));
       try {
         o->outer->step(none);
@@ -747,6 +755,7 @@ psgd_status psgd_outer_step(psgd_outer* o, float* const* params, size_t num_buck
       } catch (const powersgd::Error&) {
       }
       PSGD_C_NOT_NULL(params);
+      require_bucket_count(*o->reducer, num_buckets);
     }
     o->outer->step(bucket_spans(*o->reducer, params, num_buckets));
   });

@@ -9,11 +9,13 @@
 #include <bit>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
+#include "common/comm_turns.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/order_guard.hpp"
 #include "engine/rank_reports.hpp"
@@ -60,14 +62,26 @@ std::vector<engine::RankReport> agree_on_load(Communicator& comm, std::exception
   return reports;
 }
 
+// The optimizer's own collectives (construction, load) go in their turn among the communicator's users
+// (common/comm_turns.hpp), on the caller's thread: a reduction of a Reducer on the same communicator still in
+// flight issues its collectives first, on every rank alike (they interleaved with it, and the group broke).
+// Held until the returned turn is destroyed.
+detail::CommTurns::Turn in_turn(Communicator& comm) {
+  detail::CommTurns::Turn turn = detail::comm_turns(&comm)->take();
+  turn.wait();
+  return turn;
+}
+
 }  // namespace
 
 void detail::RefusedCalls::outer_create(Communicator& comm, std::exception_ptr error) {
+  const detail::CommTurns::Turn turn = in_turn(comm);
   agree_on_construction(comm, error, {});
   std::rethrow_exception(error);  // not reached: the agreement threw it
 }
 
 void detail::RefusedCalls::outer_load(Communicator& comm, std::exception_ptr error) {
+  const detail::CommTurns::Turn turn = in_turn(comm);
   agree_on_load(comm, error, 0, 0, "OuterOptimizer::load");
   std::rethrow_exception(error);  // not reached
 }
@@ -75,10 +89,14 @@ void detail::RefusedCalls::outer_load(Communicator& comm, std::exception_ptr err
 void OuterConfig::validate() const {
   PSGD_REQUIRE(local_steps >= 1, InvalidArgumentError, "outer.local_steps = ", local_steps,
                ": expected at least 1 inner step per outer step");
-  PSGD_REQUIRE(std::isfinite(lr) && lr > 0, InvalidArgumentError, "outer.lr = ", lr,
-               ": expected a finite learning rate > 0");
-  PSGD_REQUIRE(std::isfinite(momentum) && momentum >= 0 && momentum < 1, InvalidArgumentError,
-               "outer.momentum = ", momentum, ": expected 0 <= momentum < 1");
+  // The step computes in float: checked as the float it becomes (1e39 was an infinite rate, 1e-50 none at all,
+  // 0.99999999999 a momentum of 1).
+  const float lr_f = static_cast<float>(lr), momentum_f = static_cast<float>(momentum);
+  PSGD_REQUIRE(std::isfinite(lr) && lr > 0 && std::isfinite(lr_f) && std::isnormal(lr_f), InvalidArgumentError,
+               "outer.lr = ", lr, ": expected a finite learning rate > 0 that float holds (",
+               std::numeric_limits<float>::min(), " to ", std::numeric_limits<float>::max(), ")");
+  PSGD_REQUIRE(std::isfinite(momentum) && momentum >= 0 && momentum < 1 && momentum_f < 1.0f, InvalidArgumentError,
+               "outer.momentum = ", momentum, ": expected 0 <= momentum < 1 (below 1 also as a float)");
 }
 
 struct OuterOptimizer::Impl {
@@ -89,8 +107,12 @@ struct OuterOptimizer::Impl {
   std::vector<std::vector<float>> work;  // the pseudo-gradients, then their mean
   int64_t outer_steps = 0;
 
-  // The caller's buffers: one per bucket, each non-null and of the bucket's size.
+  // The caller's buffers: one per bucket, each non-null and of the bucket's size; and the reducer's buckets
+  // still those this optimizer was made for (add_bucket may follow it).
   void check(std::span<const std::span<float>> params, const char* what) const {
+    PSGD_REQUIRE(static_cast<size_t>(reducer.num_buckets()) == start.size(), InvalidArgumentError, what,
+                 ": the reducer has ", reducer.num_buckets(), " buckets, this OuterOptimizer was made for ",
+                 start.size(), ": declare every bucket (add_bucket) before making it");
     PSGD_REQUIRE(params.size() == start.size(), InvalidArgumentError, what, ": ", params.size(),
                  " parameter buffers: expected one per bucket of the reducer, ", start.size());
     for (size_t b = 0; b < params.size(); ++b) {
@@ -128,6 +150,7 @@ OuterOptimizer::OuterOptimizer(Communicator& comm, Reducer& reducer, const Outer
     }
     s.check(params, "OuterOptimizer");
   });
+  const detail::CommTurns::Turn turn = in_turn(comm);
   const auto reports = agree_on_construction(comm, refused, config);
   for (size_t r = 1; r < reports.size(); ++r)
     if (!same(config_of(reports[r]), config_of(reports[0])))
@@ -148,9 +171,15 @@ bool OuterOptimizer::due(int64_t inner_steps) const {
 
 void OuterOptimizer::step(std::span<const std::span<float>> params) {
   Impl& s = *impl_;
-  // Buffers this rank would refuse go to the Reducer as they are: it refuses them on every rank at once
-  // (docs/errors.md), naming this rank and the buffer, where a local throw would leave the others waiting.
-  std::vector<std::span<float>> reduced(params.begin(), params.end());
+  // A rank that refuses its buffers still gives the Reducer some, which it refuses on every rank at once
+  // (docs/errors.md), where a local throw would leave the others waiting: the caller's where the Reducer's
+  // buckets are still this optimizer's (its checks are then this one's, naming the buffer on every rank), else
+  // empty ones. Given the caller's, a Reducer with another bucket since could take them, and reduced the
+  // parameters themselves in place.
+  const bool same_buckets = static_cast<size_t>(s.reducer.num_buckets()) == s.start.size();
+  std::vector<std::span<float>> reduced =
+      same_buckets ? std::vector<std::span<float>>(params.begin(), params.end())
+                   : std::vector<std::span<float>>(static_cast<size_t>(s.reducer.num_buckets()));
   std::exception_ptr refused = detail::exception_of([&] { s.check(params, "OuterOptimizer::step"); });
   if (refused == nullptr)
     for (size_t b = 0; b < params.size(); ++b) {
@@ -163,6 +192,7 @@ void OuterOptimizer::step(std::span<const std::span<float>> params) {
   } catch (const PeerError&) {
     throw;  // its peer and operation are the caller's to see
   } catch (const Error& e) {
+    if (refused != nullptr && !same_buckets) std::rethrow_exception(refused);  // this rank's reason
     engine::throw_error(e.code(), detail::concat("outer step ", s.outer_steps, ": ", e.what(),
                                                  "; start point, outer momentum and parameters unchanged"));
   }
@@ -170,6 +200,17 @@ void OuterOptimizer::step(std::span<const std::span<float>> params) {
   // Nesterov momentum, as PyTorch's SGD(nesterov=True, dampening=0), in float: the same bits on every rank.
   const float mu = static_cast<float>(s.config.momentum);
   const float lr = static_cast<float>(s.config.lr);
+  // First whether the step stays finite (a mean pseudo-gradient near float's limit, a large lr): else it fails
+  // on every rank alike (the same bits), nothing changed, where it wrote infinities into the start point.
+  for (size_t b = 0; b < params.size(); ++b)
+    for (size_t i = 0; i < s.work[b].size(); ++i) {
+      const float v = mu * s.momentum[b][i] + s.work[b][i];
+      const float next = s.start[b][i] - lr * (s.work[b][i] + mu * v);
+      PSGD_REQUIRE(std::isfinite(v) && std::isfinite(next), NonFiniteError, "outer step ", s.outer_steps,
+                   ": bucket ", b, " element ", i, " would leave the start point or the outer momentum non-finite ",
+                   "(its mean pseudo-gradient ", s.work[b][i], ", lr ", lr, "); start point, outer momentum and "
+                   "parameters unchanged (the Reducer's error memory took the step's reduction)");
+    }
   for (size_t b = 0; b < params.size(); ++b) {
     const std::vector<float>& mean = s.work[b];
     std::vector<float>& v = s.momentum[b];
@@ -245,7 +286,14 @@ void OuterOptimizer::load(const std::string& path) {
         values->push_back(r.get_floats(static_cast<size_t>(n), "bucket state"));
       }
     PSGD_REQUIRE(r.at_end(), IoError, "checkpoint ", path, " is malformed: bytes after its last bucket");
+    // What no optimizer saves (its steps stay finite), refused as the Reducer's loader does: loaded, a NaN start
+    // point failed every later step.
+    for (size_t b = 0; b < buckets; ++b) {
+      engine::require_values_finite(loaded.start[b], "outer start point", path, b);
+      engine::require_values_finite(loaded.momentum[b], "outer momentum", path, b);
+    }
   });
+  const detail::CommTurns::Turn turn = in_turn(s.comm);
   const auto reports = agree_on_load(s.comm, failed, failed != nullptr ? 0 : loaded.state_hash(),
                                      loaded.outer_steps, "OuterOptimizer::load of " + path);
   for (size_t r = 1; r < reports.size(); ++r)

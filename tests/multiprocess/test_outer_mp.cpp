@@ -17,12 +17,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/fault_injection.hpp"
@@ -403,6 +405,20 @@ TEST_CASE("outer: the ranks agree on the config and on what they load") {
   // Every rank loading the same step: loaded.
   CHECK(error_of([&] { job.outer->load(dir + "/step1"); }).empty());
   CHECK(job.outer->outer_steps() == 1);
+  check_identical(*comm, job);
+  // Another Reducer on the same communicator with a reduction in flight, rank 0 late to it: the load's agreement
+  // takes its turn after that reduction on every rank (it interleaved with it, and the group broke: a timeout on
+  // one rank, a closed connection on another).
+  Reducer other(*comm, plain());
+  other.add_bucket(kBucket0);
+  std::vector<float> g(other.bucket_size(0), static_cast<float>(me + 1));
+  if (me == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const ReduceHandle handle = other.reduce_async(0, g.data());
+  CHECK(error_of([&] { job.outer->load(dir + "/step2"); }).empty());
+  CHECK(error_of([&] { handle.wait(); }).empty());
+  const float mean = static_cast<float>(comm->size() + 1) / 2.0f;  // of 1 .. n: exact
+  CHECK(std::all_of(g.begin(), g.end(), [&](float v) { return v == mean; }));
+  CHECK(job.outer->outer_steps() == 2);
   check_identical(*comm, job);
   std::filesystem::remove_all(dir);
 }

@@ -221,6 +221,22 @@ def case_checkpoint():
     state["outer"]["config"] = dict(state["outer"]["config"], outer_lr=0.5)
     expect("another outer_lr", lambda: outer.load_state_dict(state["outer"]), pst.PowerSGDError,
            ["outer_lr = 0.5", "nothing loaded"])
+    # Fields read after the reducer was loaded (the outer state, inner_steps) are checked before it, on one rank
+    # only too: refused on every rank, nothing changed (a missing "outer" raised KeyError with the reducer loaded
+    # and the other ranks waiting; an inner_steps of "x" a ValueError with both loaded).
+    own = outer.state_dict()
+    for what, edit, words in [("no outer state", lambda d: d.pop("outer"), "'outer'"),
+                              ("an inner_steps of 'x'", lambda d: d.update(inner_steps="x"), "inner_steps = 'x'"),
+                              ("a negative inner_steps", lambda d: d.update(inner_steps=-2), "inner_steps = -2")]:
+        bad = dict(own)
+        if rank() == 1:
+            edit(bad)
+        expect(what, lambda: outer.load_state_dict(bad), pst.PowerSGDError,
+               ["nothing loaded", words if rank() == 1 else "rank(s) [1]"])
+        after = outer.state_dict()
+        if (own["outer"], own["reducer"], own["inner_steps"]) != (after["outer"], after["reducer"],
+                                                                  after["inner_steps"]):
+            fail("a refused load_state_dict (%s) changed the state" % what)
     if rank() == 0:
         print("checkpoint: resumed between outer steps bitwise; another rank's and another config refused")
 

@@ -8,8 +8,11 @@
 
 #include "support/doctest_main.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "c_comm_of_one.hpp"
+#include "engine/checkpoint.hpp"
 #include "error_of.hpp"
 #include "powersgd/outer_optimizer.hpp"
 #include "powersgd/powersgd.h"
@@ -103,11 +107,17 @@ TEST_CASE("outer: a bad config is refused naming the field, its value and the ra
   CHECK(error_of([] { OuterConfig{0, 0.7, 0.9}.validate(); }) ==
         "outer.local_steps = 0: expected at least 1 inner step per outer step");
   CHECK(error_of([] { OuterConfig{-3, 0.7, 0.9}.validate(); }).starts_with("outer.local_steps = -3: "));
-  CHECK(error_of([] { OuterConfig{4, 0.0, 0.9}.validate(); }) == "outer.lr = 0: expected a finite learning rate > 0");
+  CHECK(error_of([] { OuterConfig{4, 0.0, 0.9}.validate(); })
+            .starts_with("outer.lr = 0: expected a finite learning rate > 0 that float holds (1.17549e-38 to "));
+  // Checked as the float the step computes with: infinite, zero, and a momentum of 1.
+  CHECK(error_of([] { OuterConfig{4, 1e39, 0.9}.validate(); }).starts_with("outer.lr = 1e+39: "));
+  CHECK(error_of([] { OuterConfig{4, 1e-50, 0.9}.validate(); }).starts_with("outer.lr = 1e-50: "));
+  CHECK(error_of([] { OuterConfig{4, 0.7, 0.99999999999}.validate(); }).starts_with("outer.momentum = 1: "));
   CHECK(error_of([] { OuterConfig{4, -1.0, 0.9}.validate(); }).starts_with("outer.lr = -1: "));
   CHECK(error_of([] { OuterConfig{4, std::nan(""), 0.9}.validate(); }).starts_with("outer.lr = nan: "));
   CHECK(error_of([] { OuterConfig{4, INFINITY, 0.9}.validate(); }).starts_with("outer.lr = inf: "));
-  CHECK(error_of([] { OuterConfig{4, 0.7, 1.0}.validate(); }) == "outer.momentum = 1: expected 0 <= momentum < 1");
+  CHECK(error_of([] { OuterConfig{4, 0.7, 1.0}.validate(); }) ==
+        "outer.momentum = 1: expected 0 <= momentum < 1 (below 1 also as a float)");
   CHECK(error_of([] { OuterConfig{4, 0.7, -0.1}.validate(); }).starts_with("outer.momentum = -0.1: "));
   CHECK(error_of([] { OuterConfig{4, 0.7, std::nan("")}.validate(); }).starts_with("outer.momentum = nan: "));
   CHECK(error_of([] { OuterConfig{1, 1.0, 0.0}.validate(); }).empty());
@@ -244,6 +254,49 @@ TEST_CASE("outer: a failed outer step changes nothing, and the next one equals a
   CHECK(failing.outer->outer_steps() == 5);
 }
 
+// A bucket given to the Reducer after the optimizer was made: the optimizer's check refused the step, but it
+// passed the caller's buffers on, which the Reducer (one bucket more) took and reduced in place.
+TEST_CASE("outer: a reducer given another bucket after the optimizer: steps refused, nothing touched") {
+  Job job(compressed());
+  job.reducer->add_bucket({{6, 6}});  // allowed until the Reducer's first reduction
+  local_steps(job.params, 1);
+  std::vector<float> extra(36, 0.25f);
+  const Params before = job.params;
+  const std::vector<float> error = error_feedback(*job.reducer, 0), start = copy(job.outer->start(0));
+  std::vector<std::span<float>> three = {std::span<float>(job.params.b0), std::span<float>(job.params.b1),
+                                         std::span<float>(extra)};
+  for (const std::vector<std::span<float>>* buffers : {&three, static_cast<decltype(&three)>(nullptr)}) {
+    const std::string message = error_of([&] {
+      if (buffers != nullptr) job.outer->step(*buffers);
+      else job.step();
+    });
+    CHECK(message == "OuterOptimizer::step: the reducer has 3 buckets, this OuterOptimizer was made for 2: declare "
+                     "every bucket (add_bucket) before making it");
+    CHECK(job.params.b0 == before.b0);
+    CHECK(job.params.b1 == before.b1);
+    CHECK(std::all_of(extra.begin(), extra.end(), [](float v) { return v == 0.25f; }));
+    CHECK(error_feedback(*job.reducer, 0) == error);
+    CHECK(copy(job.outer->start(0)) == start);
+  }
+}
+
+// An update past float's range wrote infinities into the start point and the parameters, as a success.
+TEST_CASE("outer: a step whose update would not be finite fails, the start point and parameters unchanged") {
+  Job job(plain(), OuterConfig{1, 10.0, 0.0});
+  const std::vector<float> start = copy(job.outer->start(0));
+  job.params.b0[3] = -3e38f;  // a pseudo-gradient of 3e38, times lr 10
+  const Params before = job.params;
+  const std::string message = error_of([&] { job.step(); });
+  CHECK(message.starts_with("outer step 0: bucket 0 element 3 would leave the start point or the outer momentum "
+                            "non-finite"));
+  CHECK(copy(job.outer->start(0)) == start);
+  CHECK(job.params.b0 == before.b0);
+  CHECK(job.outer->outer_steps() == 0);
+  job.params.b0[3] = job.outer->start(0)[3];  // back in range: the next step goes on
+  job.step();
+  CHECK(job.outer->outer_steps() == 1);
+}
+
 TEST_CASE("outer: a checkpoint resumes bit for bit; a damaged or foreign file is refused, state unchanged") {
   const std::string outer_path = temp_path("outer.ckpt"), reducer_path = temp_path("reducer.ckpt");
   Job uninterrupted(compressed());
@@ -298,6 +351,19 @@ TEST_CASE("outer: a checkpoint resumes bit for bit; a damaged or foreign file is
     bytes.resize(bytes.size() - 10);
     std::ofstream(corrupt, std::ios::binary | std::ios::trunc).write(bytes.data(), std::streamsize(bytes.size()));
     CHECK(refused(corrupt).find("is truncated") != std::string::npos);
+    // A NaN in the start point under a valid CRC: refused (loaded, every later step failed).
+    bytes.clear();
+    {
+      std::ifstream in(outer_path, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    std::vector<char> payload(bytes.begin() + engine::kCheckpointHeaderBytes, bytes.end());
+    const float nan = std::nanf("");
+    std::memcpy(payload.data() + 44, &nan, sizeof nan);  // bucket 0's first start value
+    const std::vector<char> framed =
+        engine::frame_checkpoint(engine::kOuterCheckpointMagic, engine::kOuterCheckpointVersion, payload);
+    std::ofstream(corrupt, std::ios::binary | std::ios::trunc).write(framed.data(), std::streamsize(framed.size()));
+    CHECK(refused(corrupt).find("is malformed: bucket 0's outer start point holds nan at 0") != std::string::npos);
     std::filesystem::remove(corrupt);
   }
   {
@@ -327,9 +393,16 @@ TEST_CASE("outer: the C API, against the C++ class") {
   float* params[2] = {p.b0.data(), p.b1.data()};
   psgd_outer* o = nullptr;
   CHECK(psgd_outer_create(comm, r, 4, 0.7, 1.0, params, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
-  CHECK(std::string(psgd_last_error()) == "psgd_outer_create: outer.momentum = 1: expected 0 <= momentum < 1");
+  CHECK(std::string(psgd_last_error()) ==
+        "psgd_outer_create: outer.momentum = 1: expected 0 <= momentum < 1 (below 1 also as a float)");
   CHECK(o == nullptr);
   CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, 1, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) ==
+        "psgd_outer_create: num_buckets = 1: expected the reducer's bucket count, 2");
+  // A count the caller's array cannot hold: refused from the count, no vector of that many made (it failed
+  // this rank alone, out of memory, while the others waited).
+  CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, params, size_t{1} << 58, &o) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("num_buckets = 288230376151711744") != std::string::npos);
   CHECK(psgd_outer_create(comm, r, 4, 0.7, 0.9, nullptr, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()) == "psgd_outer_create: argument 'params' is null");
   CHECK(psgd_outer_create(comm, nullptr, 4, 0.7, 0.9, params, 2, &o) == PSGD_ERR_INVALID_ARGUMENT);
@@ -365,6 +438,9 @@ TEST_CASE("outer: the C API, against the C++ class") {
   CHECK(psgd_outer_step(o, null_params, 2) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("data[1] is null") != std::string::npos);
   CHECK(psgd_outer_step(o, params, 1) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()) == "psgd_outer_step: num_buckets = 1: expected the reducer's bucket count, 2");
+  CHECK(psgd_outer_step(o, params, SIZE_MAX) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("num_buckets = 18446744073709551615") != std::string::npos);
   CHECK(psgd_outer_step(o, nullptr, 2) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()) == "psgd_outer_step: argument 'params' is null");
   CHECK(psgd_outer_steps(o) == 3);
