@@ -50,6 +50,10 @@ PSGD_API const char* psgd_last_error(void);     /* thread-local message of the l
 /* The library's version, "MAJOR.MINOR.PATCH" (compare with PSGD_VERSION_* of the header compiled against). */
 PSGD_API const char* psgd_version(void);
 
+/* The communicator's own collectives (psgd_comm_allreduce_sum_f32, psgd_comm_barrier, psgd_comm_broadcast) run
+   at once on the calling thread: they must not overlap a reduction of a reducer on the same communicator still
+   in flight (wait for its handles first), or their order against its collectives depends on timing
+   (docs/engine.md, "Threads and wire order"). */
 typedef struct psgd_comm psgd_comm;
 PSGD_API psgd_status psgd_comm_init_from_env(psgd_comm** out);   /* RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, PSGD_* */
 PSGD_API int psgd_comm_rank(const psgd_comm* comm);              /* -1 for a null comm */
