@@ -442,12 +442,19 @@ std::vector<char> read_checkpoint_file(const std::string& path) {
   // Only a powersgd checkpoint's header (any kind: checked_payload names the one expected) is read on from, and
   // only where the file holds what it says: a model.pt (a zip) given by mistake, whose bytes 16-23 read as a
   // length beyond the file, was read whole.
-  const bool ours = total == kCheckpointHeaderBytes &&
-                    std::any_of(std::begin(kAllMagics), std::end(kAllMagics),
-                                [&](const char* magic) { return std::memcmp(bytes.data(), magic, 8) == 0; });
+  if (total < kCheckpointHeaderBytes) {  // checked_payload: shorter than its header
+    bytes.resize(total);
+    return bytes;
+  }
+  char magic[sizeof(kCheckpointMagic)];
+  Reader header(bytes, path);
+  header.get_raw(magic, sizeof(magic), "magic");
+  header.get<uint32_t>("version");
+  header.get<uint32_t>("crc");
+  const auto recorded = header.get<uint64_t>("payload length");
+  const bool ours = std::any_of(std::begin(kAllMagics), std::end(kAllMagics),
+                                [&](const char* known) { return std::memcmp(magic, known, sizeof(magic)) == 0; });
   if (ours) {
-    uint64_t recorded = 0;
-    for (int i = 7; i >= 0; --i) recorded = recorded << 8 | static_cast<uint8_t>(bytes[16 + static_cast<size_t>(i)]);
     const uint64_t held = size - kCheckpointHeaderBytes;
     PSGD_REQUIRE(recorded <= held, IoError, "checkpoint ", path, " is truncated: its header says ", recorded,
                  " bytes of payload, the file holds ", held);

@@ -11,6 +11,8 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/agreed_collectives.hpp"
@@ -200,27 +202,26 @@ void OuterOptimizer::step(std::span<const std::span<float>> params) {
   // Nesterov momentum, as PyTorch's SGD(nesterov=True, dampening=0), in float: the same bits on every rank.
   const float mu = static_cast<float>(s.config.momentum);
   const float lr = static_cast<float>(s.config.lr);
+  // Element i of bucket b after the step: its outer momentum and start point.
+  const auto stepped = [&](size_t b, size_t i) {
+    const float v = mu * s.momentum[b][i] + s.work[b][i];
+    return std::pair{v, s.start[b][i] - lr * (s.work[b][i] + mu * v)};
+  };
   // First whether the step stays finite (a mean pseudo-gradient near float's limit, a large lr): else it fails
   // on every rank alike (the same bits), nothing changed, where it wrote infinities into the start point.
   for (size_t b = 0; b < params.size(); ++b)
     for (size_t i = 0; i < s.work[b].size(); ++i) {
-      const float v = mu * s.momentum[b][i] + s.work[b][i];
-      const float next = s.start[b][i] - lr * (s.work[b][i] + mu * v);
+      const auto [v, next] = stepped(b, i);
       PSGD_REQUIRE(std::isfinite(v) && std::isfinite(next), NonFiniteError, "outer step ", s.outer_steps,
                    ": bucket ", b, " element ", i, " would leave the start point or the outer momentum non-finite ",
                    "(its mean pseudo-gradient ", s.work[b][i], ", lr ", lr, "); start point, outer momentum and "
                    "parameters unchanged (the Reducer's error memory took the step's reduction)");
     }
-  for (size_t b = 0; b < params.size(); ++b) {
-    const std::vector<float>& mean = s.work[b];
-    std::vector<float>& v = s.momentum[b];
-    std::vector<float>& start = s.start[b];
-    for (size_t i = 0; i < mean.size(); ++i) {
-      v[i] = mu * v[i] + mean[i];
-      start[i] = start[i] - lr * (mean[i] + mu * v[i]);
-      params[b][i] = start[i];
+  for (size_t b = 0; b < params.size(); ++b)
+    for (size_t i = 0; i < s.work[b].size(); ++i) {
+      std::tie(s.momentum[b][i], s.start[b][i]) = stepped(b, i);
+      params[b][i] = s.start[b][i];
     }
-  }
   ++s.outer_steps;
 }
 

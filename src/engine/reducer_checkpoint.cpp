@@ -132,29 +132,31 @@ engine::CheckpointContents Reducer::Impl::gather() {
   c.numel_before = stats_.numel_before;
   c.numel_after = stats_.numel_after;
   c.bytes_sent = stats_.bytes_sent;
-  for (const auto& s : buckets_) {
-    engine::CheckpointBucket b;
-    b.numel = static_cast<uint64_t>(s->plan.numel);
-    b.q_initialized = s->q_initialized;
-    b.draws = s->draws;
-    b.rank = s->current_rank;
-    b.level = static_cast<uint32_t>(s->level);
-    b.compressed_steps = s->compressed_steps;
-    b.window_sum = s->window_sum;
-    b.previous_window = s->previous_window;
-    b.note_pending = s->note_pending;
-    b.boost_left = s->boost_left;
-    b.rule_level = static_cast<uint32_t>(s->rule_level);
-    b.rule_reason = s->rule_reason;
-    b.reason = s->reason;
-    if (!s->nerr.empty()) b.error = engine::read_error(*backend_, *s);
-    b.p.resize(static_cast<size_t>(s->plan.p_numel));
-    b.q.resize(static_cast<size_t>(s->plan.q_numel));
-    backend_->copy_to_host(b.p.data(), arenas_.p_state.data() + s->p_offset, b.p.size());
-    backend_->copy_to_host(b.q.data(), arenas_.q_state.data() + s->q_offset, b.q.size());
-    c.buckets.push_back(std::move(b));
-  }
+  for (const auto& s : buckets_) c.buckets.push_back(gather_bucket(*s));
   return c;
+}
+
+engine::CheckpointBucket Reducer::Impl::gather_bucket(const engine::BucketState& s) {
+  engine::CheckpointBucket b;
+  b.numel = static_cast<uint64_t>(s.plan.numel);
+  b.q_initialized = s.q_initialized;
+  b.draws = s.draws;
+  b.rank = s.current_rank;
+  b.level = static_cast<uint32_t>(s.level);
+  b.compressed_steps = s.compressed_steps;
+  b.window_sum = s.window_sum;
+  b.previous_window = s.previous_window;
+  b.note_pending = s.note_pending;
+  b.boost_left = s.boost_left;
+  b.rule_level = static_cast<uint32_t>(s.rule_level);
+  b.rule_reason = s.rule_reason;
+  b.reason = s.reason;
+  if (!s.nerr.empty()) b.error = engine::read_error(*backend_, s);
+  b.p.resize(static_cast<size_t>(s.plan.p_numel));
+  b.q.resize(static_cast<size_t>(s.plan.q_numel));
+  backend_->copy_to_host(b.p.data(), arenas_.p_state.data() + s.p_offset, b.p.size());
+  backend_->copy_to_host(b.q.data(), arenas_.q_state.data() + s.q_offset, b.q.size());
+  return b;
 }
 
 void Reducer::Impl::apply(const engine::CheckpointContents& c) {
@@ -162,26 +164,8 @@ void Reducer::Impl::apply(const engine::CheckpointContents& c) {
   for (const auto& b : c.buckets) levels = std::max<size_t>(levels, b.level + 1);
   arenas_.fit_levels(*backend_, buckets_, levels);
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    BucketState& s = *buckets_[i];
-    const engine::CheckpointBucket& b = c.buckets[i];
-    s.q_initialized = b.q_initialized;
-    s.draws = b.draws;
-    // The level first: the error memory's work layout is the level's plan.
-    s.level = b.level;
-    s.plan = s.levels[s.level];
-    s.current_rank = b.rank;
-    s.compressed_steps = b.compressed_steps;
-    s.window_sum = b.window_sum;
-    s.previous_window = b.previous_window;
-    s.note_pending = b.note_pending;
-    s.boost_left = b.boost_left;
-    s.rule_level = b.rule_level;
-    s.rule_reason = b.rule_reason;
-    s.reason = b.reason;
-    if (!s.nerr.empty()) engine::write_error(*backend_, s, b.error);
-    backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, b.p.data(), b.p.size());
-    backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, b.q.data(), b.q.size());
-    s.last_m2 = s.last_e2 = std::nan("");
+    apply_bucket(*buckets_[i], c.buckets[i]);
+    buckets_[i]->last_m2 = buckets_[i]->last_e2 = std::nan("");
   }
   completed_steps_ = c.iteration;
   loaded_on_worker_ = true;
@@ -191,6 +175,26 @@ void Reducer::Impl::apply(const engine::CheckpointContents& c) {
   stats_.last_step_bytes = 0;
   bytes_before_step_ = c.bytes_sent;
   backend_->synchronize();
+}
+
+void Reducer::Impl::apply_bucket(BucketState& s, const engine::CheckpointBucket& b) {
+  s.q_initialized = b.q_initialized;
+  s.draws = b.draws;
+  // The level first: the error memory's work layout is the level's plan.
+  s.level = b.level;
+  s.plan = s.levels[s.level];
+  s.current_rank = b.rank;
+  s.compressed_steps = b.compressed_steps;
+  s.window_sum = b.window_sum;
+  s.previous_window = b.previous_window;
+  s.note_pending = b.note_pending;
+  s.boost_left = b.boost_left;
+  s.rule_level = b.rule_level;
+  s.rule_reason = b.rule_reason;
+  s.reason = b.reason;
+  if (!s.nerr.empty()) engine::write_error(*backend_, s, b.error);
+  backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, b.p.data(), b.p.size());
+  backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, b.q.data(), b.q.size());
 }
 
 }  // namespace powersgd

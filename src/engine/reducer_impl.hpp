@@ -157,21 +157,11 @@ class Reducer::Impl final : public detail::CommUser {
   // Worker thread, after every rank announced the note: the boost starts with this step.
   void apply_note(const Reduction& reduction);
   // What apply_note changes: the noted buckets' policy and level, their warm P and Q and their error memory
-  // (the level's layout), and the decision log. Saved before it and put back where the step then fails: a
-  // failed step leaves the warm start, the error memory and the rank policy as they were, its note still
-  // pending for the next step (on every rank alike: every rank fails it).
-  struct NotedState {
-    int bucket = 0;
-    size_t level = 0;
-    engine::BucketPlan plan;
-    int current_rank = 1;
-    RankReason reason{};
-    bool note_pending = false;
-    uint64_t boost_left = 0, draws = 0;
-    std::vector<float> p, q, error;  // P and Q in the level's layout, the error in the bucket's order
-  };
+  // (the level's layout), and the decision log. Saved before it (each bucket as its checkpoint holds it) and
+  // put back where the step then fails: a failed step leaves the warm start, the error memory and the rank
+  // policy as they were, its note still pending for the next step (on every rank alike: every rank fails it).
   struct NotedBefore {
-    std::vector<NotedState> buckets;
+    std::vector<std::pair<int, engine::CheckpointBucket>> buckets;
     engine::DecisionLog log;
   };
   NotedBefore save_noted(const Reduction& reduction);
@@ -182,9 +172,12 @@ class Reducer::Impl final : public detail::CommUser {
 
   // Worker thread: this rank's state, for the checkpoint.
   engine::CheckpointContents gather();
+  engine::CheckpointBucket gather_bucket(const engine::BucketState& s);
 
-  // Worker thread: the inverse of gather (contents checked by decode_checkpoint).
+  // Worker thread: the inverse of gather (contents checked by decode_checkpoint); apply_bucket needs the
+  // bucket's level laid out.
   void apply(const engine::CheckpointContents& c);
+  void apply_bucket(engine::BucketState& s, const engine::CheckpointBucket& b);
 
   Communicator& comm_;
   // The order of the collectives of this communicator's reducers (comm_turns.hpp): every task that issues

@@ -253,36 +253,14 @@ void Reducer::Impl::apply_note(const Reduction& reduction) {
 
 Reducer::Impl::NotedBefore Reducer::Impl::save_noted(const Reduction& reduction) {
   NotedBefore before{{}, log_};
-  for (int b : reduction.buckets) {
-    const BucketState& s = *buckets_[static_cast<size_t>(b)];
-    if (!s.note_pending) continue;
-    NotedState& saved = before.buckets.emplace_back();
-    saved = {b, s.level, s.plan, s.current_rank, s.reason, s.note_pending, s.boost_left, s.draws, {}, {}, {}};
-    if (s.q_initialized) {
-      saved.p.resize(static_cast<size_t>(s.plan.p_numel));
-      saved.q.resize(static_cast<size_t>(s.plan.q_numel));
-      backend_->copy_to_host(saved.p.data(), arenas_.p_state.data() + s.p_offset, saved.p.size());
-      backend_->copy_to_host(saved.q.data(), arenas_.q_state.data() + s.q_offset, saved.q.size());
-    }
-    if (!s.nerr.empty()) saved.error = engine::read_error(*backend_, s);
-  }
+  for (int b : reduction.buckets)
+    if (buckets_[static_cast<size_t>(b)]->note_pending)
+      before.buckets.emplace_back(b, gather_bucket(*buckets_[static_cast<size_t>(b)]));
   return before;
 }
 
 void Reducer::Impl::restore_noted(NotedBefore& before) {
-  for (NotedState& saved : before.buckets) {
-    BucketState& s = *buckets_[static_cast<size_t>(saved.bucket)];
-    s.level = saved.level;
-    s.plan = saved.plan;
-    s.current_rank = saved.current_rank;
-    s.reason = saved.reason;
-    s.note_pending = saved.note_pending;
-    s.boost_left = saved.boost_left;
-    s.draws = saved.draws;
-    if (!saved.p.empty()) backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, saved.p.data(), saved.p.size());
-    if (!saved.q.empty()) backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, saved.q.data(), saved.q.size());
-    if (!saved.error.empty()) engine::write_error(*backend_, s, saved.error);
-  }
+  for (const auto& [b, saved] : before.buckets) apply_bucket(*buckets_[static_cast<size_t>(b)], saved);
   log_ = std::move(before.log);
 }
 
