@@ -125,7 +125,8 @@ typedef struct psgd_reducer psgd_reducer;
    one thread; reducers used from different threads need a psgd_comm each (docs/engine.md). */
 PSGD_API psgd_status psgd_reducer_create(psgd_comm* comm, const psgd_config* config, psgd_reducer** out);
 /* Declares the next bucket: num_tensors tensors, tensor i has ndims[i] dimensions, all dimensions concatenated
-   in dims; they lie contiguously in that order. *bucket_index receives 0, 1, 2, ... Collective. */
+   in dims; they lie contiguously in that order (num_tensors at most 2^24). *bucket_index receives 0, 1, 2, ...
+   Collective. */
 PSGD_API psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const int* ndims,
                                              const int64_t* dims, int* bucket_index);
 /* In place: this rank's gradients in, the world's averaged (compressed) gradients out. Collective.

@@ -67,6 +67,7 @@ constexpr size_t kConfigSize01 = 72;
 constexpr size_t kStatsSize01 = 48;
 constexpr size_t kStoreCallbacksSize02 = 56;
 constexpr size_t kMaxStructSize = 4096;
+constexpr size_t kMaxBucketTensors = size_t{1} << 24;  // psgd_reducer_add_bucket's num_tensors
 static_assert(offsetof(psgd_config, adaptive) == kConfigSize01, "0.2's psgd_config fields start at 0.1's sizeof");
 static_assert(offsetof(psgd_stats, last_step_bytes) == kStatsSize01, "0.2's psgd_stats fields start at 0.1's sizeof");
 static_assert(offsetof(psgd_store_callbacks, remove) + sizeof(void*) == kStoreCallbacksSize02,
@@ -264,6 +265,9 @@ psgd_status psgd_reducer_add_bucket(psgd_reducer* r, size_t num_tensors, const i
           PSGD_C_NOT_NULL(bucket_index);
           PSGD_REQUIRE(num_tensors == 0 || ndims != nullptr, InvalidArgumentError, "argument 'ndims' is null with ",
                        num_tensors, " tensors");
+          // Checked before its shapes are allocated: 2^62 tensors is a bad argument, not an out-of-memory.
+          PSGD_REQUIRE(num_tensors <= kMaxBucketTensors, InvalidArgumentError, "num_tensors = ", num_tensors,
+                       ": expected at most ", kMaxBucketTensors, " tensors in a bucket");
           shapes.resize(num_tensors);
           size_t total_dims = 0;
           for (size_t i = 0; i < num_tensors; ++i) {

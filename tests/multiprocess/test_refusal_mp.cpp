@@ -462,7 +462,8 @@ TEST_CASE("refusal: a call the C API refuses on one rank fails every rank at onc
   int index = -1;
   const std::vector<std::string> reasons = {"ndims[0] = 65: expected 0 to 64", "ndims[0] = -1: expected 0 to 64",
                                             "argument 'ndims' is null", "argument 'dims' is null",
-                                            "argument 'bucket_index' is null"};
+                                            "argument 'bucket_index' is null",
+                                            "num_tensors = 4611686018427387904: expected at most 16777216 tensors"};
   for (size_t kind = 0; kind < reasons.size(); ++kind) {
     CAPTURE(kind);
     refused_everywhere(c_outcome_of([&] {
@@ -471,7 +472,8 @@ TEST_CASE("refusal: a call the C API refuses on one rank fails every rank at onc
                          if (kind == 1) return psgd_reducer_add_bucket(r, 2, negative, dims, &index);
                          if (kind == 2) return psgd_reducer_add_bucket(r, 2, nullptr, dims, &index);
                          if (kind == 3) return psgd_reducer_add_bucket(r, 2, ndims, nullptr, &index);
-                         return psgd_reducer_add_bucket(r, 2, ndims, dims, nullptr);
+                         if (kind == 4) return psgd_reducer_add_bucket(r, 2, ndims, dims, nullptr);
+                         return psgd_reducer_add_bucket(r, size_t{1} << 62, ndims, dims, &index);  // not allocated
                        }),
                        reasons[kind]);
   }
