@@ -200,8 +200,11 @@ int main(int argc, char** argv) {
                  "same on every rank; 0 (default) repeats the runs made before this option");
   app.add_option("--epochs", epochs, "Passes over the training set")->check(CLI::Range(1, 100));
   app.add_option("--batch", global_batch, "Global batch size (split over the ranks)")->check(CLI::Range(1, 60000));
-  app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)");
-  app.add_option("--test-limit", test_limit, "Test on the first N test images only (0: all 10000)");
+  // At most an IDX file's count field (32 bits), checked before load() sizes its read from it.
+  app.add_option("--train-limit", train_limit, "Train on the first N training images only (0: all 60000)")
+      ->check(CLI::Range(size_t{0}, size_t{0xffffffff}));
+  app.add_option("--test-limit", test_limit, "Test on the first N test images only (0: all 10000)")
+      ->check(CLI::Range(size_t{0}, size_t{0xffffffff}));
   app.add_option("--rank", rank, "PowerSGD rank r")->check(CLI::Range(1, 64));
   app.add_option("--start-iter", start_iter, "Plain averaged allreduce before this step")->check(CLI::NonNegativeNumber);
   app.add_option("--lr", lr, "Learning rate (SGD with momentum 0.9)");
@@ -270,6 +273,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (!(lr > 0.0f) || !std::isfinite(lr)) {
     std::fprintf(stderr, "--lr %g: expected a finite learning rate > 0\n", double(lr));
+    return 2;
+  }
+  if (!(lr_decay_factor >= 0.0f && lr_decay_factor <= 1.0f)) {  // CLI::Range lets NaN through
+    std::fprintf(stderr, "--lr-decay-factor %g: expected a factor in [0, 1]\n", double(lr_decay_factor));
     return 2;
   }
   if (checkpoint_dir.empty() != (checkpoint_every == 0)) {
@@ -471,7 +478,7 @@ int main(int argc, char** argv) {
         auto [loss, ok] = model->train_step(x.data(), y.data(), local_batch);
         loss_sum += loss;
         correct += ok;
-        if (recorder && global_step >= record_from && global_step < record_from + record_steps) {
+        if (recorder && global_step >= record_from && global_step - record_from < record_steps) {
           const float* local[2] = {model->grads(0).data(), model->grads(1).data()};
           recorder->append_step(local);
         }

@@ -166,12 +166,31 @@ void TrainerCheckpoints::save(const TrainerState& state, std::span<const std::ve
   if (outer_ != nullptr) outer_->save(outer_file(set, comm_.rank()));
   if (crash_before_complete) ::raise(SIGKILL);  // a real crash, mid-save
   comm_.barrier();  // every rank's files are durable
-  if (comm_.rank() != 0) return;
-  write_file_durably(set + "/COMPLETE", {});
-  // Keep this set and the one before; older ones (complete or interrupted) go.
+  if (comm_.rank() == 0) write_file_durably(set + "/COMPLETE", {});
+  // Keep this set and the one before; older ones (complete or interrupted) go. Each rank removes its own files
+  // (a --checkpoint-dir of each node's own holds only its ranks'), rank 0 also COMPLETE first, and whichever
+  // rank empties a set's directory removes it: no rank removes a file another may be removing.
+  std::vector<std::filesystem::path> old;
   for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
     const int64_t step = step_of(entry.path());
-    if (step >= 0 && step < state.step - every_) std::filesystem::remove_all(entry.path());
+    if (step >= 0 && step < state.step - every_) old.push_back(entry.path());
+  }
+  const auto mine = [&](const std::string& name) {  // this rank's files and their temporaries (a crash's)
+    std::vector<std::string> own = {trainer_file("", comm_.rank()), reducer_file("", comm_.rank()),
+                                    outer_file("", comm_.rank())};
+    if (comm_.rank() == 0) own.push_back("/COMPLETE");
+    return std::any_of(own.begin(), own.end(), [&](const std::string& file) {
+      const std::string base = file.substr(1);
+      return name == base || name.rfind(base + ".tmp.", 0) == 0;
+    });
+  };
+  for (const auto& path : old) {
+    std::error_code ignored;  // another rank may have removed the directory already
+    std::vector<std::filesystem::path> files;
+    for (const auto& entry : std::filesystem::directory_iterator(path, ignored))
+      if (mine(entry.path().filename().string())) files.push_back(entry.path());
+    for (const auto& file : files) std::filesystem::remove(file, ignored);
+    std::filesystem::remove(path, ignored);  // only where empty
   }
 }
 

@@ -21,6 +21,7 @@ for v in -1 0 nan inf -inf; do
   refused "--lr $v: expected a finite learning rate > 0" --lr "$v"
 done
 refused "--lr-decay-epochs 5: expected an epoch in 1..4 (--epochs)" --epochs 4 --lr-decay-epochs 5
+refused "--lr-decay-factor nan: expected a factor in [0, 1]" --lr-decay-factor nan
 refused "--outer-lr and --outer-momentum need --local-steps > 1" --outer-lr 0.5
 refused "--checkpoint-dir and --checkpoint-every go together" --checkpoint-every 5
 # A valid learning rate passes these checks and stops only where the job would start.

@@ -52,6 +52,13 @@ scenario() {  # name, extra trainer arguments
 
   job "$dir/$name.resumed" $ck || fail "$name: resumed run" "$dir/$name.resumed"
   grep -q "resumed from .* at step 20" "$dir/$name.resumed" || fail "$name: did not resume from step 20" "$dir/$name.resumed"
+  # The two newest sets are kept, each whole; the older ones (step 15's interrupted one included) are gone.
+  sets=$(ls "$dir/ckpt" | tr '\n' ' ')
+  [ "$sets" = "step-0000000025 step-0000000030 " ] || fail "$name: sets left: $sets (expected steps 25 and 30)"
+  for set in "$dir"/ckpt/*; do
+    [ -f "$set/COMPLETE" ] && [ -f "$set/trainer.rank0" ] && [ -f "$set/trainer.rank1" ] ||
+      fail "$name: $set is not whole: $(ls "$set" | tr '\n' ' ')"
+  done
   got=$(hash_of "$dir/$name.resumed")
   [ "$got" = "$expected" ] || fail "$name: parameters differ: uninterrupted $expected, killed twice and resumed $got" \
     "$dir/$name.uninterrupted" "$dir/$name.resumed"

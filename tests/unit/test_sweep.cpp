@@ -1,20 +1,25 @@
 // Gradient records (include/powersgd/gradient_record.hpp) and `powersgd-bench
 // sweep` run on one: the format round-trips and refuses damaged files; the sweep
 // applies the reference's compression rule per rank and its error falls with r.
+// powersgd-bench's refusals: one line, exit 1.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include "support/doctest_main.hpp"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "powersgd/gradient_record.hpp"
@@ -144,6 +149,58 @@ TEST_CASE("sweep: reference compression rule per rank, error falls with the rank
   CHECK(error(1) > 0.0);
   CHECK(error(2) == 0.0);
   CHECK(doc["ranks"][0]["tensor_relative_error"][2].get<double>() == 0.0);  // the vector is sent exactly
+}
+
+TEST_CASE("powersgd-bench: a bad argument or a library error is one line and exit 1, never an abort") {
+  const char* bench = std::getenv("PSGD_BENCH");
+  REQUIRE_MESSAGE(bench != nullptr, "PSGD_BENCH must name the powersgd-bench binary");
+  TempDir dir;
+  const fs::path shapes = dir.path / "m.shapes", out = dir.path / "out.txt";
+  {
+    std::ofstream s(shapes);
+    s << "# comment\n   \r\nfc 16 8\n";  // a blank line of spaces and a CR is not a tensor
+  }
+  const auto run = [&](const std::string& arguments) {
+    const std::string cmd = "env -u WORLD_SIZE " + std::string(bench) + " " + arguments + " > " + out.string() + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(out);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return std::pair{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"engine --shapes " + shapes.string() + " --mode bogus",
+       "powersgd-bench engine: --mode 'bogus': expected sync, async or fused\n"},
+      {"engine --shapes " + (dir.path / "missing").string(),
+       "powersgd-bench engine: cannot open shapes file " + (dir.path / "missing").string() + "\n"},
+      {"engine --shapes " + shapes.string() + " --rank 0 --steps 1 --warmup 0",
+       "powersgd-bench engine: "},
+      {"sweep --gradients " + (dir.path / "missing").string(), "powersgd-bench sweep: "},
+      {"sweep --gradients " + shapes.string() + " --ranks 0", "powersgd-bench sweep: "},
+      {"allreduce --min-bytes 64 --max-bytes 8",
+       "powersgd-bench allreduce: --min-bytes 64 above --max-bytes 8: expected at most --max-bytes\n"},
+  };
+  for (const auto& [arguments, expected] : cases) {
+    CAPTURE(arguments);
+    const auto [status, text] = run(arguments);
+    INFO(text);
+    CHECK(status == 1);
+    CHECK(text.rfind(expected, 0) == 0);
+    CHECK(std::count(text.begin(), text.end(), '\n') == 1);
+  }
+  // Counts the steps cannot be: CLI11's refusal (its exit status), not a division by zero.
+  for (const std::string bad : {"--steps 0", "--warmup -2", "--bucket-mb -1"}) {
+    CAPTURE(bad);
+    const auto [status, text] = run("engine --shapes " + shapes.string() + " " + bad);
+    INFO(text);
+    CHECK(status != 0);
+    CHECK(status < 128);
+    CHECK(text.find("not in range") != std::string::npos);
+  }
+  // The blank line is no tensor: one tensor, 128 elements.
+  const auto [status, text] = run("engine --shapes " + shapes.string() + " --steps 1 --warmup 0");
+  INFO(text);
+  CHECK(status == 0);
+  CHECK(text.find("1 tensors, 128 elements") != std::string::npos);
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

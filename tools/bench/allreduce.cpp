@@ -69,15 +69,19 @@ double time_allreduce(GlooCommunicator& comm, std::vector<float>& data, size_t c
   std::vector<double> times(static_cast<size_t>(iterations));
   comm.barrier();
   for (double& t : times) t = once();
-  std::nth_element(times.begin(), times.begin() + iterations / 2, times.end());
-  return max_over_ranks(comm, times[static_cast<size_t>(iterations / 2)]);
+  std::sort(times.begin(), times.end());
+  const auto half = static_cast<size_t>(iterations / 2);
+  return max_over_ranks(comm, iterations % 2 == 1 ? times[half] : (times[half - 1] + times[half]) / 2);
 }
 
 void run(const Settings& settings) {
+  if (settings.min_bytes > settings.max_bytes)
+    throw InvalidArgumentError("--min-bytes " + std::to_string(settings.min_bytes) + " above --max-bytes " +
+                               std::to_string(settings.max_bytes) + ": expected at most --max-bytes");
   for (const auto& name : settings.algorithms)
     if (!kVariants.count(name))
       throw InvalidArgumentError("unknown algorithm '" + name +
-                                 "': expected ring, bcube, halving-doubling or ring-legacy");
+                                 "': expected ring, bcube, direct, scatter-gather, halving-doubling or ring-legacy");
   CommOptions options = CommOptions::from_env();
   // One communicator per Gloo API: mixing both on one context slows both down.
   std::map<GlooApi, std::unique_ptr<GlooCommunicator>> comms;
@@ -172,14 +176,7 @@ void add_allreduce_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(3, 1000000));
   cmd->add_option("--json", settings->json_path, "Also write the results as JSON to this file (rank 0)");
-  cmd->callback([settings] {
-    try {
-      run(*settings);
-    } catch (const Error& e) {
-      std::fprintf(stderr, "powersgd-bench allreduce: %s\n", e.what());
-      throw CLI::RuntimeError(1);
-    }
-  });
+  cmd->callback([settings] { run(*settings); });
 }
 
 }  // namespace powersgd::bench

@@ -62,10 +62,9 @@ Model read_shapes(const std::string& path) {
   int number = 0;
   while (std::getline(in, line)) {
     ++number;
-    if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
     std::string name;
-    fields >> name;
+    if (!(fields >> name) || name[0] == '#') continue;  // blank (spaces, a CRLF's \r) or a comment
     Shape shape;
     int64_t dim = 0;
     while (fields >> dim) shape.push_back(dim);
@@ -170,8 +169,9 @@ std::unique_ptr<Communicator> make_comm() {
 }
 
 double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
+  std::sort(v.begin(), v.end());
+  const size_t half = v.size() / 2;
+  return v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;  // --steps is at least 1
 }
 
 void run(const Settings& settings) {
@@ -398,10 +398,11 @@ void add_engine_command(CLI::App& app) {
                                                "the minimal memory traffic at measured STREAM bandwidth)");
   cmd->add_option("--shapes", settings->shapes_path, "Model shapes file (data/models/*.shapes)")->required();
   cmd->add_option("--rank", settings->rank, "PowerSGD rank r")->capture_default_str();
-  cmd->add_option("--steps", settings->steps, "Timed steps")->capture_default_str();
-  cmd->add_option("--warmup", settings->warmup, "Untimed steps first")->capture_default_str();
+  cmd->add_option("--steps", settings->steps, "Timed steps")->capture_default_str()->check(CLI::Range(1, 1000000));
+  cmd->add_option("--warmup", settings->warmup, "Untimed steps first")->capture_default_str()->check(CLI::Range(0, 1000000));
   cmd->add_option("--bucket-mb", settings->bucket_mb, "Bucket cap in MiB (0: the model in one bucket)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e9));
   cmd->add_option("--mode", settings->mode, "sync (reduce per bucket), async (all in flight) or fused (reduce_all)")
       ->capture_default_str();
   cmd->add_flag("!--no-error-feedback", settings->error_feedback, "Disable error feedback");

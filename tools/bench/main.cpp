@@ -1,4 +1,7 @@
+#include <cstdio>
+#include <exception>
 #include <fstream>
+#include <string>
 
 #include "bench.hpp"
 #include "powersgd/error.hpp"
@@ -21,6 +24,15 @@ int main(int argc, char** argv) {
   powersgd::bench::add_allreduce_command(app);
   powersgd::bench::add_engine_command(app);
   powersgd::bench::add_sweep_command(app);
-  CLI11_PARSE(app, argc, argv);
+  // A subcommand's failure (a library error: a bad --mode, a missing file, a lost peer) is one line and exit 1,
+  // never an escaped exception (std::terminate, SIGABRT).
+  try {
+    CLI11_PARSE(app, argc, argv);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const std::string name = "powersgd-bench " + app.get_subcommands().front()->get_name() + ": ";
+    std::fprintf(stderr, "%s%s\n", what.rfind("powersgd-bench", 0) == 0 ? "" : name.c_str(), what.c_str());
+    return 1;
+  }
   return 0;
 }
