@@ -1,6 +1,5 @@
 #include "comm/communicator.hpp"
 
-#include <arpa/inet.h>
 #include <gloo/common/error.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -286,14 +285,14 @@ void GlooCommunicator::connect() {
   } else if (options_.host_store) {
     TcpStoreServerOptions server;
     // Only the address the other ranks use to reach MASTER_ADDR, never every
-    // interface: a loopback MASTER_ADDR itself (127.0.0.1 for a name such as
-    // localhost), else the local address that faces it (MASTER_ADDR itself
-    // when it names this host).
+    // interface: a loopback MASTER_ADDR itself, a name as it resolves here (the
+    // server binds the first of its addresses that binds, and every client tries
+    // each of them: Debian's hosts file maps the host's own name to 127.0.1.1,
+    // ip6-localhost to ::1), else the local address that faces it (MASTER_ADDR
+    // itself when it names this host).
     const std::string& master = options_.store_addr;
     bool loopback = is_loopback(master, kMasterAddr);
-    unsigned char probe[sizeof(in6_addr)];
-    bool literal = inet_pton(AF_INET, master.c_str(), probe) == 1 || inet_pton(AF_INET6, master.c_str(), probe) == 1;
-    server.bind_address = !loopback ? local_address_towards(master, kMasterAddr) : literal ? master : "127.0.0.1";
+    server.bind_address = loopback ? master : local_address_towards(master, kMasterAddr);
     server.port = options_.store_port;
     server.token = options_.token;
     // This process's Gloo pairs need descriptors beyond the store's budget.

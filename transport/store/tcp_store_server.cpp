@@ -1043,18 +1043,32 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
   if (ec || results.empty())
     PSGD_THROW(InvalidArgumentError, "store server bind address '", options.bind_address,
                "' does not resolve: ", ec.message());
-  tcp::endpoint endpoint = results.begin()->endpoint();
+  // The first of the name's addresses that binds ("localhost" may list ::1 first where IPv6 is off; clients try
+  // each address the name resolves to).
   auto& acceptor = impl_->acceptor;
-  // Created close-on-exec in one step: another thread may fork and exec at any time.
-  int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
-  if (fd < 0) PSGD_THROW_ERRNO(IoError, errno, "store server cannot create a socket for ", where);
-  if (acceptor.assign(endpoint.protocol(), fd, ec)) {
-    ::close(fd);
+  for (const auto& result : results) {
+    const tcp::endpoint endpoint = result.endpoint();
+    boost::system::error_code ignored;
+    acceptor.close(ignored);
+    // Created close-on-exec in one step: another thread may fork and exec at any time.
+    int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
+    if (fd < 0) {
+      ec = {errno, boost::system::system_category()};
+      continue;
+    }
+    if (acceptor.assign(endpoint.protocol(), fd, ec)) {
+      ::close(fd);
+      continue;
+    }
+    if (!acceptor.set_option(tcp::acceptor::reuse_address(true), ec) && !acceptor.bind(endpoint, ec) &&
+        !acceptor.listen(asio::socket_base::max_listen_connections, ec) && !acceptor.non_blocking(true, ec))
+      break;
+  }
+  if (ec) {
+    boost::system::error_code ignored;
+    acceptor.close(ignored);
     PSGD_THROW(IoError, "store server cannot listen on ", where, ": ", ec.message());
   }
-  if (acceptor.set_option(tcp::acceptor::reuse_address(true), ec) || acceptor.bind(endpoint, ec) ||
-      acceptor.listen(asio::socket_base::max_listen_connections, ec) || acceptor.non_blocking(true, ec))
-    PSGD_THROW(IoError, "store server cannot listen on ", where, ": ", ec.message());
   impl_->bound_port = acceptor.local_endpoint().port();
   asio::post(impl_->io, [impl = impl_.get()] { impl->accept_ready(); });
   impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
