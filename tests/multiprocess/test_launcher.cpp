@@ -465,6 +465,28 @@ TEST_SUITE("local") {
     }
   }
 
+  // The same with its stderr, where the launcher says what it does: a stop it announced first and did after
+  // waited for the reader (a signal was not forwarded, a failed worker's peers kept running, without --timeout
+  // for good). Nothing reads the launcher's stderr here until it has exited.
+  TEST_CASE("a launcher stderr nobody reads does not keep a signal or a worker's failure from stopping the job") {
+    {
+      Launcher l({"-n", "2", "--grace", "1", "--", "sh", "-c", "exec yes >&2"});
+      std::this_thread::sleep_for(500ms);  // the stderr pipe is full long before
+      l.signal(SIGTERM);
+      CHECK(l.exits_within(8s));
+      Result r = l.finish(10s);
+      CHECK(r.code == 128 + SIGTERM);
+    }
+    {
+      // Rank 1 fills the launcher's stderr for good; rank 0 fails meanwhile.
+      Launcher l({"-n", "2", "--grace", "1", "--", "sh", "-c",
+                  "if [ \"$RANK\" = 0 ]; then sleep 0.5; exit 3; fi; exec yes >&2"});
+      CHECK(l.exits_within(8s));
+      Result r = l.finish(10s);
+      CHECK(r.code == 3);
+    }
+  }
+
   TEST_CASE("SIGTERM and SIGINT to the launcher are forwarded to every worker") {
     for (int sig : {SIGTERM, SIGINT}) {
       CAPTURE(sig);
@@ -606,6 +628,12 @@ TEST_SUITE("local") {
         {{"--hosts", "node1:0", "--", "/bin/touch", marker}, "slot count '0' is not a positive integer"},
         {{"--hosts", "node1:2", "-n", "3", "--", "/bin/touch", marker}, "more than the 2 slots"},
         {{"-n", "1", "--grace", "-1", "--", "/bin/touch", marker}, "--grace -1 is out of range"},
+        // An empty value (a variable unset in a script) was read as zero or as none: no timeout, no grace.
+        {{"-n", "1", "--timeout", "", "--", "/bin/touch", marker}, "--timeout '': expected a value"},
+        {{"-n", "1", "--grace", "", "--", "/bin/touch", marker}, "--grace '': expected a value"},
+        {{"-n", "1", "--log-dir", "", "--", "/bin/touch", marker}, "--log-dir '': expected a value"},
+        {{"-n", "2", "--emulate-hosts", "2", "--link-rate", "", "--", "/bin/touch", marker},
+         "--link-rate '': expected a value"},
         // poll(2) takes an int of milliseconds: larger values wrapped negative and never fired.
         {{"-n", "1", "--timeout", "3000000", "--", "/bin/touch", marker}, "--timeout 3e+06 is out of range"},
         {{"-n", "1", "--grace", "2147484", "--", "/bin/touch", marker}, "at most 2147483"},

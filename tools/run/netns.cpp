@@ -165,8 +165,9 @@ void EmulatedCluster::start_delayers(std::chrono::nanoseconds delay, const std::
     // Inbound (PREROUTING): held packets then cost the receiver nothing, where
     // holding them on the way out holds the sender's socket memory and TCP's
     // small queues throttle it (cluster-emulation.md). --queue-bypass: a
-    // queue without its delayer passes packets, never drops them.
-    run_tool(iptables, {"-t", "raw", "-A", "PREROUTING", "-i", kInterface, "-j", "NFQUEUE", "--queue-num", "0",
+    // queue without its delayer passes packets, never drops them. -w: the
+    // legacy backend's lock may be held by another iptables user (wait for it).
+    run_tool(iptables, {"-w", "-t", "raw", "-A", "PREROUTING", "-i", kInterface, "-j", "NFQUEUE", "--queue-num", "0",
                         "--queue-bypass"},
              host_netns_fd(h));
   }

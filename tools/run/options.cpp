@@ -424,6 +424,12 @@ ParseResult parse_command_line(int argc, char** argv) {
   try {
     if (o.command.empty())
       PSGD_THROW(InvalidArgumentError, "no program given: expected powersgd-run [options] -- PROGRAM ARGS...");
+    // CLI11 reads an empty value as zero or as not given: --timeout "$T" with T unset would mean no timeout.
+    for (const CLI::Option* option : app.get_options())
+      if (option->get_name() != "command" && option->get_type_size() != 0)
+        for (const std::string& value : option->results())
+          if (value.empty())
+            PSGD_THROW(InvalidArgumentError, option->get_name(), " '': expected a value");
     if (app.count("-n") > 0 && (o.nproc < 1 || o.nproc > kMaxWorkers))
       PSGD_THROW(InvalidArgumentError, "-n ", o.nproc, " is out of range: expected 1 to ", kMaxWorkers, " workers");
     o.grace = seconds_option(grace, "--grace", true);

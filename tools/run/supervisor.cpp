@@ -129,8 +129,12 @@ Supervisor::Clock::time_point Supervisor::output_deadline() const {
 void Supervisor::collect_signals() {
   signalfd_siginfo info{};
   while (::read(signal_fd_, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
-    if (info.ssi_signo == SIGCHLD) child_signalled_ = true;
-    else pending_signals_.push_back(static_cast<int>(info.ssi_signo));
+    if (info.ssi_signo == SIGCHLD) {
+      child_signalled_ = true;
+      failed_child_ = failed_child_ || (!stopping_ && failure_waiting());
+    } else {
+      pending_signals_.push_back(static_cast<int>(info.ssi_signo));
+    }
   }
 }
 
@@ -139,16 +143,18 @@ void Supervisor::write_output(int fd, const char* data, size_t size) {
     if (!pending_signals_.empty()) break;
     pollfd fds[2] = {{fd, POLLOUT, 0}, {signal_fd_, POLLIN, 0}};
     const auto limit = output_deadline();
-    const int wait_ms = limit == Clock::time_point::max() ? -1
-                        : limit <= Clock::now()          ? 0
-                                                         : poll_timeout_ms(limit - Clock::now());
+    // A worker failed: what the output takes now, no waiting (reap() stops the job, then writes wait to --grace).
+    const int wait_ms = failed_child_ && !stopping_        ? 0
+                        : limit == Clock::time_point::max() ? -1
+                        : limit <= Clock::now()            ? 0
+                                                           : poll_timeout_ms(limit - Clock::now());
     const int ready = ::poll(fds, 2, wait_ms);
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0 || (fds[0].revents & (POLLERR | POLLHUP | POLLNVAL)) != 0) return;  // closed: output lost
     if ((fds[1].revents & POLLIN) != 0) collect_signals();
     if ((fds[0].revents & POLLOUT) == 0) {
-      if (ready == 0) break;  // the deadline passed
-      continue;               // a SIGCHLD alone
+      if (ready == 0) break;  // the deadline passed, or a worker failed
+      continue;               // a SIGCHLD, or a signal (the loop's first test)
     }
     // A terminal polls writable with room for less than PIPE_BUF (and none once stopped, ^S, with a full buffer):
     // a piece of 256 bytes fits what it reported.
@@ -160,6 +166,17 @@ void Supervisor::write_output(int fd, const char* data, size_t size) {
     size -= static_cast<size_t>(n);
   }
   dropped_bytes_ += size;
+}
+
+bool Supervisor::failure_waiting() const {
+  for (const auto& w : workers_) {
+    if (!w.running) continue;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == w.pid &&
+        !(info.si_code == CLD_EXITED && info.si_status == 0))
+      return true;
+  }
+  return false;
 }
 
 void Supervisor::emit_line(Worker& w, Stream& s, const std::string& line) {
@@ -225,16 +242,24 @@ void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
   w.running = false;
   w.stdin_w.reset();  // ssh workers: closes the remote side's liveness channel
   w.stdin_pending.clear();
+  const int code = exit_code_of(wait_status);
+  // The job's failure is acted on before anything is written: a reader of the launcher's output that stopped
+  // holds the writes back up to --grace once the others are stopping, never the stop itself.
+  const bool cause = code != 0 && !stopping_;
+  const int others = running_count();
+  if (cause) {
+    exit_code_ = code;
+    stop(SIGTERM);
+  }
   // Everything the worker wrote before exiting is in the pipes now; a child it
   // left behind may keep them open, so do not wait for EOF.
   read_stream(w, w.out, Read::Held);
   read_stream(w, w.err, Read::Held);
   close_stream(w, w.out);
   close_stream(w, w.err);
-  int code = exit_code_of(wait_status);
   if (code == 0) return;
   const std::string who = detail::concat("rank ", w.rank, " (pid ", w.pid, " on ", w.where, ") ");
-  if (stopping_) {
+  if (!cause) {
     // Not the cause, but not silent either when found with the cause, or when killed by a signal that the
     // launcher did not send (a failure of its own, come while the job was stopping).
     const int sig = WIFSIGNALED(wait_status) ? WTERMSIG(wait_status) : 0;
@@ -243,8 +268,6 @@ void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
     else if (foreign_signal) say(who + describe_exit(wait_status) + " while the job was stopping");
     return;
   }
-  exit_code_ = code;
-  int others = running_count();
   say(detail::concat(who, describe_exit(wait_status),
                      others > 0 ? detail::concat("; stopping the other ", others, " worker", others == 1 ? "" : "s",
                                                  " (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
@@ -256,7 +279,6 @@ void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
     say(detail::concat("last ", w.last.size(), " lines of rank ", w.rank, ":"));
     for (const auto& line : w.last) write_output(2, (line + "\n").data(), line.size() + 1);
   }
-  stop(SIGTERM);
 }
 
 void Supervisor::reap() {
@@ -285,15 +307,17 @@ void Supervisor::handle_signals() {
   while (!pending_signals_.empty()) {
     const int sig = pending_signals_.front();
     pending_signals_.erase(pending_signals_.begin());
+    // Acted on first, said after (as everywhere here): a stopped reader of the output cannot hold the signal.
     if (!stopping_) {
       exit_code_ = 128 + sig;
-      say(detail::concat("got SIG", sigabbrev_np(sig), "; forwarding it to ", running_count(), " workers (SIGKILL after --grace ",
-                         seconds_text(options_.grace), " s)"));
+      const int running = running_count();
       stop(sig);
+      say(detail::concat("got SIG", sigabbrev_np(sig), "; forwarding it to ", running, " workers (SIGKILL after --grace ",
+                         seconds_text(options_.grace), " s)"));
     } else if (!killed_) {
-      say(detail::concat("got SIG", sigabbrev_np(sig), " again; sending SIGKILL to every worker"));
       killed_ = true;
       signal_all(SIGKILL);
+      say(detail::concat("got SIG", sigabbrev_np(sig), " again; sending SIGKILL to every worker"));
     }
   }
 }
@@ -327,6 +351,7 @@ int Supervisor::run() {
     // after the next event (which may never come).
     if (!pending_signals_.empty() || child_signalled_) wait_ms = 0;
     child_signalled_ = false;
+    failed_child_ = false;  // reap() below takes it
     // EINTR counts as a wake-up with nothing ready: the loop re-checks signals and deadlines.
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
     if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);
@@ -340,28 +365,31 @@ int Supervisor::run() {
     if (check_helpers && !stopping_ && running_count() > 0) {
       if (std::string failure = check_helpers(); !failure.empty()) {
         exit_code_ = 1;
-        say(detail::concat(failure, "; stopping ", running_count(), " workers (SIGTERM, SIGKILL after --grace ",
-                           seconds_text(options_.grace), " s)"));
+        const int running = running_count();
         stop(SIGTERM);
+        say(detail::concat(failure, "; stopping ", running, " workers (SIGTERM, SIGKILL after --grace ",
+                           seconds_text(options_.grace), " s)"));
       }
     }
 
     now = Clock::now();
     if (!stopping_ && now >= deadline_ && running_count() > 0) {
       exit_code_ = 124;
-      say(detail::concat("job timed out: --timeout ", seconds_text(options_.timeout), " s passed; stopping ",
-                         running_count(), " workers (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
-                         " s)"));
+      const int running = running_count();
       stop(SIGTERM);
+      say(detail::concat("job timed out: --timeout ", seconds_text(options_.timeout), " s passed; stopping ",
+                         running, " workers (SIGTERM, SIGKILL after --grace ", seconds_text(options_.grace),
+                         " s)"));
     }
     if (stopping_ && !killed_ && now >= kill_at_ && running_count() > 0) {
       std::string ranks;
       for (const auto& w : workers_)
         if (w.running) ranks += (ranks.empty() ? "" : ", ") + std::to_string(w.rank);
-      say(detail::concat("rank", running_count() == 1 ? " " : "s ", ranks, " still running after --grace ",
-                         seconds_text(options_.grace), " s; sending SIGKILL"));
+      const int running = running_count();
       killed_ = true;
       signal_all(SIGKILL);
+      say(detail::concat("rank", running == 1 ? " " : "s ", ranks, " still running after --grace ",
+                         seconds_text(options_.grace), " s; sending SIGKILL"));
     }
   }
   // Children that workers left behind in their process groups go with them; each group is signalled while

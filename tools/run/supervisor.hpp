@@ -85,13 +85,17 @@ class Supervisor {
   // Writes to the launcher's own stdout or stderr (`fd`) in pieces a pipe that polls writable takes whole, each
   // waiting for room beside the signal descriptor: a reader that stops (a pager, a stuck log shipper) slows
   // the job, as any pipe does, but keeps the launcher neither from a signal (the rest is dropped and the
-  // signal handled) nor from its next deadline (--timeout, SIGKILL after --grace; once SIGKILL was sent it
-  // waits no more). Dropped bytes are counted and reported when the job ends.
+  // signal handled), nor from a worker's failure (the same), nor from its next deadline (--timeout, SIGKILL
+  // after --grace; once SIGKILL was sent it waits no more). Dropped bytes are counted and reported when the
+  // job ends.
   void write_output(int fd, const char* data, size_t size);
+  // Whether a running worker has exited with a failure that reap() has not taken yet (it stays a zombie).
+  bool failure_waiting() const;
   void say(const std::string& message);
   // When write_output stops waiting for room.
   Clock::time_point output_deadline() const;
-  // Reads the signal descriptor into pending_signals_ (SIGCHLD dropped: reap() runs after every wake-up).
+  // Reads the signal descriptor into pending_signals_ (a SIGCHLD sets child_signalled_, and failed_child_ where
+  // a worker failed: reap() runs after every wake-up).
   void collect_signals();
   // Writes what stdin_w takes now of stdin_pending, never blocking.
   void write_stdin(Worker& w);
@@ -117,6 +121,7 @@ class Supervisor {
   std::vector<int> pending_signals_;                        // collected, not handled yet
   uint64_t dropped_bytes_ = 0;                              // of output write_output dropped
   bool child_signalled_ = false;  // a SIGCHLD collect_signals took: reap() is due without waiting
+  bool failed_child_ = false;     // and a worker had failed then (failure_waiting): write_output waits no more
   size_t out_piece_, err_piece_;  // the most write_output writes at once to stdout, stderr (a terminal: less)
 };
 
