@@ -141,6 +141,9 @@ class OrderGuard {
   // After a reduction succeeded: hashes each bucket's output, P and Q when its
   // step is due (divergence_check_interval), for its next announce.
   void after_success(const Reduction& reduction);
+  // A load replaced the state the pending hashes are of: none is compared (every rank loads before the next
+  // reduction, so every rank forgets them alike).
+  void forget_pending() { pending_.assign(pending_.size(), Pending{}); }
 
  private:
   struct Pending {

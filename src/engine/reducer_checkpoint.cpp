@@ -169,6 +169,7 @@ void Reducer::Impl::apply(const engine::CheckpointContents& c) {
   }
   completed_steps_ = c.iteration;
   loaded_on_worker_ = true;
+  guard_->forget_pending();  // of outputs this state replaced (a drift the load repaired is not reported)
   stats_.numel_before = c.numel_before;
   stats_.numel_after = c.numel_after;
   stats_.bytes_sent = c.bytes_sent;

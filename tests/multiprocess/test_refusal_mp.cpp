@@ -408,6 +408,41 @@ TEST_CASE("refusal: a real divergence is reported at the next agreed announce af
   }
 }
 
+// A drift repaired by a load is not reported: rank 1's output drifts at step 3 (hashed for step 4's announce),
+// then every rank loads its checkpoint of step 2. Before: the first reduction after the load failed on every
+// rank with "replicas diverged in step 3", of outputs the load had replaced.
+TEST_CASE("refusal: a load forgets the divergence hashes of the state it replaced") {
+  auto comm = connect("refusal-divergence-load");
+  const int me = comm->rank();
+  constexpr int64_t kDrift = 3;
+  const std::string path = "/tmp/psgd-test-refusal-drift-" + std::string(std::getenv("PSGD_STORE_PORT")) + "-" +
+                           std::to_string(me) + ".ckpt";
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  c.divergence_check_interval = 2;  // (3 + 1) % 2 == 0: the outputs of step 3 are hashed
+  if (me == 1) engine::arm_fault({engine::FaultPoint::Output, kDrift});
+  Reducer r(*comm, c);
+  r.add_bucket(kBucket0);
+  r.add_bucket(kBucket1);
+  const auto step_ok = [&](int64_t step) {
+    CAPTURE(step);
+    std::vector<std::vector<float>> g{gradients(r.bucket_size(0), me, step, 4), gradients(r.bucket_size(1), me, step, 5)};
+    for (int b = 0; b < 2; ++b) {
+      const Outcome o = outcome_of([&] { r.reduce(b, g[static_cast<size_t>(b)].data()); });
+      INFO(o.message);
+      CHECK(o.code == 0);
+    }
+  };
+  for (int64_t step = 0; step < 2; ++step) step_ok(step);
+  r.save(path);
+  for (int64_t step = 2; step <= kDrift; ++step) step_ok(step);
+  r.load(path);
+  CHECK(r.iteration() == 2);
+  step_ok(2);
+  std::filesystem::remove(path);
+}
+
 namespace {
 
 struct COutcome {
