@@ -62,6 +62,7 @@ void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t s
   PSGD_THROW(IoError, "injected fault (engine::arm_fault, test only) in ",
              point == FaultPoint::Prepare    ? "prepare of step "
              : point == FaultPoint::Allocate ? "the buffers' allocation, attempt "
+             : point == FaultPoint::Note     ? "the learning-rate note's application in step "
                                              : "the compute between the P and Q collectives of step ",
              step);
 }

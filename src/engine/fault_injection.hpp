@@ -19,6 +19,8 @@ enum class FaultPoint {
             // step's first bucket on this rank (a replica that drifted; the divergence detector's test)
   Allocate,  // the buffers' allocation at the first reduce, save or load (a device or host out of
              // memory): its attempt number `step` (0: the first) throws
+  Note,      // the learning-rate note's application in the reduction of step `step` (after the levels switched:
+             // a host out of memory in a level switch's copies), on every attempt at that step
   Hold,      // not a failure: the worker holds the first single-bucket reduction of step `step` (every step when
              // `step` < 0) until the step's other buckets are queued behind it (at most 10 s), so that
              // fusing them (docs/engine.md, "Fusing queued reductions") does not depend on timing

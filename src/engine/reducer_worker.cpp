@@ -12,6 +12,7 @@
 
 #include "common/env.hpp"
 #include "engine/fault_injection.hpp"
+#include "engine/job_checkpoint.hpp"
 #include "engine/policy.hpp"
 #include "engine/reducer_impl.hpp"
 
@@ -74,8 +75,29 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       guard_->finish(reduction);
       loaded_on_worker_ = false;
       engine::lay_out_for_note(config_, comm_, *backend_, arenas_, buckets_);
-      NotedBefore before = save_noted(reduction);
-      apply_note(reduction);
+      // Local work after the agreement (a level switch copies whole buckets): its failure on one rank is every
+      // rank's, agreed before the reduction's collectives, what it changed put back.
+      NotedBefore before;
+      bool saved = false;  // save_noted changes nothing
+      std::exception_ptr local;
+      try {
+        before = save_noted(reduction);
+        saved = true;
+        apply_note(reduction);
+        engine::maybe_inject(fault_, engine::FaultPoint::Note, reduction.iteration);
+      } catch (...) {
+        local = std::current_exception();
+      }
+      try {
+        engine::agree_on_outcome(comm_, local, detail::concat("step ", reduction.iteration,
+                                                              ": applying a learning-rate note (note_lr_change)"));
+      } catch (...) {
+        try {
+          if (saved) restore_noted(before);  // on every rank: the note stays pending, nothing switched
+        } catch (...) {  // what stays changed differs from the peers': their next announce says so
+        }
+        throw;
+      }
       try {
         runner_->run(reduction);
       } catch (...) {

@@ -1608,6 +1608,72 @@ TEST_CASE("policy: the rank decisions are identical on every rank, also after a 
   std::remove(file.c_str());
 }
 
+// The note's application (a level switch: whole buckets copied) fails on rank 1 only, after the ranks agreed on the
+// note. Before: rank 1 threw alone and its peers went into the reduction's first collective without it (a
+// MismatchError with rank 1 a reduction behind for good, or a timeout), its first bucket left switched.
+TEST_CASE("policy: a note whose application fails on one rank fails every rank at once, state and note kept") {
+  auto comm = connect("engine-policy-note-fails");
+  const int me = comm->rank();
+  Config c;
+  c.rank = 1;
+  c.rank_high = 3;
+  c.start_iter = 0;
+  c.lr_boost_steps = 2;
+  if (me == 1) engine::arm_fault({engine::FaultPoint::Note, 3});
+  Reducer r(*comm, c);
+  r.add_bucket(kShapes);
+  r.add_bucket({{24, 20}, {7}});
+  std::vector<size_t> n{r.bucket_size(0), r.bucket_size(1)};
+  for (int t = 0; t < 3; ++t)
+    for (int b = 0; b < 2; ++b) {
+      auto g = gradients(n[static_cast<size_t>(b)], me, t, 5 + b);
+      r.reduce(b, g.data());
+    }
+  r.note_lr_change();
+  std::vector<std::vector<float>> error_before, error_after;
+  for (int b = 0; b < 2; ++b) {
+    error_before.emplace_back(n[static_cast<size_t>(b)]);
+    r.error_feedback(b, error_before.back().data());
+  }
+  CHECK(r.decisions().size() >= 1);  // the first compressed step's; taken
+  {
+    std::vector<std::vector<float>> g{gradients(n[0], me, 3, 5), gradients(n[1], me, 3, 6)};
+    const auto data = g;
+    const std::vector<float*> pointers{g[0].data(), g[1].data()};
+    const Outcome o = outcome_of([&] { r.reduce_all(pointers); });
+    INFO(o.message);
+    CHECK(o.code == static_cast<int>(ErrorCode::Io));
+    CHECK(contains(o.message, "step 3: applying a learning-rate note (note_lr_change)"));
+    CHECK(contains(o.message, "rank 1"));
+    CHECK(contains(o.message, "injected fault"));
+    CHECK(o.seconds < kFailTogetherSeconds);
+    CHECK(g == data);
+    CHECK(r.iteration() == 4);  // a failed step is taken, as every refused one
+    for (int b = 0; b < 2; ++b) {
+      CHECK(r.bucket_rank(b) == 1);
+      error_after.assign(1, std::vector<float>(n[static_cast<size_t>(b)]));
+      r.error_feedback(b, error_after[0].data());
+      CHECK(error_after[0] == error_before[static_cast<size_t>(b)]);
+    }
+    CHECK(r.decisions().empty());  // none logged for the step that failed
+  }
+  // The note is still pending: step 4 applies it on every rank alike.
+  std::vector<std::vector<float>> g{gradients(n[0], me, 4, 5), gradients(n[1], me, 4, 6)};
+  const std::vector<float*> pointers{g[0].data(), g[1].data()};
+  r.reduce_all(pointers);
+  for (int b = 0; b < 2; ++b) CHECK(same_on_every_rank(*comm, g[static_cast<size_t>(b)]));
+  const std::vector<RankDecision> log = r.decisions();
+  REQUIRE(log.size() == 2);
+  for (const RankDecision& d : log) {
+    CHECK(d.step == 4);
+    CHECK(d.reason == RankReason::LrNote);
+  }
+  // The ranks are in step: the communicator's own collective pairs.
+  float x = 1.0f;
+  comm->allreduce(&x, 1, DataType::Float32);
+  CHECK(x == static_cast<float>(comm->size()));
+}
+
 TEST_CASE("policy: a learning-rate note on one rank only is a MismatchError on every rank, state unchanged") {
   auto comm = connect("engine-policy-one-note");
   const int me = comm->rank();
