@@ -1572,6 +1572,16 @@ Config policy_config() {
   return c;
 }
 
+// Rank 1, boosted to 3 for 2 steps by a learning-rate note; compressed from the start.
+Config boost_config() {
+  Config c;
+  c.rank = 1;
+  c.rank_high = 3;
+  c.start_iter = 0;
+  c.lr_boost_steps = 2;
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("policy: the rank decisions are identical on every rank, also after a checkpoint resume") {
@@ -1614,11 +1624,7 @@ TEST_CASE("policy: the rank decisions are identical on every rank, also after a 
 TEST_CASE("policy: a note whose application fails on one rank fails every rank at once, state and note kept") {
   auto comm = connect("engine-policy-note-fails");
   const int me = comm->rank();
-  Config c;
-  c.rank = 1;
-  c.rank_high = 3;
-  c.start_iter = 0;
-  c.lr_boost_steps = 2;
+  const Config c = boost_config();
   if (me == 1) engine::arm_fault({engine::FaultPoint::Note, 3});
   Reducer r(*comm, c);
   r.add_bucket(kShapes);
@@ -1677,11 +1683,7 @@ TEST_CASE("policy: a note whose application fails on one rank fails every rank a
 TEST_CASE("policy: a learning-rate note on one rank only is a MismatchError on every rank, state unchanged") {
   auto comm = connect("engine-policy-one-note");
   const int me = comm->rank();
-  Config c;
-  c.rank = 1;
-  c.rank_high = 3;
-  c.start_iter = 0;
-  c.lr_boost_steps = 2;
+  const Config c = boost_config();
   Reducer r(*comm, c);
   r.add_bucket(kShapes);
   const size_t n = r.bucket_size(0);
