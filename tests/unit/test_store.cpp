@@ -11,6 +11,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -715,7 +716,32 @@ TEST_CASE("file store: semantics, prefixes, timeout") {
   for (auto& th : adders) th.join();
   CHECK(a->add("counter", 0) == 200);
   CHECK(text(a->get("counter")) == "200");
+  {
+    // A process that holds the counter's lock and stalls (stopped, in a debugger): an add waits the store's
+    // timeout, not for good.
+    std::vector<std::filesystem::path> locks;
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(dir))
+      if (entry.path().extension() == ".lock") locks.push_back(entry.path());
+    REQUIRE(locks.size() == 1);  // the counter's
+    const int held = ::open(locks[0].c_str(), O_RDWR | O_CLOEXEC);
+    REQUIRE(held >= 0);
+    REQUIRE(::flock(held, LOCK_EX) == 0);  // another open file description: a conflict, as another process's
+    auto quick = powersgd::transport::make_file_store(dir.string(), "run1", 200ms);
+    start = Clock::now();
+    try {
+      quick->add("counter", 1);
+      FAIL("add returned while another held the lock");
+    } catch (const powersgd::TimeoutError& e) {
+      CHECK(std::string(e.what()).find("waiting for the lock " + locks[0].string()) != std::string::npos);
+    }
+    CHECK(ms_since(start) >= 190);
+    CHECK(ms_since(start) < 1500);
+    ::close(held);
+    CHECK(quick->add("counter", 1) == 201);
+  }
   CHECK_THROWS_AS(a->add("k", 1), powersgd::InvalidArgumentError);
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir))
+    CHECK(entry.path().filename().string().rfind(".tmp.", 0) == std::string::npos);  // none left behind
   std::filesystem::remove_all(dir);
 }
 

@@ -135,6 +135,23 @@ TEST_CASE("on a caller's store, PSGD_TOKEN gives every key of the job the token'
   }
 }
 
+TEST_CASE("a timeout of CommOptions outside 1 ms to 24 h is refused naming it (every deadline adds it to now)") {
+  for (const auto timeout : {std::chrono::milliseconds(0), std::chrono::milliseconds(-5),
+                             std::chrono::milliseconds(std::chrono::hours(24)) + std::chrono::milliseconds(1),
+                             std::chrono::milliseconds::max()}) {
+    CAPTURE(timeout.count());
+    CommOptions options = CommOptions::single_process();
+    options.timeout = timeout;
+    try {
+      (void)GlooCommunicator::create(options);
+      FAIL("created");
+    } catch (const InvalidArgumentError& e) {
+      CHECK(std::string(e.what()) == "timeout " + std::to_string(timeout.count()) +
+                                         " ms is invalid: expected 1 to 86400000 ms (24 h)");
+    }
+  }
+}
+
 TEST_CASE("parse_tcp_table keeps established IPv4 connections: local port -> remote port") {
   ConnectionTable connections = canned_connections();
   CHECK(connections.size() == 2);

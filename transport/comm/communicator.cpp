@@ -263,8 +263,9 @@ std::unique_ptr<GlooCommunicator> GlooCommunicator::create_on_store(const CommOp
                " is invalid: expected >= 1");
   PSGD_REQUIRE(options.rank >= 0 && options.rank < options.world_size, InvalidArgumentError, "rank ",
                options.rank, " is out of range: expected 0 to ", options.world_size - 1);
-  PSGD_REQUIRE(options.timeout.count() > 0, InvalidArgumentError, "timeout ", options.timeout.count(),
-               " ms is invalid: expected > 0");
+  // At most PSGD_TIMEOUT_MS's 24 h: every deadline is now + timeout (milliseconds::max() overflowed into the past).
+  PSGD_REQUIRE(options.timeout.count() > 0 && options.timeout <= std::chrono::hours(24), InvalidArgumentError,
+               "timeout ", options.timeout.count(), " ms is invalid: expected 1 to 86400000 ms (24 h)");
   // A peer that vanishes must surface as an error from send(), not kill us.
   std::signal(SIGPIPE, SIG_IGN);
   log::set_rank(options.rank);
@@ -340,11 +341,17 @@ void GlooCommunicator::connect() {
   try {
     scoped->wait({"joined-all"}, options_.timeout);
   } catch (const TimeoutError&) {
-    int64_t arrived = std::min<int64_t>(store_->add(run + "/joined", 0) - generation * options_.world_size,
-                                        options_.world_size);
+    // How many came, where the store still answers (a wait that timed out on the client's side closed it).
+    std::string arrived = "fewer than " + std::to_string(options_.world_size);
+    try {
+      arrived = "only " + std::to_string(std::min<int64_t>(
+                              store_->add(run + "/joined", 0) - generation * options_.world_size, options_.world_size)) +
+                " of " + std::to_string(options_.world_size);
+    } catch (const Error&) {
+    }
     PSGD_THROW(TimeoutError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " timed out after ",
-               options_.timeout.count(), " ms: only ", arrived, " of ", options_.world_size,
-               " ranks joined (is WORLD_SIZE right, and did every rank start?)");
+               options_.timeout.count(), " ms: ", arrived, " ranks joined (is WORLD_SIZE right, and did every rank "
+               "start?)");
   }
 
   device_ = make_device(options_);

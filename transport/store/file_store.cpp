@@ -10,6 +10,7 @@
 #include <charconv>
 #include <filesystem>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include "common/check.hpp"
@@ -141,14 +142,22 @@ class FileStore final : public Store {
     std::string lock_path = p + ".lock";
     int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) sys_error("open", lock_path);
-    // The lock dies with its process, so a crashed writer never wedges the counter.
-    while (::flock(fd, LOCK_EX) != 0) {
-      if (errno != EINTR) {
-        int err = errno;
+    // The lock dies with its process, so a crashed writer never wedges the counter; a stalled one (stopped, in
+    // a debugger, an NFS lock daemon that does not answer) holds it at most the store's timeout.
+    const auto deadline = Clock::now() + timeout();
+    for (auto delay = std::chrono::milliseconds(1); ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+         delay = std::min(delay * 2, std::chrono::milliseconds(20))) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err != EWOULDBLOCK || Clock::now() >= deadline) {
         ::close(fd);
+        if (err == EWOULDBLOCK)
+          PSGD_THROW(TimeoutError, "store add on key '", key, "' timed out after ", timeout().count(),
+                     " ms waiting for the lock ", lock_path, " (file store ", dir_.string(), ")");
         errno = err;
         sys_error("flock", lock_path);
       }
+      std::this_thread::sleep_for(delay);
     }
     struct Unlock {
       int fd;
@@ -195,8 +204,11 @@ class FileStore final : public Store {
   // Writes a uniquely named temp file next to the target, then renames it over.
   void publish(const std::string& target, const std::vector<char>& value) {
     static std::atomic<uint64_t> counter{0};
-    std::string tmp = (dir_ / detail::concat(".tmp.", ::getpid(), ".", counter.fetch_add(1), ".",
-                                             reinterpret_cast<uintptr_t>(this)))
+    // Processes of other hosts share the directory and may have the same pid (containers, or by chance): a
+    // random number of this process's too.
+    static const uint64_t process_nonce = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+    std::string tmp = (dir_ / detail::concat(".tmp.", std::hex, process_nonce, std::dec, ".", ::getpid(), ".",
+                                             counter.fetch_add(1), ".", reinterpret_cast<uintptr_t>(this)))
                           .string();
     int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) sys_error("open", tmp);

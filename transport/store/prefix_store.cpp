@@ -2,7 +2,9 @@
 // per-job prefix derived from the token.
 #include <boost/uuid/detail/sha1.hpp>
 
+#include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "common/check.hpp"
 #include "store.hpp"
@@ -70,11 +72,22 @@ std::string job_key_prefix(const std::string& token) {
   sha.process_bytes(token.data(), token.size());
   boost::uuids::detail::sha1::digest_type digest;
   sha.get_digest(digest);
+  // SHA-1's 20 bytes in their standard order whatever Boost's digest_type: five 32-bit words before Boost
+  // 1.86, 20 bytes since. Builds against either must make the same prefix (or ranks never meet: a timeout).
+  using Element = std::remove_extent_t<decltype(digest)>;
+  static_assert(sizeof(digest) == 20 && (sizeof(Element) == 4 || sizeof(Element) == 1));
+  unsigned char bytes[20];
+  for (size_t i = 0; i < 20; ++i) {
+    if constexpr (sizeof(Element) == 1)
+      bytes[i] = static_cast<unsigned char>(digest[i]);
+    else  // each word's most significant byte first
+      bytes[i] = static_cast<unsigned char>(static_cast<uint32_t>(digest[i / 4]) >> (8 * (3 - i % 4)));
+  }
   std::string out = "job-";
-  char word[9];
-  for (int i = 0; i < 4; ++i) {  // 128 of the 160 bits
-    std::snprintf(word, sizeof word, "%08x", digest[i]);
-    out += word;
+  char hex[3];
+  for (size_t i = 0; i < 16; ++i) {  // 128 of the 160 bits
+    std::snprintf(hex, sizeof hex, "%02x", bytes[i]);
+    out += hex;
   }
   return out;
 }
