@@ -135,11 +135,16 @@ std::vector<float> read_error(compute::Backend& backend, const BucketState& s) {
   return error;
 }
 
+std::vector<float> error_in_work_layout(const BucketPlan& plan, size_t work_size, const std::vector<float>& error) {
+  PSGD_ASSERT(error.size() == error_memory_size(plan), "error memory of ", error.size(),
+              " floats for a bucket whose memory holds ", error_memory_size(plan));
+  std::vector<float> nerr(work_size, 0.0f);
+  for_each_element(plan, [&](size_t i, size_t w) { nerr[w] = -error[i]; });
+  return nerr;
+}
+
 void write_error(compute::Backend& backend, BucketState& s, const std::vector<float>& error) {
-  PSGD_ASSERT(error.size() == error_memory_size(s.plan), "error memory of ", error.size(),
-              " floats for a bucket whose memory holds ", error_memory_size(s.plan));
-  std::vector<float> nerr(s.nerr.size(), 0.0f);
-  for_each_element(s.plan, [&](size_t i, size_t w) { nerr[w] = -error[i]; });
+  const std::vector<float> nerr = error_in_work_layout(s.plan, s.nerr.size(), error);
   backend.copy_from_host(s.nerr.data(), nerr.data(), nerr.size());
 }
 

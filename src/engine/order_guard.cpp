@@ -465,12 +465,20 @@ void OrderGuard::raise(const Reduction& r, const std::vector<uint64_t>& mine, bo
                step(root[Step]), "; nothing reduced or changed on any rank. A rank skipped or repeated a bucket: "
                "every rank reduces every bucket once per step, in the same order");
   }
-  if (const auto ranks = differing({Identity, Numel, FirstCount}); !ranks.empty()) {
+  if (const auto ranks = differing({Identity, Numel}); !ranks.empty()) {
     const std::vector<uint64_t> v = values(ranks[0]);
     PSGD_THROW(MismatchError, "step ", r.iteration, ": rank ", ranks[0], others(ranks), " reduces ", what_of(v),
                " where rank 0 reduces ", what_of(root),
                "; nothing reduced or changed on any rank. Reduce the buckets in the same order on every rank (from "
                "one thread)");
+  }
+  if (const auto ranks = differing({FirstCount}); !ranks.empty()) {
+    // The same buckets, another size of the first collective: the bucket's rank level (its P) differs, a state
+    // apart (a level switch that failed on one rank), not an order.
+    const std::vector<uint64_t> v = values(ranks[0]);
+    PSGD_THROW(MismatchError, "step ", r.iteration, ", ", what_of(root), ": rank ", ranks[0], others(ranks),
+               " compresses at another rank than rank 0 (its first collective has ", v[FirstCount], " floats against ",
+               root[FirstCount], "); nothing reduced or changed on any rank. Restore every rank from one checkpoint");
   }
   if (const auto ranks = differing({Note}); !ranks.empty()) {
     const bool noted = values(ranks[0])[Note] != 0;

@@ -9,6 +9,7 @@
 
 #include "common/agreed_collectives.hpp"
 #include "common/check.hpp"
+#include "common/log.hpp"
 #include "engine/half.hpp"
 #include "engine/random.hpp"
 #include "engine/rank_reports.hpp"
@@ -714,7 +715,19 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
   const LevelChoice next = choose_level(config_, s);
   const bool rule_decides = window_end && next.reason == s.rule_reason && next.level == s.rule_level;
   if (next.level != s.level || next.reason != s.reason || rule_decides) {
-    if (next.level != s.level) switch_level(s, b, next.level);
+    if (next.level != s.level) {
+      // After the commit point: a switch that fails on this rank (out of memory) leaves the bucket at its level
+      // and the step done, as on every rank; the next announce finds the ranks' states apart and fails on every
+      // rank (MismatchError: restore from a checkpoint), this rank's log says why.
+      try {
+        maybe_inject(fault_, FaultPoint::Switch, job.iteration, {b});
+        switch_level(s, b, next.level);
+      } catch (const std::exception& e) {
+        PSGD_LOG(Error, "step ", job.iteration, ", bucket ", b, ": switching to rank ", s.level_ranks[next.level],
+                 " failed on this rank, which stays at rank ", s.current_rank,
+                 " (the next reduction of the bucket fails on every rank): ", e.what());
+      }
+    }
     s.reason = next.reason;
     log_.add(job.iteration + 1, b, s);
   }
@@ -750,20 +763,21 @@ bool StepRunner::commit_adaptive(const Reduction& job, size_t i) {
 // the bucket's own order (the work layout depends on the level); the warm P and
 // Q keep each matrix's first min(old, new rank) columns, the others drawn from
 // the generator (draw `draws`, then draws + 1), so every rank gets the same bits.
-// Local work only: no collective.
+// Local work only: no collective. Whatever can fail (host memory, copies to the
+// host) comes before the bucket changes: a failure leaves it as it was.
 void StepRunner::switch_level(BucketState& s, int b, size_t level) {
   PSGD_ASSERT(level < arenas_.levels, "bucket ", b, " switches to rank level ", level, ", whose buffers are not laid out");
   const BucketPlan& from = s.plan;
   const BucketPlan& to = s.levels[level];
-  std::vector<float> error;
-  if (!s.nerr.empty()) error = read_error(be_, s);
+  std::vector<float> nerr;  // the error memory in `to`'s work layout
+  if (!s.nerr.empty()) nerr = error_in_work_layout(to, s.nerr.size(), read_error(be_, s));
+  std::vector<float> fresh;  // the warm Q, then P, of `to`
   if (s.q_initialized) {
     std::vector<float> old_p(static_cast<size_t>(from.p_numel)), old_q(static_cast<size_t>(from.q_numel));
     be_.copy_to_host(old_p.data(), arenas_.p_state.data() + s.p_offset, old_p.size());
     be_.copy_to_host(old_q.data(), arenas_.q_state.data() + s.q_offset, old_q.size());
-    std::vector<float> fresh(static_cast<size_t>(to.p_numel + to.q_numel));
+    fresh.resize(static_cast<size_t>(to.p_numel + to.q_numel));
     engine::standard_normal(config_.seed, static_cast<uint64_t>(b), s.draws, fresh);
-    ++s.draws;
     float* new_q = fresh.data();
     float* new_p = fresh.data() + to.q_numel;
     struct Old {
@@ -783,13 +797,17 @@ void StepRunner::switch_level(BucketState& s, int b, size_t level) {
       for (int64_t r = 0; r < rows; ++r)
         std::copy_n(old_p.data() + o.p_offset + r * o.rank, keep, new_p + p_offset + r * rank);
     });
-    be_.copy_from_host(arenas_.q_state.data() + s.q_offset, new_q, static_cast<size_t>(to.q_numel));
-    be_.copy_from_host(arenas_.p_state.data() + s.p_offset, new_p, static_cast<size_t>(to.p_numel));
   }
+  // The switch: copies into buffers laid out for every level (arenas), nothing allocated.
+  if (s.q_initialized) {
+    be_.copy_from_host(arenas_.q_state.data() + s.q_offset, fresh.data(), static_cast<size_t>(to.q_numel));
+    be_.copy_from_host(arenas_.p_state.data() + s.p_offset, fresh.data() + to.q_numel, static_cast<size_t>(to.p_numel));
+    ++s.draws;
+  }
+  if (!nerr.empty()) be_.copy_from_host(s.nerr.data(), nerr.data(), nerr.size());
   s.plan = to;
   s.level = level;
   s.current_rank = s.level_ranks[level];
-  if (!error.empty()) write_error(be_, s, error);
 }
 
 }  // namespace powersgd::engine
