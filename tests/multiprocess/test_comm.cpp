@@ -191,6 +191,36 @@ TEST_CASE("allreduce: ring and bcube and scatter-gather forced at every size") {
       for (size_t count : kCounts) check_allreduce(*comm, type, count, algorithm);
 }
 
+// Gloo's sum of gloo::float16 skipped the store where the sum's bits equal the old value's bits converted as an
+// integer: 2^-24 + 1 gave 2^-24 on every rank and every algorithm, the same wrong bits everywhere.
+TEST_CASE("float16: sums are the correctly rounded sums, on every algorithm") {
+  auto comm = connect("float16-sums");
+  const int me = comm->rank();
+  // Per element: rank 0's and rank 1's halves (the other ranks add +0) and the sum.
+  struct Pair {
+    uint16_t first, second, sum;
+  };
+  const Pair pairs[] = {
+      {0x0001, 0x3C00, 0x3C00},  // 2^-24 + 1 = 1 (rounded)
+      {0x3C00, 0x7380, 0x7380},  // 1 + 15360 = 15360 (rounded)
+      {0x4000, 0x7400, 0x7400},  // 2 + 16384 = 16384 (rounded)
+      {0x8000, 0x7800, 0x7800},  // -0 + 32768
+      {0x3C00, 0x3C00, 0x4000},  // 1 + 1
+      {0x7BFF, 0x7BFF, 0x7C00},  // 65504 + 65504 overflows to Inf
+  };
+  for (Algorithm algorithm : {Algorithm::Auto, Algorithm::Direct, Algorithm::ScatterGather, Algorithm::Ring,
+                              Algorithm::Bcube}) {
+    CAPTURE(static_cast<int>(algorithm));
+    std::vector<uint16_t> x;
+    for (const Pair& p : pairs) x.push_back(me == 0 ? p.first : me == 1 ? p.second : 0x0000);
+    comm->allreduce_async(x.data(), x.size(), DataType::Float16, algorithm).wait();
+    for (size_t i = 0; i < x.size(); ++i) {
+      CAPTURE(i);
+      CHECK(x[i] == pairs[i].sum);
+    }
+  }
+}
+
 TEST_CASE("threshold: PSGD_RING_THRESHOLD_BYTES moves the switch") {
   setenv("PSGD_RING_THRESHOLD_BYTES", "4096", 1);
   setenv("PSGD_DIRECT_MAX_BYTES", "0", 1);  // below the ring threshold: scatter-gather

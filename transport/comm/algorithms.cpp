@@ -626,14 +626,14 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t, void* data, size_t count, DataType type,
                  Algorithm algorithm) override {
     static const gloo::ReductionFunction<uint16_t> bf16(gloo::CUSTOM, &bfloat16_sum_inplace);
+    static const gloo::ReductionFunction<uint16_t> fp16(gloo::CUSTOM, &float16_sum_inplace);
     switch (type) {
       case DataType::Float32:
         return run_legacy_allreduce<float>(context, data, count, algorithm, gloo::ReductionFunction<float>::sum);
       case DataType::Float64:
         return run_legacy_allreduce<double>(context, data, count, algorithm, gloo::ReductionFunction<double>::sum);
       case DataType::Float16:
-        return run_legacy_allreduce<gloo::float16>(context, data, count, algorithm,
-                                                   gloo::ReductionFunction<gloo::float16>::sum);
+        return run_legacy_allreduce<uint16_t>(context, data, count, algorithm, &fp16);
       case DataType::BFloat16:
         return run_legacy_allreduce<uint16_t>(context, data, count, algorithm, &bf16);
     }
@@ -676,11 +676,11 @@ std::string describe_lead(LeadKind kind, size_t lead_bytes) {
 SumFn sum_function(DataType type) {
   switch (type) {
     case DataType::Float32:
-      return static_cast<SumFn>(&gloo::sum<float>);
+      return &float_sum;
     case DataType::Float64:
-      return static_cast<SumFn>(&gloo::sum<double>);
+      return &double_sum;
     case DataType::Float16:
-      return static_cast<SumFn>(&gloo::sum<gloo::float16>);
+      return &float16_sum;
     case DataType::BFloat16:
       return &bfloat16_sum;
   }
