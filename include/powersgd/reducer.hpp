@@ -56,7 +56,7 @@ struct PSGD_API Config {
                                             // (every tensor viewed as shape[0] x rest: 1-D n as n x 1)
   bool error_feedback = true;
   bool warm_start = true;
-  double orthogonalization_epsilon = 0.0;   // finite, >= 0
+  double orthogonalization_epsilon = 0.0;   // 0, or a normal float (1.18e-38 to 3.4e38): used as a float
   uint64_t seed = 0;                        // initial Q generator seed (identical on every rank)
   bool batch_same_shape = false;            // batched gemm over same-shaped matrices
   bool whole_bucket = false;                // the whole bucket as one zero-padded square matrix

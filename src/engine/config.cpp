@@ -23,6 +23,9 @@ void Config::validate() const {
       PSGD_REQUIRE(valid, InvalidArgumentError, "config.", spec.name, " = ", number, ": expected ", spec.expected);
     }
   });
+  PSGD_REQUIRE(orthogonalization_epsilon == 0 || orthogonalization_epsilon >= 1.1754943508222875e-38,
+               InvalidArgumentError, "config.orthogonalization_epsilon = ", orthogonalization_epsilon,
+               ": expected 0 or a float from 1.1754944e-38 to 3.4028235e38");
   PSGD_REQUIRE(rank_low <= rank_high, InvalidArgumentError, "config.rank_low = ", rank_low, " > config.rank_high = ",
                rank_high, ": expected rank_low <= rank_high");
   // Each alternating half starts from the other half's averaged factor: that is the warm start.

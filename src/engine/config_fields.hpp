@@ -64,7 +64,9 @@ void for_each_config_field(ConfigT& config, F&& f) {
     config.min_compression_rate);
   f(FieldSpec{"error_feedback", Shared, 0, 1, "0 or 1"}, config.error_feedback);
   f(FieldSpec{"warm_start", Shared, 0, 1, "0 or 1"}, config.warm_start);
-  f(FieldSpec{"orthogonalization_epsilon", Shared, 0, kNoLimit, "a finite value >= 0"},
+  // Used as a float: 0, or a normal float (a smaller value rounds to 0 or a subnormal, a larger one to Inf).
+  f(FieldSpec{"orthogonalization_epsilon", Shared, 0, 3.4028234663852886e38,
+              "0 or a float from 1.1754944e-38 to 3.4028235e38"},
     config.orthogonalization_epsilon);
   f(FieldSpec{"seed", Shared, 0, kNoLimit, "any value"}, config.seed);
   f(FieldSpec{"batch_same_shape", Shared, 0, 1, "0 or 1", 1, WithoutWholeBucket}, config.batch_same_shape);

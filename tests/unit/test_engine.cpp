@@ -71,6 +71,11 @@ TEST_CASE("config: every invalid field is named with its value") {
       {[](Config& c) { c.min_compression_rate = std::nan(""); }, "config.min_compression_rate"},
       {[](Config& c) { c.orthogonalization_epsilon = -0.5; }, "config.orthogonalization_epsilon = -0.5"},
       {[](Config& c) { c.orthogonalization_epsilon = INFINITY; }, "config.orthogonalization_epsilon = inf"},
+      // Used as a float: 1e39 became Inf (every compressed step refused), 1e-46 zero (the other branch).
+      {[](Config& c) { c.orthogonalization_epsilon = 1e39; },
+       "config.orthogonalization_epsilon = 1e+39: expected 0 or a float from 1.1754944e-38 to 3.4028235e38"},
+      {[](Config& c) { c.orthogonalization_epsilon = 1e-46; },
+       "config.orthogonalization_epsilon = 1e-46: expected 0 or a float from 1.1754944e-38 to 3.4028235e38"},
       {[](Config& c) { c.device_index = -2; }, "config.device_index = -2"},
       {[](Config& c) { c.device = static_cast<Device>(7); }, "config.device = 7"},
       {[](Config& c) { c.rank_low = 0; }, "config.rank_low = 0: expected 1 to 64"},
