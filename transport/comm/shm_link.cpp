@@ -392,7 +392,12 @@ void ShmHostLink::write(size_t ring, size_t peer, int peer_rank, const void* dat
   const auto* from = static_cast<const uint8_t*>(data);
   uint64_t head = control.head.load(std::memory_order_relaxed);  // written by this side only
   while (bytes > 0) {
-    const size_t space = capacity - static_cast<size_t>(head - control.tail.load(std::memory_order_acquire));
+    const auto used = static_cast<size_t>(head - control.tail.load(std::memory_order_acquire));
+    if (used > capacity)  // a tail past the head: as the reader's check, never a copy past the ring
+      throw HostHopError(peer_rank, false,
+                         detail::concat("the ring to rank ", peer_rank, " holds ", used, " bytes, more than its ",
+                                        capacity, ": the host's shared memory was overwritten"));
+    const size_t space = capacity - used;
     if (space == 0) {
       wait_until(
           control.taken,
