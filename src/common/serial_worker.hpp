@@ -93,10 +93,34 @@ class SerialWorker {
 
   // An item taken out of the queue by claim_front, with its Done: the caller
   // (the worker thread, inside run) runs it itself and finishes `done`, or
-  // puts it back with requeue_front.
+  // puts it back with requeue_front. One destroyed otherwise (a failure of the
+  // caller between the two, such as out of memory) finishes its Done with an
+  // InternalError: no waiter waits for good.
   struct Claimed {
     Item item;
     std::shared_ptr<Done> done;
+    Claimed(Item claimed_item, std::shared_ptr<Done> claimed_done)
+        : item(std::move(claimed_item)), done(std::move(claimed_done)) {}
+    Claimed(Claimed&&) noexcept = default;
+    Claimed& operator=(Claimed&& other) noexcept {
+      dropped();
+      item = std::move(other.item);
+      done = std::move(other.done);
+      return *this;
+    }
+    ~Claimed() { dropped(); }
+
+   private:
+    void dropped() noexcept {
+      if (done == nullptr) return;
+      try {
+        if (done->done()) return;
+        done->finish(std::make_exception_ptr(
+            InternalError("an operation taken from the worker's queue was dropped before it ran or finished (a "
+                          "failure of this rank between the two, such as out of memory)")));
+      } catch (...) {  // out of memory for the error itself
+      }
+    }
   };
   // Worker thread, inside run: moves out the longest run of queued items from
   // the front, at most `max`, for which accept(previous, item) holds

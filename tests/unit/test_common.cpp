@@ -188,6 +188,32 @@ TEST_CASE("serial worker: peek_next and peek_front show the queued items without
   CHECK(worker.peek_front(8, doubled).empty());
 }
 
+TEST_CASE("serial worker: items claimed and dropped by a failing run finish with an error, never wait for good") {
+  std::atomic<bool> started{false};
+  Gate gate;
+  SerialWorker<int>* self = nullptr;
+  SerialWorker<int> worker("claiming worker", [&](int& item) {
+    if (item != 1) return;
+    started = true;
+    gate.wait();
+    auto claimed = self->claim_front(8, [](const int*, const int&) { return true; });
+    REQUIRE(claimed.size() == 2);
+    auto moved = std::move(claimed[1]);  // a move hands the Done on: finished once, by the last holder
+    throw std::bad_alloc();              // as out of memory between claiming and running them
+  });
+  self = &worker;
+  auto first = worker.submit(1);
+  while (!started) std::this_thread::sleep_for(1ms);
+  auto second = worker.submit(2);
+  auto third = worker.submit(3);
+  gate.open();
+  CHECK_THROWS_AS(first->wait(), std::bad_alloc);
+  for (auto* dropped : {&second, &third}) {
+    CHECK_THROWS_AS((*dropped)->wait(), powersgd::InternalError);
+    CHECK((*dropped)->done());
+  }
+}
+
 TEST_CASE("serial worker: submissions from many threads each run exactly once") {
   std::atomic<int> sum{0};
   SerialWorker<int> worker("busy worker", [&](int& item) { sum += item; });
