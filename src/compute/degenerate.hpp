@@ -37,6 +37,11 @@ PSGD_HOST_DEVICE inline bool needs_second_projection(double remaining2, double o
   return remaining2 < kSecondProjection * own2 && !is_degenerate(remaining2, own2);
 }
 
+// Whether a column's norm (+ epsilon) divides it in float: a normal float. Beyond float's range the norm is Inf
+// (the column would become 0) and a subnormal one is too coarse (the column would not be unit): those columns
+// are divided in double instead; every other column keeps its bits.
+PSGD_HOST_DEVICE inline bool normal_float(float denom) { return denom >= 1.17549435e-38f && denom <= 3.40282347e38f; }
+
 // Pseudo-random candidates tried before the canonical basis vectors.
 inline constexpr int64_t kDraws = 4;
 

@@ -915,6 +915,26 @@ TEST_CASE("orthogonalize: 1 x 1 normalizes the sign-carrying scalar") {
   });
 }
 
+// Gram-Schmidt divided by the norm rounded to float: beyond float's range it was Inf (the column became 0,
+// unflagged: P^ = 0, a zero output), subnormal it was too coarse (a column of norm 1.414).
+TEST_CASE("orthogonalize: columns whose norm is beyond float's range or subnormal come out unit") {
+  for_each_backend([](Backend& be) {
+    for (const float v : {3e38f, -2.5e38f, 1.4e-45f, 3e-41f}) {
+      CAPTURE(v);
+      const Matrix a{2, 1, {v, v}};
+      const Matrix q = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f);
+      REQUIRE(all_finite(q));
+      CHECK(column_norm(q, 0) == doctest::Approx(1.0).epsilon(1e-6));
+      CHECK(q.data[0] == doctest::Approx(v > 0 ? 0.70710678 : -0.70710678).epsilon(1e-6));
+    }
+    // A normal norm keeps its bits: divided in float, as before.
+    const Matrix a{2, 1, {3.0f, 4.0f}};
+    const Matrix q = orthogonalized(be, a, OrthoMethod::GramSchmidt, 0.0f);
+    CHECK(q.data[0] == 3.0f / 5.0f);
+    CHECK(q.data[1] == 4.0f / 5.0f);
+  });
+}
+
 TEST_CASE("orthogonalize: an all-zero column") {
   for_each_backend([](Backend& be) {
     Matrix a = random_matrix(50, 4, 200);

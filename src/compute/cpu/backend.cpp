@@ -310,7 +310,12 @@ class CpuBackend final : public Backend {
         continue;
       }
       const float denom = static_cast<float>(std::sqrt(sum)) + epsilon;
-      for (size_t r = 0; r < n; ++r) q[r] /= denom;
+      if (degenerate::normal_float(denom)) {
+        for (size_t r = 0; r < n; ++r) q[r] /= denom;
+      } else {  // a norm beyond float's range (Inf: the column became 0) or subnormal (not unit): in double
+        const double wide = std::sqrt(sum) + static_cast<double>(epsilon);
+        for (size_t r = 0; r < n; ++r) q[r] = static_cast<float>(static_cast<double>(q[r]) / wide);
+      }
       for (size_t j = i + 1; j < k; ++j) remove_component(colmajor_.data() + j * n, q, n);
     }
     replace_degenerate(colmajor_.data(), n, k, seed, item);

@@ -196,9 +196,11 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
       continue;
     }
     const float denom = static_cast<float>(sqrt(sums[i])) + epsilon;
+    const bool narrow = degenerate::normal_float(denom);  // else in double, as the CPU backend
+    const double wide = sqrt(sums[i]) + static_cast<double>(epsilon);
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
       float& q = m[r * cols + i];
-      q = q / denom;
+      q = narrow ? q / denom : static_cast<float>(static_cast<double>(q) / wide);
     }
     if (i + 1 == cols) break;
     for (int64_t j = i + 1; j < cols; ++j) {
