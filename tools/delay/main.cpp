@@ -80,11 +80,35 @@ struct Queue {
 };
 
 // Accepts every held packet up to `last` at once: the kernel's batch verdict
-// takes every queued id up to it, so a packet whose message was lost (socket
-// overrun) leaves with the next ones instead of staying queued.
+// takes every queued id up to it. (A packet whose message could not be
+// delivered, the socket's buffer full, was never queued: the kernel dropped
+// it and counts it, as it counts a packet beyond the queue's length; see
+// report_drops.)
 void accept_up_to(const Queue& q, uint32_t last) {
   if (nfq_set_verdict_batch(q.queue, last, NF_ACCEPT) < 0)
     PSGD_THROW_ERRNO(IoError, errno, "cannot accept the delayed packets (nfq_set_verdict_batch)");
+}
+
+// The kernel's drop counters of `queue_number` in this network namespace (/proc/net/netfilter/nfnetlink_queue:
+// queue, peer port id, queued, copy mode, copy range, queue_dropped, user_dropped, ...): said on stderr when
+// packets were dropped, since a drop costs TCP a retransmission the emulated link would not have.
+void report_drops(uint16_t queue_number, const std::string& name) {
+  std::FILE* table = std::fopen("/proc/net/netfilter/nfnetlink_queue", "re");
+  if (table == nullptr) return;  // counters not available: nothing to say
+  unsigned queue = 0, port = 0, queued = 0, mode = 0, range = 0;
+  unsigned long long queue_dropped = 0, user_dropped = 0;
+  while (std::fscanf(table, "%u %u %u %u %u %llu %llu %*[^\n]", &queue, &port, &queued, &mode, &range,
+                     &queue_dropped, &user_dropped) == 7) {
+    if (queue != queue_number) continue;
+    if (queue_dropped + user_dropped > 0)
+      std::fprintf(stderr,
+                   "powersgd-delay (%s): warning: the kernel dropped %llu packet(s) of the delayed link (%llu "
+                   "beyond the queue's %u, %llu whose message the delayer's socket could not take): TCP "
+                   "retransmitted them, so the job's figures include losses the link would not have\n",
+                   name.c_str(), queue_dropped + user_dropped, queue_dropped, kQueueLength, user_dropped);
+    break;
+  }
+  std::fclose(table);
 }
 
 void delay_packets(int64_t delay_ns, uint16_t queue_number, const std::string& name) {
@@ -159,13 +183,14 @@ void delay_packets(int64_t delay_ns, uint16_t queue_number, const std::string& n
     for (int i = 0; i < 256; ++i) {
       const ssize_t n = ::recv(fd, buffer, sizeof buffer, MSG_DONTWAIT);
       if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
-      if (n < 0 && errno == ENOBUFS) continue;  // messages lost: the next batch verdict covers their packets
+      if (n < 0 && errno == ENOBUFS) continue;  // messages lost (their packets dropped: report_drops)
       if (n < 0) PSGD_THROW_ERRNO(IoError, errno, "recv on the netfilter queue socket");
       state.arrived_ns = now_ns();
       nfq_handle_packet(q.handle, buffer, static_cast<int>(n));
     }
   }
   if (!state.held.empty()) accept_up_to(q, state.held.back().id);
+  report_drops(queue_number, name);
 }
 
 }  // namespace
