@@ -2,7 +2,8 @@
 # Builds and runs every test suite: a warnings-as-errors build runs all suites
 # (unit, multiprocess, cuda: CUDA tests skip without a GPU), then an
 # address+undefined sanitizer build (with libstdc++'s _GLIBCXX_ASSERTIONS) runs the unit suite and a thread sanitizer
-# build runs the store and communicator tests (these two build only what their tests need), and each libFuzzer
+# build runs the tsan suite (the store, communicator, shared-memory link, threads of the compute and engine; these
+# two build only what their tests need), and each libFuzzer
 # target runs
 # for 60 s in a clang build (scripts/fuzz.sh; one result per target). Ends with
 # "N passed, N failed, N skipped".

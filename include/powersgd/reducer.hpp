@@ -200,8 +200,8 @@ class PSGD_API Reducer {
   Reducer& operator=(const Reducer&) = delete;
 
   // Collective. Declares the next bucket and returns its index (0, 1, ...).
-  // Refused: an empty list, total size 0, a negative dimension, more than 2^31
-  // elements, or a call after the first reduce. Throws MismatchError naming the
+  // Refused: an empty list, total size 0, a negative dimension, more than
+  // 2^31 - 2 elements, or a call after the first reduce. Throws MismatchError naming the
   // first rank whose layout or configuration differs from rank 0's. A bucket
   // refused on one rank fails every rank at once with that rank's error code
   // (the others' message names the rank and its reason); nothing is declared.

@@ -18,7 +18,7 @@ std::string errno_text(int err) {
 }
 
 void throw_system(const char* call, const char* file, int line, int err, const std::string& context) {
-  throw IoError(concat(context, ": ", call, " failed at ", file, ":", line, ": ", std::strerror(err)));
+  throw IoError(concat(context, ": ", call, " failed at ", file, ":", line, ": ", errno_text(err)));
 }
 
 }  // namespace powersgd::detail

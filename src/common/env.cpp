@@ -14,7 +14,8 @@ constexpr Variable kVariables[] = {
     {"RANK", "", "This process's rank in [0, WORLD_SIZE)."},
     {"WORLD_SIZE", "", "Number of processes in the job."},
     {"LOCAL_RANK", "", "Rank among the processes on this host."},
-    {"LOCAL_WORLD_SIZE", "", "Number of processes on this host."},
+    {"LOCAL_WORLD_SIZE", "", "Number of processes on this host: set by powersgd-run for the program (torchrun's "
+                             "convention), not read by the library."},
     {"MASTER_ADDR", "", "Address of the rendezvous store (rank 0 hosts it when the launcher does not). Unset "
                         "under srun or a one-node mpirun: derived (docs/launcher.md, Slurm and MPI). Under "
                         "powersgd-run: torch.distributed's (rank 0's host), not read by powersgd."},
@@ -53,7 +54,8 @@ constexpr Variable kVariables[] = {
                            "PSGD_STORE_HOSTED=1 (MASTER_ADDR is torch.distributed's there)."},
     {"PSGD_STORE_PORT", "", "Port of powersgd's store: set by powersgd-run (its store, the rendezvous when "
                            "PSGD_STORE_HOSTED=1, beside torch's MASTER_PORT); beside torch.distributed for the C "
-                           "API's psgd_comm_init_beside_torch / psgd_comm_init_group, default MASTER_PORT+1. "
+                           "API's psgd_comm_init_beside_torch / psgd_comm_init_group, default MASTER_PORT+1 (MASTER_PORT "
+                           "itself with PSGD_STORE_HOSTED=1). "
                            "powersgd.torch does not use it: its communicators rendezvous through torch's own store "
                            "(psgd_comm_init_on_store)."},
     {"PSGD_RUN_ID", "", "Key prefix in the rendezvous store; set it when several jobs share one store (e.g. a file store)."},
@@ -124,8 +126,10 @@ constexpr Variable kVariables[] = {
     {"PSGD_BLAS_THREADS", "", "OpenBLAS thread count for the CPU backend (default: OpenBLAS's own); its fused "
                               "kernels use as many threads on large matrices."},
     {"PSGD_CPU_KERNELS", "", "CPU backend's fused-kernel variant: avx512, avx2 or sse2 (default: the widest this "
-                             "CPU runs); one the CPU lacks is an error. Results are the same bits with each."},
-    {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug."},
+                             "CPU runs); another name, or one the CPU lacks, is an UnsupportedError naming those it runs. Results "
+                             "are the same bits with each."},
+    {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug (another value: warn; logging "
+                               "cannot refuse it)."},
 };
 
 }  // namespace

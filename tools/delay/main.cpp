@@ -138,7 +138,7 @@ void delay_packets(int64_t delay_ns, uint16_t queue_number, const std::string& n
   priority.sched_priority = 50;
   if (::sched_setscheduler(0, SCHED_FIFO, &priority) != 0)
     std::fprintf(stderr, "powersgd-delay (%s): warning: no real-time priority (%s): delays may run late under load\n",
-                 name.c_str(), std::strerror(errno));
+                 name.c_str(), powersgd::detail::errno_text(errno).c_str());
 
   // SIGTERM and SIGINT are blocked except inside ppoll, so the loop sees them there and only there.
   sigset_t stop_signals, during_wait;

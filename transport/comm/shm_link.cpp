@@ -171,7 +171,7 @@ void remove_stale_segments(uint64_t here) {
   ::closedir(dir);
 }
 
-std::string errno_text(const char* call, int error) { return detail::concat(call, ": ", std::strerror(error)); }
+std::string errno_text(const char* call, int error) { return detail::concat(call, ": ", detail::errno_text(error)); }
 
 // A message's frame: the slot in the mark's low byte, the tag, the length.
 struct Frame {
