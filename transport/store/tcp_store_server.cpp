@@ -1043,9 +1043,15 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
   if (ec || results.empty())
     PSGD_THROW(InvalidArgumentError, "store server bind address '", options.bind_address,
                "' does not resolve: ", ec.message());
-  // The first of the name's addresses that binds ("localhost" may list ::1 first where IPv6 is off; clients try
-  // each address the name resolves to).
+  // The first of the name's addresses this host has ("localhost" may list ::1 first where IPv6 is off; clients
+  // try each address the name resolves to). Only an address the host lacks moves on: any other failure (the
+  // port in use: another job's store, which this job's clients would reach at the first address) is the error.
   auto& acceptor = impl_->acceptor;
+  const auto absent = [](const boost::system::error_code& error) {
+    return error == boost::system::errc::address_not_available ||
+           error == boost::system::errc::address_family_not_supported ||
+           error == boost::system::errc::protocol_not_supported;
+  };
   for (const auto& result : results) {
     const tcp::endpoint endpoint = result.endpoint();
     boost::system::error_code ignored;
@@ -1054,15 +1060,13 @@ TcpStoreServer::TcpStoreServer(const TcpStoreServerOptions& options) : impl_(std
     int fd = ::socket(endpoint.protocol().family(), SOCK_STREAM | SOCK_CLOEXEC, IPPROTO_TCP);
     if (fd < 0) {
       ec = {errno, boost::system::system_category()};
-      continue;
-    }
-    if (acceptor.assign(endpoint.protocol(), fd, ec)) {
+    } else if (acceptor.assign(endpoint.protocol(), fd, ec)) {
       ::close(fd);
-      continue;
-    }
-    if (!acceptor.set_option(tcp::acceptor::reuse_address(true), ec) && !acceptor.bind(endpoint, ec) &&
-        !acceptor.listen(asio::socket_base::max_listen_connections, ec) && !acceptor.non_blocking(true, ec))
+    } else if (!acceptor.set_option(tcp::acceptor::reuse_address(true), ec) && !acceptor.bind(endpoint, ec) &&
+               !acceptor.listen(asio::socket_base::max_listen_connections, ec) && !acceptor.non_blocking(true, ec)) {
       break;
+    }
+    if (!absent(ec)) break;
   }
   if (ec) {
     boost::system::error_code ignored;
