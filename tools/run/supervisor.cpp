@@ -282,6 +282,8 @@ void Supervisor::worker_exited(Worker& w, int wait_status, bool same_wake_up) {
 }
 
 void Supervisor::reap() {
+  // The scan below takes every failure there is now; one after it sets the flag again (its SIGCHLD is later).
+  failed_child_ = false;
   // Every exit this wake-up finds is collected before any is handled: when several are ready, rank order
   // is not the order in which they happened (docs/launcher.md, "Failure, timeout and signals").
   std::vector<std::pair<Worker*, int>> exited;
@@ -312,8 +314,8 @@ void Supervisor::handle_signals() {
       exit_code_ = 128 + sig;
       const int running = running_count();
       stop(sig);
-      say(detail::concat("got SIG", sigabbrev_np(sig), "; forwarding it to ", running, " workers (SIGKILL after --grace ",
-                         seconds_text(options_.grace), " s)"));
+      say(detail::concat("got SIG", sigabbrev_np(sig), "; forwarding it to ", running,
+                         " workers (SIGKILL after --grace ", seconds_text(options_.grace), " s)"));
     } else if (!killed_) {
       killed_ = true;
       signal_all(SIGKILL);
@@ -351,7 +353,6 @@ int Supervisor::run() {
     // after the next event (which may never come).
     if (!pending_signals_.empty() || child_signalled_) wait_ms = 0;
     child_signalled_ = false;
-    failed_child_ = false;  // reap() below takes it
     // EINTR counts as a wake-up with nothing ready: the loop re-checks signals and deadlines.
     int ready = ::poll(fds.data(), fds.size(), wait_ms);
     if (ready < 0 && errno != EINTR) PSGD_CHECK_SYS(ready);
