@@ -720,12 +720,12 @@ void StepRunner::decompress(const Reduction& job, size_t i) {
       // and the step done, as on every rank; the next announce finds the ranks' states apart and fails on every
       // rank (MismatchError: restore from a checkpoint), this rank's log says why.
       try {
-        maybe_inject(fault_, FaultPoint::Switch, job.iteration, {b});
-        switch_level(s, b, next.level);
+        switch_level(s, b, next.level, job.iteration);
       } catch (const std::exception& e) {
         PSGD_LOG(Error, "step ", job.iteration, ", bucket ", b, ": switching to rank ", s.level_ranks[next.level],
-                 " failed on this rank, which stays at rank ", s.current_rank,
-                 " (the next reduction of the bucket fails on every rank): ", e.what());
+                 " failed on this rank, whose bucket stays at rank ", s.current_rank,
+                 " (the ranks' states are apart: the next reduction fails on every rank): ", e.what());
+        return;  // neither the reason nor the log changes: the bucket is as it was
       }
     }
     s.reason = next.reason;
@@ -765,7 +765,7 @@ bool StepRunner::commit_adaptive(const Reduction& job, size_t i) {
 // the generator (draw `draws`, then draws + 1), so every rank gets the same bits.
 // Local work only: no collective. Whatever can fail (host memory, copies to the
 // host) comes before the bucket changes: a failure leaves it as it was.
-void StepRunner::switch_level(BucketState& s, int b, size_t level) {
+void StepRunner::switch_level(BucketState& s, int b, size_t level, int64_t step) {
   PSGD_ASSERT(level < arenas_.levels, "bucket ", b, " switches to rank level ", level, ", whose buffers are not laid out");
   const BucketPlan& from = s.plan;
   const BucketPlan& to = s.levels[level];
@@ -798,6 +798,7 @@ void StepRunner::switch_level(BucketState& s, int b, size_t level) {
         std::copy_n(old_p.data() + o.p_offset + r * o.rank, keep, new_p + p_offset + r * rank);
     });
   }
+  maybe_inject(fault_, FaultPoint::Switch, step, {b});  // test only: after the copies, before any change
   // The switch: copies into buffers laid out for every level (arenas), nothing allocated.
   if (s.q_initialized) {
     be_.copy_from_host(arenas_.q_state.data() + s.q_offset, fresh.data(), static_cast<size_t>(to.q_numel));

@@ -161,7 +161,9 @@ class StepRunner {
  public:
   // The bucket's plan becomes levels[level], its warm start and error memory
   // carried over (local work, no collective); the policy's switches use it.
-  void switch_level(BucketState& s, int bucket, size_t level);
+  // A failure leaves the bucket as it was. `step`: the step whose commit
+  // switches (test-only FaultPoint::Switch), -1 for a note's switch.
+  void switch_level(BucketState& s, int bucket, size_t level, int64_t step = -1);
 
  private:
 

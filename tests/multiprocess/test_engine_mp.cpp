@@ -1711,6 +1711,10 @@ TEST_CASE("policy: a rank switch that fails on one rank at the commit leaves its
   const std::vector<float> out4 = step(4);  // its commit switches back to rank 1: not on rank 1
   CHECK(same_on_every_rank(*comm, out4));
   CHECK(r.bucket_rank(0) == (me == 1 ? 3 : 1));
+  // Rank 1 logged no decision for the switch it did not make; the others logged theirs.
+  const std::vector<RankDecision> log = r.decisions();
+  const auto at_5 = std::count_if(log.begin(), log.end(), [](const RankDecision& d) { return d.step == 5; });
+  CHECK(at_5 == (me == 1 ? 0 : 1));
   auto g = gradients(n, me, 5, 5);
   const auto data = g;
   const Outcome o = outcome_of([&] { r.reduce(0, g.data()); });
