@@ -168,7 +168,7 @@ void TrainerCheckpoints::save(const TrainerState& state, std::span<const std::ve
   comm_.barrier();  // every rank's files are durable
   if (comm_.rank() == 0) write_file_durably(set + "/COMPLETE", {});
   // Keep this set and the one before; older ones (complete or interrupted) go. Each rank removes its own files
-  // (a --checkpoint-dir of each node's own holds only its ranks'), rank 0 also COMPLETE first, and whichever
+  // (a --checkpoint-dir of each node's own holds only its ranks'), rank 0 also COMPLETE, and whichever
   // rank empties a set's directory removes it: no rank removes a file another may be removing.
   std::vector<std::filesystem::path> old;
   for (const auto& entry : std::filesystem::directory_iterator(dir_)) {

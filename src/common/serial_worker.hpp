@@ -103,6 +103,7 @@ class SerialWorker {
         : item(std::move(claimed_item)), done(std::move(claimed_done)) {}
     Claimed(Claimed&&) noexcept = default;
     Claimed& operator=(Claimed&& other) noexcept {
+      if (this == &other) return *this;
       dropped();
       item = std::move(other.item);
       done = std::move(other.done);

@@ -427,7 +427,8 @@ TEST_CASE("refusal: a load forgets the divergence hashes of the state it replace
   r.add_bucket(kBucket1);
   const auto step_ok = [&](int64_t step) {
     CAPTURE(step);
-    std::vector<std::vector<float>> g{gradients(r.bucket_size(0), me, step, 4), gradients(r.bucket_size(1), me, step, 5)};
+    std::vector<std::vector<float>> g{gradients(r.bucket_size(0), me, step, 4),
+                                      gradients(r.bucket_size(1), me, step, 5)};
     for (int b = 0; b < 2; ++b) {
       const Outcome o = outcome_of([&] { r.reduce(b, g[static_cast<size_t>(b)].data()); });
       INFO(o.message);

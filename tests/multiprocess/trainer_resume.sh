@@ -67,3 +67,17 @@ scenario() {  # name, extra trainer arguments
 
 scenario every-step ""
 scenario local-steps "--local-steps 3"
+
+# A --checkpoint-dir of each rank's own (each node's disk): each rank removes its own old sets (only rank 0 removed
+# sets, so the other nodes kept every one).
+mkdir "$dir/own-0" "$dir/own-1"
+# shellcheck disable=SC2086,SC2016  # $args splits; $RANK and "$0" are the worker shell's
+"$run" -n 2 --timeout 120 --env OWN="$dir/own" -- \
+  sh -c 'exec "$0" "$@" --checkpoint-dir "$OWN-$RANK" --checkpoint-every 5' "$trainer" $args >"$dir/own.out" 2>&1 ||
+  fail "own directories: the run failed" "$dir/own.out"
+for rank in 0 1; do
+  sets=$(ls "$dir/own-$rank" | tr '\n' ' ')
+  [ "$sets" = "step-0000000025 step-0000000030 " ] ||
+    fail "own directories: rank $rank kept $sets (expected steps 25 and 30)" "$dir/own.out"
+done
+echo "PASS (own directories): each rank kept its two newest sets"

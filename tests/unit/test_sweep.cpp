@@ -161,7 +161,8 @@ TEST_CASE("powersgd-bench: a bad argument or a library error is one line and exi
     s << "# comment\n   \r\nfc 16 8\n";  // a blank line of spaces and a CR is not a tensor
   }
   const auto run = [&](const std::string& arguments) {
-    const std::string cmd = "env -u WORLD_SIZE " + std::string(bench) + " " + arguments + " > " + out.string() + " 2>&1";
+    const std::string cmd =
+        "env -u WORLD_SIZE " + std::string(bench) + " " + arguments + " > " + out.string() + " 2>&1";
     const int status = std::system(cmd.c_str());
     std::ifstream in(out);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -399,7 +399,9 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--shapes", settings->shapes_path, "Model shapes file (data/models/*.shapes)")->required();
   cmd->add_option("--rank", settings->rank, "PowerSGD rank r")->capture_default_str();
   cmd->add_option("--steps", settings->steps, "Timed steps")->capture_default_str()->check(CLI::Range(1, 1000000));
-  cmd->add_option("--warmup", settings->warmup, "Untimed steps first")->capture_default_str()->check(CLI::Range(0, 1000000));
+  cmd->add_option("--warmup", settings->warmup, "Untimed steps first")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
   cmd->add_option("--bucket-mb", settings->bucket_mb, "Bucket cap in MiB (0: the model in one bucket)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e9));

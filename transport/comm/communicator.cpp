@@ -344,9 +344,9 @@ void GlooCommunicator::connect() {
     // How many came, where the store still answers (a wait that timed out on the client's side closed it).
     std::string arrived = "fewer than " + std::to_string(options_.world_size);
     try {
-      arrived = "only " + std::to_string(std::min<int64_t>(
-                              store_->add(run + "/joined", 0) - generation * options_.world_size, options_.world_size)) +
-                " of " + std::to_string(options_.world_size);
+      const int64_t joined_now = store_->add(run + "/joined", 0) - generation * options_.world_size;
+      arrived = "only " + std::to_string(std::min<int64_t>(joined_now, options_.world_size)) + " of " +
+                std::to_string(options_.world_size);
     } catch (const Error&) {
     }
     PSGD_THROW(TimeoutError, "rendezvous of ", options_.world_size, " ranks at ", store_name_, " timed out after ",

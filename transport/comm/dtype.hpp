@@ -1,5 +1,6 @@
 // Data types on the wire: size_of/to_string(DataType) (declared in powersgd/comm.hpp),
-// bfloat16 conversions, and the element-wise sums (Gloo's: one lacking, one wrong, both int-indexed). Private.
+// bfloat16 conversions, and the element-wise sums of the new API's algorithms and of the legacy API's 16-bit
+// types (Gloo's: one lacking, one wrong, all int-indexed). Private.
 #pragma once
 
 #include <cstddef>

@@ -143,7 +143,8 @@ class FileStore final : public Store {
     int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) sys_error("open", lock_path);
     // The lock dies with its process, so a crashed writer never wedges the counter; a stalled one (stopped, in
-    // a debugger, an NFS lock daemon that does not answer) holds it at most the store's timeout.
+    // a debugger) holds it at most the store's timeout. (On NFS the request itself is a call to the server's
+    // lock daemon: one that does not answer is not bounded here.)
     const auto deadline = Clock::now() + timeout();
     for (auto delay = std::chrono::milliseconds(1); ::flock(fd, LOCK_EX | LOCK_NB) != 0;
          delay = std::min(delay * 2, std::chrono::milliseconds(20))) {
