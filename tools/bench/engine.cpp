@@ -101,8 +101,10 @@ std::vector<std::vector<Shape>> make_buckets(const std::vector<Shape>& shapes, d
 
 // Best-of-5 STREAM copy (a = b) and triad (a = b + s * c) bandwidth in GB/s over
 // arrays far larger than the caches; bytes counted as STREAM does. `threads`
-// threads each take a contiguous slice (first touched by that thread), as the
-// CPU backend's kernels split large matrices over its threads.
+// threads each take a contiguous slice, as the CPU backend's kernels split
+// large matrices over its threads. The arrays are zeroed by the calling thread
+// (first touch): on a NUMA host their pages are its node's, which understates
+// the bandwidth of many threads (this project's measurements ran on one node).
 // Gradient buffers aligned as a training framework's are (PyTorch's CPU
 // allocator: 64 bytes), not as malloc's large blocks happen to be (16 bytes).
 template <typename T>
@@ -228,12 +230,15 @@ void run(const Settings& settings) {
   uint64_t rounds = 0;  // communication rounds within the timed steps (Communicator::communication_rounds)
   uint64_t bytes_before = 0;  // bytes_sent when the timed steps begin
   double guard_before = 0, check_before = 0;  // guard_seconds and check_seconds then
+  Stats at_warmup{};  // the worker's times then: the figures printed are the timed steps'
+
   for (int step = 0; step < settings.warmup + settings.steps; ++step) {
     if (step == settings.warmup) {
       const Stats s = reducer.stats();
       bytes_before = s.bytes_sent;
       guard_before = s.guard_seconds;
       check_before = s.check_seconds;
+      at_warmup = s;
     }
     for (size_t b = 0; b < host.size(); ++b) {
       if (device)
@@ -268,6 +273,9 @@ void run(const Settings& settings) {
   std::vector<double> per_rank(static_cast<size_t>(world));
   comm->allgather(&step_s, per_rank.data(), sizeof(double));
   const Stats stats = reducer.stats();
+  const double compress_s = stats.compress_seconds - at_warmup.compress_seconds;
+  const double communicate_s = stats.communicate_seconds - at_warmup.communicate_seconds;
+  const double decompress_s = stats.decompress_seconds - at_warmup.decompress_seconds;
   const double bytes_per_step = static_cast<double>(stats.bytes_sent - bytes_before) / settings.steps;
   // Order guard (announce, waiting included) and divergence detector (hashing), per timed step.
   const double guard_ms = (stats.guard_seconds - guard_before) / settings.steps * 1e3;
@@ -333,9 +341,9 @@ void run(const Settings& settings) {
                         {"rounds_per_step", static_cast<double>(rounds) / settings.steps},
                         {"guard_ms_per_step_least_rank", guard_min_ms},
                         {"check_ms_per_step", check_ms},
-                        {"seconds", {{"compress", stats.compress_seconds},
-                                     {"communicate", stats.communicate_seconds},
-                                     {"decompress", stats.decompress_seconds}}}};
+                        {"seconds", {{"compress", compress_s},
+                                     {"communicate", communicate_s},
+                                     {"decompress", decompress_s}}}};
   for (double t : per_rank) doc["step_ms_per_rank"].push_back(t * 1e3);
   doc["step_ms_max"] = *std::max_element(per_rank.begin(), per_rank.end()) * 1e3;
   if (print) {
@@ -346,10 +354,9 @@ void run(const Settings& settings) {
     std::printf("%s%s, %s factors: %.0f bytes sent per step per rank (mean of the timed steps)\n",
                 settings.alternating ? "alternating" : "default (P then Q)", settings.adaptive ? ", adaptive" : "",
                 settings.wire_dtype.c_str(), bytes_per_step);
-    std::printf("compression rate %.1fx, relative error %.3f; worker time compress %.3f s, communicate %.3f s, "
-                "decompress %.3f s\n",
-                stats.compression_rate(), stats.total_relative_error, stats.compress_seconds,
-                stats.communicate_seconds, stats.decompress_seconds);
+    std::printf("compression rate %.1fx, relative error %.3f; worker time of the timed steps: compress %.3f s, "
+                "communicate %.3f s, decompress %.3f s\n",
+                stats.compression_rate(), stats.total_relative_error, compress_s, communicate_s, decompress_s);
     std::printf("engine buffers %.1f MiB on rank 0 (arenas and per-bucket buffers; rank_high %d)\n",
                 static_cast<double>(engine_floats * sizeof(float)) / (1 << 20), config.rank_high);
     std::printf("order guard %.3f ms per step on rank 0, %.3f ms on the rank that waited least (announce, waiting "
