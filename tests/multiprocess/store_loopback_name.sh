@@ -44,7 +44,12 @@ for name in localhost psgd-master6; do
   ip netns exec "$ns" env -u PSGD_TOKEN RANK=0 WORLD_SIZE=2 MASTER_ADDR="$name" MASTER_PORT=29558 \
     PSGD_TIMEOUT_MS=20000 timeout 60 "$demo" >"$out0" 2>&1 &
   pid0=$!
-  sleep 1  # its store listens
+  # Until its store listens (a loaded machine starts it late; at most 20 s).
+  tries=0
+  until ip netns exec "$ns" ss -Hltn "sport = :29558" | grep -q LISTEN || [ "$tries" -ge 200 ]; do
+    sleep 0.1
+    tries=$((tries + 1))
+  done
   ip netns exec "$ns" env -u PSGD_TOKEN RANK=0 WORLD_SIZE=2 MASTER_ADDR="$name" MASTER_PORT=29558 \
     PSGD_TIMEOUT_MS=5000 timeout 60 "$demo" >"$out1" 2>&1
   rc1=$?
