@@ -175,14 +175,13 @@ void TrainerCheckpoints::save(const TrainerState& state, std::span<const std::ve
     const int64_t step = step_of(entry.path());
     if (step >= 0 && step < state.step - every_) old.push_back(entry.path());
   }
-  const auto mine = [&](const std::string& name) {  // this rank's files and their temporaries (a crash's)
-    std::vector<std::string> own = {trainer_file("", comm_.rank()), reducer_file("", comm_.rank()),
-                                    outer_file("", comm_.rank())};
-    if (comm_.rank() == 0) own.push_back("/COMPLETE");
-    return std::any_of(own.begin(), own.end(), [&](const std::string& file) {
-      const std::string base = file.substr(1);
-      return name == base || name.rfind(base + ".tmp.", 0) == 0;
-    });
+  // This rank's file names in a set, and their temporaries (a crash's).
+  std::vector<std::string> own = {trainer_file("", comm_.rank()).substr(1), reducer_file("", comm_.rank()).substr(1),
+                                  outer_file("", comm_.rank()).substr(1)};
+  if (comm_.rank() == 0) own.push_back("COMPLETE");
+  const auto mine = [&](const std::string& name) {
+    return std::any_of(own.begin(), own.end(),
+                       [&](const std::string& base) { return name == base || name.rfind(base + ".tmp.", 0) == 0; });
   };
   for (const auto& path : old) {
     std::error_code ignored;  // another rank may have removed the directory already

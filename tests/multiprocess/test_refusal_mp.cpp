@@ -344,6 +344,20 @@ TEST_CASE("refusal: a refused reduce raises no false divergence alarm") {
     }
 }
 
+// A reducer of two buckets whose output drifts on rank 1 at step `drift` (the test-only fault point flips one bit),
+// hashed for the next step's announce.
+std::unique_ptr<Reducer> drifting_reducer(Communicator& comm, int64_t drift) {
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  c.divergence_check_interval = 2;  // (3 + 1) % 2 == 0: the outputs of step 3 are hashed
+  if (comm.rank() == 1) engine::arm_fault({engine::FaultPoint::Output, drift});
+  auto r = std::make_unique<Reducer>(comm, c);
+  r->add_bucket(kBucket0);
+  r->add_bucket(kBucket1);
+  return r;
+}
+
 // Rank 1's output drifts at step 3 (the test-only fault point flips one bit);
 // the announces of step 4 carry the hashes of step 3. Before: when such an
 // announce failed for another reason (a refusal on one rank, buckets swapped),
@@ -355,14 +369,8 @@ TEST_CASE("refusal: a real divergence is reported at the next agreed announce af
   constexpr int64_t kDrift = 3;
   for (int kind = 0; kind < 2; ++kind) {  // 0: rank 1 refuses bucket 0 of step 4; 1: the last rank swaps step 4's buckets
     CAPTURE(kind);
-    Config c;
-    c.rank = 2;
-    c.start_iter = 0;
-    c.divergence_check_interval = 2;  // (3 + 1) % 2 == 0: the outputs of step 3 are hashed
-    if (me == 1) engine::arm_fault({engine::FaultPoint::Output, kDrift});
-    Reducer r(*comm, c);
-    r.add_bucket(kBucket0);
-    r.add_bucket(kBucket1);
+    const auto reducer = drifting_reducer(*comm, kDrift);
+    Reducer& r = *reducer;
     const auto diverged = [&](const Outcome& o, int b) {
       INFO(o.message);
       CHECK(o.code == static_cast<int>(ErrorCode::Mismatch));
@@ -417,14 +425,8 @@ TEST_CASE("refusal: a load forgets the divergence hashes of the state it replace
   constexpr int64_t kDrift = 3;
   const std::string path = "/tmp/psgd-test-refusal-drift-" + std::string(std::getenv("PSGD_STORE_PORT")) + "-" +
                            std::to_string(me) + ".ckpt";
-  Config c;
-  c.rank = 2;
-  c.start_iter = 0;
-  c.divergence_check_interval = 2;  // (3 + 1) % 2 == 0: the outputs of step 3 are hashed
-  if (me == 1) engine::arm_fault({engine::FaultPoint::Output, kDrift});
-  Reducer r(*comm, c);
-  r.add_bucket(kBucket0);
-  r.add_bucket(kBucket1);
+  const auto reducer = drifting_reducer(*comm, kDrift);
+  Reducer& r = *reducer;
   const auto step_ok = [&](int64_t step) {
     CAPTURE(step);
     std::vector<std::vector<float>> g{gradients(r.bucket_size(0), me, step, 4),

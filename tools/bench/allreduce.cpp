@@ -69,9 +69,7 @@ double time_allreduce(GlooCommunicator& comm, std::vector<float>& data, size_t c
   std::vector<double> times(static_cast<size_t>(iterations));
   comm.barrier();
   for (double& t : times) t = once();
-  std::sort(times.begin(), times.end());
-  const auto half = static_cast<size_t>(iterations / 2);
-  return max_over_ranks(comm, iterations % 2 == 1 ? times[half] : (times[half - 1] + times[half]) / 2);
+  return max_over_ranks(comm, median(std::move(times)));
 }
 
 void run(const Settings& settings) {

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace powersgd::bench {
 
@@ -14,5 +15,7 @@ void add_sweep_command(CLI::App& app);      // sweep.cpp: approximation error vs
 
 // Writes `doc` as indented JSON to `path`; IoError naming the subcommand and the path.
 void write_json(const std::string& path, const nlohmann::json& doc, const std::string& subcommand);
+// The median of `v` (not empty): the mean of the middle two for an even count.
+double median(std::vector<double> v);
 
 }  // namespace powersgd::bench

@@ -170,12 +170,6 @@ std::unique_ptr<Communicator> make_comm() {
   return Communicator::create(CommOptions::single_process());  // alone: a private store
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t half = v.size() / 2;
-  return v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;  // --steps is at least 1
-}
-
 void run(const Settings& settings) {
   const Model model = read_shapes(settings.shapes_path);
   if (settings.mode != "sync" && settings.mode != "async" && settings.mode != "fused")

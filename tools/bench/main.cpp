@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <fstream>
@@ -12,6 +13,12 @@ void write_json(const std::string& path, const nlohmann::json& doc, const std::s
   std::ofstream out(path);
   out << doc.dump(2) << "\n";
   if (!out) throw IoError("powersgd-bench " + subcommand + ": cannot write " + path);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t half = v.size() / 2;
+  return v.size() % 2 == 1 ? v[half] : (v[half - 1] + v[half]) / 2;
 }
 
 }  // namespace powersgd::bench

@@ -50,21 +50,25 @@ uint16_t float_to_bfloat16(float value) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-void bfloat16_sum(void* c, const void* a, const void* b, size_t n) {
-  auto* out = static_cast<uint16_t*>(c);
-  const auto* x = static_cast<const uint16_t*>(a);
-  const auto* y = static_cast<const uint16_t*>(b);
-  for (size_t i = 0; i < n; ++i) out[i] = float_to_bfloat16(bfloat16_to_float(x[i]) + bfloat16_to_float(y[i]));
-}
-
-void bfloat16_sum_inplace(uint16_t* x, const uint16_t* y, size_t n) { bfloat16_sum(x, x, y, n); }
-
 namespace {
 
 float float16_to_float(uint16_t bits) {
   gloo::float16 h;
   h.x = bits;
   return gloo::cpu_half2float(h);
+}
+
+uint16_t float_to_float16(float value) { return gloo::cpu_float2half_rn(value).x; }
+
+// A 16-bit type stored as uint16_t: the float sum of the two, rounded to the type. That is the correctly rounded
+// sum: float's 24 bits are at least 2 x 11 + 2 (float16) and 2 x 8 + 2 (bfloat16), so rounding the exact sum
+// first to float then to the type rounds as once (Figueroa).
+template <float (*to_float)(uint16_t), uint16_t (*from_float)(float)>
+void sum_16(void* c, const void* a, const void* b, size_t n) {
+  auto* out = static_cast<uint16_t*>(c);
+  const auto* x = static_cast<const uint16_t*>(a);
+  const auto* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = from_float(to_float(x[i]) + to_float(y[i]));
 }
 
 template <typename T>
@@ -77,15 +81,14 @@ void sum_of(void* c, const void* a, const void* b, size_t n) {
 
 }  // namespace
 
-void float16_sum(void* c, const void* a, const void* b, size_t n) {
-  auto* out = static_cast<uint16_t*>(c);
-  const auto* x = static_cast<const uint16_t*>(a);
-  const auto* y = static_cast<const uint16_t*>(b);
-  // The float sum of two halves, rounded to half, is the correctly rounded half sum: float's 24 bits are at
-  // least 2 x 11 + 2, so rounding the exact sum first to float then to half rounds as once (Figueroa).
-  for (size_t i = 0; i < n; ++i) out[i] = gloo::cpu_float2half_rn(float16_to_float(x[i]) + float16_to_float(y[i])).x;
+void bfloat16_sum(void* c, const void* a, const void* b, size_t n) {
+  sum_16<bfloat16_to_float, float_to_bfloat16>(c, a, b, n);
 }
+void bfloat16_sum_inplace(uint16_t* x, const uint16_t* y, size_t n) { bfloat16_sum(x, x, y, n); }
 
+void float16_sum(void* c, const void* a, const void* b, size_t n) {
+  sum_16<float16_to_float, float_to_float16>(c, a, b, n);
+}
 void float16_sum_inplace(uint16_t* x, const uint16_t* y, size_t n) { float16_sum(x, x, y, n); }
 
 void float_sum(void* c, const void* a, const void* b, size_t n) { sum_of<float>(c, a, b, n); }
