@@ -143,9 +143,4 @@ std::vector<float> error_in_work_layout(const BucketPlan& plan, size_t work_size
   return nerr;
 }
 
-void write_error(compute::Backend& backend, BucketState& s, const std::vector<float>& error) {
-  const std::vector<float> nerr = error_in_work_layout(s.plan, s.nerr.size(), error);
-  backend.copy_from_host(s.nerr.data(), nerr.data(), nerr.size());
-}
-
 }  // namespace powersgd::engine

@@ -129,8 +129,8 @@ inline size_t error_memory_size(const BucketPlan& plan) {
 // This rank's error memory (host), error_memory_size floats: the bucket's own
 // element order, then the whole bucket's padding. Worker thread.
 std::vector<float> read_error(compute::Backend& backend, const BucketState& s);
-void write_error(compute::Backend& backend, BucketState& s, const std::vector<float>& error);
-// What write_error writes for `plan`: the negated error in the plan's work layout, `work_size` floats (host).
+// Its inverse's host part: the negated error in `plan`'s work layout, `work_size` floats (what the bucket's
+// nerr buffer holds).
 std::vector<float> error_in_work_layout(const BucketPlan& plan, size_t work_size, const std::vector<float>& error);
 
 }  // namespace powersgd::engine

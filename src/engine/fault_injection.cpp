@@ -64,6 +64,7 @@ void maybe_inject(const std::optional<Fault>& fault, FaultPoint point, int64_t s
              : point == FaultPoint::Allocate ? "the buffers' allocation, attempt "
              : point == FaultPoint::Note     ? "the learning-rate note's application in step "
              : point == FaultPoint::Switch   ? "a rank level switch at the commit of step "
+             : point == FaultPoint::Apply    ? "the application of a checkpoint of step "
                                              : "the compute between the P and Q collectives of step ",
              step);
 }

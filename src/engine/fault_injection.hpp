@@ -23,6 +23,8 @@ enum class FaultPoint {
              // a host out of memory in a level switch's copies), on every attempt at that step
   Switch,    // a rank level switch at the commit of step `step` (the policy's: end of a boost, warm-up, window),
              // after its copies to the host, before the bucket changes
+  Apply,     // the application of a loaded checkpoint (load, load_shared, load_job) whose iteration is `step`,
+             // once its first bucket is prepared (a host or device out of memory part-way)
   Hold,      // not a failure: the worker holds the first single-bucket reduction of step `step` (every step when
              // `step` < 0) until the step's other buckets are queued behind it (at most 10 s), so that
              // fusing them (docs/engine.md, "Fusing queued reductions") does not depend on timing

@@ -93,16 +93,19 @@ void Reducer::Impl::load_job(const std::string& path, std::exception_ptr refused
     agree_on_refusal(refused, "load_job");
     const std::vector<char> file = engine::read_on_rank0(comm_, path);
     std::exception_ptr local;
+    PreparedApply prepared;
     try {
       contents = engine::decode_checkpoint(file, path, config_, layout_fingerprint_, checkpoint_shapes(),
                                            engine::CheckpointKind::Job);
+      prepared = prepare_apply(contents);
     } catch (...) {
       local = std::current_exception();
     }
-    // Applied only when every rank parsed and checked it: a refusal leaves every rank's state as it was.
+    // Applied only when every rank parsed, checked and prepared it (what can fail: a rank short of memory):
+    // a refusal leaves every rank's state as it was.
     engine::agree_on_outcome(comm_, local, "load_job of " + path);
+    commit_apply(contents, prepared);
   });
-  call([&] { apply(contents); });
   steps_.restart_at(contents.iteration);
 }
 
@@ -159,12 +162,26 @@ engine::CheckpointBucket Reducer::Impl::gather_bucket(const engine::BucketState&
   return b;
 }
 
-void Reducer::Impl::apply(const engine::CheckpointContents& c) {
+Reducer::Impl::PreparedApply Reducer::Impl::prepare_apply(const engine::CheckpointContents& c) {
   size_t levels = 1;  // a file saved mid-boost needs the high level's buffers (lay_out_for_note)
   for (const auto& b : c.buckets) levels = std::max<size_t>(levels, b.level + 1);
-  arenas_.fit_levels(*backend_, buckets_, levels);
+  arenas_.fit_levels(*backend_, buckets_, levels);  // more levels laid out, their contents kept: no change of state
+  PreparedApply prepared;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    apply_bucket(*buckets_[i], c.buckets[i]);
+    prepared.work_errors.push_back(work_error_of(*buckets_[i], c.buckets[i]));
+    if (i == 0) engine::maybe_inject(fault_, engine::FaultPoint::Apply, c.iteration);
+  }
+  return prepared;
+}
+
+void Reducer::Impl::apply(const engine::CheckpointContents& c) {
+  PreparedApply prepared = prepare_apply(c);
+  commit_apply(c, prepared);
+}
+
+void Reducer::Impl::commit_apply(const engine::CheckpointContents& c, PreparedApply& prepared) {
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    apply_bucket(*buckets_[i], c.buckets[i], prepared.work_errors[i]);
     buckets_[i]->last_m2 = buckets_[i]->last_e2 = std::nan("");
   }
   completed_steps_ = c.iteration;
@@ -178,7 +195,13 @@ void Reducer::Impl::apply(const engine::CheckpointContents& c) {
   backend_->synchronize();
 }
 
-void Reducer::Impl::apply_bucket(BucketState& s, const engine::CheckpointBucket& b) {
+std::vector<float> Reducer::Impl::work_error_of(const BucketState& s, const engine::CheckpointBucket& b) const {
+  if (s.nerr.empty()) return {};
+  return engine::error_in_work_layout(s.levels[b.level], s.nerr.size(), b.error);
+}
+
+void Reducer::Impl::apply_bucket(BucketState& s, const engine::CheckpointBucket& b,
+                                 const std::vector<float>& work_error) {
   s.q_initialized = b.q_initialized;
   s.draws = b.draws;
   // The level first: the error memory's work layout is the level's plan.
@@ -193,7 +216,7 @@ void Reducer::Impl::apply_bucket(BucketState& s, const engine::CheckpointBucket&
   s.rule_level = b.rule_level;
   s.rule_reason = b.rule_reason;
   s.reason = b.reason;
-  if (!s.nerr.empty()) engine::write_error(*backend_, s, b.error);
+  if (!s.nerr.empty()) backend_->copy_from_host(s.nerr.data(), work_error.data(), work_error.size());
   backend_->copy_from_host(arenas_.p_state.data() + s.p_offset, b.p.data(), b.p.size());
   backend_->copy_from_host(arenas_.q_state.data() + s.q_offset, b.q.data(), b.q.size());
 }

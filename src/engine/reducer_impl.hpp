@@ -174,10 +174,18 @@ class Reducer::Impl final : public detail::CommUser {
   engine::CheckpointContents gather();
   engine::CheckpointBucket gather_bucket(const engine::BucketState& s);
 
-  // Worker thread: the inverse of gather (contents checked by decode_checkpoint); apply_bucket needs the
-  // bucket's level laid out.
+  // Worker thread: the inverse of gather (contents checked by decode_checkpoint), in two parts so that a
+  // failure changes nothing: prepare_apply does what can fail (the buffers of the levels the file uses, each
+  // bucket's error memory in its work layout); commit_apply only assigns and copies. apply does both.
+  // apply_bucket needs the bucket's level laid out; `work_error`: the error in that level's work layout.
+  struct PreparedApply {
+    std::vector<std::vector<float>> work_errors;  // per bucket
+  };
+  PreparedApply prepare_apply(const engine::CheckpointContents& c);
+  void commit_apply(const engine::CheckpointContents& c, PreparedApply& prepared);
   void apply(const engine::CheckpointContents& c);
-  void apply_bucket(engine::BucketState& s, const engine::CheckpointBucket& b);
+  std::vector<float> work_error_of(const engine::BucketState& s, const engine::CheckpointBucket& b) const;
+  void apply_bucket(engine::BucketState& s, const engine::CheckpointBucket& b, const std::vector<float>& work_error);
 
   Communicator& comm_;
   // The order of the collectives of this communicator's reducers (comm_turns.hpp): every task that issues

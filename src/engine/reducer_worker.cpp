@@ -282,7 +282,10 @@ Reducer::Impl::NotedBefore Reducer::Impl::save_noted(const Reduction& reduction)
 }
 
 void Reducer::Impl::restore_noted(NotedBefore& before) {
-  for (const auto& [b, saved] : before.buckets) apply_bucket(*buckets_[static_cast<size_t>(b)], saved);
+  for (const auto& [b, saved] : before.buckets) {
+    engine::BucketState& s = *buckets_[static_cast<size_t>(b)];
+    apply_bucket(s, saved, work_error_of(s, saved));
+  }
   log_ = std::move(before.log);
 }
 

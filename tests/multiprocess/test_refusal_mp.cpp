@@ -446,6 +446,57 @@ TEST_CASE("refusal: a load forgets the divergence hashes of the state it replace
   std::filesystem::remove(path);
 }
 
+// A load whose application fails part-way (out of memory after its first bucket: the fault point Apply, on
+// rank 1). Before: each bucket was applied as it was prepared, so bucket 0 held the file's state and bucket 1
+// its own, the step count unchanged; and load_job applied after its agreement, so rank 1 failed alone.
+TEST_CASE("refusal: a load that fails part-way changes nothing; load_job fails on every rank") {
+  auto comm = connect("refusal-apply");
+  const int me = comm->rank();
+  const std::string stem = "/tmp/psgd-test-refusal-apply-" + std::string(std::getenv("PSGD_STORE_PORT"));
+  const std::string job_file = stem + ".job", own_file = stem + "-" + std::to_string(me) + ".ckpt";
+  Config c;
+  c.rank = 2;
+  c.start_iter = 0;
+  if (me == 1) engine::arm_fault({engine::FaultPoint::Apply, 2});
+  Reducer r(*comm, c);  // takes the armed fault
+  r.add_bucket(kBucket0);
+  r.add_bucket(kBucket1);
+  const auto step = [&] {
+    for (int b = 0; b < 2; ++b) {
+      std::vector<float> g = gradients(r.bucket_size(b), me, r.iteration(), 11 + static_cast<uint64_t>(b));
+      r.reduce(b, g.data());
+    }
+  };
+  step();
+  step();
+  r.save(own_file);
+  r.save_job(job_file);
+  step();
+  step();
+  for (const bool job : {true, false}) {
+    CAPTURE(job);
+    const int64_t at = r.iteration();
+    const std::vector<float> before0 = error_feedback(r, 0), before1 = error_feedback(r, 1);
+    const Outcome o = outcome_of([&] { job ? r.load_job(job_file) : r.load(own_file); });
+    INFO(o.message);
+    if (job || me == 1) {
+      CHECK(o.code == static_cast<int>(ErrorCode::Io));
+      CHECK(contains(o.message, "injected fault"));
+      CHECK(o.seconds < kFailTogetherSeconds);
+      CHECK(r.iteration() == at);
+      CHECK(error_feedback(r, 0) == before0);
+      CHECK(error_feedback(r, 1) == before1);
+    } else {
+      CHECK(o.code == 0);
+      CHECK(r.iteration() == 2);
+    }
+    if (job) step();  // every rank still at the same step: the next reduction succeeds everywhere
+    sum_one(*comm);
+  }
+  std::filesystem::remove(own_file);
+  if (me == 0) std::filesystem::remove(job_file);
+}
+
 namespace {
 
 struct COutcome {
