@@ -21,23 +21,29 @@ constexpr char kMagic[8] = {'P', 'S', 'G', 'D', 'T', 'R', 'N', '1'};
 }
 
 // Temporary file, fsync, rename, fsync of the directory: `path` holds the old
-// contents or the new ones whole, whenever the process dies.
+// contents or the new ones whole, whenever the process dies. A failure (a full
+// disk) removes the temporary file and closes what it opened.
 void write_file_durably(const std::string& path, const std::vector<char>& bytes) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) fail_io("cannot create", tmp);
+  const auto give_up = [&](const char* what, const std::string& name, bool close_fd) {
+    const int err = errno;
+    if (close_fd) ::close(fd);
+    ::unlink(tmp.c_str());
+    errno = err;
+    fail_io(what, name);
+  };
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      fail_io("cannot write", tmp);
-    }
+    if (n < 0) give_up("cannot write", tmp, true);
     done += size_t(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) fail_io("cannot sync", tmp);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail_io("cannot rename to", path);
+  if (::fsync(fd) != 0) give_up("cannot sync", tmp, true);
+  if (::close(fd) != 0) give_up("cannot close", tmp, false);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) give_up("cannot rename to", path, false);
   const std::string dir = std::filesystem::path(path).parent_path().string();
   const int dir_fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir_fd < 0) fail_io("cannot open directory", dir);
@@ -53,7 +59,11 @@ std::vector<char> read_file(const std::string& path) {
   char chunk[1 << 16];
   size_t n;
   while ((n = std::fread(chunk, 1, sizeof chunk, f)) > 0) bytes.insert(bytes.end(), chunk, chunk + n);
+  const bool failed = std::ferror(f) != 0;  // a read error is not the end of the file ("is truncated")
+  const int err = errno;
   std::fclose(f);
+  errno = err;
+  if (failed) fail_io("cannot read", path);
   return bytes;
 }
 

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <utility>
 
 #include "common/check.hpp"
@@ -188,6 +190,37 @@ std::vector<char> frame_checkpoint(const char* magic, uint32_t version, std::spa
   return file.take();
 }
 
+namespace {
+
+// The file kinds of this library that share the frame, for a message naming the one found.
+struct FileKind {
+  const char* magic;
+  const char* name;
+  const char* loader;
+};
+constexpr FileKind kFileKinds[] = {
+    {kCheckpointMagic, "a per-rank checkpoint (Reducer::save)", "Reducer::load or load_shared"},
+    {kJobCheckpointMagic, "a job checkpoint (Reducer::save_job)", "Reducer::load_job"},
+    {kOuterCheckpointMagic, "an outer-optimizer checkpoint (OuterOptimizer::save)", "OuterOptimizer::load"},
+};
+
+// Printable bytes as they are, others as \xNN.
+std::string quoted_bytes(const char* bytes, size_t size) {
+  std::string text = "\"";
+  for (size_t i = 0; i < size; ++i) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+      text += static_cast<char>(c);
+    } else {
+      static const char digits[] = "0123456789abcdef";
+      text += {'\\', 'x', digits[c >> 4], digits[c & 15]};
+    }
+  }
+  return text + "\"";
+}
+
+}  // namespace
+
 std::span<const char> checked_payload(std::span<const char> file, const std::string& path, const char* magic,
                                       uint32_t oldest, uint32_t newest, uint32_t& version) {
   PSGD_REQUIRE(file.size() >= kCheckpointHeaderBytes, IoError, "checkpoint ", path, " is truncated: ", file.size(),
@@ -195,8 +228,15 @@ std::span<const char> checked_payload(std::span<const char> file, const std::str
   Reader header(file.first(kCheckpointHeaderBytes), path);
   char found[sizeof(kCheckpointMagic)];
   header.get_raw(found, sizeof(found), "magic");
-  PSGD_REQUIRE(std::memcmp(found, magic, sizeof(found)) == 0, IoError, "file ", path,
-               " is not a powersgd checkpoint (bad magic)");
+  if (std::memcmp(found, magic, sizeof(found)) != 0) {
+    const auto is = [&](const char* m) { return [m](const FileKind& k) { return std::memcmp(k.magic, m, 8) == 0; }; };
+    const FileKind* other = std::find_if(std::begin(kFileKinds), std::end(kFileKinds), is(found));
+    const FileKind* expected = std::find_if(std::begin(kFileKinds), std::end(kFileKinds), is(magic));
+    PSGD_REQUIRE(other == std::end(kFileKinds) || expected == std::end(kFileKinds), MismatchError, "checkpoint ",
+                 path, " is ", other->name, ", not ", expected->name, ": load it with ", other->loader);
+    PSGD_THROW(IoError, "file ", path, " is not a powersgd checkpoint (bad magic ", quoted_bytes(found, sizeof(found)),
+               ", expected ", quoted_bytes(magic, sizeof(found)), ")");
+  }
   version = header.get<uint32_t>("version");
   PSGD_REQUIRE(version >= oldest && version <= newest, IoError, "checkpoint ", path, " has format version ", version,
                ": this build reads ",
@@ -383,17 +423,33 @@ CheckpointContents decode_checkpoint(std::span<const char> file, const std::stri
 }
 
 void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes) {
-  // A temporary name of this process alone (mkstemp: O_EXCL, never an existing
-  // file or link), so that concurrent savers to one path never write into each
-  // other's file; the last rename wins whole. fsync of the file and then of its
+  // A temporary name of this process alone (random, created with O_EXCL: never an
+  // existing file or link), so that concurrent savers to one path never write into
+  // each other's file; the last rename wins whole. fsync of the file and then of its
   // directory makes the rename survive a crash.
-  // Its name: the file's own, cut to 200 bytes so that ".tmp.XXXXXX" stays within NAME_MAX (255: a valid name
-  // of 250 bytes failed with ENAMETOOLONG).
+  // Its name: the file's own, cut to 200 bytes so that ".tmp." and 16 digits stay within NAME_MAX (255: a valid
+  // name of 250 bytes failed with ENAMETOOLONG).
   const size_t name_at = path.find_last_of('/') + 1;  // 0 without a slash
-  std::string tmp = path.substr(0, name_at + std::min<size_t>(path.size() - name_at, 200)) + ".tmp.XXXXXX";
-  Fd fd(PSGD_CHECK_SYS_CTX(::mkostemp(tmp.data(), O_CLOEXEC), "cannot create a temporary file for checkpoint ", path));
+  const std::string stem = path.substr(0, name_at + std::min<size_t>(path.size() - name_at, 200)) + ".tmp.";
+  std::string tmp;
+  Fd fd;
+  std::random_device random;
+  for (int attempt = 0; !fd; ++attempt) {
+    char digits[17];
+    std::snprintf(digits, sizeof digits, "%08x%08x", static_cast<unsigned>(random()), static_cast<unsigned>(random()));
+    tmp = stem + digits;
+    // Mode 0666 less the umask, as any new file (not mkstemp's 0600, nor a fixed 0644 that ignored a umask 077).
+    const int opened = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (opened < 0 && (errno != EEXIST || attempt == 99))
+      PSGD_THROW_ERRNO(IoError, errno, "cannot create a temporary file for checkpoint ", path);
+    if (opened >= 0) fd = Fd(opened);
+  }
   try {
-    PSGD_CHECK_SYS_CTX(::fchmod(fd.get(), 0644), "setting the mode of checkpoint ", tmp);
+    // A file it replaces keeps its permissions (the error memory is close to the gradients: a 0600 stays 0600).
+    // Best effort: a file system that refuses chmod keeps the new file's.
+    struct stat replaced {};
+    if (::stat(path.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode))
+      (void)::fchmod(fd.get(), replaced.st_mode & 07777);
     write_fully(fd.get(), bytes.data(), bytes.size(), tmp);
     PSGD_CHECK_SYS_CTX(::fsync(fd.get()), "fsync of checkpoint ", tmp);
     PSGD_CHECK_SYS_CTX(::close(fd.release()), "closing checkpoint ", tmp);
@@ -421,8 +477,6 @@ size_t read_up_to(int fd, std::vector<char>& bytes, size_t total, const std::str
   }
   return total;
 }
-
-constexpr const char* kAllMagics[] = {kCheckpointMagic, kJobCheckpointMagic, kOuterCheckpointMagic};
 }  // namespace
 
 std::vector<char> read_checkpoint_file(const std::string& path) {
@@ -452,8 +506,8 @@ std::vector<char> read_checkpoint_file(const std::string& path) {
   header.get<uint32_t>("version");
   header.get<uint32_t>("crc");
   const auto recorded = header.get<uint64_t>("payload length");
-  const bool ours = std::any_of(std::begin(kAllMagics), std::end(kAllMagics),
-                                [&](const char* known) { return std::memcmp(magic, known, sizeof(magic)) == 0; });
+  const bool ours = std::any_of(std::begin(kFileKinds), std::end(kFileKinds),
+                                [&](const FileKind& k) { return std::memcmp(magic, k.magic, sizeof(magic)) == 0; });
   if (ours) {
     const uint64_t held = size - kCheckpointHeaderBytes;
     PSGD_REQUIRE(recorded <= held, IoError, "checkpoint ", path, " is truncated: its header says ", recorded,

@@ -223,7 +223,17 @@ TEST_CASE("checkpoint codec: truncated, corrupted and foreign input is refused w
 
   std::vector<char> magic = file;
   magic[0] = 'X';
-  CHECK(contains(error_of([&] { decode(magic, like); }), "file ckpt is not a powersgd checkpoint (bad magic)"));
+  CHECK(error_of([&] { decode(magic, like); }) ==
+        "file ckpt is not a powersgd checkpoint (bad magic \"XSGDCKPT\", expected \"PSGDCKPT\")");
+  magic[1] = '\0';
+  magic[2] = '"';
+  CHECK(contains(error_of([&] { decode(magic, like); }), "(bad magic \"X\\x00\\x22DCKPT\", expected"));
+  std::vector<char> outer = file;  // another kind of this library's files is named, with its loader
+  std::copy(std::begin(kOuterCheckpointMagic), std::end(kOuterCheckpointMagic), outer.begin());
+  CHECK_THROWS_AS(decode(outer, like), MismatchError);
+  CHECK(error_of([&] { decode(outer, like); }) ==
+        "checkpoint ckpt is an outer-optimizer checkpoint (OuterOptimizer::save), not a per-rank checkpoint "
+        "(Reducer::save): load it with OuterOptimizer::load");
 
   std::vector<char> version = file;
   version[8] = 5;
@@ -275,7 +285,7 @@ TEST_CASE("checkpoint codec: a job checkpoint has its own magic; each loader ref
   CHECK_THROWS_AS(as_job(damaged), IoError);
   damaged = job;
   damaged[4] = 'X';
-  CHECK(contains(error_of([&] { as_job(damaged); }), "is not a powersgd checkpoint (bad magic)"));
+  CHECK(contains(error_of([&] { as_job(damaged); }), "is not a powersgd checkpoint (bad magic \"PSGDXOBC\""));
 }
 
 TEST_CASE("checkpoint codec: another configuration or layout is refused with MismatchError") {
@@ -342,6 +352,27 @@ TEST_CASE("checkpoint file: written atomically, read back whole; a missing file 
   for (const auto& entry : std::filesystem::directory_iterator("/tmp"))  // the temporary file was renamed away
     CHECK(entry.path().string().rfind(path + ".tmp", 0) != 0);
   ::unlink(path.c_str());
+  // The mode of a new file is 0666 less the umask (before: always 0644, a umask 077 ignored); a file it replaces
+  // keeps its own.
+  const auto mode_of = [](const std::string& p) {
+    struct stat st {};
+    REQUIRE(::stat(p.c_str(), &st) == 0);
+    return st.st_mode & 07777;
+  };
+  const mode_t old_umask = ::umask(077);
+  write_checkpoint_file(path, file);
+  ::umask(022);
+  CHECK(mode_of(path) == 0600);
+  write_checkpoint_file(path, file);
+  CHECK(mode_of(path) == 0600);  // kept
+  ::unlink(path.c_str());
+  write_checkpoint_file(path, file);
+  CHECK(mode_of(path) == 0644);
+  REQUIRE(::chmod(path.c_str(), 0640) == 0);
+  write_checkpoint_file(path, file);
+  CHECK(mode_of(path) == 0640);
+  ::umask(old_umask);
+  ::unlink(path.c_str());
   CHECK_THROWS_AS(read_checkpoint_file(path), IoError);
   CHECK(contains(error_of([&] { read_checkpoint_file(path); }), "cannot open checkpoint " + path));
   CHECK(contains(error_of([&] { write_checkpoint_file("/nonexistent-dir/x", file); }),
@@ -405,8 +436,8 @@ TEST_CASE("checkpoint file: a FIFO is refused at once; only what the header says
   };
   CHECK(contains(payload_error(longer), "is longer than recorded"));
   CHECK(contains(payload_error(shorter), "is truncated"));
-  CHECK(contains(payload_error(sparse), "is not a powersgd checkpoint (bad magic)"));
-  CHECK(contains(payload_error(other), "is not a powersgd checkpoint (bad magic)"));
+  CHECK(contains(payload_error(sparse), "is not a powersgd checkpoint (bad magic"));
+  CHECK(contains(payload_error(other), "is not a powersgd checkpoint (bad magic"));
   std::filesystem::remove_all(dir);
 }
 

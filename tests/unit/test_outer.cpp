@@ -337,7 +337,9 @@ TEST_CASE("outer: a checkpoint resumes bit for bit; a damaged or foreign file is
     return message;
   };
   CHECK(refused("/nonexistent/outer.ckpt").starts_with("cannot open checkpoint /nonexistent/outer.ckpt"));
-  CHECK(refused(reducer_path) == "file " + reducer_path + " is not a powersgd checkpoint (bad magic)");
+  CHECK(refused(reducer_path) == "checkpoint " + reducer_path + " is a per-rank checkpoint (Reducer::save), not an "
+                                 "outer-optimizer checkpoint (OuterOptimizer::save): load it with Reducer::load "
+                                 "or load_shared");
   {
     std::vector<char> bytes;
     {
