@@ -128,8 +128,8 @@ constexpr Variable kVariables[] = {
     {"PSGD_CPU_KERNELS", "", "CPU backend's fused-kernel variant: avx512, avx2 or sse2 (default: the widest this "
                              "CPU runs); another name, or one the CPU lacks, is an UnsupportedError naming those it runs. Results "
                              "are the same bits with each."},
-    {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug (another value: warn; logging "
-                               "cannot refuse it)."},
+    {"PSGD_LOG_LEVEL", "warn", "Library log level: error, warn, info or debug (another value: one warning naming "
+                               "it, then warn; logging cannot refuse it)."},
 };
 
 }  // namespace

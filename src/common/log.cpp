@@ -16,6 +16,10 @@ Level level_from_env() {
   if (text == "error") return Level::Error;
   if (text == "info") return Level::Info;
   if (text == "debug") return Level::Debug;
+  // Logging cannot refuse a value, so an unknown one is said once (a typo would otherwise hide every info line).
+  if (text != "warn")
+    std::fprintf(stderr, "powersgd warn: PSGD_LOG_LEVEL='%s' is not error, warn, info or debug; logging at warn\n",
+                 text.c_str());
   return Level::Warn;
 }
 

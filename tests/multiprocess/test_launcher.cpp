@@ -290,6 +290,32 @@ std::vector<pid_t> delayers_of(pid_t launcher_pid) {
   return pids;
 }
 
+// A new process group (`sleep 30` under setsid, a child of this process) given the pid `wanted` where the kernel
+// allows it (ns_last_pid: root only), in at most `attempts` forks: its pid, which is `wanted` when the reuse was
+// forced; -1 where ns_last_pid cannot be written (said in a MESSAGE).
+pid_t new_group_at(pid_t wanted, int attempts) {
+  pid_t other = -1;
+  for (int attempt = 0; attempt < attempts && other != wanted; ++attempt) {
+    if (other > 0) {
+      ::kill(other, SIGKILL);
+      ::waitpid(other, nullptr, 0);
+    }
+    std::ofstream last("/proc/sys/kernel/ns_last_pid");
+    if (!(last << wanted - 1 << std::flush)) {
+      MESSAGE("cannot write /proc/sys/kernel/ns_last_pid (not root): pid reuse not forced");
+      return -1;
+    }
+    other = ::fork();
+    REQUIRE(other >= 0);
+    if (other == 0) {
+      ::setsid();
+      ::execl("/bin/sleep", "sleep", "30", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  return other;
+}
+
 // ---- local mode ----
 
 TEST_SUITE("local") {
@@ -537,26 +563,7 @@ TEST_SUITE("local") {
     const fs::path proc_entry = "/proc/" + std::to_string(old_pid);
     wait_for([&] { return !fs::exists(proc_entry); }, 1s);  // the old launcher reaped it at once
     const bool held_as_zombie = fs::exists(proc_entry);
-    pid_t other = -1;
-    for (int attempt = 0; attempt < (held_as_zombie ? 3 : 100) && other != old_pid; ++attempt) {
-      if (other > 0) {
-        ::kill(other, SIGKILL);
-        ::waitpid(other, nullptr, 0);
-      }
-      std::ofstream last("/proc/sys/kernel/ns_last_pid");
-      if (!(last << old_pid - 1 << std::flush)) {
-        MESSAGE("cannot write /proc/sys/kernel/ns_last_pid (not root): pid reuse not forced");
-        other = -1;
-        break;
-      }
-      other = ::fork();
-      REQUIRE(other >= 0);
-      if (other == 0) {
-        ::setsid();
-        ::execl("/bin/sleep", "sleep", "30", static_cast<char*>(nullptr));
-        ::_exit(127);
-      }
-    }
+    const pid_t other = new_group_at(old_pid, held_as_zombie ? 3 : 100);
     const bool reused = other == old_pid;
     if (other > 0) REQUIRE(wait_for([&] { return ::getpgid(other) == other; }, 5s));
     REQUIRE(::kill(pids[1], SIGTERM) == 0);
@@ -1293,6 +1300,27 @@ TEST_SUITE("link-delay") {
       CHECK(r.code == 124);
       CHECK(namespaces_of(l.pid()).empty());
       CHECK(delayers_of(l.pid()).empty());
+    }
+    SUBCASE("a dead delayer's pid given to another group: the watchdog spares that group") {
+      // A delayer that died and was reaped leaves the watchdog's list: its pid may name an unrelated group
+      // by the time the launcher is killed (workers that ignore SIGTERM hold the launcher in its grace).
+      Launcher l(with_worker(with({"--grace", "60"}), {"stubborn", "99", "0"}));
+      REQUIRE(wait_for([&] { return delayers_of(l.pid()).size() == 2; }, 20s));
+      const pid_t old_pid = delayers_of(l.pid()).front();
+      REQUIRE(::kill(old_pid, SIGKILL) == 0);
+      REQUIRE(wait_for([&] { return !fs::exists("/proc/" + std::to_string(old_pid)); }, 10s));  // reaped
+      const pid_t other = new_group_at(old_pid, 100);
+      const pid_t launcher = l.pid();
+      if (other != old_pid) MESSAGE("the delayer's pid could not be given to a new group: reuse not forced");
+      if (other > 0) REQUIRE(wait_for([&] { return ::getpgid(other) == other; }, 5s));
+      l.signal(SIGKILL);
+      l.finish(10s);
+      CHECK(wait_for([&] { return delayers_of(launcher).empty() && namespaces_of(launcher).empty(); }, 10s));
+      if (other > 0) {
+        CHECK(process_alive(other));  // not killed by the watchdog's SIGKILL to -pid
+        ::kill(other, SIGKILL);
+        ::waitpid(other, nullptr, 0);
+      }
     }
     SUBCASE("SIGKILL of the launcher") {
       TempDir dir;

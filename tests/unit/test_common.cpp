@@ -23,6 +23,7 @@
 #include "common/check.hpp"
 #include "common/comm_turns.hpp"
 #include "common/fd.hpp"
+#include "common/log.hpp"
 #include "common/serial_worker.hpp"
 
 using namespace std::chrono_literals;
@@ -361,6 +362,55 @@ TEST_CASE("close_descriptors_from: close_range and the /proc/self/fd fallback cl
     CHECK(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 0);
   }
+}
+
+namespace {
+
+// In a forked child (the level is read once per process): PSGD_LOG_LEVEL=`value`, then whether info and warn
+// lines are enabled, and what the child wrote to stderr.
+struct LogLevelSeen {
+  bool info = false, warn = false;
+  std::string err;
+};
+LogLevelSeen log_level_in_child(const char* value) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(fds[1], 2);
+    ::setenv("PSGD_LOG_LEVEL", value, 1);
+    const bool info = powersgd::log::enabled(powersgd::log::Level::Info);
+    const bool warn = powersgd::log::enabled(powersgd::log::Level::Warn);
+    ::_exit((info ? 1 : 0) | (warn ? 2 : 0));
+  }
+  ::close(fds[1]);
+  LogLevelSeen seen;
+  char buffer[512];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof buffer)) > 0;) seen.err.append(buffer, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = -1;
+  ::waitpid(pid, &status, 0);
+  REQUIRE(WIFEXITED(status));
+  seen.info = (WEXITSTATUS(status) & 1) != 0;
+  seen.warn = (WEXITSTATUS(status) & 2) != 0;
+  return seen;
+}
+
+}  // namespace
+
+TEST_CASE("PSGD_LOG_LEVEL: the four levels as named; another value is warn, and said once naming it") {
+  LogLevelSeen info = log_level_in_child("info");
+  CHECK(info.info);
+  CHECK(info.warn);
+  CHECK(info.err.empty());
+  LogLevelSeen error = log_level_in_child("error");
+  CHECK_FALSE(error.warn);
+  CHECK(error.err.empty());
+  LogLevelSeen typo = log_level_in_child("verbose");
+  CHECK_FALSE(typo.info);
+  CHECK(typo.warn);
+  CHECK(typo.err == "powersgd warn: PSGD_LOG_LEVEL='verbose' is not error, warn, info or debug; logging at warn\n");
 }
 
 TEST_CASE("system-call checks: messages name the call or the context, and the errno text") {

@@ -74,14 +74,15 @@ std::string delayer_problem() {
 }
 
 void LinkDelayers::start(const std::string& program, const std::string& name, int netns_fd,
-                         std::chrono::nanoseconds delay, const std::function<void(pid_t)>& on_spawn) {
+                         std::chrono::nanoseconds delay, const GroupHooks& hooks) {
   SpawnSpec spec;
   spec.argv = {program, "--delay", detail::concat(delay.count(), "ns"), "--queue", "0", "--name", name};
   spec.netns_fd = netns_fd;
   for (char** e = environ; *e != nullptr; ++e) spec.env.emplace_back(*e);
   delayers_.push_back({name, spawn(spec), true});
   Delayer& d = delayers_.back();
-  if (on_spawn) on_spawn(d.child.pid);
+  on_reap_ = hooks.reaped;
+  if (hooks.spawned) hooks.spawned(d.child.pid);
 
   // Ready when it says so on stdout: then it holds the queue and the rule may send it packets.
   std::string said;
@@ -103,7 +104,7 @@ void LinkDelayers::start(const std::string& program, const std::string& name, in
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     int status = 0;  // EOF: it has exited or is exiting
     PSGD_CHECK_SYS_RETRY(::waitpid(d.child.pid, &status, 0));
-    d.running = false;
+    reaped(d);
     const std::string words = drain(d.child.stderr_r);
     PSGD_THROW(IoError, "--link-delay: the delayer of ", name, " (", program, ") ", status_text(status),
                words.empty() ? "" : ": ", words);
@@ -117,7 +118,7 @@ std::string LinkDelayers::check() {
     if (!d.running) continue;
     int status = 0;
     if (::waitpid(d.child.pid, &status, WNOHANG) != d.child.pid) continue;
-    d.running = false;
+    reaped(d);
     const std::string words = drain(d.child.stderr_r);
     return detail::concat("the link delayer of ", d.name, " (pid ", d.child.pid, ") ", status_text(status),
                           words.empty() ? "" : ": ", words,
@@ -135,20 +136,28 @@ void LinkDelayers::stop() noexcept {
       int status = 0;
       const pid_t done = ::waitpid(d.child.pid, &status, WNOHANG);
       if (done == d.child.pid || (done < 0 && errno != EINTR)) {
-        d.running = false;
+        reaped(d);
         break;
       }
       if (Clock::now() >= kill_at) {
         ::kill(d.child.pid, SIGKILL);
         while (::waitpid(d.child.pid, &status, 0) < 0 && errno == EINTR) {
         }
-        d.running = false;
+        reaped(d);
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
   delayers_.clear();
+}
+
+void LinkDelayers::reaped(Delayer& d) noexcept {
+  d.running = false;
+  try {
+    if (on_reap_) on_reap_(d.child.pid);
+  } catch (...) {  // only the watchdog's protection is lost (stop() must not throw)
+  }
 }
 
 }  // namespace powersgd::run

@@ -21,6 +21,13 @@ namespace powersgd::run {
 std::string find_delayer();
 std::string delayer_problem();
 
+// The watchdog's hooks (guardian.hpp): spawned(pid) as soon as a process group exists, reaped(pid) once its
+// leader is reaped (after that its id may name another process's group).
+struct GroupHooks {
+  std::function<void(pid_t)> spawned;
+  std::function<void(pid_t)> reaped;
+};
+
 class LinkDelayers {
  public:
   LinkDelayers() = default;
@@ -30,11 +37,11 @@ class LinkDelayers {
 
   // Starts `program` in the network namespace `netns_fd` (named `name` in
   // messages) holding queue 0's packets for `delay`, and returns once it has
-  // bound the queue. on_spawn(pid) runs as soon as it exists (the watchdog's
-  // hook). Throws IoError with the delayer's own message when it fails or is
-  // not ready within 10 s (the one started is then stopped).
+  // bound the queue; `hooks` learn of its process group (kept for its reaping).
+  // Throws IoError with the delayer's own message when it fails or is not
+  // ready within 10 s (the one started is then stopped).
   void start(const std::string& program, const std::string& name, int netns_fd, std::chrono::nanoseconds delay,
-             const std::function<void(pid_t)>& on_spawn);
+             const GroupHooks& hooks);
 
   // Non-blocking: a message naming the first delayer that has exited since
   // (reaped here), with its exit status and last words; empty while all run.
@@ -52,7 +59,10 @@ class LinkDelayers {
     Child child;
     bool running = true;
   };
+  void reaped(Delayer& d) noexcept;
+
   std::vector<Delayer> delayers_;
+  std::function<void(pid_t)> on_reap_;
 };
 
 }  // namespace powersgd::run

@@ -147,10 +147,11 @@ int run_job(const Options& options, int signal_fd) {
           stop_on_signal(signal_fd);
           guardian.watch_namespace(name);
         },
-        [&](pid_t pid) {
-          guardian.watch_group(pid);
-          stop_on_signal(signal_fd);
-        });
+        GroupHooks{[&](pid_t pid) {
+                     guardian.watch_group(pid);
+                     stop_on_signal(signal_fd);
+                   },
+                   [&](pid_t pid) { guardian.unwatch_group(pid); }});
     stop_on_signal(signal_fd);
     if (!cluster->delay_method().empty())
       std::fprintf(stderr, "powersgd-run: --link-delay %s one way into each host: %s\n",

@@ -72,7 +72,7 @@ void EmulatedCluster::add_namespace(const std::string& name,
 
 EmulatedCluster::EmulatedCluster(int hosts, const LinkOptions& links,
                                  const std::function<void(const std::string&)>& before_create,
-                                 const std::function<void(pid_t)>& on_spawn) {
+                                 const GroupHooks& delayer_hooks) {
   ip_ = find_tool("ip");
   tc_ = find_tool("tc");
   std::string prefix = detail::concat("psgd-", ::getpid(), "-");
@@ -141,7 +141,7 @@ EmulatedCluster::EmulatedCluster(int hosts, const LinkOptions& links,
       }
     }
     if (netem) delay_method_ = "netem on each host's bridge port";
-    if (nfqueue) start_delayers(links.delay, netem_problem, on_spawn);
+    if (nfqueue) start_delayers(links.delay, netem_problem, delayer_hooks);
   } catch (...) {
     remove();
     throw;
@@ -149,7 +149,7 @@ EmulatedCluster::EmulatedCluster(int hosts, const LinkOptions& links,
 }
 
 void EmulatedCluster::start_delayers(std::chrono::nanoseconds delay, const std::string& netem_problem,
-                                     const std::function<void(pid_t)>& on_spawn) {
+                                     const GroupHooks& hooks) {
   const std::string program = find_delayer(), iptables = look_up_tool("iptables");
   if (program.empty() || iptables.empty()) {
     std::string missing = program.empty() ? delayer_problem() : "";
@@ -161,7 +161,7 @@ void EmulatedCluster::start_delayers(std::chrono::nanoseconds delay, const std::
   }
   for (int h = 0; h < hosts(); ++h) {
     const std::string& ns = names_.at(static_cast<size_t>(h) + 1);
-    delayers_.start(program, ns, host_netns_fd(h), delay, on_spawn);
+    delayers_.start(program, ns, host_netns_fd(h), delay, hooks);
     // Inbound (PREROUTING): held packets then cost the receiver nothing, where
     // holding them on the way out holds the sender's socket memory and TCP's
     // small queues throttle it (cluster-emulation.md). --queue-bypass: a

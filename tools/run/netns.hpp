@@ -52,9 +52,9 @@ class EmulatedCluster {
   // delay needs them; on failure removes what it created and throws IoError
   // with the failing command and its output (UnsupportedError when the delay
   // has no mechanism here). before_create(name) runs before each namespace is
-  // created, on_spawn(pid) after each delayer process starts (the watchdog's hooks).
+  // created; `delayer_hooks` learn of each delayer's process group (the watchdog's hooks).
   EmulatedCluster(int hosts, const LinkOptions& links, const std::function<void(const std::string&)>& before_create,
-                  const std::function<void(pid_t)>& on_spawn);
+                  const GroupHooks& delayer_hooks);
   ~EmulatedCluster() { remove(); }
   EmulatedCluster(const EmulatedCluster&) = delete;
   EmulatedCluster& operator=(const EmulatedCluster&) = delete;
@@ -85,8 +85,7 @@ class EmulatedCluster {
   void ip(const std::vector<std::string>& args) { run_tool(ip_, args); }
   void tc(const std::vector<std::string>& args) { run_tool(tc_, args); }
   void add_namespace(const std::string& name, const std::function<void(const std::string&)>& before_create);
-  void start_delayers(std::chrono::nanoseconds delay, const std::string& netem_problem,
-                      const std::function<void(pid_t)>& on_spawn);
+  void start_delayers(std::chrono::nanoseconds delay, const std::string& netem_problem, const GroupHooks& hooks);
 
   std::string ip_, tc_;
   std::vector<std::string> names_;
