@@ -14,21 +14,40 @@ EPOCHS=${4:-1}
 . "$(dirname "$0")/emulated_preamble.sh"
 emulated_preamble emulated_training.sh train
 
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Runs the trainer once, prints its output (each line after LABEL) and its wall time, and keeps the wall time in
+# $tmp/LABEL.wall; exits the script, naming the run, when the launcher fails or the trainer's last line is missing.
 run() {  # label, trainer arguments...
   label=$1
   shift
   start=$(date +%s.%N)
+  status=0
   # shellcheck disable=SC2086  # TRAIN_EXTRA: a list of arguments without blanks
   "$RUN" --emulate-hosts "$HOSTS" --link-rate "$RATE" -n "$HOSTS" --timeout 1800 --env PSGD_BLAS_THREADS=1 \
-    --env OPENBLAS_NUM_THREADS=1 -- "$TRAIN" --epochs "$EPOCHS" ${TRAIN_EXTRA:-} "$@" | sed "s/^/$label /"
+    --env OPENBLAS_NUM_THREADS=1 -- "$TRAIN" --epochs "$EPOCHS" ${TRAIN_EXTRA:-} "$@" > "$tmp/$label.log" 2>&1 ||
+    status=$?
   end=$(date +%s.%N)
-  echo "$label wall $(awk "BEGIN {printf \"%.1f\", $end - $start}") s"
+  sed "s/^/$label /" "$tmp/$label.log"
+  if [ "$status" -ne 0 ]; then
+    echo "emulated_training.sh: the $label run failed (powersgd-run exited $status): no speed-up" >&2
+    exit "$status"
+  fi
+  # The trainer's final line (rank 0), printed after its last epoch (as bench/training_runs.sh's finished).
+  grep -qE '^(\[0\] )?(PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)' "$tmp/$label.log" || {
+    echo "emulated_training.sh: the $label run exited 0 without the trainer's final line" \
+      "('PowerSGD: ... sent per rank in all' or 'sent ... MB of gradients per rank'): no speed-up" >&2
+    exit 1
+  }
+  awk "BEGIN {printf \"%.1f\", $end - $start}" > "$tmp/$label.wall"
+  echo "$label wall $(cat "$tmp/$label.wall") s"
 }
 echo "== $HOSTS emulated hosts, links shaped to $RATE, $EPOCHS epoch(s)"
-run powersgd --rank 4 > /tmp/psgd-emulated-ours.$$
-run allreduce --no-compression > /tmp/psgd-emulated-plain.$$
-cat /tmp/psgd-emulated-ours.$$ /tmp/psgd-emulated-plain.$$
-ours=$(awk '/wall/ {print $3}' /tmp/psgd-emulated-ours.$$)
-plain=$(awk '/wall/ {print $3}' /tmp/psgd-emulated-plain.$$)
-rm -f /tmp/psgd-emulated-ours.$$ /tmp/psgd-emulated-plain.$$
+run powersgd --rank 4
+run allreduce --no-compression
+ours=$(cat "$tmp/powersgd.wall")
+plain=$(cat "$tmp/allreduce.wall")
 echo "speed-up of PowerSGD over plain allreduce (wall time): $(awk "BEGIN {printf \"%.2f\", $plain / $ours}")x"

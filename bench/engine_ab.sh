@@ -18,6 +18,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do SHAPES="$SHAPES $1"; shift; done
 STEPS=${STEPS:-20}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+trap 'exit 130' INT  # dash runs the EXIT trap on exit, not when a signal ends it
+trap 'exit 143' TERM
 for r in $(seq "$ROUNDS"); do
   for s in $SHAPES; do
     for side in A B; do

@@ -14,19 +14,27 @@
 # start-up.
 #   bench/load_footprint.sh [BUILD_DIR...]       (default: build)
 set -euo pipefail
-cd "$(dirname "$0")/.."
 runs=${RUNS:-30}
 builds=("$@")
 [ ${#builds[@]} -gt 0 ] || builds=(build)
+# The build directories are the caller's, relative to its directory: their library directories absolute
+# (lib_dirs) before the cd to the source root; the names as given label the rows.
+lib_dirs=()
+for build in "${builds[@]}"; do
+  [ -f "$build/src/libpowersgd.so" ] || {
+    echo "load_footprint.sh: $build/src/libpowersgd.so not found (build first: ninja -C $build)" >&2; exit 2; }
+  lib_dirs+=("$(cd "$build/src" && pwd)")
+done
+cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 # shellcheck disable=SC2046
 cc -O2 -std=c99 bench/load_footprint.c -o "$tmp/openblas-only" $(pkg-config --cflags --libs openblas)
 programs=("OpenBLAS alone=$tmp/openblas-only")
-for build in "${builds[@]}"; do
-  lib_dir=$(cd "$build/src" && pwd)
-  name=$(basename "$build")
+for i in "${!builds[@]}"; do
+  build=${builds[i]} lib_dir=${lib_dirs[i]}
+  name=$i-$(basename "$build")
   cc -O2 -std=c99 -DWITH_POWERSGD -Iinclude bench/load_footprint.c -o "$tmp/powersgd-$name" \
     -L"$lib_dir" -lpowersgd -Wl,-rpath,"$lib_dir"
   cuda_needed=$(readelf -d "$lib_dir/libpowersgd.so" | grep -cE 'NEEDED.*\[lib(cu|nv)' || true)
@@ -36,7 +44,7 @@ for build in "${builds[@]}"; do
 done
 cuda_lib=${CUDA_ROOT:-/usr/local/cuda}/lib64
 if [ -f "$cuda_lib/libcublas.so" ]; then
-  lib_dir=$(cd "${builds[0]}/src" && pwd)
+  lib_dir=${lib_dirs[0]}
   cc -O2 -std=c99 -DWITH_POWERSGD -Iinclude bench/load_footprint.c -o "$tmp/powersgd-cuda-linked" \
     -L"$lib_dir" -lpowersgd -Wl,-rpath,"$lib_dir" \
     -Wl,--no-as-needed -L"$cuda_lib" -lcusolver -lcublas -lcublasLt -lcudart -Wl,--as-needed -Wl,-rpath,"$cuda_lib"

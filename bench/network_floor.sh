@@ -24,6 +24,8 @@ TRAIN_ARGS="$*"  # word-split again below: arguments without blanks
 emulated_preamble network_floor.sh train
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+trap 'exit 130' INT  # dash runs the EXIT trap on exit, not when a signal ends it
+trap 'exit 143' TERM
 
 run() {  # label round [--link-rate RATE]
   label=$1 round=$2

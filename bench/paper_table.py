@@ -17,8 +17,10 @@ first line the command) and writes:
   OUT_DIR/decisions-<model>-<row>.png  the rank per step of the policy rows (seed
                        1's decision log) when bench/plot_decisions.py exists.
 Runs that did not finish are named, not measured. "Reaches allreduce": the mean is
-at most one standard error of the difference below allreduce's mean. Needs Debian's
-python3-matplotlib for the figures.
+at most one standard error of the difference below allreduce's mean; where the row or
+allreduce has one finished seed, that standard error is unknown and the verdict reads
+"n/a (one seed)". Needs Debian's python3-matplotlib for the figures; without it the
+table is written all the same.
 """
 import json
 import math
@@ -127,56 +129,90 @@ def summarize(model_dir):
     for r in rows:
         if base and "mean" in r:
             r["delta"] = r["mean"] - base["mean"]
-            se = [x for x in (r["se"], base["se"]) if not math.isnan(x)]
-            r["delta_se"] = math.sqrt(sum(x * x for x in se)) if se else float("nan")
+            # The SE of the difference needs both SEs: unknown (NaN) where the row or allreduce has one seed.
+            r["delta_se"] = math.sqrt(r["se"] ** 2 + base["se"] ** 2)
             r["compression"] = base["bytes_mean"] / r["bytes_mean"] if r["bytes_mean"] else None
-            r["reaches_1se"] = r["delta"] >= -r["delta_se"]
+            # None: no verdict (one seed), not "does not reach".
+            r["reaches_1se"] = None if math.isnan(r["delta_se"]) else r["delta"] >= -r["delta_se"]
             r["reaches_03"] = r["delta"] >= -0.3
     return rows, base
 
 
+ONE_SEED = "n/a (one seed)"
+
+
+def fmt_delta(r, unit):
+    """A row's difference from allreduce in points, with its standard error where there is one."""
+    if math.isnan(r["delta_se"]):
+        return f"{r['delta']:+.2f}{unit} (one seed: no SE)"
+    return f"{r['delta']:+.2f} ± {r['delta_se']:.2f}{unit}"
+
+
 def verdicts(model, rows, base):
-    """The issue's two targets, from the figures (the first is the wide model's)."""
+    """The issue's two targets, from the figures (the first is the wide model's). A verdict that needs the standard
+    error of a difference reads ONE_SEED where the row or allreduce has one finished seed."""
     out = []
     if not base:
         return ["no allreduce row: no verdict"]
     by_key = {r["key"]: r for r in rows if "mean" in r}
     r2 = by_key.get("rank2")
     if r2 and model == "wide":
-        ok = (r2["reaches_1se"] or r2["reaches_03"]) and r2["compression"] > 100
-        out.append(f"rank 2 with error feedback: {r2['delta']:+.2f} ± {r2['delta_se']:.2f} points from allreduce at "
-                   f"{r2['compression']:.1f}x less traffic: target (within one SE or 0.3 points, > 100x) "
-                   f"{'met' if ok else 'not met'}")
-    reaching = [by_key[k] for k in FIXED if k in by_key and by_key[k]["reaches_1se"]]
+        compression = r2["compression"] or 0
+        if compression <= 100:
+            target = "not met"
+        elif r2["reaches_03"] or r2["reaches_1se"]:
+            target = "met"
+        else:
+            target = ONE_SEED if r2["reaches_1se"] is None else "not met"
+        out.append(f"rank 2 with error feedback: {fmt_delta(r2, ' points')} from allreduce at {compression:.1f}x less "
+                   f"traffic: target (within one SE or 0.3 points, > 100x) {target}")
+    fixed = [by_key[k] for k in FIXED if k in by_key]
+    reaching = [r for r in fixed if r["reaches_1se"]]
+    unknown = [r for r in fixed if r["reaches_1se"] is None]
     smallest = min(reaching, key=lambda r: r["bytes_mean"]) if reaching else None
     if smallest:
+        below = [r["label"] for r in unknown if r["bytes_mean"] < smallest["bytes_mean"]]
         out.append(f"smallest fixed rank reaching allreduce (within one SE): {smallest['label']}, "
-                   f"{smallest['bytes_mean'] / 1e6:.2f} MB per rank")
-    elif any(k in by_key for k in FIXED):  # a table of local-step rows alone has no fixed-rank verdict
+                   f"{smallest['bytes_mean'] / 1e6:.2f} MB per rank" +
+                   (f"; fewer bytes, {ONE_SEED}: {'; '.join(below)}" if below else ""))
+    elif unknown:
+        out.append(f"smallest fixed rank reaching allreduce within one SE: {ONE_SEED} for "
+                   f"{'; '.join(r['label'] for r in unknown)}" +
+                   ("; the others do not reach it" if len(unknown) < len(fixed) else ""))
+    elif fixed:  # a table of local-step rows alone has no fixed-rank verdict
         out.append("no fixed rank reaches allreduce within one SE")
     for key in ("adaptive", "policy", "policy-adaptive", "policy-4-8", "policy-adaptive-4-8", "policy-warmup-4-8"):
         p = by_key.get(key)
         if not p:
             continue
-        reach = "reaches" if p["reaches_1se"] else "does not reach"
+        if p["reaches_1se"] is None:
+            reach, target = f"{ONE_SEED} whether it reaches", ONE_SEED
+        elif not p["reaches_1se"]:
+            reach, target = "does not reach", "not met"
+        elif smallest:
+            reach = "reaches"
+            target = "met" if smallest["bytes_mean"] >= 1.5 * p["bytes_mean"] else "not met"
+        else:  # no fixed rank to compare with: unknown where a fixed rank has one seed
+            reach, target = "reaches", ONE_SEED if unknown else "not met"
         ratio = f", {smallest['bytes_mean'] / p['bytes_mean']:.2f}x fewer bytes than {smallest['label']}" \
             if smallest else ""
-        ok = p["reaches_1se"] and smallest is not None and smallest["bytes_mean"] >= 1.5 * p["bytes_mean"]
-        out.append(f"{p['label']}: {reach} allreduce ({p['delta']:+.2f} ± {p['delta_se']:.2f} points){ratio}: "
-                   f"target (reaches, >= 1.5x fewer bytes) {'met' if ok else 'not met'}")
+        out.append(f"{p['label']}: {reach} allreduce ({fmt_delta(p, ' points')}){ratio}: "
+                   f"target (reaches, >= 1.5x fewer bytes) {target}")
     # Local steps (issue 31): a row within one SE of allreduce at >= 1000x fewer bytes per rank over the run.
     local = [r for r in rows if "mean" in r and LOCAL.match(r["key"]) and r.get("compression")]
     if local:
         far = [r for r in local if r["compression"] >= 1000]
         reaching = [r for r in far if r["reaches_1se"]]
+        unknown_far = [r for r in far if r["reaches_1se"] is None]
         if reaching:
             shown, which = max(reaching, key=lambda r: r["compression"]), "the most compressed that does"
         else:
             shown, which = max(far or local, key=lambda r: r["delta"]), "the closest"
+        verdict = "met" if reaching else ONE_SEED if unknown_far else "not met"
+        one_seed = f", {len(unknown_far)} with one seed" if unknown_far else ""
         out.append(f"local steps, within one SE of allreduce at >= 1000x fewer bytes: "
-                   f"{'met' if reaching else 'not met'} ({len(reaching)} of {len(far)} rows at >= 1000x reach it; "
-                   f"{which}: {shown['label']}, {shown['delta']:+.2f} ± {shown['delta_se']:.2f} points at "
-                   f"{shown['compression']:.0f}x)")
+                   f"{verdict} ({len(reaching)} of {len(far)} rows at >= 1000x reach it{one_seed}; "
+                   f"{which}: {shown['label']}, {fmt_delta(shown, ' points')} at {shown['compression']:.0f}x)")
     return out
 
 
@@ -195,7 +231,7 @@ def markdown(model_label, rows, base, notes):
         if "mean" not in r:
             md.append(f"| {r['label']} | - | not measured{failed} | | | | |")
             continue
-        delta = f"{r['delta']:+.2f} ± {r['delta_se']:.2f} pt" if base else "-"
+        delta = fmt_delta(r, " pt") if base else "-"
         if base and r["key"] != "allreduce" and r["reaches_1se"]:
             delta += " (within 1 SE)"
         comp = f"{r['compression']:.1f}x" if base and r.get("compression") else "-"
@@ -254,10 +290,28 @@ def figures(out_dir, model, model_label, rows):
         train_log = os.path.join(out_dir, model, f"{r['key']}-s1.log")
         if os.path.exists(plot) and os.path.exists(log):
             dec_png = os.path.join(out_dir, f"decisions-{model}-{r['key']}.png")
-            done = subprocess.run([sys.executable, plot, log, train_log, dec_png], check=False)
+            # plot_decisions.py DECISIONS OUT [--train-log TRAINER_OUTPUT]
+            cmd = [sys.executable, plot, log, dec_png]
+            if os.path.exists(train_log):
+                cmd += ["--train-log", train_log]
+            done = subprocess.run(cmd, check=False)
             if done.returncode == 0:
                 written.append(dec_png)
+            else:
+                print(f"paper_table.py: warning: no {dec_png}: plot_decisions.py exited {done.returncode} "
+                      f"({' '.join(cmd)})", file=sys.stderr)
     return written
+
+
+def no_nan(value):
+    """value with every NaN (a standard error of one seed) as None: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_nan(v) for v in value]
+    return value
 
 
 def main(argv):
@@ -265,7 +319,7 @@ def main(argv):
         print(__doc__, file=sys.stderr)
         return 2
     out_dir = argv[1]
-    text, doc, written = [], {}, []
+    text, doc, plots = [], {}, []
     for model, label in MODELS:
         model_dir = os.path.join(out_dir, model)
         if not os.path.isdir(model_dir):
@@ -277,15 +331,24 @@ def main(argv):
         text.append(markdown(label, rows, base, notes))
         doc[model] = {"label": label, "rows": rows, "verdicts": notes}
         if any("mean" in r for r in rows):
-            written += figures(out_dir, model, label, rows)
+            plots.append((model, label, rows))
     if not doc:
         print(f"paper_table.py: no run logs in {out_dir}/<model>/", file=sys.stderr)
         return 1
+    # The table first: the figures need matplotlib, the table does not.
     md = "\n".join(text)
     with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write(md)
     with open(os.path.join(out_dir, "table.json"), "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
+        json.dump(no_nan(doc), f, indent=1)
+    written = []
+    for model, label, rows in plots:
+        try:
+            written += figures(out_dir, model, label, rows)
+        except ImportError as error:
+            print(f"paper_table.py: warning: no figures ({error}; Debian: python3-matplotlib); the table is "
+                  f"written", file=sys.stderr)
+            break
     print(md, end="")
     for model, d in doc.items():
         for r in d["rows"]:

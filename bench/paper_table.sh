@@ -31,7 +31,8 @@
 #   START_ITER (0: compressed from the first step, so the bytes show the compression itself),
 #   POLICY_LOW (2), POLICY_HIGH (8), WARMUP_STEPS (one epoch's steps), LR_BOOST_STEPS (half an epoch's steps),
 #   ADAPTIVE_INTERVAL (a third of an epoch's steps).
-# Rows whose log already holds a finished run are kept (delete the log to rerun it; SKIP_DONE=0 reruns all).
+# Rows whose log already holds a finished run of the same command line (the log's first line) are kept (delete
+# the log to rerun it; SKIP_DONE=0 reruns all); a finished log of another command is run again.
 set -eu
 BUILD=${1:?usage: bench/paper_table.sh BUILD_DIR}
 OUT_DIR=${OUT_DIR:-/tmp/powersgd-paper-table}
@@ -58,7 +59,7 @@ for model in $MODELS; do
     cnn) epochs=${EPOCHS:-4} train_limit=${TRAIN_LIMIT:-3840} batch=${BATCH:-128} lr=${LR:-0.02} ;;
     *) echo "paper_table.sh: unknown model '$model' in MODELS (expected wide, cnn)" >&2; exit 2 ;;
   esac
-  steps=$((train_limit / batch))  # per epoch
+  steps=$(((train_limit > 0 ? train_limit : 60000) / batch))  # per epoch (0: all 60,000 images)
   warmup=${WARMUP_STEPS:-$steps}
   boost=${LR_BOOST_STEPS:-$((steps / 2))}
   interval=${ADAPTIVE_INTERVAL:-$(((steps + 2) / 3))}
@@ -73,14 +74,15 @@ for model in $MODELS; do
     args=$(row_args "$row")
     for seed in $SEEDS; do
       log="$dir/$row-s$seed.log"
-      if [ "$SKIP_DONE" = 1 ] && finished "$log"; then
-        echo "   $model $row seed $seed: kept $log"
-        continue
-      fi
       extra=""
       case $row in policy*) extra="--decision-log $dir/$row-s$seed.decisions.jsonl" ;; esac
       cmd="$RUN -n $WORKERS --timeout 3600 --env OPENBLAS_NUM_THREADS=1 --env PSGD_BLAS_THREADS=1 -- $TRAIN"
       cmd="$cmd $common $args --seed $seed $extra"
+      if [ "$SKIP_DONE" = 1 ] && finished "$log" "$cmd"; then
+        echo "   $model $row seed $seed: kept $log"
+        continue
+      fi
+      [ "$SKIP_DONE" = 1 ] && finished "$log" && echo "   $model $row seed $seed: $log is of another command: run again"
       run_logged "$log" "$cmd" || failed="$failed $model/$row/s$seed"
     done
   done

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Plots bench/scaling.sh RESULTS_TSV output: the example trainer's time per step against the one-way delay,
 one panel per number of hosts, a line per configuration through the medians of its rounds (a dot each
-round), the communication rounds per step beside each median, and PowerSGD's no-network floor as a dashed
-line.
+round), the median of the rounds' communication rounds per step beside each median, and PowerSGD's
+no-network floor as a dashed line.
 
     bench/plot_scaling.py OUT.png RUN.tsv [RUN.tsv ...]
 
@@ -27,8 +27,17 @@ def delay_ms(text):
     return float(text)
 
 
+def median_rounds(values):
+    """The median of the rounds' communication rounds per step, as text; "-" where the trainer printed none."""
+    known = [float(v) for v in values if v not in ("", "-")]
+    if not known:
+        return "-"
+    median = statistics.median(known)
+    return "%.1f" % median if abs(round(median, 1) - median) < 1e-9 else "%.2f" % median  # the trainer's %.1f
+
+
 def read_runs(paths):
-    """{(hosts, model): {config: {delay_ms: ([ms per step], rounds per step)}}}, configs in first-seen order."""
+    """{(hosts, model): {config: {delay_ms: ([ms per step], [rounds per step])}}}, configs in first-seen order."""
     grid = collections.OrderedDict()
     for path in paths:
         with open(path, encoding="utf-8", newline="") as f:
@@ -40,8 +49,9 @@ def read_runs(paths):
             for row in reader:
                 panel = grid.setdefault((int(row["hosts"]), row["model"]), collections.OrderedDict())
                 delay = None if row["config"] == "floor" else delay_ms(row["delay"])
-                times, _ = panel.setdefault(row["config"], {}).setdefault(delay, ([], row["rounds_per_step"]))
+                times, rounds = panel.setdefault(row["config"], {}).setdefault(delay, ([], []))
                 times.append(float(row["epoch_s"]) * 1000 / int(row["steps"]))
+                rounds.append(row["rounds_per_step"])
     return grid
 
 
@@ -71,7 +81,7 @@ def main(argv):
             (line,) = ax.plot(xs, medians, marker="o", label=NAMES.get(config, config))
             for x, (_, (times, rounds)), median in zip(xs, points, medians):
                 ax.scatter([x] * len(times), times, s=9, color=line.get_color(), alpha=0.5)
-                ax.annotate(rounds, (x, median), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                ax.annotate(median_rounds(rounds), (x, median), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             color=line.get_color())
         if "floor" in panel:
             least = statistics.median(panel["floor"][None][0])

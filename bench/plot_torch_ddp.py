@@ -1,14 +1,19 @@
 #!/usr/bin/python3
-"""Plots bench/torch_ddp_hooks.sh RESULTS_TSV output: mean DDP training-step time of each comm hook
+"""Plots bench/torch_ddp_hooks.sh RESULTS_TSV output: DDP training-step time of each comm hook
 configuration per batch size, split into compute only and the reduction's addition; a job that crashed or
 hung is marked where its bar would be.
 
-    bench/plot_torch_ddp.py OUT.png RUN.tsv [RUN.tsv ...]
+    bench/plot_torch_ddp.py [--setting TEXT] OUT.png RUN.tsv [RUN.tsv ...]
 
-Several files are several runs of the same configurations: the bar is their mean, a dot each run.
+Every row is one run (job) of a configuration and batch size: several files (several invocations) and
+ROUNDS > 1 (several rows in one file) are pooled. The bar is the median of the runs' mean steps (pale: their
+median compute only), a dot each run. --setting names where the runs ran in the title, e.g. "4 emulated
+hosts, 1 Gbit/s links" (the TSV does not record LAUNCH_ARGS); without it the title claims none.
 Needs Debian's python3-matplotlib.
 """
+import argparse
 import csv
+import statistics
 import sys
 
 COLUMNS = ("hook", "bucket_cap", "batch", "image", "outcome", "buckets", "step_s", "compute_s")
@@ -44,16 +49,18 @@ def label(config, rows):
 
 
 def main(argv):
-    if len(argv) < 3:
-        print(__doc__, file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="bench/plot_torch_ddp.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", help='where the runs ran, for the title, e.g. "4 emulated hosts, 1 Gbit/s links"')
+    parser.add_argument("out", metavar="OUT.png")
+    parser.add_argument("runs", metavar="RUN.tsv", nargs="+")
+    args = parser.parse_args(argv[1:])
     try:
-        groups, configs = read_runs(argv[2:])
+        groups, configs = read_runs(args.runs)
     except (OSError, ValueError) as error:
         print("plot_torch_ddp.py: %s" % error, file=sys.stderr)
         return 2
     if not groups:
-        print("plot_torch_ddp.py: no rows in %s" % ", ".join(argv[2:]), file=sys.stderr)
+        print("plot_torch_ddp.py: no rows in %s" % ", ".join(args.runs), file=sys.stderr)
         return 2
     import matplotlib
 
@@ -81,8 +88,9 @@ def main(argv):
                     ax.text(x, top * 0.02, what, rotation=90, ha="center", va="bottom", fontsize=8,
                             color=colors[i % len(colors)])
                 continue
-            step = sum(float(r["step_s"]) for r in done) / len(done)
-            compute = sum(float(r["compute_s"]) for r in done) / len(done)
+            # Medians, as bench/torch_ddp_hooks.sh's ROUNDS summary and the docs' tables.
+            step = statistics.median(float(r["step_s"]) for r in done)
+            compute = min(statistics.median(float(r["compute_s"]) for r in done), step)
             ax.bar(x, compute, width, color=colors[i % len(colors)], alpha=0.45)
             ax.bar(x, step - compute, width, bottom=compute, color=colors[i % len(colors)], label=name)
             name = None  # one legend entry per configuration
@@ -94,7 +102,7 @@ def main(argv):
                                                       label=name + ": no step"))
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels(["%d images of %dx%d per rank" % (b, s, s) for b, s in keys])
-    ax.set_ylabel("mean training step (s)\npale: compute only (no_sync), solid: reduction")
+    ax.set_ylabel("training step (s), median of the runs\npale: compute only (no_sync), solid: reduction")
     ax.set_ylim(0, top * 1.4)  # room for the legend
     ax.set_xlim(-0.5, len(keys) - 0.5)
     ax.grid(True, axis="y", alpha=0.3)
@@ -102,12 +110,15 @@ def main(argv):
     order = sorted(range(len(names)), key=lambda k: rank_of[names[k]])  # configurations in run order
     ax.legend([handles[k] for k in order], [names[k] for k in order], fontsize=8, loc="upper center", ncol=2)
     loads = [float(r["loadavg"]) for g in groups.values() for rows in g.values() for r in rows if r.get("loadavg")]
-    ax.set_title("ResNet-18, DDP on 4 emulated hosts, 1 Gbit/s links (%d run%s%s)"
-                 % (len(argv) - 2, "" if len(argv) == 3 else "s",
+    # Runs per bar: the rows of each configuration and batch size (every file's rounds), not the files.
+    runs = sorted({len(rows) for g in groups.values() for rows in g.values()})
+    count = "%d" % runs[0] if len(runs) == 1 else "%d-%d" % (runs[0], runs[-1])
+    ax.set_title("ResNet-18, DDP%s (%s run%s each%s)"
+                 % (" on " + args.setting if args.setting else "", count, "" if runs[-1] == 1 else "s",
                     ", host load average %.0f-%.0f" % (min(loads), max(loads)) if loads else ""), fontsize=10)
     fig.tight_layout()
-    fig.savefig(argv[1])
-    print("wrote %s" % argv[1])
+    fig.savefig(args.out)
+    print("wrote %s" % args.out)
     return 0
 
 

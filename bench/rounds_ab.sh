@@ -12,7 +12,7 @@
 # Environment (defaults in brackets): HOSTS ["4 8"]  DELAYS ["0 5ms"]
 #   RANKS_PER_HOST [1]: ranks in each emulated host (powersgd-run --emulate-hosts H -n H*RANKS_PER_HOST;
 #         the launcher gives each host a contiguous block of ranks)
-#   SHAPES [data/models/resnet18.shapes]  BUCKET_MB [25]  STEPS [10]  RANK [2]
+#   SHAPES [the source tree's data/models/resnet18.shapes]  BUCKET_MB [25]  STEPS [10]  RANK [2]
 #   EXTRA [""] more powersgd-bench engine arguments (e.g. "--alternating")
 #   ENV [""] NAME=VALUE settings for every rank of every side (e.g. "PSGD_DIRECT_MAX_BYTES=1048576")
 #   SIDES ["bcube direct"]: a side ending in -idle0 also sets net.ipv4.tcp_slow_start_after_idle=0 in
@@ -44,7 +44,7 @@ RATE=${2:-1gbit}
 ROUNDS=${3:-3}
 HOSTS=${HOSTS:-4 8}
 DELAYS=${DELAYS:-0 5ms}
-SHAPES=${SHAPES:-data/models/resnet18.shapes}
+SHAPES=${SHAPES:-$(dirname "$0")/../data/models/resnet18.shapes}
 BUCKET_MB=${BUCKET_MB:-25}
 STEPS=${STEPS:-10}
 RANK=${RANK:-2}
@@ -62,6 +62,8 @@ case " ${SIDES:-} " in *" old"*)
 esac
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+trap 'exit 130' INT  # dash runs the EXIT trap on exit, not when a signal ends it
+trap 'exit 143' TERM
 echo "== bench/rounds_ab.sh: links $RATE, $ROUNDS round(s), $RANKS_PER_HOST rank(s) per host, $(basename "$SHAPES"), buckets $BUCKET_MB MiB," \
   "rank $RANK, $STEPS steps ${EXTRA:+($EXTRA) }${ENV:+($ENV) }; $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1 /proc/loadavg)"
 SIDES=${SIDES:-bcube direct}

@@ -14,8 +14,9 @@
 #   HOSTS ["4 8 16"]  DELAYS ["0 1ms 5ms 25ms"]
 #   MODEL [wide]      the trainer's model for up to 8 hosts (784-1024-1024-10, 1.9M parameters)
 #   MODEL_16 [mlp]    for more than 8 hosts, where 16 processes on 2 cores would measure only the cores
-#   TRAIN_LIMIT [8192] BATCH [256]: TRAIN_LIMIT / BATCH steps per epoch (the global batch is split over
-#                     ranks); the trainer prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
+#   TRAIN_LIMIT [8192] BATCH [256]: TRAIN_LIMIT / BATCH steps per epoch, rounded down as the trainer does
+#                     (TRAIN_LIMIT 0: all 60000 images; the global batch is split over ranks); the trainer
+#                     prints the epoch to 0.1 s, so 32 steps resolve about 3 ms per step
 #   RANK [2]          PowerSGD rank
 #   FLOOR [1]         0: no floor runs
 #   RESULTS_TSV       also write every run's figures there (for bench/plot_scaling.py)
@@ -48,7 +49,18 @@ RESULTS_TSV=${RESULTS_TSV:-}
 emulated_preamble scaling.sh train
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-steps=$(( (TRAIN_LIMIT + BATCH - 1) / BATCH ))
+trap 'exit 130' INT  # dash runs the EXIT trap on exit, not when a signal ends it
+trap 'exit 143' TERM
+# The trainer's steps per epoch: floor(training images / global batch), the rest of the images left out; its
+# --train-limit 0 trains on all 60,000.
+case $TRAIN_LIMIT$BATCH in *[!0-9]*) echo "scaling.sh: TRAIN_LIMIT and BATCH: expected integers" >&2; exit 2 ;; esac
+[ "$BATCH" -gt 0 ] || { echo "scaling.sh: BATCH=$BATCH: expected a global batch >= 1" >&2; exit 2; }
+steps=$(( (TRAIN_LIMIT > 0 ? TRAIN_LIMIT : 60000) / BATCH ))
+[ "$steps" -gt 0 ] || {
+  echo "scaling.sh: TRAIN_LIMIT=$TRAIN_LIMIT images at BATCH=$BATCH make 0 steps per epoch: expected TRAIN_LIMIT" \
+    ">= BATCH (or 0: all 60000)" >&2
+  exit 2
+}
 
 run() {  # hosts model delay config round trainer-options...
   hosts=$1 model=$2 delay=$3 config=$4 round=$5
@@ -107,15 +119,23 @@ import collections, statistics, sys
 steps = int(sys.argv[2])
 configs = sys.argv[3].split()
 times = collections.defaultdict(list)
-rounds = {}
+rounds = collections.defaultdict(list)
 order = []
 for hosts, model, delay, config, _round, seconds, r, _load in (line.split() for line in open(sys.argv[1])):
     key = (int(hosts), model, delay)
     if key not in order and config != "floor":
         order.append(key)
     times[key + (config,)].append(float(seconds) * 1000 / steps)
-    rounds[key + (config,)] = r
+    rounds[key + (config,)].append(r)
 ms = {k: statistics.median(v) for k, v in times.items()}
+def median_rounds(values):
+    """The median of the rounds' communication rounds per step; "-" where a trainer printed none."""
+    known = [float(v) for v in values if v != "-"]
+    if not known:
+        return "-"
+    median = statistics.median(known)
+    return f"{median:.1f}" if abs(round(median, 1) - median) < 1e-9 else f"{median:.2f}"  # the trainer's %.1f
+rounds = {k: median_rounds(v) for k, v in rounds.items()}
 floor = {(k[0], k[1]): v for k, v in ms.items() if k[3] == "floor"}
 ratios = [c for c in configs if c != "allreduce"] if "allreduce" in configs else []
 head = ["hosts", "model", "one-way delay"] + [f"{c} (ms/step, rounds/step)" for c in configs]

@@ -13,7 +13,19 @@ TEST="$BUILD/tests/multiprocess/test_engine_mp"
 for f in "$RUN" "$TEST"; do
   [ -x "$f" ] || { echo "soak.sh: $f not found (build first: ninja -C $BUILD)" >&2; exit 2; }
 done
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 start=$(date +%s)
-"$RUN" -n "$WORKERS" --timeout 7200 --env PSGD_SOAK_STEPS="$STEPS" -- "$TEST" -tc='soak:*' -s 2>&1 |
-  grep -E "soak:|test cases|Status|ERROR" 
+# The output goes to a file first: through a pipe, dash would report grep's status instead of the launcher's.
+status=0
+"$RUN" -n "$WORKERS" --timeout 7200 --env PSGD_SOAK_STEPS="$STEPS" -- "$TEST" -tc='soak:*' -s > "$log" 2>&1 ||
+  status=$?
+grep -E "soak:|test cases|Status|ERROR" "$log" || true
+if [ "$status" -ne 0 ]; then
+  echo "soak.sh: FAILED: powersgd-run exited $status after $(( $(date +%s) - start )) s; its last lines:" >&2
+  tail -n 40 "$log" >&2
+  exit "$status"
+fi
 echo "soak.sh: $STEPS steps on $WORKERS workers in $(( $(date +%s) - start )) s"

@@ -7,8 +7,13 @@
 # each kind and fails when the flood costs 1 s or more (medians).
 #   bench/store_flood.sh [BUILD_DIR (build)] [CONNECTIONS (1000)] [RUNS (5)]
 set -euo pipefail
-cd "$(dirname "$0")/.."
 build=${1:-build}
+# BUILD_DIR is the caller's, relative to its directory: absolute before the cd to the source root.
+[ -d "$build" ] || { echo "store_flood.sh: $build: no build directory" >&2; exit 2; }
+build=$(cd "$build" && pwd)
+[ -x "$build/tests/unit/test_store" ] || {
+  echo "store_flood.sh: $build/tests/unit/test_store not found (build first: ninja -C $build)" >&2; exit 2; }
+cd "$(dirname "$0")/.."
 connections=${2:-1000}
 runs=${3:-5}
 for _ in $(seq "$runs"); do

@@ -30,6 +30,8 @@ tmp=$(mktemp -d)
 # where the host does not list it (Linux's default, which this machine replaced with bbr), and the list restored.
 allowed=$(sysctl -n net.ipv4.tcp_allowed_congestion_control)
 trap 'rm -rf "$tmp"; sysctl -qw net.ipv4.tcp_allowed_congestion_control="$allowed"' EXIT
+trap 'exit 130' INT  # dash runs the EXIT trap on exit, not when a signal ends it
+trap 'exit 143' TERM
 case " $SIDES " in *" cubic "*)
   case " $allowed " in *" cubic "*) ;; *) sysctl -qw net.ipv4.tcp_allowed_congestion_control="$allowed cubic" ;; esac ;;
 esac

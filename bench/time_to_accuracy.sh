@@ -13,7 +13,8 @@
 #   TRAIN_LIMIT (7680), BATCH (256), LR (0.02), TEST_LIMIT (0: all 10,000 test images),
 #   OUTER_LR and OUTER_MOMENTUM (as bench/paper_table.sh).
 # The schedule is paper_table.sh's: the learning rate times 0.1 from 60% and from 80% of the epochs.
-# Runs whose log holds a finished run are kept (SKIP_DONE=0 reruns them).
+# Runs whose log holds a finished run of the same command line (the log's first line) are kept (SKIP_DONE=0
+# reruns them); a finished log of another command is run again.
 set -eu
 BUILD=${1:?usage: bench/time_to_accuracy.sh BUILD_DIR}
 OUT_DIR=${OUT_DIR:-/tmp/powersgd-time-to-accuracy}
@@ -36,7 +37,7 @@ emulated_preamble time_to_accuracy.sh train
 # shellcheck source=bench/training_runs.sh
 . "$HERE/training_runs.sh"
 
-steps=$((TRAIN_LIMIT / BATCH))
+steps=$(((TRAIN_LIMIT > 0 ? TRAIN_LIMIT : 60000) / BATCH))  # per epoch (0: all 60,000 images)
 warmup=$steps boost=$((steps / 2)) interval=$(((steps + 2) / 3))  # read by row_args (policy rows)
 decay=$(decay_args "$EPOCHS")
 common="--model $MODEL --epochs $EPOCHS --batch $BATCH --lr $LR $decay --train-limit $TRAIN_LIMIT"
@@ -49,13 +50,14 @@ for rate in $RATES; do
   echo "== $MODEL on $HOSTS emulated hosts, $rate, $DELAY one way: $EPOCHS epochs of $steps steps, seed $SEED"
   for row in $ROWS; do
     log="$dir/$row.log"
-    if [ "$SKIP_DONE" = 1 ] && finished "$log"; then
-      echo "   $rate $row: kept $log"
-      continue
-    fi
     args=$(row_args "$row")
     cmd="$RUN --emulate-hosts $HOSTS -n $HOSTS --link-rate $rate --link-delay $DELAY --timeout 3600"
     cmd="$cmd --env OPENBLAS_NUM_THREADS=1 --env PSGD_BLAS_THREADS=1 -- $TRAIN $common $args"
+    if [ "$SKIP_DONE" = 1 ] && finished "$log" "$cmd"; then
+      echo "   $rate $row: kept $log"
+      continue
+    fi
+    [ "$SKIP_DONE" = 1 ] && finished "$log" && echo "   $rate $row: $log is of another command: run again"
     run_logged "$log" "$cmd" || failed="$failed $rate/$row"
   done
 done

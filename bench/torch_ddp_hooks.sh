@@ -19,15 +19,21 @@
 # At a distance, beside PyTorch's hook where it runs (docs/scaling.md, "PyTorch DDP at a distance"): the same
 # with "--link-delay 5ms" (and "--link-delay 0") in LAUNCH_ARGS and CONFIGS="allreduce@25 torch@one ours@25".
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
 build=${1:?usage: bench/torch_ddp_hooks.sh BUILD_DIR [RANKS] [BUCKET_CAP_MB] [TIMEOUT_S]}
+# BUILD_DIR and RESULTS_TSV are the caller's, relative to its directory: absolute before the cd to the source root.
+[ -d "$build" ] || { echo "torch_ddp_hooks.sh: $build: no build directory" >&2; exit 2; }
+build=$(cd "$build" && pwd) || exit 2
+[ -x "$build/tools/run/powersgd-run" ] || {
+  echo "torch_ddp_hooks.sh: $build/tools/run/powersgd-run not found (build first: ninja -C $build)" >&2; exit 2; }
+tsv=${RESULTS_TSV:-}
+case $tsv in ''|/*) ;; *) tsv="$PWD/$tsv" ;; esac
+cd "$(dirname "$0")/.." || exit 1
 ranks=${2:-4}
 cap=${3:-1}
 limit=${4:-300}
 configs=${CONFIGS:-allreduce@$cap torch@$cap torch-batched@$cap ours@$cap ours-batched@$cap}
 export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=1
-tsv=${RESULTS_TSV:-}
 if [ -n "$tsv" ] && [ ! -s "$tsv" ]; then
   printf 'hook\tbucket_cap\tbatch\timage\toutcome\tbuckets\tstep_s\tforward_s\tbackward_s\toptimizer_s\tcompute_s\treduction_wait_s\tloadavg\n' > "$tsv"
 fi
@@ -37,6 +43,8 @@ echo "| hook | bucket cap (MB) | batch | outcome | buckets | mean step (s) | for
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 rounds=${ROUNDS:-1}
 jobs_tsv=$(mktemp)
+log=''
+trap 'rm -f "$jobs_tsv" ${log:+"$log"}' EXIT
 for _ in $(seq "$rounds"); do
 for batch in ${BATCH_SIZES:-16}; do
   for config in $configs; do

@@ -7,8 +7,12 @@
 #                    POLICY_HIGH, OUTER_LR, OUTER_MOMENTUM and the caller's
 #                    per-model warmup, boost and interval (steps);
 #   decay_args EPOCHS  the schedule's arguments: the learning rate times 0.1 from
-#                    60% and again from 80% of the epochs (epochs 3 and 4 of 4);
-#   finished LOG     whether LOG holds a finished run;
+#                    60% and again from 80% of the epochs, each from the epoch in
+#                    which that share is reached (epochs 3 and 4 of 4, 5 and 7 of
+#                    8, 10 and 13 of 16); none in a single epoch, one where both
+#                    fall in the same epoch (2 epochs: from epoch 2);
+#   finished LOG [CMD]  whether LOG holds a finished run (of the command line CMD:
+#                    its first line is "$ CMD");
 #   run_logged LOG CMD  runs the command line CMD (split on blanks) with its output
 #                    in LOG, after a first line "$ CMD" and the load, and before
 #                    the load and wall time; prints the last epoch line or the
@@ -52,10 +56,14 @@ row_args() {  # row -> the trainer's arguments of that row
   esac
 }
 
-decay_args() {
+decay_args() {  # EPOCHS -> the trainer's decay options
+  # The trainer's --lr-decay-epochs are 1-based: "a" decays from epoch a on, after a - 1 epochs. A share s of the
+  # run is reached in epoch floor(s E) + 1 (0-based floor(s E)). A decay from epoch 1 is the whole run at a lower
+  # rate, not a schedule: none then (a single epoch); a second decay in the first's epoch is left out. Without
+  # --lr-decay-epochs the trainer decays in its last epoch when --epochs > 2: "--lr-decay-factor 1" turns that off.
   da_first=$(($1 * 6 / 10 + 1)) da_second=$(($1 * 8 / 10 + 1))
   [ "$da_second" -gt "$da_first" ] || da_second=$((da_first + 1))
-  if [ "$da_first" -gt "$1" ]; then
+  if [ "$da_first" -lt 2 ] || [ "$da_first" -gt "$1" ]; then
     echo "--lr-decay-factor 1"
   elif [ "$da_second" -gt "$1" ]; then
     echo "--lr-decay-epochs $da_first --lr-decay-factor 0.1"
@@ -64,13 +72,18 @@ decay_args() {
   fi
 }
 
-finished() { [ -f "$1" ] && grep -qE "^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)" "$1"; }
+# A finished run: the trainer's last line is there; with CMD, also the log's first line is "$ CMD" (run_logged's),
+# so a log of other arguments (another build, epochs, limits, rows' options) is run again.
+finished() {
+  [ -f "$1" ] && grep -qE "^\[0\] (PowerSGD: .*sent per rank in all|sent .* MB of gradients per rank)" "$1" &&
+    { [ $# -lt 2 ] || [ "$(head -n 1 "$1")" = "\$ $2" ]; }
+}
 
 run_logged() {
   run_log=$1 run_cmd=$2 run_status=0
-  echo "\$ $run_cmd"
+  printf '$ %s\n' "$run_cmd"
   {
-    echo "\$ $run_cmd"
+    printf '$ %s\n' "$run_cmd"  # the first line: finished LOG CMD compares it
     echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg); started $(date -u +%FT%TZ)"
   } > "$run_log"
   run_start=$(date +%s)

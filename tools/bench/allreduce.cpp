@@ -64,8 +64,10 @@ double time_allreduce(GlooCommunicator& comm, std::vector<float>& data, size_t c
   comm.barrier();
   // Iteration count from one timed call, agreed so all ranks run the same number.
   double estimate = max_over_ranks(comm, once());
-  int iterations = static_cast<int>(std::clamp(settings.seconds_per_size / std::max(estimate, 1e-7), 5.0,
-                                               static_cast<double>(settings.max_iterations)));
+  // At least 5 iterations, but never more than --max-iterations (which may be 3 or 4): std::clamp would need
+  // 5 <= --max-iterations.
+  int iterations = static_cast<int>(std::min(std::max(settings.seconds_per_size / std::max(estimate, 1e-7), 5.0),
+                                             static_cast<double>(settings.max_iterations)));
   std::vector<double> times(static_cast<size_t>(iterations));
   comm.barrier();
   for (double& t : times) t = once();
@@ -170,7 +172,9 @@ void add_allreduce_command(CLI::App& app) {
   cmd->add_option("--seconds-per-size", settings->seconds_per_size, "Target measuring time per size")
       ->capture_default_str()
       ->check(CLI::Range(0.001, 60.0));
-  cmd->add_option("--max-iterations", settings->max_iterations, "Upper bound of timed iterations per size")
+  cmd->add_option("--max-iterations", settings->max_iterations,
+                  "Upper bound of timed iterations per size (the count: --seconds-per-size over one call's time, "
+                  "at least 5, at most this bound)")
       ->capture_default_str()
       ->check(CLI::Range(3, 1000000));
   cmd->add_option("--json", settings->json_path, "Also write the results as JSON to this file (rank 0)");
