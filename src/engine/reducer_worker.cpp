@@ -282,9 +282,14 @@ Reducer::Impl::NotedBefore Reducer::Impl::save_noted(const Reduction& reduction)
 }
 
 void Reducer::Impl::restore_noted(NotedBefore& before) {
-  for (const auto& [b, saved] : before.buckets) {
-    engine::BucketState& s = *buckets_[static_cast<size_t>(b)];
-    apply_bucket(s, saved, work_error_of(s, saved));
+  // What can fail first (the error memories in their work layouts), so that a failure restores no bucket
+  // rather than some.
+  std::vector<std::vector<float>> work_errors;
+  for (const auto& [b, saved] : before.buckets)
+    work_errors.push_back(work_error_of(*buckets_[static_cast<size_t>(b)], saved));
+  for (size_t i = 0; i < before.buckets.size(); ++i) {
+    const auto& [b, saved] = before.buckets[i];
+    apply_bucket(*buckets_[static_cast<size_t>(b)], saved, work_errors[i]);
   }
   log_ = std::move(before.log);
 }
