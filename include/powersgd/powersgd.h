@@ -38,8 +38,8 @@
 extern "C" {
 #endif
 
-/* Every declaration of this header is exported: PSGD_API marks each function, and the pragma keeps a
- * function added without the marker from silently disappearing from libpowersgd.so. */
+/* Every declaration of this header is exported: PSGD_API marks each function, and the pragma (one, around
+ * the whole header) keeps a function added without the marker from silently disappearing from libpowersgd.so. */
 #if defined(__GNUC__) || defined(__clang__)
 #pragma GCC visibility push(default)
 #endif
@@ -172,9 +172,6 @@ PSGD_API psgd_status psgd_reducer_save_job(psgd_reducer* r, const char* path);
 PSGD_API psgd_status psgd_reducer_load_job(psgd_reducer* r, const char* path);
 PSGD_API void psgd_reducer_destroy(psgd_reducer* r);
 
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility pop
-#endif
 
 /* ==== Async reduce and the torch.distributed rendezvous (issue 10: the PyTorch DDP comm hook) ==== */
 
@@ -209,9 +206,6 @@ PSGD_API psgd_status psgd_comm_broadcast(psgd_comm* comm, void* data, size_t byt
 /* ==== end of issue 10 additions ==== */
 
 /* ==== Size-checked entry points (issue 18) ==== */
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility push(default)
-#endif
 /* As psgd_reducer_reduce, psgd_reducer_reduce_async and psgd_reducer_error_feedback, with the buffer's element
    count: a count other than the bucket's size is PSGD_ERR_INVALID_ARGUMENT naming both (and, for the reduce
    calls, fails that reduction on every rank). */
@@ -220,9 +214,6 @@ PSGD_API psgd_status psgd_reducer_reduce_async_n(psgd_reducer* r, int bucket_ind
                                                  psgd_reduce_handle** out);
 PSGD_API psgd_status psgd_reducer_error_feedback_n(const psgd_reducer* r, int bucket_index, float* out,
                                                    size_t count);
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility pop
-#endif
 /* ==== end of issue 18 additions ==== */
 
 /* ==== A communicator for a torch.distributed subgroup (issue 18, section 4) ==== */
@@ -241,9 +232,6 @@ PSGD_API psgd_status psgd_comm_init_group(int rank, int size, const char* group_
 /* ==== end of issue 18 section 4 additions ==== */
 
 /* ==== Timing of the DDP hook's reductions (issue 20, item 3) ==== */
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility push(default)
-#endif
 /* When a finished reduction was submitted (psgd_reducer_reduce_async), started on the reducer's worker (after
    the reductions queued before it) and finished, in seconds of the monotonic clock (CLOCK_MONOTONIC on Linux:
    Python's time.monotonic()). PSGD_ERR_INVALID_ARGUMENT for a null argument or a reduction still in flight. */
@@ -255,9 +243,6 @@ PSGD_API psgd_status psgd_reduce_handle_times(const psgd_reduce_handle* h, doubl
    hashes). Writes the first min(count, known) of them to out and the number this library knows to *known
    (5); out may be null when count is 0. Runs after the reductions queued before it. */
 PSGD_API psgd_status psgd_reducer_worker_seconds(const psgd_reducer* r, double* out, size_t count, size_t* known);
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility pop
-#endif
 /* ==== end of issue 20 item 3 additions ==== */
 
 /* ==== A communicator on the caller's rendezvous store (issue 22, item 2) ==== */
@@ -300,9 +285,6 @@ PSGD_API psgd_status psgd_comm_init_on_store(int rank, int size, const char* gro
 /* ==== end of issue 22 item 2 additions ==== */
 
 /* ==== Rank policy and decision log (issue 19) ==== */
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility push(default)
-#endif
 /* Notes a learning-rate change: from the next step on each bucket's next config.lr_boost_steps compressed steps
    use the high rank. At a step boundary, on every rank before the same step: a note on some ranks only is
    PSGD_ERR_MISMATCH on every rank at the next reduce, naming them, nothing changed, the note still pending. */
@@ -316,15 +298,9 @@ PSGD_API psgd_status psgd_reducer_decisions(psgd_reducer* r, int64_t* steps, int
 /* "fixed" (0), "warmup" (1), "lr_note" (2), "first_window" (3), "norm_change_high" (4), "norm_change_low" (5);
    null for another value. */
 PSGD_API const char* psgd_rank_reason_name(int reason);
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility pop
-#endif
 /* ==== end of issue 19 additions ==== */
 
 /* ==== Local steps with a compressed outer step (issue 31; docs/local-steps.md) ==== */
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility push(default)
-#endif
 /* DiLoCo's outer optimizer over a reducer (powersgd::OuterOptimizer): every local_steps inner steps each rank
    calls psgd_outer_step; the pseudo-gradients (start point minus parameters) are reduced by `r` in one whole
    step and applied from the synchronised start point with Nesterov momentum, the same bits on every rank.
@@ -333,8 +309,8 @@ typedef struct psgd_outer psgd_outer;
 /* Collective (after every psgd_reducer_add_bucket of r): rank 0's params are broadcast into every rank's and
    become the start point. local_steps >= 1, lr finite > 0 (DiLoCo: 0.7), 0 <= momentum < 1 (DiLoCo: 0.9); a
    bad value, or a params count other than the reducer's buckets, on one rank fails every rank (the others
-   naming it), ranks with other values fail with PSGD_ERR_MISMATCH. A null comm, r, params or out is refused on
-   this rank alone. Its collectives take their turn among the communicator's users, after a reduction of any
+   naming it), ranks with other values fail with PSGD_ERR_MISMATCH. A null r, params or out fails every rank
+   the same way (the others naming this rank); a null comm is refused on this rank alone. Its collectives take their turn among the communicator's users, after a reduction of any
    reducer still in flight on it. Destroy the psgd_outer before its reducer and its communicator. */
 PSGD_API psgd_status psgd_outer_create(psgd_comm* comm, psgd_reducer* r, int64_t local_steps, double lr,
                                        double momentum, float* const* params, size_t num_buckets, psgd_outer** out);
@@ -356,15 +332,9 @@ PSGD_API int64_t psgd_outer_steps(const psgd_outer* o);  /* successful outer ste
 PSGD_API psgd_status psgd_outer_save(const psgd_outer* o, const char* path);
 PSGD_API psgd_status psgd_outer_load(psgd_outer* o, const char* path);
 PSGD_API void psgd_outer_destroy(psgd_outer* o);  /* null is a no-op */
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility pop
-#endif
 /* ==== end of issue 31 additions ==== */
 
 /* ==== Rounds per step at a distance (issue 28) ==== */
-#if defined(__GNUC__) || defined(__clang__)
-#pragma GCC visibility push(default)
-#endif
 /* Sequential communication rounds of the collectives this communicator ran so far (C++:
    Communicator::communication_rounds; docs/transport.md, "Rounds"): each collective adds the message exchanges
    its algorithm makes one after the other, each at least one one-way network delay (1 for the direct

@@ -2,6 +2,7 @@
 // else; the message goes to a thread-local buffer for psgd_last_error().
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -29,26 +30,39 @@ struct psgd_reducer {
 namespace {
 
 thread_local std::string g_last_error;
+// Where the message itself cannot be allocated (out of host memory): a fixed buffer, so that no exception
+// leaves the C boundary (through a C or ctypes caller: std::terminate).
+thread_local char g_last_error_fallback[192];
+thread_local bool g_last_error_in_fallback = false;
 
-psgd_status fail(psgd_status status, std::string message) {
-  g_last_error = std::move(message);
+// The last error: "<function>: <prefix><what>". Never throws.
+psgd_status fail(psgd_status status, const char* function, const char* prefix, const char* what) noexcept {
+  try {
+    std::string message = function;
+    message.append(": ").append(prefix).append(what);
+    g_last_error = std::move(message);
+    g_last_error_in_fallback = false;
+  } catch (...) {
+    std::snprintf(g_last_error_fallback, sizeof g_last_error_fallback, "%s: %s%s", function, prefix, what);
+    g_last_error_in_fallback = true;
+  }
   return status;
 }
 
 // Runs fn, converting every exception into a status and a message.
 template <typename Fn>
-psgd_status guarded(const char* function, Fn&& fn) {
+psgd_status guarded(const char* function, Fn&& fn) noexcept {
   try {
     fn();
     return PSGD_OK;
   } catch (const powersgd::Error& e) {
-    return fail(static_cast<psgd_status>(e.code()), std::string(function) + ": " + e.what());
+    return fail(static_cast<psgd_status>(e.code()), function, "", e.what());
   } catch (const std::bad_alloc&) {
-    return fail(PSGD_ERR_INTERNAL, std::string(function) + ": out of host memory");
+    return fail(PSGD_ERR_INTERNAL, function, "", "out of host memory");
   } catch (const std::exception& e) {
-    return fail(PSGD_ERR_INTERNAL, std::string(function) + ": unexpected exception: " + e.what());
+    return fail(PSGD_ERR_INTERNAL, function, "unexpected exception: ", e.what());
   } catch (...) {
-    return fail(PSGD_ERR_INTERNAL, std::string(function) + ": unexpected non-standard exception");
+    return fail(PSGD_ERR_INTERNAL, function, "", "unexpected non-standard exception");
   }
 }
 
@@ -194,7 +208,9 @@ void powersgd::capi::write_config_defaults(void* config, size_t struct_size) noe
 
 extern "C" {
 
-const char* psgd_last_error(void) { return g_last_error.c_str(); }
+const char* psgd_last_error(void) {
+  return g_last_error_in_fallback ? g_last_error_fallback : g_last_error.c_str();
+}
 
 const char* psgd_version(void) { return PSGD_VERSION; }
 

@@ -3,7 +3,7 @@
 #   exports.sh LIBPOWERSGD POWERSGD_H
 # Fails, listing them, on exports outside the public API's patterns (a Boost or libstdc++ instantiation, a
 # private class, a psgd_ name powersgd.h does not declare), and on public symbols that are missing (a
-# function powersgd.h declares PSGD_API; the Reducer, the communicator's factory; the typeinfo of every
+# function powersgd.h declares; the Reducer, the communicator's factory; the typeinfo of every
 # error class, which callers catch across the library boundary).
 set -eu
 lib=$1 header=$2
@@ -12,9 +12,13 @@ trap 'rm -rf "$tmp"' EXIT
 
 nm -D --defined-only "$lib" | awk '{print $3}' | c++filt | sort -u > "$tmp/exports"
 # Every psgd_ function the header names (declared PSGD_API, or inline like psgd_config_default, whose 0.1
-# symbol the library keeps).
+# symbol the library keeps); the declared ones: every function of its code, its comments taken out by the C
+# compiler's preprocessor (macros unexpanded), whether marked PSGD_API or not (one without the marker, where
+# the header's visibility pragma did not reach it, was not exported and not missed here).
 grep -oE '\bpsgd_[a-z0-9_]+\(' "$header" | tr -d '(' | sort -u > "$tmp/named"
-grep -E '^PSGD_API' "$header" | grep -oE '\bpsgd_[a-z0-9_]+\(' | tr -d '(' | sort -u > "$tmp/declared"
+"${CC:-cc}" -fpreprocessed -dD -E -P -x c "$header" | grep -oE '\bpsgd_[a-z0-9_]+\(' | tr -d '(' | sort -u \
+  > "$tmp/declared"
+[ -s "$tmp/declared" ] || { echo "exports.sh: no psgd_ function found in $header" >&2; exit 1; }
 
 errors='(Error|InvalidArgumentError|IoError|TimeoutError|MismatchError|NonFiniteError|UnsupportedError'
 errors="$errors|InternalError|PeerError)"
