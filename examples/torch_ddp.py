@@ -11,6 +11,7 @@ epoch, the test accuracy, the mean training loss, and the bytes this rank passed
 """
 import argparse
 import gzip
+import math
 import os
 import struct
 import sys
@@ -58,6 +59,47 @@ def shards(directory, train_limit, batch_size):
     return train_x, train_y, test_x, test_y, int(steps.item())
 
 
+def integer_at_least(low):
+    """An argparse type: an integer >= low (a bad value: exit 2 naming the flag and the value)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError("expected an integer >= %d, got %r" % (low, text))
+        return value
+    parse.__name__ = "integer >= %d" % low
+    return parse
+
+
+def positive_number(text):
+    """An argparse type: a finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError("expected a finite number > 0, got %r" % (text,))
+    return value
+
+
+def no_empty_epoch(parser, steps, args, world):
+    """Exit 2 (parser.error) where an epoch would have no step: --batch-size more than a rank's shard."""
+    if steps < 1:
+        parser.error("argument --batch-size: %d is more than the training images of a rank's shard (%s over %d "
+                     "ranks): an epoch would have no step" % (args.batch_size, "%d images (--train-limit)"
+                                                              % args.train_limit if args.train_limit else
+                                                              "the training set", world))
+
+
+def wrapper_error(parser, error, flags):
+    """Exit 2 (parser.error) for a TypeError or ValueError of powersgd's constructors, which name the argument:
+    named here as the flag that gave it (`flags`: argument name -> flag)."""
+    named = [flag for name, flag in flags.items() if name + " = " in str(error)]
+    parser.error("argument %s: %s" % (named[0] if named else "/".join(flags.values()), error))
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -90,27 +132,33 @@ def counting_allreduce_hook(state: CountingAllreduce, bucket: dist.GradBucket) -
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--epochs", type=integer_at_least(1), default=3)
+    parser.add_argument("--batch-size", type=integer_at_least(1), default=64, help="per rank")
+    parser.add_argument("--lr", type=positive_number, default=0.05)
     parser.add_argument("--hook", choices=["powersgd", "allreduce"], default="powersgd")
-    parser.add_argument("--rank", type=int, default=2, help="PowerSGD matrix_approximation_rank")
-    parser.add_argument("--start-iter", type=int, default=10, help="PowerSGD start_powerSGD_iter")
-    parser.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--rank", type=integer_at_least(1), default=2, help="PowerSGD matrix_approximation_rank")
+    parser.add_argument("--start-iter", type=integer_at_least(0), default=10, help="PowerSGD start_powerSGD_iter")
+    parser.add_argument("--train-limit", type=integer_at_least(0), default=0,
+                        help="use only the first N training images (0: all)")
+    parser.add_argument("--threads", type=integer_at_least(1), default=1, help="torch intra-op threads per rank")
     args = parser.parse_args()
+    if args.hook == "powersgd":
+        try:  # the hook's own checks (no collective): e.g. --start-iter 1 with error feedback, --rank 65
+            state = PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
+                                  start_powerSGD_iter=args.start_iter)
+        except (TypeError, ValueError) as e:
+            wrapper_error(parser, e, {"matrix_approximation_rank": "--rank", "start_powerSGD_iter": "--start-iter"})
 
     torch.set_num_threads(args.threads)
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     train_x, train_y, test_x, test_y, steps = shards(args.data, args.train_limit, args.batch_size)
+    no_empty_epoch(parser, steps, args, world)  # the same on every rank: steps is their minimum
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = nn.parallel.DistributedDataParallel(SmallCNN())
     if args.hook == "powersgd":
-        state = PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
-                              start_powerSGD_iter=args.start_iter)
         model.register_comm_hook(state, powerSGD_hook)
     else:
         state = CountingAllreduce()

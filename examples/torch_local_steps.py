@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_ddp import shards  # noqa: E402
+from torch_ddp import integer_at_least, no_empty_epoch, positive_number, shards, wrapper_error  # noqa: E402
 
 from powersgd.torch import LocalSteps, init_process_group  # noqa: E402
 
@@ -29,35 +29,43 @@ from powersgd.torch import LocalSteps, init_process_group  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05, help="inner SGD learning rate (momentum 0.9)")
-    parser.add_argument("--local-steps", type=int, default=4)
-    parser.add_argument("--outer-lr", type=float, default=1.0)
-    parser.add_argument("--outer-momentum", type=float, default=0.0)
-    parser.add_argument("--rank", type=int, default=4, help="PowerSGD matrix_approximation_rank")
-    parser.add_argument("--start-iter", type=int, default=0, help="uncompressed outer steps before PowerSGD")
+    parser.add_argument("--epochs", type=integer_at_least(1), default=2)
+    parser.add_argument("--batch-size", type=integer_at_least(1), default=64, help="per rank")
+    parser.add_argument("--lr", type=positive_number, default=0.05, help="inner SGD learning rate (momentum 0.9)")
+    parser.add_argument("--local-steps", type=integer_at_least(1), default=4, help="inner steps per outer step")
+    parser.add_argument("--outer-lr", type=positive_number, default=1.0)
+    parser.add_argument("--outer-momentum", type=float, default=0.0, help="0 <= momentum < 1")
+    parser.add_argument("--rank", type=integer_at_least(1), default=4, help="PowerSGD matrix_approximation_rank")
+    parser.add_argument("--start-iter", type=integer_at_least(0), default=0,
+                        help="uncompressed outer steps before PowerSGD")
     parser.add_argument("--no-compression", action="store_true")
-    parser.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
+    parser.add_argument("--train-limit", type=integer_at_least(0), default=0,
+                        help="use only the first N training images (0: all)")
     args = parser.parse_args()
-    if args.local_steps < 1:
-        parser.error("--local-steps %d: expected at least 1 inner step per outer step" % args.local_steps)
+    if not 0 <= args.outer_momentum < 1:  # also nan
+        parser.error("argument --outer-momentum: expected 0 <= momentum < 1, got %r" % args.outer_momentum)
 
     torch.set_num_threads(1)
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     train_x, train_y, test_x, test_y, steps = shards(args.data, args.train_limit, args.batch_size)
+    no_empty_epoch(parser, steps, args, world)  # the same on every rank: steps is their minimum
     if steps < args.local_steps:
-        raise SystemExit("torch_local_steps: --local-steps %d is more than the %d steps of an epoch (--batch-size "
-                         "%d): nothing would be trained" % (args.local_steps, steps, args.batch_size))
+        parser.error("argument --local-steps: %d is more than the %d steps of an epoch (--batch-size %d): nothing "
+                     "would be trained" % (args.local_steps, steps, args.batch_size))
     steps -= steps % args.local_steps  # each epoch ends on an outer step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    outer = LocalSteps(model, optimizer, local_steps=args.local_steps, outer_lr=args.outer_lr,
-                       outer_momentum=args.outer_momentum, matrix_approximation_rank=args.rank,
-                       start_powerSGD_iter=args.start_iter, compression=not args.no_compression)
+    try:  # LocalSteps checks its arguments before any collective, alike on every rank (the engine's ranges)
+        outer = LocalSteps(model, optimizer, local_steps=args.local_steps, outer_lr=args.outer_lr,
+                           outer_momentum=args.outer_momentum, matrix_approximation_rank=args.rank,
+                           start_powerSGD_iter=args.start_iter, compression=not args.no_compression)
+    except (TypeError, ValueError) as e:
+        wrapper_error(parser, e, {"local_steps": "--local-steps", "outer_lr": "--outer-lr",
+                                  "outer_momentum": "--outer-momentum", "matrix_approximation_rank": "--rank",
+                                  "start_powerSGD_iter": "--start-iter"})
     generator = torch.Generator().manual_seed(1000 + rank)
     if rank == 0:
         print("torch_local_steps: %d ranks, H = %d, %s, outer lr %g momentum %g, %d steps of %d images per rank "

@@ -15,9 +15,10 @@ Before the declaration, "layout" holds DDP's final layout when this process has 
 entries), so that a process resumed shortly before compression starts declares it at once.
 
 Loading (the choice agreed by one allreduce): every rank holds its own rank's data from a group of the same
-size -> each loads its own (bitwise the uninterrupted run on the same placement: host staging's sums follow it); else every rank holds a job checkpoint -> the mean
-error memory (psgd_reducer_load_job); else -> the data's shared state, error memory zero
-(psgd_reducer_load_shared: rank 0's file on every rank).
+size -> each loads its own (bitwise the uninterrupted run on the same placement: host staging's sums follow
+it); else every rank holds a job checkpoint -> the mean error memory (psgd_reducer_load_job); else -> the
+data's shared state, error memory zero (psgd_reducer_load_shared: rank 0's file on every rank). The same
+allreduce says which ranks refused the dict (checked before it): then every rank raises, nothing loaded.
 
 Resuming: DDP rebuilds its buckets after its first iteration (the second with static_graph), so a fresh DDP's
 buckets differ from the declared ones for up to DECLARATION_ITER iterations. The engine's per-bucket state
@@ -27,6 +28,7 @@ iteration's last bucket, copies the results back and completes the futures. From
 of the process on, DDP's buckets must be the declared ones (checked) and the hook reduces them directly.
 """
 import ctypes
+import numbers
 import os
 import shutil
 import tempfile
@@ -172,50 +174,34 @@ def state_dict(state, job=False):
 
 def load_state_dict(state, loaded):
     """Nothing of `state` changes unless the whole load succeeds: every field is read and checked, and the engine's
-    state loaded (where its reducer exists), before any attribute is assigned."""
-    if not isinstance(loaded, dict) or loaded.get("version") not in READABLE_VERSIONS:
-        raise ValueError("PowerSGDState.load_state_dict: expected a dict from PowerSGDState.state_dict() (version "
-                         "%d), got %s" % (VERSION, type(loaded).__name__ if not isinstance(loaded, dict)
-                                          else "version %r" % (loaded.get("version"),)))
+    state loaded (where its reducer exists), before any attribute is assigned.
+
+    Where the engine reducer exists the load is collective (_load_engine's agreement), and every rank joins that
+    agreement whatever it found wrong here (a mangled dict, one saved before the declaration, other buckets): it
+    then refuses, and every rank raises at once with nothing loaded. A rank that raised before the agreement
+    left the others waiting in it for the whole timeout, and the communicator broken."""
     if state._layout:
         raise RuntimeError("PowerSGDState.load_state_dict() inside an iteration: call it between iterations")
-    try:
-        config = {name: loaded["config"][name] if name in loaded["config"] else _ADDED_FIELDS[name]
-                  for name in CONFIG_FIELDS}
-        counters = int(loaded["iter"]), int(loaded["next_stats_report"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError("PowerSGDState.load_state_dict: the dict lacks or mangles %s: expected a dict from "
-                         "PowerSGDState.state_dict()" % (e,)) from None
-    engine = loaded.get("engine")
-    if engine is None and state._reducer is not None:
-        # Its buckets were never declared: the running engine's error memory and warm start would stay, and the
-        # run would not be the one the dict continues.
-        raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint was saved before the first compressed "
-                            "iteration (it holds no engine state), and this state's engine already runs from "
-                            "iteration %d: load it into a new PowerSGDState" % (state._declared_at,))
-    if engine is not None and state._reducer is not None:
-        # The running engine keeps the configuration it was made with, and its load compares the fields in use
-        # with the checkpoint's engine data (those it lets differ, e.g. wire_dtype, stay the running ones): the
-        # attributes, which made that engine, stay as they are. Assigned from the dict, they and the engine
-        # went apart, and a later state_dict() was one no process could load.
-        config = {name: getattr(state, name) for name in CONFIG_FIELDS}
-    if engine is not None and state._reducer is not None and (
-            engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket)):
-        raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
-                            "this state declared, %s (%s)" % (engine["declared"], _hook_name(engine),
-                                                              state._declared, state._hook_name(
-                                                                  state._whole_bucket)))
     previous = {name: getattr(state, name, None) for name in CONFIG_FIELDS}
+    refusal = engine = None
     try:
+        config, counters, engine = _checked(state, loaded)
         for name, value in config.items():
             setattr(state, name, value)
         state._engine_config(whole_bucket=False)  # every field checked again, as at construction
-        if engine is not None and state._reducer is not None:
-            _load_engine(state, state._comm, engine)  # refused: the engine's state as it was
-    except BaseException:
+    except Exception as e:
         for name, value in previous.items():
             setattr(state, name, value)
-        raise
+        if state._reducer is None:
+            raise  # no collective to join: this rank alone
+        refusal = e
+    if state._reducer is not None:
+        try:
+            _load_engine(state, state._comm, engine, refusal)  # refused anywhere: the engine's state as it was
+        except BaseException:
+            for name, value in previous.items():
+                setattr(state, name, value)
+            raise
     state.iter, state.next_stats_report = counters
     # A note_lr_change() made before the engine reducer existed (after it, the engine's checkpoint has it).
     state._note_pending = bool(loaded.get("note_pending", False))
@@ -232,21 +218,102 @@ def load_state_dict(state, loaded):
         state._restored = engine
 
 
+def _checked(state, loaded):
+    """The configuration to take, (iter, next_stats_report) and the engine entry (or None) of `loaded`, every
+    field that a load reads checked: ValueError or PowerSGDError saying why not. Local."""
+    if not isinstance(loaded, dict) or loaded.get("version") not in READABLE_VERSIONS:
+        raise ValueError("PowerSGDState.load_state_dict: expected a dict from PowerSGDState.state_dict() (version "
+                         "%d), got %s" % (VERSION, type(loaded).__name__ if not isinstance(loaded, dict)
+                                          else "version %r" % (loaded.get("version"),)))
+    try:
+        config = {name: loaded["config"][name] if name in loaded["config"] else _ADDED_FIELDS[name]
+                  for name in CONFIG_FIELDS}
+        counters = int(loaded["iter"]), int(loaded["next_stats_report"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError("PowerSGDState.load_state_dict: the dict lacks or mangles %s: expected a dict from "
+                         "PowerSGDState.state_dict()" % (e,)) from None
+    engine = loaded.get("engine")
+    if engine is None and state._reducer is not None:
+        # Its buckets were never declared: the running engine's error memory and warm start would stay, and the
+        # run would not be the one the dict continues.
+        raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint was saved before the first compressed "
+                            "iteration (it holds no engine state), and this state's engine already runs from "
+                            "iteration %d: load it into a new PowerSGDState" % (state._declared_at,))
+    if engine is not None:
+        _check_engine(engine)
+    if engine is not None and state._reducer is not None:
+        # The running engine keeps the configuration it was made with, and its load compares the fields in use
+        # with the checkpoint's engine data (those it lets differ, e.g. wire_dtype, stay the running ones): the
+        # attributes, which made that engine, stay as they are. Assigned from the dict, they and the engine
+        # went apart, and a later state_dict() was one no process could load.
+        config = {name: getattr(state, name) for name in CONFIG_FIELDS}
+        if engine["declared"] != state._declared or bool(engine["whole_bucket"]) != bool(state._whole_bucket):
+            raise PowerSGDError(MISMATCH, "load_state_dict: the checkpoint's buckets %s (%s) are not the ones "
+                                "this state declared, %s (%s)" % (engine["declared"], _hook_name(engine),
+                                                                  state._declared, state._hook_name(
+                                                                      state._whole_bucket)))
+    return config, counters, engine
+
+
+def _check_engine(engine):
+    """The engine entry's fields that a load reads, checked before anything is loaded (a mangled entry raised
+    KeyError half-way, with the engine loaded or the other ranks waiting in the agreement)."""
+    def refuse(what):
+        raise ValueError("PowerSGDState.load_state_dict: the dict's engine state %s: expected a dict from "
+                         "PowerSGDState.state_dict()" % what)
+    if not isinstance(engine, dict):
+        refuse("is %s" % type(engine).__name__)
+    missing = [key for key in ("declared", "declared_keys", "declared_order", "declared_at", "whole_bucket")
+               if key not in engine]
+    if missing:
+        refuse("lacks %s" % ", ".join(map(repr, missing)))
+    if not all(isinstance(engine[key], dict) for key in ("declared", "declared_keys")):
+        refuse("has declared %r, declared_keys %r" % (type(engine["declared"]).__name__,
+                                                      type(engine["declared_keys"]).__name__))
+    if not isinstance(engine["declared_order"], (tuple, list)) or not _integer(engine["declared_at"]):
+        refuse("has declared_order %r, declared_at %r" % (engine["declared_order"], engine["declared_at"]))
+    for key in ("rank_data", "job"):
+        if engine.get(key) is not None and not isinstance(engine[key], (bytes, bytearray)):
+            refuse("has %s of type %s, expected bytes" % (key, type(engine[key]).__name__))
+    if engine.get("rank_data") is None and engine.get("job") is None:
+        refuse("holds neither rank_data nor job")
+    if engine.get("rank_data") is not None and not all(_integer(engine.get(key)) for key in ("rank", "world_size")):
+        refuse("has rank %r, world_size %r" % (engine.get("rank"), engine.get("world_size")))
+
+
+def _integer(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _hook_name(engine):
     return "batched_powerSGD_hook" if engine["whole_bucket"] else "powerSGD_hook"
 
 
-def _load_engine(state, comm, engine):
+def _load_engine(state, comm, engine, refusal=None):
     """Collective: the engine's state from the checkpoint: every rank's own data where every rank has it (same
-    group size, its own rank's): bitwise the saved run (on the same placement); else the job checkpoint where every rank has one (the
-    ranks' mean error memory); else the data's shared state with error memory zero (one rank's state_dict() on
-    every rank: another rank's error memory is not this rank's own residual, and the same one on W ranks would
-    add it W times). The choice is agreed by one allreduce."""
+    group size, its own rank's): bitwise the saved run (on the same placement); else the job checkpoint where
+    every rank has one (the ranks' mean error memory); else the data's shared state with error memory zero (one
+    rank's state_dict() on every rank: another rank's error memory is not this rank's own residual, and the same
+    one on W ranks would add it W times). The choice is agreed by one allreduce, which also says which ranks
+    refused (`refusal`: this rank's reason, an exception; `engine` is then not read): then every rank raises,
+    nothing loaded (the refusing ranks their own reason)."""
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
-    own = engine.get("rank_data") is not None and engine["rank"] == rank and engine["world_size"] == world
-    flags = (ctypes.c_float * 2)(1.0 if own else 0.0, 1.0 if engine.get("job") is not None else 0.0)
-    _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, flags, 2))
+    own = refusal is None and engine.get("rank_data") is not None and engine["rank"] == rank and \
+        engine["world_size"] == world
+    job = refusal is None and engine.get("job") is not None
+    flags = (ctypes.c_float * (2 + world))(1.0 if own else 0.0, 1.0 if job else 0.0)
+    flags[2 + rank] = 0.0 if refusal is None else 1.0
+    _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, flags, 2 + world))
+    refusing = [r for r in range(world) if flags[2 + r] != 0]
+    if refusal is not None:
+        raise refusal
+    if refusing:
+        raise PowerSGDError(MISMATCH, "load_state_dict: refused on rank(s) %s (their own errors say why); nothing "
+                            "loaded" % refusing)
     kind = "rank" if flags[0] == world else "job" if flags[1] == world else "shared"
+    if kind != "job" and engine.get("rank_data") is None:  # local: load and load_shared are this rank's
+        raise PowerSGDError(MISMATCH, "load_state_dict: the dict holds a job checkpoint only, and not every rank "
+                            "loads one; nothing loaded")
     directory = None
     try:
         try:

@@ -3,10 +3,12 @@
 Over the C API's psgd_outer_* (powersgd::OuterOptimizer, docs/local-steps.md): every `local_steps` inner steps
 each rank's pseudo-gradient (start point minus its parameters) is reduced by an engine reducer (PowerSGD with
 error feedback on the pseudo-gradients) and applied from the synchronised start point with Nesterov momentum,
-the same bits on every rank. The model's parameters are laid out in engine buckets as DDP would bucket them
-(torch's own bucket assignment: bucket_cap_mb, the first bucket 1 MiB), in float32 flat buffers the wrapper
-owns: an outer step copies the parameters in, runs psgd_outer_step on the buffers and copies the result back
-only when it succeeded, so a failed outer step leaves the model as it was.
+the same bits on every rank. The model's parameters are laid out in engine buckets by torch's own size-based
+assignment with DDP's limits (bucket_cap_mb, the first bucket 1 MiB; the layout DDP builds at construction,
+which it keeps with find_unused_parameters=True, while by default it rebuilds its buckets after the first
+iteration in the order the gradients came), in float32 flat buffers the wrapper owns: an outer step copies
+the parameters in, runs psgd_outer_step on the buffers and copies the result back only when it succeeded,
+so a failed outer step leaves the model as it was.
 """
 import ctypes
 import math
@@ -44,29 +46,55 @@ def _terms(message):
     return _pst._user_terms(message)
 
 
+# float's smallest normal and largest finite values (FLT_MIN, FLT_MAX): the engine's bounds of a learning rate.
+_FLOAT_MIN, _FLOAT_MAX = 2.0**-126, float.fromhex("0x1.fffffep+127")
+
+
+def _as_float(value):
+    """A double as the engine's static_cast<float> makes it (round to nearest; beyond float's range: inf)."""
+    return ctypes.c_float(value).value
+
+
 def _check_outer(local_steps, outer_lr, outer_momentum):
-    """The engine's ranges (OuterConfig), checked here with the wrapper's names before any collective."""
+    """The engine's ranges (OuterConfig::validate, src/engine/outer_optimizer.cpp), checked here with the
+    wrapper's names before any collective: the engine computes the step in float, so outer_lr must be a normal
+    float (1e39 was an infinite rate, 1e-50 none at all) and outer_momentum below 1 also as a float
+    (0.99999999999 is 1.0f); local_steps an int64. Returns (local_steps, outer_lr, outer_momentum) as the engine
+    takes them (int, float, float)."""
     if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral):
         raise TypeError("LocalSteps: local_steps = %r: expected an integer >= 1 (inner steps per outer step)"
                         % (local_steps,))
-    if local_steps < 1:
-        raise ValueError("LocalSteps: local_steps = %r: expected an integer >= 1 (inner steps per outer step)"
-                         % (local_steps,))
+    if not 1 <= local_steps <= 2**63 - 1:
+        raise ValueError("LocalSteps: local_steps = %r: expected an integer >= 1 and < 2**63 (inner steps per "
+                         "outer step)" % (local_steps,))
+    values = {}
     for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError("LocalSteps: %s = %r: expected a number" % (name, value))
-    if not (math.isfinite(outer_lr) and outer_lr > 0):
-        raise ValueError("LocalSteps: outer_lr = %r: expected a finite learning rate > 0" % (outer_lr,))
-    if not (math.isfinite(outer_momentum) and 0 <= outer_momentum < 1):
-        raise ValueError("LocalSteps: outer_momentum = %r: expected 0 <= outer_momentum < 1" % (outer_momentum,))
+        try:
+            values[name] = float(value)
+        except OverflowError:  # an int or Fraction beyond a double
+            values[name] = math.inf if value > 0 else -math.inf
+    lr, momentum = values["outer_lr"], values["outer_momentum"]
+    if not (math.isfinite(lr) and lr > 0 and _FLOAT_MIN <= _as_float(lr) <= _FLOAT_MAX):
+        raise ValueError("LocalSteps: outer_lr = %r: expected a finite learning rate > 0 that float holds (%g to %g)"
+                         % (outer_lr, _FLOAT_MIN, _FLOAT_MAX))
+    if not (math.isfinite(momentum) and 0 <= momentum < 1 and _as_float(momentum) < 1):
+        raise ValueError("LocalSteps: outer_momentum = %r: expected 0 <= outer_momentum < 1 (below 1 also as a "
+                         "float)" % (outer_momentum,))
+    return int(local_steps), lr, momentum
 
 
 def _buckets(params, bucket_cap_mb):
-    """The parameters' indices per bucket, as DDP buckets them (torch's _compute_bucket_assignment_by_size with
-    DDP's limits, the buckets reversed: bucket 0 holds the last parameters, as in DDP's initial layout)."""
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real) or not bucket_cap_mb > 0:
-        raise ValueError("LocalSteps: bucket_cap_mb = %r: expected a number > 0" % (bucket_cap_mb,))
-    cap = max(1, int(bucket_cap_mb * 1024 * 1024))
+    """The parameters' indices per bucket: torch's _compute_bucket_assignment_by_size over the parameters in
+    their order, with DDP's limits, the buckets reversed (bucket 0 holds the last parameters). That is the
+    layout DDP builds at construction and keeps with find_unused_parameters=True (without static_graph); by
+    default DDP rebuilds its buckets after the first iteration in the order the gradients became ready, which
+    may differ."""
+    if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real)
+            or not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0)):
+        raise ValueError("LocalSteps: bucket_cap_mb = %r: expected a finite number > 0" % (bucket_cap_mb,))
+    cap = min(max(1, int(bucket_cap_mb * 1024 * 1024)), 2**63 - 1)
     limits = [min(dist._DEFAULT_FIRST_BUCKET_BYTES, cap), cap]  # DDP's first bucket (1 MiB), unless cap is less
     indices, _ = dist._compute_bucket_assignment_by_size([p.detach() for p in params], limits,
                                                          [False] * len(params))
@@ -85,7 +113,8 @@ class LocalSteps:
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             outer.step()                                # optimizer.step(); every 4th call also the outer step
-        outer.outer_step()                              # optionally: end on the synchronised model
+        outer.outer_step()                              # optionally: end on the synchronised model (a
+                                                        # no-op where the last step() took an outer step)
 
     The outer step: the pseudo-gradients (start point minus parameters) are averaged through an engine reducer
     (PowerSGD at matrix_approximation_rank with error feedback on the pseudo-gradients; compression=False: a
@@ -106,8 +135,10 @@ class LocalSteps:
     `optimizer` the inner optimizer (anything with step() and zero_grad()); the PowerSGD arguments mean what
     they mean for PowerSGDState, counted in outer steps (start_powerSGD_iter: outer steps before compression;
     0 by default: the pseudo-gradients of the first outer step are compressed); `bucket_cap_mb` DDP's bucket
-    size; `process_group` as for PowerSGDState. Bad values are TypeError or ValueError naming the argument and
-    the range. Construction is collective (the ranks rendezvous through torch's store: torch.distributed must
+    size (the buckets are DDP's initial layout, which DDP keeps with find_unused_parameters=True; by default it
+    rebuilds them after its first iteration); `process_group` as for PowerSGDState. Bad values are TypeError or
+    ValueError naming the argument and the range (the engine's: outer_lr a normal float32, outer_momentum below
+    1 also in float32). Construction is collective (the ranks rendezvous through torch's store: torch.distributed must
     be initialized): rank 0's parameters are copied into every rank's model and become the start point, and
     ranks constructed with other settings fail together (PowerSGDError, PSGD_ERR_MISMATCH).
 
@@ -123,7 +154,7 @@ class LocalSteps:
         arguments = dict(locals())
         self._outer = None
         self._reducer = None
-        _check_outer(local_steps, outer_lr, outer_momentum)
+        outer_settings = _check_outer(local_steps, outer_lr, outer_momentum)
         if not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
             raise TypeError("LocalSteps: optimizer = %r: expected the inner optimizer (a torch.optim optimizer)"
                             % (optimizer,))
@@ -135,7 +166,7 @@ class LocalSteps:
         if not params or bad:
             raise ValueError("LocalSteps: model: expected dense floating-point parameters that require gradients; "
                              "%s" % ("there are none" if not params else "got other tensors of shapes %s" % bad))
-        self.local_steps, self.outer_lr, self.outer_momentum = int(local_steps), float(outer_lr), float(outer_momentum)
+        self.local_steps, self.outer_lr, self.outer_momentum = outer_settings
         self.compression = _pst._bool("compression", compression, "LocalSteps")
         for name in _ENGINE_ARGUMENTS:  # checked by _engine_config
             setattr(self, name, arguments[name])
@@ -146,6 +177,7 @@ class LocalSteps:
         self._params = params
         self._buckets = _buckets(params, bucket_cap_mb)
         self.inner_steps = 0  # inner steps taken (step() calls), the count due() is asked about
+        self._outer_at = 0    # inner_steps at the last successful outer step (or at construction, or as loaded)
 
         comm = _pst._engine_comm(group, _pst._group_timeout(process_group))
         reducer = ctypes.c_void_p()
@@ -216,9 +248,13 @@ class LocalSteps:
             self.outer_step()
         return result
 
-    def zero_grad(self, set_to_none=False):
-        """The inner optimizer's zero_grad."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none=None):
+        """The inner optimizer's zero_grad(), given set_to_none only where the caller gives it (an optimizer's own
+        zero_grad(self) takes none; torch's has its own default)."""
+        if set_to_none is None:
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def due(self):
         """Whether an outer step is due after inner_steps inner steps (a multiple of local_steps > 0)."""
@@ -229,12 +265,24 @@ class LocalSteps:
         synchronised model). On success the parameters are the new start point, the same bits on every rank. On
         failure (NaN or Inf in any rank's parameters, ranks that disagree, a lost peer, a timeout) every rank
         raises PowerSGDError and the parameters, the start point, the outer momentum and the error memory are as
-        they were: fix the cause (e.g. load_start() or a checkpoint) and call outer_step() again."""
+        they were: fix the cause (e.g. load_start() or a checkpoint) and call outer_step() again.
+
+        A no-op, with no collective, where no inner step was counted since the last successful outer step
+        (inner_steps unchanged since then, or since construction or load_state_dict(): the same on every rank),
+        e.g. after a loop whose last step() took a due outer step: the parameters are the start point, and
+        another outer step would still apply the error memory and the outer momentum. Inner steps are counted
+        by step(); a loop that calls optimizer.step() itself adds them to inner_steps. Returns whether an outer
+        step ran."""
+        handle = self._handle()
+        if self.inner_steps == self._outer_at:
+            return False
         self._gather()
-        status = _capi.lib.psgd_outer_step(self._handle(), self._pointers, len(self._flat))
+        status = _capi.lib.psgd_outer_step(handle, self._pointers, len(self._flat))
         if status != 0:
             raise PowerSGDError(status, _terms(_capi.last_error()))
         self._scatter()
+        self._outer_at = self.inner_steps
+        return True
 
     def load_start(self):
         """Copies the synchronised start point into the parameters (e.g. after a failed outer step, to drop the
@@ -262,11 +310,11 @@ class LocalSteps:
     # ---- checkpoints ----
 
     def state_dict(self):
-        """This rank's outer state as plain values (torch.save, pickle): inner_steps, the configuration, the
-        outer optimizer's state (start point, outer momentum, outer steps; the same on every rank) and this
-        rank's reducer checkpoint (its error memory of the pseudo-gradients, warm start, step count). Local (no
-        collective). Save it with each rank's model and optimizer state: between outer steps the parameters
-        are the rank's own."""
+        """This rank's outer state as plain values (torch.save, pickle): inner_steps (and outer_at, the
+        inner_steps of the last outer step), the configuration, the outer optimizer's state (start point, outer
+        momentum, outer steps; the same on every rank) and this rank's reducer checkpoint (its error memory of the
+        pseudo-gradients, warm start, step count). Local (no collective). Save it with each rank's model and
+        optimizer state: between outer steps the parameters are the rank's own."""
         directory = tempfile.mkdtemp(prefix="powersgd-local-steps-")
         try:
             outer, reducer = os.path.join(directory, "outer.ckpt"), os.path.join(directory, "reducer.ckpt")
@@ -278,7 +326,7 @@ class LocalSteps:
                 reducer_data = f.read()
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        return {"version": VERSION, "inner_steps": self.inner_steps,
+        return {"version": VERSION, "inner_steps": self.inner_steps, "outer_at": self._outer_at,
                 "config": {name: getattr(self, name) for name in _CONFIG},
                 "layout": [[tuple(self._params[i].shape) for i in bucket] for bucket in self._buckets],
                 "rank": _capi.lib.psgd_comm_rank(self._comm), "world_size": _capi.lib.psgd_comm_size(self._comm),
@@ -287,44 +335,67 @@ class LocalSteps:
     def load_state_dict(self, state_dict):
         """Collective: restores a state_dict() this rank saved (same world size, configuration and model), on
         every rank at once. A refusal on any rank (another version, configuration, layout, rank or world size; a
-        damaged checkpoint; ranks holding different outer states) raises on every rank and changes nothing."""
+        damaged checkpoint; a local failure such as a full temporary directory; ranks holding different outer
+        states) raises PowerSGDError on every rank and changes nothing."""
         reason = self._refusal(state_dict)
-        directory = tempfile.mkdtemp(prefix="powersgd-local-steps-")
+        directory, backup, loaded = None, None, False
         try:
-            backup = os.path.join(directory, "backup.ckpt")
-            _capi.check(_capi.lib.psgd_reducer_save(self._reducer, backup.encode()))
-            reducer, outer = os.path.join(directory, "reducer.ckpt"), os.path.join(directory, "outer.ckpt")
-            if reason is None:
-                # Both files first: nothing is loaded before every local step succeeded, and a local failure (a
-                # full disk) is a refusal the ranks agree on, not an exception that leaves them waiting.
-                try:
-                    for path, data in ((reducer, state_dict["reducer"]), (outer, state_dict["outer"])):
-                        with open(path, "wb") as f:
+            # Every local step before the agreement: a failure here (a full temporary directory, the backup's save)
+            # is this rank's refusal, which the ranks agree on, never an exception that leaves them waiting in it.
+            try:
+                directory = tempfile.mkdtemp(prefix="powersgd-local-steps-")
+                path = os.path.join(directory, "backup.ckpt")
+                _capi.check(_capi.lib.psgd_reducer_save(self._reducer, path.encode()))
+                backup = path
+                reducer, outer = os.path.join(directory, "reducer.ckpt"), os.path.join(directory, "outer.ckpt")
+                if reason is None:
+                    # Both files first: nothing is loaded before every local step succeeded.
+                    for target, data in ((reducer, state_dict["reducer"]), (outer, state_dict["outer"])):
+                        with open(target, "wb") as f:
                             f.write(data)
-                except OSError as e:
-                    reason = "cannot write the checkpoint's data to %s: %s" % (directory, e)
-            if reason is None and _capi.lib.psgd_reducer_load(self._reducer, reducer.encode()) != 0:
-                reason = _terms(_capi.last_error())
-            refusing = self._refusing_ranks(reason is not None)
-            if refusing:
-                _capi.check(_capi.lib.psgd_reducer_load(self._reducer, backup.encode()))
-                raise PowerSGDError(4 if reason is None else 1, "LocalSteps.load_state_dict: %s; nothing loaded"
-                                    % (reason if reason is not None else "refused on rank(s) %s" % refusing))
-            status = _capi.lib.psgd_outer_load(self._handle(), outer.encode())
-            if status != 0:
-                message = _terms(_capi.last_error())
-                _capi.check(_capi.lib.psgd_reducer_load(self._reducer, backup.encode()))
-                raise PowerSGDError(status, "LocalSteps.load_state_dict: %s; nothing loaded" % message)
+            except Exception as e:  # every local failure: the agreement below must be reached
+                if reason is None:
+                    reason = "this rank could not prepare the load (%s: %s)" % (type(e).__name__, e)
+            if reason is None:
+                if _capi.lib.psgd_reducer_load(self._reducer, reducer.encode()) != 0:
+                    reason = _terms(_capi.last_error())
+                else:
+                    loaded = True
+            try:
+                refusing = self._refusing_ranks(reason is not None)
+                if refusing:
+                    raise PowerSGDError(4 if reason is None else 1, "LocalSteps.load_state_dict: %s; nothing loaded"
+                                        % (reason if reason is not None else "refused on rank(s) %s" % refusing))
+                status = _capi.lib.psgd_outer_load(self._handle(), outer.encode())
+                if status != 0:
+                    raise PowerSGDError(status, "LocalSteps.load_state_dict: %s; nothing loaded"
+                                        % _terms(_capi.last_error()))
+            except BaseException:
+                if loaded:  # this rank's reducer took the checkpoint: back to its state before
+                    _capi.check(_capi.lib.psgd_reducer_load(self._reducer, backup.encode()))
+                raise
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
         self.inner_steps = int(state_dict["inner_steps"])
+        self._outer_at = self._loaded_outer_at(state_dict)
+
+    def _loaded_outer_at(self, state_dict):
+        """The inner_steps of the last outer step a state_dict says (a dict without "outer_at": the last multiple
+        of local_steps, where step() took it)."""
+        if "outer_at" in state_dict:
+            return int(state_dict["outer_at"])
+        inner = int(state_dict["inner_steps"])
+        return inner - inner % self.local_steps
 
     def _refusal(self, state_dict):
         """Why this rank cannot load `state_dict`, or None (never an exception: the ranks must reach the
         collective that agrees on it)."""
+        if self._outer is None or self._reducer is None:
+            return "this LocalSteps is closed"
         try:
             return self._check_state(state_dict)
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
+        except Exception as e:  # whatever a mangled dict raises (a tensor compared, a missing key)
             return "not a LocalSteps.state_dict(): %s: %s" % (type(e).__name__, e)
 
     def _check_state(self, state_dict):
@@ -344,9 +415,10 @@ class LocalSteps:
         for key in ("reducer", "outer"):
             if not isinstance(state_dict[key], (bytes, bytearray)):
                 return "the checkpoint's %r is %s, expected bytes" % (key, type(state_dict[key]).__name__)
-        inner = state_dict["inner_steps"]
-        if isinstance(inner, bool) or not isinstance(inner, numbers.Integral) or inner < 0:
-            return "the checkpoint's inner_steps = %r: expected an integer >= 0" % (inner,)
+        for key in ("inner_steps", "outer_at") if "outer_at" in state_dict else ("inner_steps",):
+            value = state_dict[key]
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                return "the checkpoint's %s = %r: expected an integer >= 0" % (key, value)
         rank, world = _capi.lib.psgd_comm_rank(self._comm), _capi.lib.psgd_comm_size(self._comm)
         if (state_dict["rank"], state_dict["world_size"]) != (rank, world):
             return ("the checkpoint is rank %d's of %d ranks, this is rank %d of %d: each rank loads its own"

@@ -47,12 +47,19 @@ def _failure(error, error_size, exception):
     return _IO if isinstance(exception, (RuntimeError, OSError)) else _INTERNAL
 
 
-def _guarded(function):
-    """A callback body: any exception becomes a status and a reason, never an exception through C."""
+def _guarded(store, function):
+    """A callback body: any exception becomes a status and a reason, never an exception through C (ctypes
+    would print it and hand the library an undefined status). KeyboardInterrupt, SystemExit and the like fail
+    the call too and are kept on `store`, for init_comm to raise once the library returned (a Ctrl-C during the
+    rendezvous is the user's, not a store error)."""
     def callback(*args):
         try:
             return function(*args[:-2])
-        except Exception as e:  # everything: an exception cannot cross into the library
+        except Exception as e:
+            return _failure(args[-2], args[-1], e)
+        except BaseException as e:  # noqa: B902 (every exception: none may cross into the library)
+            if store.interrupted is None:
+                store.interrupted = e
             return _failure(args[-2], args[-1], e)
     return callback
 
@@ -68,9 +75,10 @@ class TorchStore:
 
     def __init__(self, store):
         self.store = dist.PrefixStore(KEY_PREFIX, store)
-        self.callbacks = Callbacks(ctypes.sizeof(Callbacks), None, _SET(_guarded(self._set)),
-                                   _GET(_guarded(self._get)), _ADD(_guarded(self._add)),
-                                   _WAIT(_guarded(self._wait)), _REMOVE(_guarded(self._remove)))
+        self.interrupted = None  # the first KeyboardInterrupt (or other BaseException) a callback caught
+        self.callbacks = Callbacks(ctypes.sizeof(Callbacks), None, _SET(_guarded(self, self._set)),
+                                   _GET(_guarded(self, self._get)), _ADD(_guarded(self, self._add)),
+                                   _WAIT(_guarded(self, self._wait)), _REMOVE(_guarded(self, self._remove)))
 
     def _set(self, user, key, data, size):
         self.store.set(key.decode(), ctypes.string_at(data, size) if size else b"")
@@ -118,7 +126,12 @@ def init_comm(rank, size, group_id):
     store = dist.distributed_c10d._get_default_store()
     adapter = TorchStore(store)
     handle = ctypes.c_void_p()
-    _capi.check(_capi.lib.psgd_comm_init_on_store(rank, size, group_id.encode() if group_id else None,
-                                                  ctypes.byref(adapter.callbacks),
-                                                  local_address(store).encode(), ctypes.byref(handle)))
+    status = _capi.lib.psgd_comm_init_on_store(rank, size, group_id.encode() if group_id else None,
+                                               ctypes.byref(adapter.callbacks), local_address(store).encode(),
+                                               ctypes.byref(handle))
+    if adapter.interrupted is not None:
+        if status == 0:
+            _capi.lib.psgd_comm_destroy(handle)
+        raise adapter.interrupted
+    _capi.check(status)
     return handle

@@ -35,6 +35,8 @@ import logging
 import os
 import time
 
+from powersgd import _capi
+
 logger = logging.getLogger("powersgd.torch")
 
 # psgd_reducer_worker_seconds's order (powersgd.h).
@@ -64,8 +66,7 @@ def engine_seconds(lib, reducer):
     out = (ctypes.c_double * len(ENGINE_KINDS))()
     known = ctypes.c_size_t()
     status = lib.psgd_reducer_worker_seconds(reducer, out, len(ENGINE_KINDS), ctypes.byref(known))
-    if status != 0:
-        raise RuntimeError("psgd_reducer_worker_seconds failed with status %d" % status)
+    _capi.check(status)  # PowerSGDError with the library's reason
     return tuple(out)
 
 
@@ -73,8 +74,7 @@ def communication_rounds(lib, comm):
     """The communicator's sequential communication rounds so far (psgd_comm_communication_rounds)."""
     rounds = ctypes.c_uint64()
     status = lib.psgd_comm_communication_rounds(comm, ctypes.byref(rounds))
-    if status != 0:
-        raise RuntimeError("psgd_comm_communication_rounds failed with status %d" % status)
+    _capi.check(status)  # PowerSGDError with the library's reason
     return rounds.value
 
 
@@ -83,8 +83,7 @@ def handle_times(lib, handle):
     submitted, started, finished = ctypes.c_double(), ctypes.c_double(), ctypes.c_double()
     status = lib.psgd_reduce_handle_times(handle, ctypes.byref(submitted), ctypes.byref(started),
                                           ctypes.byref(finished))
-    if status != 0:
-        raise RuntimeError("psgd_reduce_handle_times failed with status %d" % status)
+    _capi.check(status)  # PowerSGDError with the library's reason
     return submitted.value, started.value, finished.value
 
 

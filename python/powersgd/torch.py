@@ -52,8 +52,10 @@ import numbers
 import os
 import re
 import socket
+import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -79,9 +81,36 @@ DECLARATION_ITER = _checkpoint.DECLARATION_ITER
 _TIMING_LOG_EVERY = _timing.interval_from_env()
 
 _comm_lock = threading.Lock()
-# The process's engine communicators (psgd_comm*), created on first use and kept for the process's life: None
-# keys the whole job's, a _Group's members the one of that subgroup.
+# The process's engine communicators (_Comm), created on first use: None keys the whole job's, a _Group's members
+# the one of that subgroup. Each serves the default process group it was made under (its store): after
+# torch.distributed.destroy_process_group() and a new init_process_group() the next use makes a new one.
 _comms = {}
+
+
+class _Comm:
+    """An engine communicator (psgd_comm*) of _comms: passed to the C API as the handle (ctypes reads
+    _as_parameter_). Made under the default process group `default_group` (held weakly) as rank `rank` of `size`;
+    destroyed once neither _comms nor a reducer's owner (PowerSGDState, LocalSteps: their _comm) holds it, so a
+    stale one goes when the last state using it does (psgd_comm_destroy; a reducer left over is detached)."""
+
+    def __init__(self, handle, default_group, rank, size):
+        self._as_parameter_ = handle
+        self._default_group = weakref.ref(default_group)
+        self.rank, self.size = rank, size
+
+    def serves(self, default_group, rank, size):
+        """Whether this communicator was made under `default_group` (the same object, still alive) as `rank` of
+        `size`."""
+        return self._default_group() is default_group and (self.rank, self.size) == (rank, size)
+
+    def __del__(self):
+        handle, self._as_parameter_ = self._as_parameter_, None
+        if handle is None or sys.is_finalizing():  # at exit the process ends it (as before the cache dropped any)
+            return
+        try:
+            _capi.lib.psgd_comm_destroy(handle)
+        except Exception:
+            pass
 
 
 class _Group:
@@ -155,19 +184,21 @@ def _with_timeout(timeout, create):
 
 
 def _engine_comm(group=None, timeout=None):
-    """The process's engine communicator for the whole job (group None) or for `group` (a _Group). Collective
-    on first use: a rendezvous of every rank of the job, or of the group's members, through torch's default
-    store (_store.py: no second store or port). The first use creates it with `timeout` (a timedelta;
-    PSGD_TIMEOUT_MS for the creation only, unless the environment sets it)."""
+    """The process's engine communicator (a _Comm) for the whole job (group None) or for `group` (a _Group).
+    Collective on first use: a rendezvous of every rank of the job, or of the group's members, through torch's
+    default store (_store.py: no second store or port). The first use creates it with `timeout` (a timedelta;
+    PSGD_TIMEOUT_MS for the creation only, unless the environment sets it). A communicator made under another
+    default process group (destroy_process_group() and init_process_group() since), or for another rank or
+    size, is not reused: it is dropped from the cache (destroyed once no state uses it) and a new one made."""
     key = None if group is None else group.members
+    default_group = dist.distributed_c10d._get_default_group()  # RuntimeError where torch is not initialized
+    rank, size = (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank, len(group.members))
     with _comm_lock:
-        if key not in _comms:
-            if group is None:
-                _comms[key] = _with_timeout(timeout, lambda: _store.init_comm(dist.get_rank(),
-                                                                              dist.get_world_size(), None))
-            else:
-                _comms[key] = _with_timeout(timeout, lambda: _store.init_comm(group.rank, len(group.members),
-                                                                              group.id))
+        comm = _comms.get(key)
+        if comm is None or not comm.serves(default_group, rank, size):
+            _comms.pop(key, None)
+            handle = _with_timeout(timeout, lambda: _store.init_comm(rank, size, None if group is None else group.id))
+            _comms[key] = _Comm(handle, default_group, rank, size)
         return _comms[key]
 
 
@@ -725,9 +756,9 @@ class PowerSGDState:
         """The state as a dict of plain values (torch.save, pickle): iter, the configuration and, once the hook
         declared DDP's buckets, this rank's own engine checkpoint (error memory, warm start, step count). Local
         and cheap, as PyTorch's: no collective, so `if rank == 0: torch.save(...)` works. Loaded on the rank
-        that saved it (same group size, the same ranks sharing hosts): the run continues bitwise; loaded on other ranks (rank 0's file on
-        every rank): the warm start and step count, and error memory zero (docs/torch.md, "Checkpoints").
-        Between iterations."""
+        that saved it (same group size, the same ranks sharing hosts): the run continues bitwise; loaded on other
+        ranks (rank 0's file on every rank): the warm start and step count, and error memory zero (docs/torch.md,
+        "Checkpoints"). Between iterations."""
         return _checkpoint.state_dict(self)
 
     def job_state_dict(self):
@@ -739,9 +770,11 @@ class PowerSGDState:
 
     def load_state_dict(self, state_dict):
         """Restores a state_dict() or job_state_dict(): iter and the configuration now; the engine's state now
-        when the engine reducer exists (collective), else at the first bucket of the next compressed
-        iteration, which declares the checkpoint's buckets. A fresh DDP's first iterations (before DDP rebuilt
-        its buckets) are reduced through the declared buckets, so the resumed run continues the saved one."""
+        when the engine reducer exists (collective: a dict refused on any rank, e.g. one saved before the first
+        compressed iteration, raises on every rank at once, nothing loaded), else at the first bucket of the next
+        compressed iteration, which declares the checkpoint's buckets. A fresh DDP's first iterations (before DDP
+        rebuilt its buckets) are reduced through the declared buckets, so the resumed run continues the saved
+        one."""
         _checkpoint.load_state_dict(self, state_dict)
 
     def __getstate__(self):

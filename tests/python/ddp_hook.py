@@ -46,6 +46,11 @@ Cases (PyTorch's own parity check for comm hooks, ported to CPU):
                     on stderr besides the exception
   supported         docs/torch.md's "What is supported" states each claim; a GAN (two states) trains; DDP refuses
                     a bfloat16 model
+  load-refusal      into running engines, a dict that one rank refuses before the engine's agreement (saved before
+                    the declaration, other declared buckets, a mangled engine entry): every rank raises within
+                    seconds (PSGD_TIMEOUT_MS 10 s; the others waited for all of it), nothing changes, training goes on
+  store-interrupt   a KeyboardInterrupt in a store callback during the engine's rendezvous is raised by it
+                    once the library returned; no exception crosses into the library
   unused-branch     a branch unused (find_unused_parameters=True), or scaled by 0.0, in the first compressed
                     steps and used from step 6: its gradient is nonzero afterwards and comparable to DDP
                     allreduce's (it stayed 0 for good when the zero step froze the warm-start factor)
@@ -1568,6 +1573,50 @@ def case_supported():
               "DDP refuses a bfloat16 model" % (states[0].iter, states[1].iter))
 
 
+def case_load_refusal():
+    """A state_dict one rank refuses before the engine's agreement, loaded while the engine reducer runs: rank 1
+    loads a bad dict, rank 0 its own. Before, rank 1 raised at once and rank 0 waited in the agreement's allreduce
+    for the whole timeout (then the communicator was broken); now both raise at once and nothing changes."""
+    os.environ["PSGD_TIMEOUT_MS"] = "10000"  # the engine communicator's, created at the declaration below
+    torch.manual_seed(1)
+    model = ddp(TwoLayers())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    options = dict(matrix_approximation_rank=1, start_powerSGD_iter=2)
+    state = pst.PowerSGDState(None, **options)
+    model.register_comm_hook(state, pst.powerSGD_hook)
+    inputs, targets = data(4, 8, seed=7)
+    train_steps(model, optimizer, inputs, targets, 0, 5)
+    assert state._reducer is not None and state.iter == 5, state.iter
+    own = state.state_dict()
+    memory = error_memories(state)
+    assert any(m.abs().max().item() > 0 for m in memory), "error memory zero: nothing to compare"
+    untrained = pst.PowerSGDState(None, **options).state_dict()  # engine None: saved before the declaration
+    other = copy.deepcopy(own)
+    other["engine"]["declared"] = {0: [(3, 3)]}
+    mangled = copy.deepcopy(own)
+    del mangled["engine"]["declared_at"]
+    for what, bad, words in [("saved before the declaration", untrained, "holds no engine state"),
+                             ("other declared buckets", other, "are not the ones this state declared"),
+                             ("a mangled engine entry", mangled, "lacks 'declared_at'")]:
+        start = time.monotonic()
+        try:
+            state.load_state_dict(bad if rank() == 1 else own)
+        except (ValueError, pst.PowerSGDError) as e:
+            expected = words if rank() == 1 else "refused on rank(s) [1]"
+            assert expected in str(e), (what, str(e))
+        else:
+            raise AssertionError("load_state_dict (%s on rank 1) accepted on rank %d" % (what, rank()))
+        waited = time.monotonic() - start
+        assert waited < 5, "%s on rank 1: rank %d raised after %.1f s" % (what, rank(), waited)
+        assert state.iter == 5 and state.matrix_approximation_rank == 1, (what, state.iter)
+        assert all(torch.equal(a, b) for a, b in zip(error_memories(state), memory)), what
+    train_steps(model, optimizer, inputs, targets, 5, 8)  # the group goes on
+    assert state.iter == 8 and state._failure is None, (state.iter, state._failure)
+    all_equal(model.module, "load-refusal")
+    if rank() == 0:
+        print("load-refusal: 3 dicts refused on rank 1 failed both ranks at once; nothing changed; trained on")
+
+
 def save_to_bytes(value):
     import io
     buffer = io.BytesIO()
@@ -1578,6 +1627,32 @@ def save_to_bytes(value):
 def state_model_parameters(factory):
     torch.manual_seed(1)
     return list(factory().parameters())
+
+
+def case_store_interrupt():
+    """A KeyboardInterrupt in a store callback during the engine's rendezvous (Ctrl-C while it waits for
+    peers): init_comm raises it once the library returned, and no exception crossed into the library (ctypes
+    printed it, "Exception ignored on calling ctypes callback function", handed the library an undefined
+    status, and the interrupt was lost)."""
+    from powersgd import _store
+
+    def interrupted(*args):
+        raise KeyboardInterrupt()
+
+    unraisable = []
+    saved = sys.unraisablehook, _store.TorchStore._wait, _store.TorchStore._get
+    sys.unraisablehook = unraisable.append
+    _store.TorchStore._wait = _store.TorchStore._get = interrupted
+    raised = None
+    try:
+        # This rank alone in a group of 3 that never fills: the rendezvous waits in the store.
+        _store.init_comm(0, 3, "interrupt-%d" % rank())
+    except KeyboardInterrupt as e:
+        raised = e
+    finally:
+        sys.unraisablehook, _store.TorchStore._wait, _store.TorchStore._get = saved
+    assert raised is not None, "the KeyboardInterrupt in the store callback was lost"
+    assert not unraisable, "an exception crossed into the library: %r" % [u.exc_value for u in unraisable]
 
 
 CASES = {
@@ -1602,6 +1677,8 @@ CASES = {
     "schedule": case_schedule,
     "user-terms": case_user_terms,
     "supported": case_supported,
+    "load-refusal": case_load_refusal,
+    "store-interrupt": case_store_interrupt,
 }
 # Cases that take a directory argument.
 DIRECTORY_CASES = ("checkpoint-save", "checkpoint-resume")

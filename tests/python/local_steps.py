@@ -12,19 +12,34 @@ Cases:
   checkpoint  state_dict() with the model's and optimizer's between outer steps, torch.save, a fresh model,
               optimizer and LocalSteps, load: the resumed run ends bitwise on the uninterrupted run's
               parameters; loading another rank's state_dict (rank 0's on every rank) fails on every rank and
-              changes nothing, as do a malformed state_dict and another outer_lr
+              changes nothing, as do a malformed state_dict and another outer_lr; a full temporary directory
+              on rank 1 (mkdtemp fails) fails both ranks within seconds (PSGD_TIMEOUT_MS 10 s), nothing changed
   errors      bad local_steps, outer_lr, outer_momentum, bucket_cap_mb and PowerSGD arguments: TypeError or
-              ValueError naming the argument and its value, before any collective; ranks constructed with
-              another outer_lr fail together; NaN in one rank's parameters fails the outer step on every rank
-              with the parameters, start point, outer momentum, error memory and outer_steps as they were,
-              and the outer step then succeeds once the NaN is gone
+              ValueError naming the argument and its value, before any collective (also the values only the
+              engine's float32 checks refused, after its collectives); ranks constructed with another outer_lr
+              fail together; NaN in one rank's parameters fails the outer step on every rank with the
+              parameters, start point, outer momentum, error memory and outer_steps as they were, and the outer
+              step then succeeds once the NaN is gone
+  outer-end   outer_step() after a loop whose last step() took the outer step is a no-op (parameters, error
+              memory, outer_steps and the reducer's steps unchanged; it applied the error memory and momentum
+              again), also after load_state_dict(); after an inner step it runs; zero_grad() of an optimizer
+              whose zero_grad takes no argument
+  reinit      destroy_process_group() and init_process_group() again (1 rank each through its own FileStore,
+              then both through a shared one): each new LocalSteps gets a communicator of the new group (it
+              reused the first group's), and the stale one is destroyed
 Exit 77 (skip) when torch is not importable.
 """
 import ctypes
+import gc
 import hashlib
 import io
 import math
+import os
+import shutil
 import sys
+import tempfile
+import time
+import weakref
 
 try:
     import torch
@@ -193,6 +208,7 @@ def expect(what, fn, kind, words):
 
 
 def case_checkpoint():
+    os.environ["PSGD_TIMEOUT_MS"] = "10000"  # the engine communicator's (created below): a rank left waiting fails
     whole, outer, _ = checkpoint_run(0, 14)  # ends between outer steps (4 outer steps)
     if outer.outer_steps != 4:
         fail("outer_steps %d" % outer.outer_steps)
@@ -237,8 +253,31 @@ def case_checkpoint():
         if (own["outer"], own["reducer"], own["inner_steps"]) != (after["outer"], after["reducer"],
                                                                   after["inner_steps"]):
             fail("a refused load_state_dict (%s) changed the state" % what)
+    # A local failure before the agreement on one rank only (a full temporary directory: mkdtemp raises): every
+    # rank refuses at once, nothing changed, and the ranks go on (rank 1 raised OSError before the agreement,
+    # rank 0 waited in it for the whole timeout, and the communicator was broken).
+    real = tempfile.mkdtemp
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    if rank() == 1:
+        tempfile.mkdtemp = full
+    start = time.monotonic()
+    try:
+        expect("a full temporary directory on rank 1", lambda: outer.load_state_dict(own), pst.PowerSGDError,
+               ["nothing loaded", "No space left on device" if rank() == 1 else "rank(s) [1]"])
+    finally:
+        tempfile.mkdtemp = real
+    waited = time.monotonic() - start
+    if waited > 5:
+        fail("the refused load took %.1f s (PSGD_TIMEOUT_MS 10 s): a rank waited for the other" % waited)
+    after = outer.state_dict()
+    if (own["outer"], own["reducer"], own["inner_steps"]) != (after["outer"], after["reducer"], after["inner_steps"]):
+        fail("a load refused for a full temporary directory changed the state")
+    outer.load_state_dict(own)  # and the ranks go on together
     if rank() == 0:
-        print("checkpoint: resumed between outer steps bitwise; another rank's and another config refused")
+        print("checkpoint: resumed between outer steps bitwise; another rank's and another config refused; a full "
+              "temporary directory on rank 1 refused on both in %.2f s" % waited)
 
 
 def case_errors():
@@ -257,6 +296,16 @@ def case_errors():
            ({"outer_momentum": -0.5}, ValueError, ["outer_momentum = -0.5"]),
            ({"outer_momentum": math.nan}, ValueError, ["outer_momentum = nan"]),
            ({"bucket_cap_mb": 0}, ValueError, ["bucket_cap_mb = 0"]),
+           # Refused by the engine's float32 checks only after its collectives (PowerSGDError), or by Python
+           # (OverflowError), or cut by ctypes: now each by name before any collective.
+           ({"outer_lr": 1e39}, ValueError, ["outer_lr = 1e+39", "float holds"]),
+           ({"outer_lr": 1e-50}, ValueError, ["outer_lr = 1e-50", "float holds"]),
+           ({"outer_lr": 1e-39}, ValueError, ["outer_lr = 1e-39"]),  # a subnormal float
+           ({"outer_momentum": 0.99999999999}, ValueError, ["outer_momentum = 0.99999999999", "as a float"]),
+           ({"local_steps": 2**63}, ValueError, ["local_steps = %d" % 2**63]),
+           ({"local_steps": 2**64 + 4}, ValueError, ["local_steps = %d" % (2**64 + 4)]),
+           ({"bucket_cap_mb": math.inf}, ValueError, ["bucket_cap_mb = inf"]),
+           ({"bucket_cap_mb": math.nan}, ValueError, ["bucket_cap_mb = nan"]),
            ({"matrix_approximation_rank": 0}, ValueError, ["matrix_approximation_rank"]),
            ({"matrix_approximation_rank": 2.5}, TypeError, ["matrix_approximation_rank = 2.5"]),
            ({"use_error_feedback": 2}, ValueError, ["use_error_feedback = 2"]),
@@ -266,6 +315,10 @@ def case_errors():
         expect("LocalSteps(%s)" % options, lambda: pst.LocalSteps(net, optimizer, **args), kind,
                ["LocalSteps: "] + words)
     expect("no optimizer", lambda: pst.LocalSteps(net, None), TypeError, ["optimizer = None"])
+    # The engine's bounds themselves are accepted (float's smallest normal rate, the momentum below 1.0f).
+    edge = pst.LocalSteps(net, optimizer, outer_lr=2.0**-126, outer_momentum=1 - 2.0**-24,
+                          local_steps=2**63 - 1)
+    edge.close()
     expect("no parameters", lambda: pst.LocalSteps(nn.ReLU(), optimizer), ValueError, ["there are none"])
     # Ranks with other settings fail together in the collective construction.
     message = expect("outer_lr differing", lambda: pst.LocalSteps(net, optimizer, outer_lr=1.0 if rank() else 0.5),
@@ -285,6 +338,7 @@ def case_errors():
     for x, y in batches[4:]:
         inner(net, optimizer, x, y)
         optimizer.step()
+        outer.inner_steps += 1  # counted by hand, as step() would (outer_step() is a no-op without inner steps)
     params = snapshot(net)
     memory, state = error_memory(outer), outer.state_dict()
     if not any(float(m.abs().max()) > 0 for m in memory):
@@ -310,8 +364,147 @@ def case_errors():
               % (len(bad) + 2))
 
 
+class PlainOptimizer:
+    """An inner optimizer of the caller's own: step() and a zero_grad() that takes no argument."""
+
+    def __init__(self, params, lr):
+        self.params, self.lr = list(params), lr
+
+    def step(self):
+        with torch.no_grad():
+            for p in self.params:
+                p -= self.lr * p.grad
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def reducer_steps(outer):
+    return int(_capi.lib.psgd_reducer_iteration(outer._reducer))
+
+
+def case_outer_end():
+    net = model(seed=rank())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    # Compressed with error feedback and outer momentum: a second outer step would apply both again.
+    outer = pst.LocalSteps(net, optimizer, local_steps=2, matrix_approximation_rank=1, outer_lr=0.7,
+                           outer_momentum=0.9, bucket_cap_mb=0.001)
+    ran = outer.outer_step()
+    if outer.outer_steps != 0 or ran is not False:
+        fail("outer_step() right after construction ran an outer step (outer_steps %d)" % outer.outer_steps)
+    for x, y in data(500 + rank(), 4):
+        outer.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        outer.step()  # the 4th takes outer step 2
+    if outer.outer_steps != 2 or not any(float(m.abs().max()) > 0 for m in error_memory(outer)):
+        fail("expected 2 outer steps and nonzero error memory, got %d" % outer.outer_steps)
+    params, memory, steps = snapshot(net), error_memory(outer), reducer_steps(outer)
+    saved = outer.state_dict()
+    ran = outer.outer_step()  # the loop ended on an outer step: "end on the synchronised model"
+    if not same_bits(snapshot(net), params) or outer.outer_steps != 2 or reducer_steps(outer) != steps \
+            or not same_bits(error_memory(outer), memory) or outer.state_dict()["outer"] != saved["outer"]:
+        fail("outer_step() with no inner step since the last outer step changed the state: outer_steps %d, "
+             "reducer steps %d (were %d), parameters %s" % (outer.outer_steps, reducer_steps(outer), steps,
+                                                            "unchanged" if same_bits(snapshot(net), params)
+                                                            else "changed"))
+    if ran is not False:
+        fail("outer_step() after the loop's last step() took one returned %r" % (ran,))
+    # Loaded: the same (the dict says where the last outer step was).
+    outer.load_state_dict(saved)
+    ran = outer.outer_step()
+    if outer.outer_steps != 2 or not same_bits(snapshot(net), params) or ran is not False:
+        fail("outer_step() after load_state_dict of a dict saved on an outer step ran one")
+    # After an inner step it runs, and ends on the synchronised model.
+    x, y = data(600 + rank(), 1)[0]
+    outer.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    outer.step()
+    ran = outer.outer_step()
+    if outer.outer_steps != 3 or len(set(digests(net))) != 1 or ran is not True:
+        fail("outer_step() after an inner step: outer_steps %d, parameters %s" % (outer.outer_steps, digests(net)))
+    ran = outer.outer_step()
+    if outer.outer_steps != 3 or ran is not False:
+        fail("a second outer_step() ran (outer_steps %d)" % outer.outer_steps)
+    # zero_grad(): the optimizer's own, with set_to_none only where given.
+    outer.zero_grad(set_to_none=True)
+    if any(p.grad is not None for p in net.parameters()):
+        fail("zero_grad(set_to_none=True) left gradients")
+    plain_net = model(seed=rank())
+    plain = PlainOptimizer(plain_net.parameters(), lr=0.05)
+    plain_outer = pst.LocalSteps(plain_net, plain, local_steps=2)
+    for x, y in data(700 + rank(), 2):
+        plain_outer.zero_grad()  # TypeError: zero_grad() got an unexpected keyword argument 'set_to_none'
+        F.cross_entropy(plain_net(x), y).backward()
+        plain_outer.step()
+    if plain_outer.outer_steps != 1 or len(set(digests(plain_net))) != 1:
+        fail("the optimizer of the caller's own: outer_steps %d" % plain_outer.outer_steps)
+    if rank() == 0:
+        print("outer-end: outer_step() after an outer step changed nothing (outer_steps 2, reducer steps %d); "
+              "after an inner step it ran; zero_grad() of an optimizer's own zero_grad(self)" % steps)
+
+
+def case_reinit():
+    me = rank()
+    directory = [tempfile.mkdtemp(prefix="powersgd-reinit-") if me == 0 else None]
+    dist.broadcast_object_list(directory)
+    directory = directory[0]
+    lib = _capi.lib
+
+    def placed(outer):
+        return lib.psgd_comm_rank(outer._comm), lib.psgd_comm_size(outer._comm)
+
+    def train(outer, net, optimizer, seed):
+        for x, y in data(seed, 2):
+            inner(net, optimizer, x, y)
+            outer.step()
+
+    net = model(seed=me)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    outer = pst.LocalSteps(net, optimizer, local_steps=2, compression=False)
+    if placed(outer) != (me, 2):
+        fail("the job's communicator is rank %d of %d" % placed(outer))
+    train(outer, net, optimizer, 800 + me)
+    stale = weakref.ref(outer._comm)
+    del outer
+    dist.destroy_process_group()
+
+    # Each rank alone: a group of one, through its own FileStore.
+    dist.init_process_group("gloo", init_method="file://%s/alone-%d" % (directory, me), rank=0, world_size=1)
+    net = model(seed=10 + me)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    alone = pst.LocalSteps(net, optimizer, local_steps=2, compression=False)
+    if placed(alone) != (0, 1):
+        fail("after init_process_group of 1 rank, a new LocalSteps serves rank %d of %d (the old group's "
+             "communicator)" % placed(alone))
+    gc.collect()
+    if stale() is not None:
+        fail("the first group's communicator was not destroyed once no LocalSteps used it")
+    train(alone, net, optimizer, 900 + me)
+    if alone.outer_steps != 1:
+        fail("alone: outer_steps %d" % alone.outer_steps)
+    del alone
+    dist.destroy_process_group()
+
+    # Both ranks again, through a shared FileStore: a communicator of 2 ranks on the new store.
+    dist.init_process_group("gloo", init_method="file://%s/pair" % directory, rank=me, world_size=2)
+    net = model(seed=20 + me)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    pair = pst.LocalSteps(net, optimizer, local_steps=2, compression=False)
+    if placed(pair) != (me, 2) or len(set(digests(net))) != 1:
+        fail("the pair: rank %d of %d, parameters %s" % (placed(pair) + (digests(net),)))
+    train(pair, net, optimizer, 1000 + me)
+    if pair.outer_steps != 1 or len(set(digests(net))) != 1:
+        fail("the pair: outer_steps %d, parameters %s" % (pair.outer_steps, digests(net)))
+    dist.barrier()
+    if me == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        print("reinit: a communicator per process group (2 ranks, then 1 each, then 2 on a new store); the stale "
+              "one destroyed")
+
+
 CASES = {"replicas": case_replicas, "reference": case_reference, "checkpoint": case_checkpoint,
-         "errors": case_errors}
+         "errors": case_errors, "outer-end": case_outer_end, "reinit": case_reinit}
 
 
 def main():
