@@ -1308,7 +1308,15 @@ TEST_SUITE("link-delay") {
       REQUIRE(wait_for([&] { return delayers_of(l.pid()).size() == 2; }, 20s));
       const pid_t old_pid = delayers_of(l.pid()).front();
       REQUIRE(::kill(old_pid, SIGKILL) == 0);
-      REQUIRE(wait_for([&] { return !fs::exists("/proc/" + std::to_string(old_pid)); }, 10s));  // reaped
+      // Reaped: its /proc entry gone, or already another process's (a busy machine may reuse the pid at once).
+      std::string last_seen;
+      const auto reaped = [&] {
+        std::ifstream stat("/proc/" + std::to_string(old_pid) + "/stat");
+        return !std::getline(stat, last_seen) || last_seen.find("(powersgd-delay)") == std::string::npos;
+      };
+      const bool gone = wait_for(reaped, 20s);
+      INFO("/proc/", old_pid, "/stat: ", last_seen);
+      REQUIRE(gone);
       const pid_t other = new_group_at(old_pid, 100);
       const pid_t launcher = l.pid();
       if (other != old_pid) MESSAGE("the delayer's pid could not be given to a new group: reuse not forced");

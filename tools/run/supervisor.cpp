@@ -329,6 +329,9 @@ int Supervisor::run() {
   std::vector<pollfd> fds;
   std::vector<std::pair<Worker*, Stream*>> owners;
   reap();  // a worker may have exited before the loop started
+  // And a helper (a link delayer): its SIGCHLD was taken during setup, so none would wake the first poll, which
+  // waits for ever without --timeout (a delayer that died then went unnoticed while the workers were silent).
+  child_signalled_ = true;
   while (running_count() > 0) {
     fds.assign(1, pollfd{signal_fd_, POLLIN, 0});
     owners.assign(1, {nullptr, nullptr});
