@@ -23,7 +23,10 @@
 //
 // Memory: `data` pointers are backend memory: host memory for Device::Cpu, CUDA
 // device memory for Device::Cuda. Pointers passed to reduce_async / reduce_all
-// must stay valid and untouched until the reduction is done.
+// must stay valid and untouched until the reduction is done. Device::Cuda: the
+// engine's stream waits for the work queued before the call on the legacy
+// default stream; gradients written on another stream must be synchronized
+// with it (or that stream synchronized) before the call.
 #pragma once
 
 #include <cstddef>

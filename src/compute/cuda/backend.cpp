@@ -54,36 +54,34 @@ class Scratch {
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
-    PSGD_CUDA_CHECK(cudaSetDevice(device_));
-    cudaDeviceProp prop{};
-    PSGD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
-    int cublas_version = 0;
-    PSGD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    PSGD_CUDA_CHECK(cublasCreate(&cublas_));
-    PSGD_CUDA_CHECK(cublasSetStream(cublas_, stream_));
-    PSGD_CUDA_CHECK(cublasGetVersion(cublas_, &cublas_version));
-    PSGD_CUDA_CHECK(cusolverDnCreate(&cusolver_));
-    PSGD_CUDA_CHECK(cusolverDnSetStream(cusolver_, stream_));
-    name_ = powersgd::detail::concat("cuda (", prop.name, ", sm_", prop.major, prop.minor, ", device ", device_, ", cuBLAS ",
-                           cublas_version, ")");
-    // Results of squared_norm / all_finite land here, then go to the host.
-    PSGD_CUDA_CHECK(cudaMalloc(&result_, kResultBytes));
+    try {
+      PSGD_CUDA_CHECK(cudaSetDevice(device_));
+      cudaDeviceProp prop{};
+      PSGD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+      int cublas_version = 0;
+      // A blocking stream: its work waits for the work queued before it on the legacy default stream, where a
+      // caller's kernels that write the gradient usually run (a non-blocking stream read the buffer before
+      // they had written it). Work on other streams must be synchronized by the caller (reducer.hpp).
+      PSGD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault));
+      PSGD_CUDA_CHECK(cublasCreate(&cublas_));
+      PSGD_CUDA_CHECK(cublasSetStream(cublas_, stream_));
+      PSGD_CUDA_CHECK(cublasGetVersion(cublas_, &cublas_version));
+      PSGD_CUDA_CHECK(cusolverDnCreate(&cusolver_));
+      PSGD_CUDA_CHECK(cusolverDnSetStream(cusolver_, stream_));
+      name_ = powersgd::detail::concat("cuda (", prop.name, ", sm_", prop.major, prop.minor, ", device ", device_,
+                                       ", cuBLAS ", cublas_version, ")");
+      // Results of squared_norm / all_finite land here, then go to the host.
+      PSGD_CUDA_CHECK(cudaMalloc(&result_, kResultBytes));
+    } catch (...) {
+      release();  // what was created before the failure (no destructor runs for a constructor that throws)
+      throw;
+    }
   }
 
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
-  ~CudaBackend() override {
-    // Destruction must not throw; report and carry on releasing the rest.
-    auto report = [](const char* what, int status) {
-      if (status != 0) PSGD_LOG(Warn, "cuda backend teardown: ", what, " failed with status ", status);
-    };
-    report("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
-    report("cudaFree", cudaFree(result_));
-    report("cusolverDnDestroy", cusolverDnDestroy(cusolver_));
-    report("cublasDestroy", cublasDestroy(cublas_));
-    report("cudaStreamDestroy", cudaStreamDestroy(stream_));
-  }
+  ~CudaBackend() override { release(); }
 
   DeviceKind kind() const override { return DeviceKind::Cuda; }
   std::string name() const override { return name_; }
@@ -241,12 +239,17 @@ class CudaBackend final : public Backend {
     }
     PSGD_CUDA_CHECK(status);
     // Zero-initialized per the contract; ordered before any later work on the stream.
-    PSGD_CUDA_CHECK(cudaMemsetAsync(ptr, 0, count * sizeof(float), stream_));
+    const cudaError_t zeroed = cudaMemsetAsync(ptr, 0, count * sizeof(float), stream_);
+    if (zeroed != cudaSuccess) cudaFree(ptr);  // not leaked; the error is reported below
+    PSGD_CUDA_CHECK(zeroed);
     return static_cast<float*>(ptr);
   }
 
   void deallocate_raw(float* ptr) noexcept override {
-    // cudaFree waits for the device, so no pending kernel still uses ptr.
+    // On this backend's device (the caller may be a thread with another current). cudaFree waits for the
+    // device, so no pending kernel still uses ptr.
+    if (const cudaError_t set = cudaSetDevice(device_); set != cudaSuccess)
+      PSGD_LOG(Warn, "cuda backend: cudaSetDevice failed: ", cudaGetErrorName(set));
     const cudaError_t status = cudaFree(ptr);
     if (status != cudaSuccess)
       PSGD_LOG(Warn, "cuda backend: cudaFree failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
@@ -257,6 +260,24 @@ class CudaBackend final : public Backend {
 
   // The device may have been switched by other code on this thread.
   void activate() { PSGD_CUDA_CHECK(cudaSetDevice(device_)); }
+
+  // Releases what exists, on this backend's device (the destroying thread may have another current, or none:
+  // a call there would create a context on device 0). Never throws; reports and carries on.
+  void release() noexcept {
+    auto report = [](const char* what, int status) {
+      if (status != 0) PSGD_LOG(Warn, "cuda backend teardown: ", what, " failed with status ", status);
+    };
+    report("cudaSetDevice", cudaSetDevice(device_));
+    if (stream_ != nullptr) report("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+    if (result_ != nullptr) report("cudaFree", cudaFree(result_));
+    if (cusolver_ != nullptr) report("cusolverDnDestroy", cusolverDnDestroy(cusolver_));
+    if (cublas_ != nullptr) report("cublasDestroy", cublasDestroy(cublas_));
+    if (stream_ != nullptr) report("cudaStreamDestroy", cudaStreamDestroy(stream_));
+    result_ = nullptr;
+    cusolver_ = nullptr;
+    cublas_ = nullptr;
+    stream_ = nullptr;
+  }
 
   // cuSOLVER wants column-major: transpose each item into scratch (rows x cols
   // column-major == cols x rows row-major), geqrf, flag the degenerate

@@ -6,6 +6,9 @@ namespace powersgd::compute::cuda {
 
 void check(cudaError_t status, const char* call, const char* file, int line) {
   if (status == cudaSuccess) return;
+  // Cleared, so that the next launch's cudaGetLastError() does not report this error as its own (an out of
+  // memory for QR's scratch failed the next step too). A sticky error stays whatever is done here.
+  cudaGetLastError();
   PSGD_THROW(IoError, "CUDA call ", call, " failed at ", file, ":", line, ": ", cudaGetErrorName(status), " (",
              cudaGetErrorString(status), ")");
 }

@@ -78,22 +78,25 @@ __global__ void scale_matrix_kernel(float* c, int64_t m, int64_t n, int64_t ldc,
   }
 }
 
-// The sum of every thread's `own` over the block, returned to every thread;
-// *slot is shared scratch. Every thread of the block must call it.
-__device__ double block_sum(double own, double* slot) {
-  if (threadIdx.x == 0) *slot = 0.0;
-  __syncthreads();
+constexpr int kWarps = kThreads / 32;
+
+// The sum of every thread's `own` over the block (at most kThreads threads), returned to every thread: each
+// warp's sum (a fixed shuffle tree) in a slot of its own, the slots added in warp order, so the same bits on
+// every run (an atomicAdd per warp added them in the order the warps finished: replicas drifted apart).
+// slots: kWarps doubles of shared scratch. Every thread of the block must call it.
+__device__ double block_sum(double own, double* slots) {
   own = warp_sum(own);
-  if (threadIdx.x % 32 == 0) atomicAdd(slot, own);
+  if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = own;
   __syncthreads();
-  const double total = *slot;
-  __syncthreads();  // read by all before the slot is cleared again
+  double total = 0.0;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) total += slots[w];
+  __syncthreads();  // read by all before the slots are written again
   return total;
 }
 
 // Projects the columns c < `columns` other than `i` (orthonormal; those flagged are skipped) out of column
 // i, `passes` times, and returns what is left of its squared norm. Element r of column c is m[r * rs + c *
-// cs]; thread t owns rows t, t + blockDim, ... Every thread of the block calls it; *slot is shared scratch.
+// cs]; thread t owns rows t, t + blockDim, ... Every thread of the block calls it; slot: block_sum's scratch.
 __device__ double project_out_others(float* m, int64_t rows, int64_t rs, int64_t cs, int64_t i, int64_t columns,
                                      const int* flags, int passes, double* slot) {
   for (int pass = 0; pass < passes; ++pass)
@@ -157,7 +160,8 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
   __shared__ double sums[kMaxOrthoCols];  // one slot per column
   __shared__ double own[kMaxOrthoCols];   // the input's squared column norms
   __shared__ int flags[kMaxOrthoCols];
-  __shared__ double slot;
+  __shared__ double slot[kWarps];
+  __shared__ double partial[kWarps][kMaxOrthoCols];  // each warp's sums, added in warp order (block_sum)
   float* m = matrices + blockIdx.x * stride;
   const int64_t k = rows < cols ? rows : cols;
   for (int64_t i = 0; i < k; ++i) {
@@ -166,7 +170,7 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
       const double v = m[r * cols + i];
       part += v * v;
     }
-    part = block_sum(part, &slot);
+    part = block_sum(part, slot);
     if (threadIdx.x == 0) {
       own[i] = part;
       flags[i] = 0;
@@ -181,11 +185,14 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
       norm2 += v * v;
     }
     norm2 = warp_sum(norm2);
-    if (threadIdx.x % 32 == 0) atomicAdd(&sums[i], norm2);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32][i] = norm2;
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (unsigned w = 0; w < blockDim.x / 32; ++w) sums[i] += partial[w][i];
     __syncthreads();
     // The CPU backend's second projection (degenerate.hpp): sums[i] and own[i] are the same on every thread.
     if (epsilon == 0.0f && i < k && degenerate::needs_second_projection(sums[i], own[i])) {
-      const double again = project_out_others(m, rows, cols, 1, i, i, flags, 1, &slot);
+      const double again = project_out_others(m, rows, cols, 1, i, i, flags, 1, slot);
       if (threadIdx.x == 0) sums[i] = again;
       __syncthreads();
     }
@@ -208,8 +215,11 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
       for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
         dot += static_cast<double>(m[r * cols + i]) * static_cast<double>(m[r * cols + j]);
       dot = warp_sum(dot);
-      if (threadIdx.x % 32 == 0) atomicAdd(&sums[j], dot);
+      if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32][j] = dot;
     }
+    __syncthreads();
+    for (int64_t j = i + 1 + threadIdx.x; j < cols; j += blockDim.x)
+      for (unsigned w = 0; w < blockDim.x / 32; ++w) sums[j] += partial[w][j];
     __syncthreads();
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
       const float q = m[r * cols + i];
@@ -218,7 +228,7 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
     __syncthreads();  // sums[] is cleared for the next column
   }
   __syncthreads();
-  replace_degenerate(m, rows, k, cols, 1, flags, &slot, seed, blockIdx.x);
+  replace_degenerate(m, rows, k, cols, 1, flags, slot, seed, blockIdx.x);
 }
 
 // After geqrf: flags[j] = whether column j of the column-major R (upper
@@ -245,7 +255,7 @@ __global__ void rebuild_basis_kernel(const float* input, int64_t rows, int64_t c
                                      const int* flags, uint64_t seed, int64_t item) {
   __shared__ int shared_flags[kMaxOrthoCols];
   __shared__ int any;
-  __shared__ double slot;
+  __shared__ double slot[kWarps];
   if (threadIdx.x == 0) {
     any = 0;
     for (int64_t j = 0; j < k; ++j) any |= flags[j];
@@ -259,8 +269,8 @@ __global__ void rebuild_basis_kernel(const float* input, int64_t rows, int64_t c
       q[i * rows + r] = v;
       own += static_cast<double>(v) * v;
     }
-    own = block_sum(own, &slot);
-    const double left = project_out_others(q, rows, 1, rows, i, i, shared_flags, 2, &slot);
+    own = block_sum(own, slot);
+    const double left = project_out_others(q, rows, 1, rows, i, i, shared_flags, 2, slot);
     const bool flagged = degenerate::is_degenerate(left, own);
     const double norm = sqrt(left);
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
@@ -268,20 +278,23 @@ __global__ void rebuild_basis_kernel(const float* input, int64_t rows, int64_t c
     if (threadIdx.x == 0) shared_flags[i] = flagged ? 1 : 0;
     __syncthreads();
   }
-  replace_degenerate(q, rows, k, 1, rows, shared_flags, &slot, seed, item);
+  replace_degenerate(q, rows, k, 1, rows, shared_flags, slot, seed, item);
 }
 
 constexpr int kTile = 32;
 
-__global__ void transpose_kernel(float* dst, const float* src, int64_t rows, int64_t cols) {
+__global__ void transpose_kernel(float* dst, const float* src, int64_t rows, int64_t cols, bool rows_on_x) {
   __shared__ float tile[kTile][kTile + 1];  // +1: no shared-memory bank conflicts on the transposed read
-  // Rows on grid.x (up to 2^31 - 1 tiles): tall matrices are the common case.
-  const int64_t row = blockIdx.x * int64_t{kTile} + threadIdx.y;
-  const int64_t col = blockIdx.y * int64_t{kTile} + threadIdx.x;
+  // The longer side's tiles on grid.x (up to 2^31 - 1), the other's on grid.y (up to 65535): a tall matrix
+  // and its transpose (wide) both launch.
+  const int64_t tile_row = rows_on_x ? blockIdx.x : blockIdx.y;
+  const int64_t tile_col = rows_on_x ? blockIdx.y : blockIdx.x;
+  const int64_t row = tile_row * kTile + threadIdx.y;
+  const int64_t col = tile_col * kTile + threadIdx.x;
   if (row < rows && col < cols) tile[threadIdx.y][threadIdx.x] = src[row * cols + col];
   __syncthreads();
-  const int64_t out_row = blockIdx.y * int64_t{kTile} + threadIdx.y;  // a column of src
-  const int64_t out_col = blockIdx.x * int64_t{kTile} + threadIdx.x;  // a row of src
+  const int64_t out_row = tile_col * kTile + threadIdx.y;  // a column of src
+  const int64_t out_col = tile_row * kTile + threadIdx.x;  // a row of src
   if (out_row < cols && out_col < rows) dst[out_row * rows + out_col] = tile[threadIdx.x][threadIdx.y];
 }
 
@@ -354,8 +367,12 @@ void launch_rebuild_if_degenerate(const float* input, int64_t rows, int64_t cols
 
 void launch_transpose(float* dst, const float* src, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  const dim3 grid(static_cast<unsigned>((rows + kTile - 1) / kTile), static_cast<unsigned>((cols + kTile - 1) / kTile));
-  transpose_kernel<<<grid, dim3(kTile, kTile), 0, stream>>>(dst, src, rows, cols);
+  const int64_t row_tiles = (rows + kTile - 1) / kTile, col_tiles = (cols + kTile - 1) / kTile;
+  const bool rows_on_x = row_tiles >= col_tiles;
+  const int64_t x_tiles = rows_on_x ? row_tiles : col_tiles, y_tiles = rows_on_x ? col_tiles : row_tiles;
+  // The shorter side is a factor's rank (at most kMaxOrthoCols): y_tiles is at most 2, far below grid.y's 65535.
+  const dim3 grid(static_cast<unsigned>(x_tiles), static_cast<unsigned>(y_tiles));
+  transpose_kernel<<<grid, dim3(kTile, kTile), 0, stream>>>(dst, src, rows, cols, rows_on_x);
   PSGD_CUDA_CHECK(cudaGetLastError());
 }
 
