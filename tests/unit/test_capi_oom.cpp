@@ -7,6 +7,7 @@
 
 #include "support/doctest_main.hpp"
 
+#include <cstdio>
 #include <cstdlib>
 #include <new>
 #include <string>
@@ -17,6 +18,9 @@ namespace {
 thread_local bool refuse_allocations = false;
 }  // namespace
 
+// Not under AddressSanitizer, whose own operators new and delete (the array, aligned and nothrow forms this file
+// does not replace) would meet these in one allocation's life: the binary exits 77 there (skipped).
+#if !defined(__SANITIZE_ADDRESS__)
 // GCC pairs the replaced operators with malloc/free itself and warns of a mismatch that is none here.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
@@ -28,6 +32,7 @@ void* operator new(std::size_t size) {
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 #pragma GCC diagnostic pop
+#endif
 
 TEST_CASE("C API out of host memory: the error's message cannot be allocated; a status and a fixed message") {
   refuse_allocations = true;
@@ -40,4 +45,10 @@ TEST_CASE("C API out of host memory: the error's message cannot be allocated; a 
   CHECK(std::string(psgd_last_error()).find("psgd_config_validate: argument 'config' is null") == 0);
 }
 
-int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }
+int main(int argc, char** argv) {
+#if defined(__SANITIZE_ADDRESS__)
+  std::printf("test_capi_oom: skipped under AddressSanitizer (it replaces operator new)\n");
+  return 77;
+#endif
+  return powersgd::testing::run_selected_tests(argc, argv);
+}
