@@ -843,7 +843,7 @@ TEST_CASE("orthogonalize: full-rank random matrices, both methods") {
 // Taller than 65535 tiles of 32 rows: the CUDA backend's QR transposes the matrix back with the long side on
 // the grid's y dimension, whose limit that is (every step of such a bucket failed to launch: rank >= 3 on a
 // 2.1M-row embedding). Both methods; on the CPU backend a plain case.
-TEST_CASE("orthogonalize: a matrix of 2,100,000 rows, both methods") {
+TEST_CASE("orthogonalize: a matrix of 2.1 million rows, both methods") {
   for_each_backend([](Backend& be) {
     const Matrix a = random_matrix(2100000, 4, 7);
     for (OrthoMethod method : {OrthoMethod::GramSchmidt, OrthoMethod::Qr}) {
