@@ -294,41 +294,46 @@ def _load_engine(state, comm, engine, refusal=None):
     group size, its own rank's): bitwise the saved run (on the same placement); else the job checkpoint where
     every rank has one (the ranks' mean error memory); else the data's shared state with error memory zero (one
     rank's state_dict() on every rank: another rank's error memory is not this rank's own residual, and the same
-    one on W ranks would add it W times). The choice is agreed by one allreduce, which also says which ranks
-    refused (`refusal`: this rank's reason, an exception; `engine` is then not read): then every rank raises,
-    nothing loaded (the refusing ranks their own reason)."""
+    one on W ranks would add it W times), where every rank has data of its own to take it from. The choice is
+    agreed by one allreduce, which also says which ranks refused (`refusal`: this rank's reason, an exception;
+    `engine` is then not read; a failure writing the data to a temporary file is a refusal too): then every
+    rank raises, nothing loaded (the refusing ranks their own reason); so does a choice some rank cannot make
+    (a rank with a job checkpoint only, where not every rank has one)."""
     rank, world = _capi.lib.psgd_comm_rank(comm), _capi.lib.psgd_comm_size(comm)
-    own = refusal is None and engine.get("rank_data") is not None and engine["rank"] == rank and \
-        engine["world_size"] == world
-    job = refusal is None and engine.get("job") is not None
-    flags = (ctypes.c_float * (2 + world))(1.0 if own else 0.0, 1.0 if job else 0.0)
-    flags[2 + rank] = 0.0 if refusal is None else 1.0
-    _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, flags, 2 + world))
-    refusing = [r for r in range(world) if flags[2 + r] != 0]
-    if refusal is not None:
-        raise refusal
-    if refusing:
-        raise PowerSGDError(MISMATCH, "load_state_dict: refused on rank(s) %s (their own errors say why); nothing "
-                            "loaded" % refusing)
-    kind = "rank" if flags[0] == world else "job" if flags[1] == world else "shared"
-    if kind != "job" and engine.get("rank_data") is None:  # local: load and load_shared are this rank's
-        raise PowerSGDError(MISMATCH, "load_state_dict: the dict holds a job checkpoint only, and not every rank "
-                            "loads one; nothing loaded")
-    directory = None
+    directory, paths = None, {}
     try:
-        try:
-            directory = _temporary_dir()
-            path = os.path.join(directory, "state.ckpt")
-            _write(path, engine["job"] if kind == "job" else engine["rank_data"])
-        except OSError:
-            if kind != "job":
-                raise  # load and load_shared are this rank's (the next step's state check names it)
-            # load_job is collective: a null path refuses it on every rank, none waiting for this one.
-            _capi.lib.psgd_reducer_load_job(state._reducer, None)
-            raise
+        if refusal is None:
+            try:  # before the agreement: a full temporary directory is this rank's refusal, agreed on
+                directory = _temporary_dir()
+                for key in ("rank_data", "job"):
+                    if engine.get(key) is not None:
+                        paths[key] = os.path.join(directory, key + ".ckpt")
+                        _write(paths[key], engine[key])
+            except OSError as e:
+                refusal = PowerSGDError(IO, "load_state_dict: cannot write the checkpoint's engine data to a "
+                                        "temporary file: %s; nothing loaded" % (e,))
+        has_own_data = refusal is None and "rank_data" in paths
+        own = has_own_data and engine["rank"] == rank and engine["world_size"] == world
+        job = refusal is None and "job" in paths
+        flags = (ctypes.c_float * (3 + world))(1.0 if own else 0.0, 1.0 if job else 0.0,
+                                               1.0 if has_own_data else 0.0)
+        flags[3 + rank] = 0.0 if refusal is None else 1.0
+        _capi.check(_capi.lib.psgd_comm_allreduce_sum_f32(comm, flags, 3 + world))
+        refusing = [r for r in range(world) if flags[3 + r] != 0]
+        if refusal is not None:
+            raise refusal
+        if refusing:
+            raise PowerSGDError(MISMATCH, "load_state_dict: refused on rank(s) %s (their own errors say why); "
+                                "nothing loaded" % refusing)
+        kind = "rank" if flags[0] == world else "job" if flags[1] == world else "shared" if flags[2] == world \
+            else None
+        if kind is None:  # the same on every rank: the flags are summed
+            raise PowerSGDError(MISMATCH, "load_state_dict: some ranks' dicts hold a job checkpoint only, and not "
+                                "every rank's holds one (nor data of its own to load the shared state from); "
+                                "nothing loaded")
         load = {"rank": _capi.lib.psgd_reducer_load, "job": _capi.lib.psgd_reducer_load_job,
                 "shared": _capi.lib.psgd_reducer_load_shared}[kind]
-        _capi.check(load(state._reducer, path.encode()))
+        _capi.check(load(state._reducer, paths["job" if kind == "job" else "rank_data"].encode()))
     finally:
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)

@@ -98,10 +98,13 @@ class _Comm:
         self._default_group = weakref.ref(default_group)
         self.rank, self.size = rank, size
 
+    def made_under(self, default_group):
+        """Whether this communicator was made under `default_group` (the same object, still alive)."""
+        return self._default_group() is default_group
+
     def serves(self, default_group, rank, size):
-        """Whether this communicator was made under `default_group` (the same object, still alive) as `rank` of
-        `size`."""
-        return self._default_group() is default_group and (self.rank, self.size) == (rank, size)
+        """Whether this communicator was made under `default_group` as `rank` of `size`."""
+        return self.made_under(default_group) and (self.rank, self.size) == (rank, size)
 
     def __del__(self):
         handle, self._as_parameter_ = self._as_parameter_, None
@@ -196,7 +199,10 @@ def _engine_comm(group=None, timeout=None):
     with _comm_lock:
         comm = _comms.get(key)
         if comm is None or not comm.serves(default_group, rank, size):
-            _comms.pop(key, None)
+            # Every communicator of an earlier default process group goes too (a subgroup's, not asked for
+            # again, kept its connections to the old peers).
+            for stale in [k for k, c in _comms.items() if k == key or not c.made_under(default_group)]:
+                del _comms[stale]
             handle = _with_timeout(timeout, lambda: _store.init_comm(rank, size, None if group is None else group.id))
             _comms[key] = _Comm(handle, default_group, rank, size)
         return _comms[key]

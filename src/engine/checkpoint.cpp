@@ -431,6 +431,12 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& byt
   // name of 250 bytes failed with ENAMETOOLONG).
   const size_t name_at = path.find_last_of('/') + 1;  // 0 without a slash
   const std::string stem = path.substr(0, name_at + std::min<size_t>(path.size() - name_at, 200)) + ".tmp.";
+  // A file it replaces keeps its permissions (the error memory is close to the gradients: a 0600 stays 0600),
+  // given at creation, so that the new file is never more open than the old one; a new file gets 0666 less
+  // the umask, as any (not mkstemp's 0600, nor a fixed 0644 that ignored a umask 077).
+  struct stat replaced {};
+  const bool replacing = ::stat(path.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode);
+  const mode_t mode = replacing ? (replaced.st_mode & 0777) : 0666;
   std::string tmp;
   Fd fd;
   std::random_device random;
@@ -438,18 +444,15 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& byt
     char digits[17];
     std::snprintf(digits, sizeof digits, "%08x%08x", static_cast<unsigned>(random()), static_cast<unsigned>(random()));
     tmp = stem + digits;
-    // Mode 0666 less the umask, as any new file (not mkstemp's 0600, nor a fixed 0644 that ignored a umask 077).
-    const int opened = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    const int opened = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (opened < 0 && (errno != EEXIST || attempt == 99))
       PSGD_THROW_ERRNO(IoError, errno, "cannot create a temporary file for checkpoint ", path);
     if (opened >= 0) fd = Fd(opened);
   }
   try {
-    // A file it replaces keeps its permissions (the error memory is close to the gradients: a 0600 stays 0600).
-    // Best effort: a file system that refuses chmod keeps the new file's.
-    struct stat replaced {};
-    if (::stat(path.c_str(), &replaced) == 0 && S_ISREG(replaced.st_mode))
-      (void)::fchmod(fd.get(), replaced.st_mode & 07777);
+    // The replaced file's bits exactly (the umask took some at creation). Best effort: a file system that
+    // refuses chmod keeps the new file's, never more open than the old.
+    if (replacing) (void)::fchmod(fd.get(), replaced.st_mode & 07777);
     write_fully(fd.get(), bytes.data(), bytes.size(), tmp);
     PSGD_CHECK_SYS_CTX(::fsync(fd.get()), "fsync of checkpoint ", tmp);
     PSGD_CHECK_SYS_CTX(::close(fd.release()), "closing checkpoint ", tmp);

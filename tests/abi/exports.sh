@@ -16,7 +16,8 @@ nm -D --defined-only "$lib" | awk '{print $3}' | c++filt | sort -u > "$tmp/expor
 # compiler's preprocessor (macros unexpanded), whether marked PSGD_API or not (one without the marker, where
 # the header's visibility pragma did not reach it, was not exported and not missed here).
 grep -oE '\bpsgd_[a-z0-9_]+\(' "$header" | tr -d '(' | sort -u > "$tmp/named"
-"${CC:-cc}" -fpreprocessed -dD -E -P -x c "$header" | grep -oE '\bpsgd_[a-z0-9_]+\(' | tr -d '(' | sort -u \
+# shellcheck disable=SC2086  # CC: a command with its arguments (ccache gcc)
+${CC:-cc} -fpreprocessed -dD -E -P -x c "$header" | grep -oE '\bpsgd_[a-z0-9_]+\(' | tr -d '(' | sort -u \
   > "$tmp/declared"
 [ -s "$tmp/declared" ] || { echo "exports.sh: no psgd_ function found in $header" >&2; exit 1; }
 

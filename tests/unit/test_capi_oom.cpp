@@ -14,13 +14,22 @@
 
 #include "powersgd/powersgd.h"
 
+// AddressSanitizer: GCC says so by a macro, clang by a feature.
+#if defined(__SANITIZE_ADDRESS__)
+#define PSGD_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PSGD_TEST_ASAN 1
+#endif
+#endif
+
 namespace {
 thread_local bool refuse_allocations = false;
 }  // namespace
 
 // Not under AddressSanitizer, whose own operators new and delete (the array, aligned and nothrow forms this file
 // does not replace) would meet these in one allocation's life: the binary exits 77 there (skipped).
-#if !defined(__SANITIZE_ADDRESS__)
+#if !defined(PSGD_TEST_ASAN)
 // GCC pairs the replaced operators with malloc/free itself and warns of a mismatch that is none here.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
@@ -46,7 +55,7 @@ TEST_CASE("C API out of host memory: the error's message cannot be allocated; a 
 }
 
 int main(int argc, char** argv) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(PSGD_TEST_ASAN)
   std::printf("test_capi_oom: skipped under AddressSanitizer (it replaces operator new)\n");
   return 77;
 #endif

@@ -26,6 +26,22 @@ cublasOperation_t to_cublas(Transpose t) { return t == Transpose::No ? CUBLAS_OP
 // Row stride of a contiguous matrix with `cols` columns, as gemm accepts it (>= 1).
 int64_t ld(int64_t cols) { return std::max<int64_t>(1, cols); }
 
+// Puts the calling thread's current device back when it goes (teardown runs on the caller's thread, e.g. a
+// framework's, whose current device is its own). Never throws.
+class DeviceRestorer {
+ public:
+  DeviceRestorer() noexcept { valid_ = cudaGetDevice(&device_) == cudaSuccess; }
+  ~DeviceRestorer() {
+    if (valid_) cudaSetDevice(device_);
+  }
+  DeviceRestorer(const DeviceRestorer&) = delete;
+  DeviceRestorer& operator=(const DeviceRestorer&) = delete;
+
+ private:
+  int device_ = 0;
+  bool valid_ = false;
+};
+
 // Scratch device memory that only grows; freed with the backend.
 class Scratch {
  public:
@@ -246,8 +262,9 @@ class CudaBackend final : public Backend {
   }
 
   void deallocate_raw(float* ptr) noexcept override {
-    // On this backend's device (the caller may be a thread with another current). cudaFree waits for the
-    // device, so no pending kernel still uses ptr.
+    // On this backend's device (the caller may be a thread with another current, which it keeps). cudaFree
+    // waits for the device, so no pending kernel still uses ptr.
+    const DeviceRestorer restore;
     if (const cudaError_t set = cudaSetDevice(device_); set != cudaSuccess)
       PSGD_LOG(Warn, "cuda backend: cudaSetDevice failed: ", cudaGetErrorName(set));
     const cudaError_t status = cudaFree(ptr);
@@ -267,6 +284,7 @@ class CudaBackend final : public Backend {
     auto report = [](const char* what, int status) {
       if (status != 0) PSGD_LOG(Warn, "cuda backend teardown: ", what, " failed with status ", status);
     };
+    const DeviceRestorer restore;  // the caller's current device afterwards
     report("cudaSetDevice", cudaSetDevice(device_));
     if (stream_ != nullptr) report("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
     if (result_ != nullptr) report("cudaFree", cudaFree(result_));
