@@ -31,9 +31,10 @@ all_targets=(fuzz_store_frames fuzz_store_session fuzz_checkpoint fuzz_launcher_
 # clang and libFuzzer's runtime, from Debian (idempotent).
 if ! command -v clang++ >/dev/null 2>&1 || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
   echo "fuzz.sh: installing clang libclang-rt-14-dev"
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev \
+  sudo_cmd=(env DEBIAN_FRONTEND=noninteractive)  # inside sudo, which resets the environment
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo env DEBIAN_FRONTEND=noninteractive)
+  { "${sudo_cmd[@]}" apt-get update -qq &&  # a fresh machine's package lists are empty
+      "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev; } \
     || { echo "fuzz.sh: cannot install clang" >&2; exit 1; }
 fi
 
@@ -49,8 +50,14 @@ ninja -C "$build_dir" "${targets[@]/#/tests/fuzz/}" || { echo "fuzz.sh: build fa
 results="$build_dir/fuzz-results.tsv"
 : >"$results"
 failed=0
-export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
-export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+# The caller's options first, ours after them (the later wins): a report always fails the target.
+export ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:+$UBSAN_OPTIONS:}halt_on_error=1:print_stacktrace=1
+# A target's network namespace goes on any exit (a terminated run left it in /run/netns).
+ns=""
+trap '[ -z "$ns" ] || ip netns delete "$ns" 2>/dev/null' EXIT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
 for t in "${targets[@]}"; do
   seeds="tests/fuzz/corpus/$t"
   work="$build_dir/fuzz-corpus/$t"      # grows across runs; the seeds stay as committed
@@ -81,7 +88,7 @@ for t in "${targets[@]}"; do
   "${runner[@]}" "$build_dir/tests/fuzz/$t" "$work" "$seeds" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -malloc_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$findings/" >"$log" 2>&1
   rc=$?
-  if [ -n "$ns" ]; then ip netns delete "$ns" 2>/dev/null; fi
+  if [ -n "$ns" ]; then ip netns delete "$ns" 2>/dev/null; ns=""; fi
   elapsed=$(( $(date +%s) - start ))
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   last=$(grep -E '^#[0-9]+.*(DONE|cov:)' "$log" | tail -1)

@@ -43,7 +43,7 @@ pack() {
       esac
       [ -f "$path" ] || { echo "gpu-check: $object needs $name, not found here" >&2; exit 1; }
       [ -f "$stage/lib/$name" ] || cp -L "$path" "$stage/lib/$name"
-    done
+    done || exit 1  # the pipeline's subshell: its exit leaves only itself
   done
   strip --strip-unneeded "$stage"/bin/* "$stage"/lib/*
   cp data/models/resnet18.shapes "$stage/data/"
@@ -87,6 +87,7 @@ run() {
 case $mode in
   pack) pack "${2:-build-gpu}" ;;
   run) run "${2:-build-gpu/gpu-bundle.tar.xz}" ;;
-  both) pack build-gpu && run build-gpu/gpu-bundle.tar.xz ;;
+  # Not "pack && run": bash ignores set -e inside a function called left of &&, so a failed build was packed.
+  both) pack build-gpu; run build-gpu/gpu-bundle.tar.xz ;;
   *) echo "usage: scripts/gpu-check.sh [pack [BUILD_DIR] | run [BUNDLE]]" >&2; exit 2 ;;
 esac

@@ -20,11 +20,15 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-  export DEBIAN_FRONTEND=noninteractive
+  # env inside sudo: sudo resets the environment, so an exported DEBIAN_FRONTEND did not reach apt (iperf3's
+  # debconf question then waited on a terminal). An install interrupted before is finished first; a changed
+  # configuration file keeps the local version without asking.
+  sudo_cmd=(env DEBIAN_FRONTEND=noninteractive)
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo env DEBIAN_FRONTEND=noninteractive)
+  "${sudo_cmd[@]}" dpkg --configure -a
   "${sudo_cmd[@]}" apt-get update -qq
-  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confdef \
+    -o Dpkg::Options::=--force-confold "${missing[@]}"
 fi
 
 # The CUDA toolkit is not a Debian package: use it when /usr/local/cuda has one.
