@@ -65,7 +65,18 @@ def failure_excerpt(test):
 def main(paths):
     passed = failed = skipped = 0
     excerpts, failures = [], []
+    failed_in = {}  # failures counted from each log
     for path in paths:
+        if path.startswith("RUNNER_FAILED:"):
+            # meson test exited non-zero: one failure unless its log (read before: test.sh names it first)
+            # recorded one; a runner killed or interrupted half-way left only the records of what passed.
+            directory = path.split(":", 1)[1]
+            if not any(count for log, count in failed_in.items() if log.startswith(directory + "/")):
+                failures.append(f"summary: FAILED meson test in {directory}: it exited non-zero with no failed "
+                                f"test recorded (interrupted or killed?)")
+                failed += 1
+            continue
+        failed_before = failed
         if path.startswith("BUILD_FAILED:"):
             failures.append(f"summary: FAILED build of {path.split(':', 1)[1]}")
             failed += 1
@@ -108,6 +119,7 @@ def main(paths):
                 failed += 1
                 excerpts.append((test.get("name"), result, failure_excerpt(test)))
                 failures.append(f"summary: FAILED ({result}) {test.get('name')} in {path}")
+        failed_in[path] = failed - failed_before
     # The excerpts first, so that the list of failures stays in the end CI shows.
     budget = MAX_EXCERPT_LINES
     for name, result, excerpt in excerpts:

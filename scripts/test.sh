@@ -29,10 +29,14 @@ run_build() {
     return
   fi
   rm -f "$dir/meson-logs/testlog.json"
+  local runner=0
   # shellcheck disable=SC2086
-  meson test -C "$dir" --print-errorlogs --num-processes 1 $test_args || status=1
+  meson test -C "$dir" --print-errorlogs --num-processes 1 $test_args || runner=$?
+  [ $runner -eq 0 ] || status=1
   if [ -f "$dir/meson-logs/testlog.json" ]; then
     logs+=("$dir/meson-logs/testlog.json")
+    # Counted as a failure where the log records none (a runner interrupted or killed half-way).
+    [ $runner -eq 0 ] || logs+=("RUNNER_FAILED:$dir")
   else
     echo "test: building the tests of $dir failed"
     logs+=("BUILD_FAILED:$dir")

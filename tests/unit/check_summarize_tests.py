@@ -101,6 +101,19 @@ def main(root):
 
     code, lines = run(root, [])
     expect(code == 1 and lines[-1] == "0 passed, 0 failed, 0 skipped", "no test ran: exit 1", lines)
+
+    # meson test exited non-zero: a failure where its log recorded none, none more where it did.
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "meson-logs", "testlog.json")
+        os.makedirs(os.path.dirname(log))
+        summarize = [sys.executable, os.path.join(root, "scripts", "summarize_tests.py"), log, "RUNNER_FAILED:" + tmp]
+        for records, last in [([{"name": "a", "result": "OK"}], "1 passed, 1 failed, 0 skipped"),
+                              ([{"name": "a", "result": "FAIL"}], "0 passed, 1 failed, 0 skipped")]:
+            with open(log, "w", encoding="utf-8") as out:
+                out.write("".join(json.dumps(r) + "\n" for r in records))
+            done = subprocess.run(summarize, capture_output=True, text=True, check=False)
+            lines = done.stdout.splitlines()
+            expect(done.returncode == 1 and lines[-1] == last, "meson test exited non-zero: " + last, lines)
     print("summarize_tests.py: counts, exit status and failure excerpts as expected")
 
 
