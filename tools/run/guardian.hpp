@@ -29,6 +29,10 @@ class Guardian {
   // The group's leader is reaped (its pid may be reused): the watchdog no longer signals that group.
   void unwatch_group(pid_t pgid);
   void watch_namespace(const std::string& name);  // before it is created
+  // watch_group and unwatch_group as the hooks of what spawns process groups (workers, link delayers).
+  GroupHooks group_hooks() {
+    return {[this](pid_t pgid) { watch_group(pgid); }, [this](pid_t pgid) { unwatch_group(pgid); }};
+  }
   // The launcher has cleaned up itself: the watchdog exits without acting; waits for it.
   void release() noexcept;
 

@@ -21,13 +21,6 @@ namespace powersgd::run {
 std::string find_delayer();
 std::string delayer_problem();
 
-// The watchdog's hooks (guardian.hpp): spawned(pid) as soon as a process group exists, reaped(pid) once its
-// leader is reaped (after that its id may name another process's group).
-struct GroupHooks {
-  std::function<void(pid_t)> spawned;
-  std::function<void(pid_t)> reaped;
-};
-
 class LinkDelayers {
  public:
   LinkDelayers() = default;

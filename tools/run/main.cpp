@@ -139,6 +139,7 @@ void stop_on_signal(int signal_fd) {
 
 int run_job(const Options& options, int signal_fd) {
   Guardian guardian;  // first, while the launcher has one thread
+  const GroupHooks watched = guardian.group_hooks();
   std::unique_ptr<EmulatedCluster> cluster;
   if (options.mode == Mode::Emulated) {
     cluster = std::make_unique<EmulatedCluster>(
@@ -148,10 +149,10 @@ int run_job(const Options& options, int signal_fd) {
           guardian.watch_namespace(name);
         },
         GroupHooks{[&](pid_t pid) {
-                     guardian.watch_group(pid);
+                     watched.spawned(pid);
                      stop_on_signal(signal_fd);
                    },
-                   [&](pid_t pid) { guardian.unwatch_group(pid); }});
+                   watched.reaped});
     stop_on_signal(signal_fd);
     if (!cluster->delay_method().empty())
       std::fprintf(stderr, "powersgd-run: --link-delay %s one way into each host: %s\n",
@@ -263,8 +264,7 @@ int run_job(const Options& options, int signal_fd) {
   int code = 0;
   {
     Supervisor supervisor({options.grace, options.timeout, options.log_dir, 10}, signal_fd);
-    supervisor.on_spawn = [&](pid_t pid) { guardian.watch_group(pid); };
-    supervisor.on_reap = [&](pid_t pid) { guardian.unwatch_group(pid); };
+    supervisor.group_hooks = watched;
     if (cluster) supervisor.check_helpers = [&] { return cluster->check_delayers(); };
     supervisor.start(std::move(launches));
     code = supervisor.run();

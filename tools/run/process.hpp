@@ -6,12 +6,20 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "common/fd.hpp"
 
 namespace powersgd::run {
+
+// The watchdog's hooks (guardian.hpp): spawned(pid) as soon as a process group exists, reaped(pid) once its
+// leader is reaped (after that its id may name another process's group).
+struct GroupHooks {
+  std::function<void(pid_t)> spawned;
+  std::function<void(pid_t)> reaped;
+};
 
 struct SpawnSpec {
   std::vector<std::string> argv;  // argv[0]: absolute path of the program

@@ -86,7 +86,7 @@ void Supervisor::start(std::vector<WorkerLaunch> launches) {
     w.err.fd = std::move(child.stderr_r);
     w.stdin_w = std::move(child.stdin_w);
     workers_.push_back(std::move(w));
-    if (on_spawn) on_spawn(child.pid);
+    if (group_hooks.spawned) group_hooks.spawned(child.pid);
     // Written by the poll loop as the worker takes it: an ssh that does not
     // read its stdin must not keep the launcher from signals and --timeout.
     Worker& added = workers_.back();
@@ -402,7 +402,7 @@ int Supervisor::run() {
     ::kill(-w.pid, SIGKILL);
     PSGD_CHECK_SYS_RETRY(::waitpid(w.pid, nullptr, 0));
     w.reaped = true;
-    if (on_reap) on_reap(w.pid);
+    if (group_hooks.reaped) group_hooks.reaped(w.pid);
   }
   if (dropped_bytes_ > 0)
     say(detail::concat("dropped ", dropped_bytes_, " bytes of the workers' output that the launcher's stdout or "

@@ -39,11 +39,9 @@ class Supervisor {
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
 
-  // Called with each worker's pid (= process group) right after it starts.
-  std::function<void(pid_t)> on_spawn;
-  // Called with each worker's pid once it is reaped and its group signalled for the last time: the pid may
-  // belong to an unrelated process from then on.
-  std::function<void(pid_t)> on_reap;
+  // spawned: each worker's pid (= process group) right after it starts; reaped: each worker's pid once it is
+  // reaped and its group signalled for the last time (the pid may belong to an unrelated process from then on).
+  GroupHooks group_hooks;
   // Called after every wake-up while the job runs: a non-empty message (a
   // helper process of the job died, e.g. a link delayer) stops the job as a
   // failure, exit code 1.

@@ -80,6 +80,13 @@ __global__ void scale_matrix_kernel(float* c, int64_t m, int64_t n, int64_t ldc,
 
 constexpr int kWarps = kThreads / 32;
 
+// The warps' sums slots[w * stride] (w < blockDim.x / 32) added in warp order: the same bits on every run.
+__device__ double in_warp_order(const double* slots, int64_t stride) {
+  double total = 0.0;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) total += slots[w * stride];
+  return total;
+}
+
 // The sum of every thread's `own` over the block (at most kThreads threads), returned to every thread: each
 // warp's sum (a fixed shuffle tree) in a slot of its own, the slots added in warp order, so the same bits on
 // every run (an atomicAdd per warp added them in the order the warps finished: replicas drifted apart).
@@ -88,8 +95,7 @@ __device__ double block_sum(double own, double* slots) {
   own = warp_sum(own);
   if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = own;
   __syncthreads();
-  double total = 0.0;
-  for (unsigned w = 0; w < blockDim.x / 32; ++w) total += slots[w];
+  const double total = in_warp_order(slots, 1);
   __syncthreads();  // read by all before the slots are written again
   return total;
 }
@@ -187,8 +193,7 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
     norm2 = warp_sum(norm2);
     if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32][i] = norm2;
     __syncthreads();
-    if (threadIdx.x == 0)
-      for (unsigned w = 0; w < blockDim.x / 32; ++w) sums[i] += partial[w][i];
+    if (threadIdx.x == 0) sums[i] += in_warp_order(&partial[0][i], kMaxOrthoCols);
     __syncthreads();
     // The CPU backend's second projection (degenerate.hpp): sums[i] and own[i] are the same on every thread.
     if (epsilon == 0.0f && i < k && degenerate::needs_second_projection(sums[i], own[i])) {
@@ -219,7 +224,7 @@ __global__ void gram_schmidt_kernel(float* matrices, int64_t rows, int64_t cols,
     }
     __syncthreads();
     for (int64_t j = i + 1 + threadIdx.x; j < cols; j += blockDim.x)
-      for (unsigned w = 0; w < blockDim.x / 32; ++w) sums[j] += partial[w][j];
+      sums[j] += in_warp_order(&partial[0][j], kMaxOrthoCols);
     __syncthreads();
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
       const float q = m[r * cols + i];
