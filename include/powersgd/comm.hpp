@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "powersgd/error.hpp"
@@ -26,6 +27,30 @@ PSGD_API size_t size_of(DataType type);
 PSGD_API const char* to_string(DataType type);
 
 enum class TransportKind { Tcp, Ibverbs };
+
+// One part of the data a lead exchange sums (Communicator::lead_exchange_async): `count` elements of `type` at
+// `data`, summed in place.
+struct LeadPart {
+  void* data = nullptr;
+  size_t count = 0;
+  DataType type = DataType::Float32;
+};
+// The parts a lead exchange carries at most.
+inline constexpr size_t kMaxLeadParts = 2;
+// The bytes `parts` take in a lead exchange's message: one after the other, each from a multiple of 8 bytes
+// (so every part is aligned for its type), the last one unpadded. SIZE_MAX where that does not fit a size_t.
+inline size_t lead_parts_bytes(std::span<const LeadPart> parts) {
+  constexpr size_t kMax = static_cast<size_t>(-1);
+  size_t end = 0;
+  for (const LeadPart& part : parts) {
+    if (part.count == 0) continue;
+    const size_t element = size_of(part.type);
+    const size_t at = (end + 7) / 8 * 8;
+    if (end > kMax - 8 || part.count > (kMax - at) / element) return kMax;
+    end = at + part.count * element;
+  }
+  return end;
+}
 
 struct PSGD_API CommOptions {
   int rank = -1;
@@ -181,6 +206,13 @@ class PSGD_API Communicator {
   // fit or the communicator has no lead exchange.
   Work lead_exchange_async(const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
                            DataType type, bool* summed);
+  // The same with the data in up to kMaxLeadParts parts, each of its own type (an engine's float32 values and
+  // its 16-bit factors in one exchange): each part summed as allreduce_in_rank_order_async sums it alone, all
+  // of them or none (*summed). They travel where lead_bytes + lead_parts_bytes(parts) fits the capacity and
+  // every rank passed the same counts and types. InvalidArgumentError for more parts, or a null part of a
+  // nonzero count.
+  Work lead_exchange_async(const void* lead, void* leads, size_t lead_bytes, std::span<const LeadPart> parts,
+                           bool* summed);
 };
 
 }  // namespace powersgd

@@ -50,6 +50,10 @@ float from_float16(uint16_t bits) {
   return sign != 0 ? -magnitude : magnitude;
 }
 
+DataType wire_type(WireDType type) {
+  return type == WireDType::BFloat16 ? DataType::BFloat16 : DataType::Float16;
+}
+
 void encode(WireDType type, const float* in, uint16_t* out, size_t n) {
   PSGD_ASSERT(type != WireDType::Float32, "encode: float32 is not a 16-bit wire type");
   if (type == WireDType::BFloat16)

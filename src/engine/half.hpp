@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "powersgd/comm.hpp"
 #include "powersgd/reducer.hpp"
 
 namespace powersgd::engine {
@@ -20,6 +21,9 @@ float from_bfloat16(uint16_t bits);
 // 2^-25 zero (sign kept); NaN stays a quiet NaN (sign kept).
 uint16_t to_float16(float value);
 float from_float16(uint16_t bits);
+
+// The collectives' type of a 16-bit wire type (not Float32).
+DataType wire_type(WireDType type);
 
 // Bulk forms of the above for a 16-bit wire type (not Float32): n elements.
 void encode(WireDType type, const float* in, uint16_t* out, size_t n);

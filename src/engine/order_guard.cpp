@@ -1,6 +1,7 @@
 #include "engine/order_guard.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include "common/check.hpp"
 #include "engine/config_fields.hpp"
 #include "engine/fingerprint.hpp"
+#include "engine/half.hpp"
 #include "engine/rank_reports.hpp"
 
 namespace powersgd::engine {
@@ -222,14 +224,22 @@ OrderGuard::OrderGuard(const Config& config, Communicator& comm, compute::Backen
   }
 }
 
-uint64_t OrderGuard::carried_count(const Reduction& r) const {
-  if (config_.wire_dtype == WireDType::Float32) return first_collective_count(r);
-  return StepRunner::float32_count(buckets_, r.buckets);
+CarriedCounts OrderGuard::carried_counts(const Reduction& r) const {
+  if (config_.wire_dtype == WireDType::Float32) return {first_collective_count(r), 0};
+  CarriedCounts counts{StepRunner::float32_count(buckets_, r.buckets),
+                       StepRunner::factor_count(config_, buckets_, r.buckets)};
+  const DataType half = wire_type(config_.wire_dtype);
+  const std::array<LeadPart, 2> parts{LeadPart{nullptr, counts.floats, DataType::Float32},
+                                      LeadPart{nullptr, counts.halves, half}};
+  if (kAnnounceBytes + lead_parts_bytes(parts) > lead_capacity_ ||
+      !comm_.sums_in_rank_order(static_cast<size_t>(counts.halves), half))
+    counts.halves = 0;
+  return counts;
 }
 
 bool OrderGuard::can_carry(const Reduction& r) const {
   if (lead_capacity_ == 0 || !r.compressed || r.poisoned) return false;
-  const uint64_t count = carried_count(r);
+  const uint64_t count = carried_counts(r).floats;
   return count > 0 && kAnnounceBytes + count * sizeof(float) <= lead_capacity_ &&
          comm_.sums_in_rank_order(static_cast<size_t>(count), DataType::Float32);
 }
@@ -239,6 +249,7 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
   PSGD_ASSERT(proposals.size() < kMaxFused, proposals.size(), " proposals, at most ", kMaxFused - 1);
   PSGD_ASSERT(!carry || can_carry(r), "an announce carries a first collective it cannot");
   first_summed_ = false;
+  carried_halves_ = false;
   carried_overwritten_ = false;
   pending_.resize(buckets_.size());
   std::vector<uint64_t>& mine = mine_;
@@ -291,21 +302,23 @@ void OrderGuard::begin(const Reduction& r, uint64_t layout, bool loaded,
   if (carry) {
     deferred_ = true;  // carry() sends it
   } else if (lead_capacity_ > 0) {
-    announced_ = send_lead(nullptr, 0);
+    announced_ = send_lead({});
   } else {
     announced_ = detail::allreduce_agreed_async(comm_, sums_, kMaxFused * kBlock, DataType::Float64);
   }
 }
 
-void OrderGuard::carry(float* data, size_t count) {
+void OrderGuard::carry(std::span<float> floats, std::span<uint16_t> halves) {
   PSGD_ASSERT(deferred_, "carry() without begin(carry)");
-  announced_ = send_lead(data, count);
+  const std::array<LeadPart, 2> parts{LeadPart{floats.data(), floats.size(), DataType::Float32},
+                                      LeadPart{halves.data(), halves.size(), wire_type(config_.wire_dtype)}};
+  announced_ = send_lead(halves.empty() ? std::span<const LeadPart>(parts).first(1) : std::span<const LeadPart>(parts));
+  carried_halves_ = !halves.empty();
   deferred_ = false;  // only once sent: else settle() sends it
 }
 
-Work OrderGuard::send_lead(float* data, size_t count) {
-  return comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, data, count, DataType::Float32,
-                                   &first_summed_);
+Work OrderGuard::send_lead(std::span<const LeadPart> parts) {
+  return comm_.lead_exchange_async(sums_, leads_.data(), kAnnounceBytes, parts, &first_summed_);
 }
 
 uint64_t OrderGuard::identity_hash(const Reduction& r, std::vector<int>& carried, uint64_t& numel,
@@ -383,7 +396,7 @@ void OrderGuard::settle() noexcept {
     std::exception_ptr error = std::current_exception();
     if (!error) error = std::make_exception_ptr(InternalError("the announce was begun and not sent"));
     try {
-      send_lead(nullptr, 0).wait();
+      send_lead({}).wait();
       gather_reports(comm_, report_failure(error));
     } catch (...) {
     }

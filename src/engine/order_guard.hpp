@@ -117,19 +117,22 @@ class OrderGuard {
   void begin(const Reduction& reduction, uint64_t layout, bool loaded,
              std::span<const Reduction* const> proposals = {}, bool carry = false);
   // Whether this rank's announce of `reduction` can carry its first collective: the lead exchange, a compressed
-  // reduction whose carried floats (carried_count) fit beside the announce and sum in rank order (so their bits
+  // reduction whose carried floats (carried_counts) fit beside the announce and sum in rank order (so their bits
   // are those of the collective they replace). A pure function of agreed state and this rank's call.
   bool can_carry(const Reduction& reduction) const;
-  // The floats an announce of `reduction` carries (StepRunner::stage_carried): with the float32 wire its whole
-  // first collective; with a 16-bit wire its float32 parts only (each bucket's packed tensors and flag,
-  // gathered), the 16-bit factors following in a collective of their own (StepRunner::first_collective).
-  uint64_t carried_count(const Reduction& reduction) const;
-  // Sends the announce begun with `carry`, the `count` carried floats at `data` (StepRunner::stage_carried)
-  // behind it: summed in place when first_summed().
-  void carry(float* data, size_t count);
+  // What an announce of `reduction` carries (StepRunner::stage_carried): with the float32 wire its whole first
+  // collective (`floats`); with a 16-bit wire its float32 parts (`floats`: each bucket's packed tensors and flag,
+  // gathered) and, where they fit beside them and sum in rank order, its 16-bit factors (`halves`; else 0, and
+  // they follow in a collective of their own: StepRunner::first_collective).
+  CarriedCounts carried_counts(const Reduction& reduction) const;
+  // Sends the announce begun with `carry`, the carried floats and halves (StepRunner::stage_carried; halves
+  // empty: none) behind it: summed in place when first_summed().
+  void carry(std::span<float> floats, std::span<uint16_t> halves);
   size_t finish(const Reduction& reduction);
-  // After finish(): whether the announce carried the first collective and it came back summed.
+  // After finish(): whether the announce carried the first collective and it came back summed (with a 16-bit
+  // wire the float32 parts, and the factors where factors_summed()).
   bool first_summed() const { return first_summed_; }
+  bool factors_summed() const { return first_summed_ && carried_halves_; }
   // After finish() (returned or threw): whether the carried data came back summed, valid or not (first_summed):
   // it then holds sums, not what prepare wrote (with the float32 wire that is the reduction's host range:
   // StepRunner::carries_in_place).
@@ -156,8 +159,8 @@ class OrderGuard {
   // announce covers; the buckets whose pending divergence hash it carries go to `carried`.
   uint64_t identity_hash(const Reduction& reduction, std::vector<int>& carried, uint64_t& numel,
                          int64_t& check_step, uint64_t& check) const;
-  // The announce (sums_) as this rank's lead in the lead exchange, `count` floats at `data` behind it.
-  Work send_lead(float* data, size_t count);
+  // The announce (sums_) as this rank's lead in the lead exchange, `parts` behind it.
+  Work send_lead(std::span<const LeadPart> parts);
   // The announce in flight compared the pending hashes it carried: they are consumed.
   void compared();
   [[noreturn]] void raise(const Reduction& reduction, const std::vector<uint64_t>& mine, bool loaded);
@@ -186,6 +189,7 @@ class OrderGuard {
   size_t lead_capacity_ = 0;
   bool deferred_ = false;
   bool first_summed_ = false;  // written by the communication thread until announced_ completed
+  bool carried_halves_ = false;  // the announce in flight carries 16-bit factors
   bool carried_overwritten_ = false;  // carried_overwritten()
   std::vector<float> host_scratch_;  // device outputs staged for hashing
 };

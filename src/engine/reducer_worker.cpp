@@ -65,8 +65,10 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       with_proposals.buckets.insert(with_proposals.buckets.end(), p->buckets.begin(), p->buckets.end());
     carry = carry_first_ && !reduction.poisoned && !noted(reduction) &&
             std::all_of(proposals.begin(), proposals.end(), [](const Reduction* p) { return p->prepared; }) &&
-            guard_->can_carry(with_proposals) &&
-            runner_->reserve_carried(static_cast<size_t>(guard_->carried_count(with_proposals)));
+            guard_->can_carry(with_proposals) && runner_->reserve_carried(guard_->carried_counts(with_proposals));
+    // A 16-bit wire's factors too, where they fit beside the float32 parts (the same decision on every rank
+    // that proposed alike: else the parts differ, and nothing is summed).
+    const bool carry_halves = carry && guard_->carried_counts(with_proposals).halves > 0;
     // layout_fingerprint_ is final since the first reduce (start()).
     guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals, carry);
     if (!reduction.poisoned && noted(reduction)) {
@@ -110,8 +112,8 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       runner_->prepare_once(reduction);
       for (auto& c : claimed) runner_->prepare_once(*c.item.reduction);
       if (carry && claimed.empty()) {
-        const std::span<float> carried = runner_->stage_carried(reduction);
-        guard_->carry(carried.data(), carried.size());
+        const auto carried = runner_->stage_carried(reduction, carry_halves);
+        guard_->carry(carried.floats, carried.halves);
         runner_->lookahead(reduction);  // while the announce and the first collective travel
       } else if (carry) {
         // No lookahead: the reduction queued next may be of a claimed bucket, or not next once some go back.
@@ -119,14 +121,15 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
         // where this carry was not summed for them).
         Reduction speculative = engine::StepRunner::fuse(together(reduction, claimed));
         const bool prepared_ok = speculative.prepare_error == nullptr;
-        const std::span<float> carried = runner_->stage_carried(speculative);
+        const auto carried = runner_->stage_carried(speculative, carry_halves);
         carried_flags = speculative.prepare_error != nullptr;
         // A failed staging is this rank's failure of the reduction (a member's own failed prepare stays its own).
         if (prepared_ok && carried_flags) reduction.prepare_error = speculative.prepare_error;
-        guard_->carry(carried.data(), carried.size());
+        guard_->carry(carried.floats, carried.halves);
       }
       const size_t fused = guard_->finish(reduction);
       reduction.first_summed = guard_->first_summed();
+      reduction.factors_summed = guard_->factors_summed();
       // Carried with proposals and not summed for the reductions that run: what prepare wrote into the carried
       // ranges is gone where the sums came back or stage_first flagged a failure in them, so prepared again.
       if (!reduction.first_summed && carried_over_claimed())
@@ -190,6 +193,7 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
   };
   Reduction fused = engine::StepRunner::fuse(all);
   fused.first_summed = reduction.first_summed;  // the announce carried every member's first collective
+  fused.factors_summed = reduction.factors_summed;
   try {
     runner_->run(fused);
     guard_->after_success(fused);
@@ -216,6 +220,7 @@ void Reducer::Impl::run_fused(Reduction& reduction, Claimed& members) {
       try {
         one->prepared = false;  // the failed collectives overwrote its prepared ranges
         one->first_summed = false;
+        one->factors_summed = false;
         one->prepare_error = nullptr;
         runner_->run(*one);
         guard_->after_success(*one);

@@ -26,10 +26,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-DataType wire_type(WireDType type) {
-  return type == WireDType::BFloat16 ? DataType::BFloat16 : DataType::Float16;
-}
-
 // fp16 factors overflow far below float32's range: say so where a sum overflowed.
 const char* overflow_hint(const Config& config) {
   return config.wire_dtype == WireDType::Float16 ? " (wire_dtype fp16 carries at most +-65504; bf16 has float32's range)"
@@ -108,6 +104,16 @@ void StepRunner::send_q(const Segment& q, const Ranges& all_of_q, bool stage, st
 size_t StepRunner::factor_count(const Ranges& factors) {
   size_t count = 0;
   for (const auto& [offset, n] : factors) count += static_cast<size_t>(n);
+  return count;
+}
+
+size_t StepRunner::factor_count(const Config& config, const std::vector<std::unique_ptr<BucketState>>& buckets,
+                                std::span<const int> members) {
+  size_t count = 0;
+  for (int b : members) {
+    const BucketState& s = *buckets[static_cast<size_t>(b)];
+    count += static_cast<size_t>(in_q_half(config, s) ? s.plan.q_numel : s.plan.p_numel);
+  }
   return count;
 }
 
@@ -217,23 +223,37 @@ Segment StepRunner::stage_first(Reduction& job) noexcept {
   return unc;
 }
 
-bool StepRunner::reserve_carried(size_t count) noexcept {
+bool StepRunner::reserve_carried(const CarriedCounts& counts) noexcept {
   if (config_.wire_dtype == WireDType::Float32) return true;
   try {
-    wire_f32_.reserve(count);
+    wire_f32_.reserve(static_cast<size_t>(counts.floats));
+    wire_half_.reserve(static_cast<size_t>(counts.halves));
     return true;
   } catch (...) {
     return false;
   }
 }
 
-std::span<float> StepRunner::stage_carried(Reduction& job) noexcept {
+StepRunner::Carried StepRunner::stage_carried(Reduction& job, bool halves) noexcept {
   const Segment unc = stage_first(job);
-  if (config_.wire_dtype == WireDType::Float32) return {unc.host, unc.count};
-  // Within the capacity reserve_carried(OrderGuard::carried_count) made for these buckets: no allocation.
+  if (config_.wire_dtype == WireDType::Float32) return {{unc.host, unc.count}, {}};
+  // Within the capacity reserve_carried(OrderGuard::carried_counts) made for these buckets: no allocation.
   wire_f32_.resize(float32_count(buckets_, job.buckets));
   gather_float32(job, unc);
-  return wire_f32_;
+  size_t factors = 0;
+  for (size_t i = 0; i < job.buckets.size(); ++i)
+    factors += static_cast<size_t>(factor_numel(bucket(job.buckets[i]), job.q_half[i]));
+  if (!halves || factors == 0 || factors > wire_half_.capacity()) return {wire_f32_, {}};
+  // send_factors' encoding, from the same ranges (factor_ranges).
+  wire_half_.resize(factors);
+  uint16_t* half = wire_half_.data();
+  for (size_t i = 0; i < job.buckets.size(); ++i) {
+    const BucketState& s = bucket(job.buckets[i]);
+    const auto n = static_cast<size_t>(factor_numel(s, job.q_half[i]));
+    encode(config_.wire_dtype, unc.host + (job.unc_at[i] - job.unc_begin) + s.plan.float32_part_numel(), half, n);
+    half += n;
+  }
+  return {wire_f32_, wire_half_};
 }
 
 void StepRunner::first_collective(Reduction& job, const Segment& unc, const Ranges& factors) {
@@ -247,13 +267,21 @@ void StepRunner::first_collective(Reduction& job, const Segment& unc, const Rang
   }
   if (config_.wire_dtype != WireDType::Float32) {
     // The announce carried the float32 parts (stage_carried), summed in place in wire_f32_, as send_first's
-    // float32 collective would have; the 16-bit factors follow in theirs, the same collective on every rank
-    // (first_summed is), so the sums keep the bits and the bytes of the two collectives they replace.
+    // float32 collective would have; the 16-bit factors too where they fit (factors_summed), else they follow
+    // in theirs, the same collective on every rank (first_summed and factors_summed are the same everywhere),
+    // so the sums keep the bits and the bytes of the two collectives they replace.
     PSGD_ASSERT(wire_f32_.size() == unc.count - factor_count(factors), "the carried float32 parts, ",
                 wire_f32_.size(), " floats, are the segment's ", unc.count - factor_count(factors));
     stats_.bytes_sent += wire_f32_.size() * sizeof(float);
     std::vector<Work> works;
-    send_factors(unc, factors, works);
+    if (job.factors_summed) {
+      // The announce carried the factors too (stage_carried), summed in place in wire_half_.
+      PSGD_ASSERT(wire_half_.size() == factor_count(factors), "the carried factors, ", wire_half_.size(),
+                  ", are the segment's ", factor_count(factors));
+      stats_.bytes_sent += wire_half_.size() * sizeof(uint16_t);
+    } else {
+      send_factors(unc, factors, works);
+    }
     wait_segment(works, unc, factors, !job.prepare_error);
     return;
   }

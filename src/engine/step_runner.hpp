@@ -57,6 +57,15 @@ struct Reduction {
   // The order guard's announce carried the first collective (with a 16-bit wire its float32 parts) and every
   // rank's came back summed (OrderGuard::carry, StepRunner::stage_carried): run() goes on from there.
   bool first_summed = false;
+  // With a 16-bit wire: the announce carried the 16-bit factors too, summed (first_summed is then true).
+  bool factors_summed = false;
+};
+
+// What an order guard's announce carries of a reduction's first collective (OrderGuard::carried_counts):
+// float32 values, and a 16-bit wire's factors.
+struct CarriedCounts {
+  uint64_t floats = 0;
+  uint64_t halves = 0;
 };
 
 class StepRunner {
@@ -91,15 +100,25 @@ class StepRunner {
   // What the order guard's announce carries of a prepared compressed `job`'s first collective, staged
   // (stage_first): with the float32 wire its host range, summed there; with a 16-bit wire its float32 parts
   // (each bucket's packed tensors and flag), gathered in send_first's order (gather_float32) into the capacity that
-  // reserve_carried(OrderGuard::carried_count) made, and summed there, first_collective scattering them back.
-  // Throws nothing, allocates nothing: the announce must leave.
-  std::span<float> stage_carried(Reduction& job) noexcept;
-  // Makes room for `count` carried float32 parts (a 16-bit wire); false where that fails (the announce then
-  // carries nothing). Before the announce is begun.
-  bool reserve_carried(size_t count) noexcept;
+  // reserve_carried(OrderGuard::carried_counts) made, and summed there, first_collective scattering them back,
+  // and where `halves` its 16-bit factors, encoded as send_factors encodes them (else, or where they exceed the
+  // reserved capacity, none: they follow in their own collective). Throws nothing, allocates nothing: the
+  // announce must leave.
+  struct Carried {
+    std::span<float> floats;
+    std::span<uint16_t> halves;
+  };
+  Carried stage_carried(Reduction& job, bool halves) noexcept;
+  // Makes room for the carried float32 parts and factors of a 16-bit wire; false where that fails (the announce
+  // then carries nothing). Before the announce is begun.
+  bool reserve_carried(const CarriedCounts& counts) noexcept;
   // The float32 parts' elements of the buckets `members` (each's float32_part_numel): what a 16-bit wire's
   // float32 collective of their fused first collective sends, and so what its announce carries.
   static size_t float32_count(const std::vector<std::unique_ptr<BucketState>>& buckets, std::span<const int> members);
+  // The factors' elements of the buckets `members` this step (P, or Q in an alternating Q half): what a 16-bit
+  // wire's factor collective of their fused first collective sends.
+  static size_t factor_count(const Config& config, const std::vector<std::unique_ptr<BucketState>>& buckets,
+                             std::span<const int> members);
   // Whether stage_carried's span is the reduction's own host range (the float32 wire), which sums that come back
   // and are not kept then overwrite; else it is a gathered copy.
   bool carries_in_place() const { return config_.wire_dtype == WireDType::Float32; }
@@ -213,8 +232,9 @@ class StepRunner {
   // rank reports one (`own` on the failing rank); returns when none did.
   void raise_local_failures(const Reduction& job, std::exception_ptr own);
   // The compressed step's first collective (stage_first, sent, waited for), or where the announce carried it
-  // (job.first_summed) its sums copied back to the device (with a 16-bit wire the float32 parts' scattered from
-  // wire_f32_ first, after the factors' own collective).
+  // (job.first_summed) its sums copied back to the device (with a 16-bit wire the float32 parts scattered from
+  // wire_f32_ and the factors widened from wire_half_, after the factors' own collective where the announce did
+  // not carry them: job.factors_summed).
   void first_collective(Reduction& job, const Segment& unc, const Ranges& factors);
   // The first collective's flags said a rank failed locally: raise it on every rank.
   [[noreturn]] void fail_flagged(const Reduction& job, std::exception_ptr own);

@@ -520,7 +520,94 @@ void lead_exchange_cases(GlooCommunicator* comm, size_t capacity) {
                             me == n - 1 ? DataType::Float16 : DataType::Float32, &summed)
       .wait();
   CHECK(!summed);
+  // Two parts (the engine's float32 values and its 16-bit factors in one exchange): each summed with the bits of
+  // its own direct allreduce, both or neither; neither where the last rank's first or second part differs in
+  // count or type (3 floats against 4 end at the same 8-byte boundary: the headers must still differ), or the
+  // two do not fit beside the lead (the second part starts at a multiple of 8 bytes). A call of one part is a
+  // call of two whose second is empty.
+  {
+    const size_t room = capacity - kLead * sizeof(double);
+    const size_t most_halves = (room - 16) / 2;  // beside 3 floats (12 bytes, padded to 16)
+    struct TwoParts {
+      size_t floats, odd_floats;  // the last rank's first part
+      size_t halves, odd_halves;  // and second part, of odd_type
+      DataType odd_type;
+      bool summed;
+      bool odd_one_part = false;  // the last rank passes the first part alone
+    };
+    const TwoParts two_cases[] = {{3, 3, 5, 5, DataType::BFloat16, true},
+                                  {3, 3, most_halves, most_halves, DataType::BFloat16, true},
+                                  {3, 3, most_halves + 1, most_halves + 1, DataType::BFloat16, false},
+                                  {3, 3, 5, 5, DataType::Float16, false},
+                                  {3, 3, 5, 4, DataType::BFloat16, false},
+                                  {3, 3, 5, 0, DataType::BFloat16, false},
+                                  {4, 3, 5, 5, DataType::BFloat16, false},
+                                  {3, 4, 5, 5, DataType::BFloat16, false},
+                                  {0, 0, 6, 6, DataType::BFloat16, true},
+                                  {3, 3, 0, 0, DataType::BFloat16, true, true}};
+    for (const TwoParts& c : two_cases) {
+      CAPTURE(c.floats);
+      CAPTURE(c.odd_floats);
+      CAPTURE(c.halves);
+      CAPTURE(c.odd_halves);
+      const bool odd = me == n - 1;
+      const DataType type = odd ? c.odd_type : DataType::BFloat16;
+      const size_t floats = odd ? c.odd_floats : c.floats, halves = odd ? c.odd_halves : c.halves;
+      std::vector<float> x = values(std::max<size_t>(floats, 1), 1);
+      Buffer h(type, std::max<size_t>(halves, 1));
+      for (size_t i = 0; i < h.count(); ++i)
+        h.set(i, 1.0 / static_cast<double>(5 + i % 37 + 7 * static_cast<size_t>(me)));
+      const std::vector<float> x_before = x;
+      const std::vector<uint8_t> h_before = h.bytes;
+      const LeadPart parts[] = {{x.data(), floats, DataType::Float32}, {h.bytes.data(), halves, type}};
+      const size_t passed = odd && c.odd_one_part ? 1 : 2;
+      std::fill(leads.begin(), leads.end(), -1.0);
+      summed = !c.summed;
+      const uint64_t rounds = comm->communication_rounds();
+      comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double),
+                                std::span<const LeadPart>(parts, passed), &summed)
+          .wait();
+      CHECK(comm->communication_rounds() - rounds == 1);
+      CHECK(summed == c.summed);
+      check_leads();
+      if (!c.summed) {
+        CHECK(x == x_before);
+        CHECK(h.bytes == h_before);
+        continue;
+      }
+      std::vector<float> x_direct = x_before;
+      Buffer h_direct = h;
+      h_direct.bytes = h_before;
+      if (floats > 0) comm->allreduce_async(x_direct.data(), floats, DataType::Float32, Algorithm::Direct).wait();
+      if (halves > 0) comm->allreduce_async(h_direct.bytes.data(), halves, type, Algorithm::Direct).wait();
+      CHECK(std::memcmp(x.data(), x_direct.data(), floats * sizeof(float)) == 0);
+      CHECK(h.bytes == h_direct.bytes);
+    }
+    // A count whose bytes overflow a size_t (2^62 + 3 floats: 12 bytes, wrapped) is beyond the capacity, not a
+    // part of 3 floats: nothing summed, nothing read from it.
+    std::vector<float> x = values(3, 2);
+    const std::vector<float> x_before = x;
+    const size_t huge = (size_t{1} << 62) + 3;
+    const LeadPart part{x.data(), me == n - 1 ? huge : 3, DataType::Float32};
+    summed = true;
+    comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double), std::span<const LeadPart>(&part, 1),
+                              &summed)
+        .wait();
+    CHECK(!summed);
+    CHECK(x == x_before);
+    check_leads();
+  }
   // Bad arguments: refused on the caller's thread, nothing sent (the group goes on below).
+  {
+    float one = 1.0f;
+    const LeadPart three[] = {{&one, 1, DataType::Float32}, {&one, 1, DataType::Float32}, {&one, 1, DataType::Float32}};
+    CHECK_THROWS_WITH_AS(comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double), three, &summed),
+                         doctest::Contains("3 data parts; expected at most 2"), InvalidArgumentError);
+    const LeadPart null_part[] = {{&one, 1, DataType::Float32}, {nullptr, 4, DataType::BFloat16}};
+    CHECK_THROWS_WITH_AS(
+        comm->lead_exchange_async(lead.data(), leads.data(), kLead * sizeof(double), null_part, &summed),
+        doctest::Contains("part 1's data is null for 4 elements"), InvalidArgumentError);
+  }
   CHECK_THROWS_AS(comm->lead_exchange_async(lead.data(), leads.data(), 12, nullptr, 0, DataType::Float32, &summed),
                   InvalidArgumentError);
   CHECK_THROWS_AS(comm->lead_exchange_async(lead.data(), leads.data(), capacity + 8, nullptr, 0, DataType::Float32,
@@ -543,7 +630,8 @@ TEST_CASE("lead exchange: leads everywhere, data summed with direct's bits only 
     CHECK(comm->lead_exchange_capacity() == 0);
     return;
   }
-  lead_exchange_cases(comm.get(), 65536 / static_cast<size_t>(n - 1) / 64 * 64);
+  // The receives posted ahead less the lead exchange's second header word.
+  lead_exchange_cases(comm.get(), 65536 / static_cast<size_t>(n - 1) / 64 * 64 - 8);
   std::vector<double> lead(4), leads(4 * static_cast<size_t>(n));
   bool summed = false;
   // Without the eager path there is none.
@@ -1892,7 +1980,7 @@ TEST_CASE("host stage: the lead exchange sums with the staged bits only where ev
   unsetenv("PSGD_DIRECT_MAX_BYTES");
   size_t largest = 0;
   for (const auto& host : hosts) largest = std::max(largest, host.size());
-  const size_t leaders = 65536 / (hosts.size() - 1) / 64 * 64;
+  const size_t leaders = 65536 / (hosts.size() - 1) / 64 * 64 - 8;
   lead_exchange_cases(comm.get(), (leaders - 8) / largest / 64 * 64);
   // One round: the leaders' exchange.
   std::vector<double> lead(2, 1.0), leads(2 * static_cast<size_t>(comm->size()));

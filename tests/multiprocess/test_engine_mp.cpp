@@ -322,8 +322,8 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
   // announce carries nothing, so no rank's P is summed in it: 3 again. With
   // PSGD_DIRECT_MAX_BYTES=0 and PSGD_SCATTER_GATHER=0 Gloo's bcube and no lead
   // exchange, on 2 or 3 ranks one exchange each way (2 rounds) each of 3.
-  // With a bf16 wire P's float32 part and its 16-bit factors are two collectives: the announce carries the
-  // float32 parts (of one bucket, or gathered for reduce_all), so 3, and 4 where a rank carries nothing.
+  // With a bf16 wire P's float32 part and its 16-bit factors are two collectives: the announce carries both
+  // (of one bucket, or gathered for reduce_all), so 2, and 4 where a rank carries nothing.
   enum Variant { Carried, OneRankCarriesNothing, Bcube };
   for (const WireDType wire : {WireDType::Float32, WireDType::BFloat16}) {
     const bool half = wire != WireDType::Float32;
@@ -347,7 +347,7 @@ TEST_CASE("rounds: a reduction costs its collectives' rounds, exactly (Communica
       REQUIRE((staged ? gloo->staged_hosts() : comm->size()) <= 3);
       const uint64_t per_collective = direct ? 1 : 2;
       // Collectives of a compressed reduction, one bucket or reduce_all.
-      const uint64_t compressed = (variant == Carried ? 2 : 3) + (half ? 1 : 0);
+      const uint64_t compressed = variant == Carried ? 2 : 3 + (half ? 1 : 0);
       Config c;
       c.rank = 2;
       c.start_iter = 1;

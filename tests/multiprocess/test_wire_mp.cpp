@@ -151,11 +151,11 @@ TEST_CASE("wire: ranks with different wire types fail add_bucket on every rank, 
 }
 
 // A step that fails on one rank (its prepare, its work between P and Q, NaN in its gradients) or on every rank
-// (an fp16 factor past 65504) while the announce carries the bucket's float32 part (packed tensors and flag, the
-// 16-bit factor in its own collective behind it: OrderGuard::carried_count): every rank fails that step, naming
-// the cause, with its error memory, warm start and data unchanged, and goes on as a run that skipped the step.
-// A clean step costs 3 rounds (announce with the float32 part, factor, Q; one for alternating), so the carry ran.
-TEST_CASE("wire: a step that fails while the announce carries the float32 part fails every rank, state unchanged") {
+// (an fp16 factor past 65504) while the announce carries the bucket's float32 part (packed tensors and flag)
+// and its 16-bit factor (OrderGuard::carried_counts): every rank fails that step, naming the cause, with its
+// error memory, warm start and data unchanged, and goes on as a run that skipped the step. A clean step costs
+// 2 rounds (the announce with the float32 part and the factor, then Q; 1 for alternating), so the carry ran.
+TEST_CASE("wire: a step that fails while the announce carries the float32 part and the factor fails every rank") {
   enum Failure { Prepare, Between, NaN, Overflow };
   constexpr int64_t kFailStep = 3;
   auto comm = connect("wire-carried-failure");
@@ -205,7 +205,8 @@ TEST_CASE("wire: a step that fails while the announce carries the float32 part f
           auto h = g;
           const uint64_t rounds = comm->communication_rounds();
           r.reduce(0, g.data());
-          CHECK(comm->communication_rounds() - rounds == (alternating ? 2u : 3u));
+          // The announce carries the float32 part and the factors, then Q (alternating: no Q collective).
+          CHECK(comm->communication_rounds() - rounds == (alternating ? 1u : 2u));
           clean.reduce(0, h.data());
           CHECK(g == h);
           CHECK(same_on_every_rank(*comm, g));
@@ -218,6 +219,52 @@ TEST_CASE("wire: a step that fails while the announce carries the float32 part f
 // from one rounding of the float32 sum of the same rounded inputs (what partial
 // sums in float32 would give), against the exact float32 sum. Figures for
 // docs/engine.md; run with -tc='measure*'.
+// Where the factors do not fit beside the announce and the float32 parts (the lead exchange's capacity), the
+// announce carries the float32 parts alone and the factors follow in their own collective: 3 rounds per
+// compressed step, the bits and bytes of a Reducer whose announce carries nothing (4 rounds: the announce, the
+// float32 parts, the factors, Q).
+TEST_CASE("wire: factors beyond the lead exchange's capacity follow in their own collective, the same bits") {
+  constexpr size_t kBound = 65536;
+  setenv("PSGD_DIRECT_MAX_BYTES", std::to_string(kBound).c_str(), 1);
+  auto comm = connect("wire-factors-beyond");
+  unsetenv("PSGD_DIRECT_MAX_BYTES");
+  const auto n = static_cast<size_t>(comm->size());
+  if (n < 2) return;
+  // P at rank 2 of 300 bytes less than a direct message to each peer (bound / (n - 1)), so its own collective
+  // is direct (one round), and more than the lead exchange's capacity (bound / (n - 1) rounded down to 64, less
+  // 8) leaves beside the announce (576 bytes) and the float32 parts.
+  const auto rows = static_cast<int64_t>((kBound / (n - 1) - 300) / sizeof(uint16_t) / 2);
+  const std::vector<Shape> shapes{{rows, 8}, {10}};
+  Config c;
+  c.rank = 2;
+  c.start_iter = 1;
+  c.wire_dtype = WireDType::BFloat16;
+  Reducer carried(*comm, c);
+  setenv("PSGD_CARRY_FIRST", "0", 1);
+  Reducer plain(*comm, c);
+  unsetenv("PSGD_CARRY_FIRST");  // read when a Reducer is made
+  carried.add_bucket(shapes);
+  plain.add_bucket(shapes);
+  for (int step = 0; step < 4; ++step) {
+    INFO("step ", step);
+    auto g = gradients(carried.bucket_size(0), comm->rank(), step);
+    auto h = g;
+    uint64_t before = comm->communication_rounds();
+    carried.reduce(0, g.data());
+    const uint64_t carried_rounds = comm->communication_rounds() - before;
+    before = comm->communication_rounds();
+    plain.reduce(0, h.data());
+    const uint64_t plain_rounds = comm->communication_rounds() - before;
+    if (step > 0) {  // step 0 is a plain allreduce of the whole bucket
+      CHECK(carried_rounds == 3);
+      CHECK(plain_rounds == 4);
+    }
+    CHECK(std::memcmp(g.data(), h.data(), g.size() * sizeof(float)) == 0);
+    CHECK(same_on_every_rank(*comm, g));
+  }
+  CHECK(carried.stats().bytes_sent == plain.stats().bytes_sent);
+}
+
 TEST_CASE("measure: per-hop rounding against one rounding" * doctest::skip()) {
   auto comm = connect("wire-measure");
   const int me = comm->rank();

@@ -134,7 +134,11 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     // second exchange, which a peer in another collective never sends (a timeout).
     return algorithm == Algorithm::Direct && n > 1 && count * size_of(type) <= eager_capacity(static_cast<size_t>(n));
   }
-  size_t lead_capacity(int n) const override { return n > 1 ? eager_capacity(static_cast<size_t>(n)) : 0; }
+  // The receives posted ahead hold kHeader + eager_capacity(n) bytes; a lead exchange's header is a word longer.
+  size_t lead_capacity(int n) const override {
+    const size_t capacity = n > 1 ? eager_capacity(static_cast<size_t>(n)) : 0;
+    return capacity > kLeadHeader - kHeader ? capacity - (kLeadHeader - kHeader) : 0;
+  }
   void release_eager_direct() override { eager_.clear(); }
   uint64_t eager_direct_collectives() const override {
     uint64_t done = 0;
@@ -331,15 +335,26 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     return true;
   }
 
-  // The lead exchange's header (kHeader bytes): the data's bytes (bits 0-31; 0: a lead alone), the lead's bytes
-  // (32-54), whether the lead is a public collective's shape (kLeadShapeBit) and the data's type (56-61);
-  // kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one.
+  // The lead exchange's header (kLeadHeader bytes, two words). The first: part 0's bytes (bits 0-31; 0: none),
+  // the lead's bytes (32-54), whether the lead is a public collective's shape (kLeadShapeBit) and part 0's type
+  // (56-61); kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one. The
+  // second: part 1's bytes (0-31) and type (56-61). Nothing is sent of a part that does not fit (none then).
+  static constexpr size_t kLeadHeader = 2 * kHeader;
   static constexpr int kLeadBytesShift = 32, kLeadShapeShift = 55, kLeadTypeShift = 56;
   static constexpr uint64_t kLeadShapeBit = uint64_t{1} << kLeadShapeShift;
-  static uint64_t lead_header(LeadKind kind, size_t lead_bytes, size_t data_bytes, DataType type) {
-    return kLeadHeaderBit | (static_cast<uint64_t>(type) << kLeadTypeShift) |
-           (kind == LeadKind::Shape ? kLeadShapeBit : 0) | (static_cast<uint64_t>(lead_bytes) << kLeadBytesShift) |
-           static_cast<uint64_t>(data_bytes);
+  static_assert(kMaxLeadParts == 2, "a lead exchange's header describes two parts");
+  static uint64_t part_word(const LeadPart& part, bool sent) {
+    if (!sent || part.count == 0) return 0;
+    return (static_cast<uint64_t>(part.type) << kLeadTypeShift) |
+           static_cast<uint64_t>(part.count * size_of(part.type));
+  }
+  static std::array<uint64_t, 2> lead_header(LeadKind kind, size_t lead_bytes, std::span<const LeadPart> parts,
+                                             bool sent) {
+    const LeadPart none{};
+    return {kLeadHeaderBit | (kind == LeadKind::Shape ? kLeadShapeBit : 0) |
+                (static_cast<uint64_t>(lead_bytes) << kLeadBytesShift) |
+                part_word(parts.empty() ? none : parts[0], sent),
+            part_word(parts.size() > 1 ? parts[1] : none, sent)};
   }
   static size_t lead_bytes_of(uint64_t header) {
     return static_cast<size_t>((header >> kLeadBytesShift) & ((uint64_t{1} << (kLeadShapeShift - kLeadBytesShift)) - 1));
@@ -349,66 +364,78 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   }
 
   bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, LeadKind kind, const void* lead, void* leads,
-                      size_t lead_bytes, void* data, size_t count, DataType type) override {
+                      size_t lead_bytes, std::span<const LeadPart> parts) override {
     const int n = context->size, me = context->rank;
     Eager* found = eager_for(context, lead_bytes);
     // The Communicator checked lead_bytes against lead_capacity: the same on every rank.
-    PSGD_ASSERT(found != nullptr && lead_bytes % 8 == 0, "lead exchange of ", lead_bytes, " bytes");
+    PSGD_ASSERT(found != nullptr && lead_bytes % 8 == 0 && lead_bytes <= lead_capacity(n) && parts.size() <= 2,
+                "lead exchange of ", lead_bytes, " bytes and ", parts.size(), " parts");
     Eager& e = *found;
-    const size_t element = size_of(type);
     // Data that does not fit beside the lead stays behind (as on every rank that passes as many bytes).
-    const size_t bytes = count <= (e.capacity - lead_bytes) / element ? count * element : 0;
-    const uint64_t header = lead_header(kind, lead_bytes, bytes, bytes > 0 ? type : DataType::Float32);
-    std::memcpy(e.out.data(), &header, kHeader);
-    std::memcpy(e.out.data() + kHeader, lead, lead_bytes);
-    if (bytes > 0) std::memcpy(e.out.data() + kHeader + lead_bytes, data, bytes);
-    const uint8_t* received = exchange_eager(*context, e, kHeader + lead_bytes + bytes, "lead exchange");
-    const auto header_of = [&](int r) {
-      uint64_t sent = header;
-      if (r != me) std::memcpy(&sent, received + static_cast<size_t>(r) * e.stride, kHeader);
-      return sent;
+    const size_t data_bytes = lead_parts_bytes(parts);
+    const bool sent = data_bytes > 0 && data_bytes <= lead_capacity(n) - lead_bytes;
+    const std::array<uint64_t, 2> header = lead_header(kind, lead_bytes, parts, sent);
+    const size_t bytes = sent ? data_bytes : 0;
+    std::memcpy(e.out.data(), header.data(), kLeadHeader);
+    std::memcpy(e.out.data() + kLeadHeader, lead, lead_bytes);
+    for (size_t i = 0; sent && i < parts.size(); ++i)
+      if (parts[i].count > 0)
+        std::memcpy(e.out.data() + kLeadHeader + lead_bytes + lead_part_offset(parts, i), parts[i].data,
+                    parts[i].count * size_of(parts[i].type));
+    const uint8_t* received = exchange_eager(*context, e, kLeadHeader + lead_bytes + bytes, "lead exchange");
+    // Rank r's header words (word 1 read only where word 0 is a lead's: a message of another kind may end there).
+    const auto header_of = [&](int r, size_t word = 0) {
+      uint64_t value = header[word];
+      if (r != me) std::memcpy(&value, received + static_cast<size_t>(r) * e.stride + word * kHeader, kHeader);
+      return value;
     };
     for (int r = 0; r < n; ++r) {
-      const uint64_t sent = header_of(r);
-      PSGD_REQUIRE((sent & kLeadHeaderBit) != 0, MismatchError, "lead exchange: rank ", r, " sent ",
-                   (sent & kScatterGatherHeaderBit) != 0 ? "a scatter-gather" : "a direct", " allreduce's ",
-                   sent & kHeaderBytesMask, " bytes of ",
-                   to_string(static_cast<DataType>((sent & ~kScatterGatherHeaderBit) >> kHeaderTypeShift)),
+      const uint64_t sent_header = header_of(r);
+      PSGD_REQUIRE((sent_header & kLeadHeaderBit) != 0, MismatchError, "lead exchange: rank ", r, " sent ",
+                   (sent_header & kScatterGatherHeaderBit) != 0 ? "a scatter-gather" : "a direct", " allreduce's ",
+                   sent_header & kHeaderBytesMask, " bytes of ",
+                   to_string(static_cast<DataType>((sent_header & ~kScatterGatherHeaderBit) >> kHeaderTypeShift)),
                    " where this rank (", me, ") sends a lead of ", lead_bytes,
                    " bytes: every rank must run the same collectives in the same order");
     }
     // The first rank whose kind is not rank 0's: the same on every rank, each seeing every header.
     const uint64_t first = header_of(0);
     for (int r = 1; r < n; ++r) {
-      const uint64_t sent = header_of(r);
-      if (lead_kind_of(sent) != lead_kind_of(first))
+      const uint64_t sent_header = header_of(r);
+      if (lead_kind_of(sent_header) != lead_kind_of(first))
         throw LeadKindMismatchError(
-            detail::concat("lead exchange: rank ", r, " sent ", describe_lead(lead_kind_of(sent), lead_bytes_of(sent)),
-                           " where rank 0 sent ", describe_lead(lead_kind_of(first), lead_bytes_of(first)),
-                           " (this rank, ", me, ": ", describe_lead(kind, lead_bytes),
+            detail::concat("lead exchange: rank ", r, " sent ",
+                           describe_lead(lead_kind_of(sent_header), lead_bytes_of(sent_header)), " where rank 0 sent ",
+                           describe_lead(lead_kind_of(first), lead_bytes_of(first)), " (this rank, ", me, ": ",
+                           describe_lead(kind, lead_bytes),
                            "): every rank must run the same collectives in the same order"),
-            r, lead_kind_of(sent), lead_bytes_of(sent));
+            r, lead_kind_of(sent_header), lead_bytes_of(sent_header));
     }
-    bool summed = bytes > 0;
+    bool summed = sent;
     for (int r = 0; r < n; ++r) {
       if (r == me) continue;
-      const uint64_t sent = header_of(r);
-      if (lead_bytes_of(sent) != lead_bytes)
-        PSGD_THROW(MismatchError, "lead exchange: rank ", r, " sent ", describe_lead(kind, lead_bytes_of(sent)),
+      const uint64_t sent_header = header_of(r);
+      if (lead_bytes_of(sent_header) != lead_bytes)
+        PSGD_THROW(MismatchError, "lead exchange: rank ", r, " sent ", describe_lead(kind, lead_bytes_of(sent_header)),
                    " where this rank (", me, ") sends ", describe_lead(kind, lead_bytes),
                    ": every rank must pass the same lead");
-      summed = summed && sent == header;  // the same data bytes and type
+      summed = summed && sent_header == header[0] && header_of(r, 1) == header[1];  // the same parts
     }
     auto* out = static_cast<uint8_t*>(leads);
     for (int r = 0; r < n; ++r)
       std::memcpy(out + static_cast<size_t>(r) * lead_bytes,
-                  r == me ? static_cast<const uint8_t*>(lead) : received + static_cast<size_t>(r) * e.stride + kHeader,
+                  r == me ? static_cast<const uint8_t*>(lead)
+                          : received + static_cast<size_t>(r) * e.stride + kLeadHeader,
                   lead_bytes);
     if (!summed) return false;
-    // The contributions in rank order, as the direct algorithm adds them: the same bits.
-    add_in_rank_order(data, count, type, static_cast<size_t>(n), [&](size_t r) {
-      return (r == static_cast<size_t>(me) ? e.out.data() : received + r * e.stride) + kHeader + lead_bytes;
-    });
+    // Each part's contributions in rank order, as the direct algorithm adds them: the same bits.
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (parts[i].count == 0) continue;
+      const size_t at = kLeadHeader + lead_bytes + lead_part_offset(parts, i);
+      add_in_rank_order(parts[i].data, parts[i].count, parts[i].type, static_cast<size_t>(n), [&](size_t r) {
+        return (r == static_cast<size_t>(me) ? e.out.data() : received + r * e.stride) + at;
+      });
+    }
     return true;
   }
 
@@ -611,8 +638,8 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   void enable_direct_allgather() override {}     // AllgatherRing only
   bool checks_sizes(Algorithm, size_t, DataType, int) const override { return false; }  // no headers
   size_t lead_capacity(int) const override { return 0; }
-  bool lead_allreduce(const std::shared_ptr<gloo::Context>&, LeadKind, const void*, void*, size_t, void*, size_t,
-                      DataType) override {
+  bool lead_allreduce(const std::shared_ptr<gloo::Context>&, LeadKind, const void*, void*, size_t,
+                      std::span<const LeadPart>) override {
     PSGD_ASSERT(false, "the lead exchange needs Gloo's new API");
     return false;
   }

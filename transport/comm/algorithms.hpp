@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "comm/communicator.hpp"
@@ -90,12 +91,12 @@ class CollectiveAlgorithms {
   // (lead and data together) on a context of `n` ranks, the same on every rank; 0 without the eager path.
   virtual size_t lead_capacity(int n) const = 0;
   // One exchange on the eager path (lead_bytes + ... within lead_capacity): every rank's `lead_bytes` arrive in
-  // `leads` (rank r's at r * lead_bytes); `data` (count elements of `type`; count 0: none) is summed in rank
-  // order, the direct algorithm's additions, where every rank passed the same nonzero count and type that fit
-  // with the lead. Returns whether it was: the same answer on every rank (every rank sees every header); when
-  // not, `data` is unchanged. MismatchError where the ranks' lead_bytes or kinds differ.
+  // `leads` (rank r's at r * lead_bytes); each of `parts` (at most kMaxLeadParts; lead_parts_bytes' layout) is
+  // summed in rank order, the direct algorithm's additions, where every rank passed the same counts and types,
+  // not all 0, that fit with the lead. Returns whether they were: the same answer on every rank (every rank
+  // sees every header); when not, no part changed. MismatchError where the ranks' lead_bytes or kinds differ.
   virtual bool lead_allreduce(const std::shared_ptr<gloo::Context>& context, LeadKind kind, const void* lead,
-                              void* leads, size_t lead_bytes, void* data, size_t count, DataType type) = 0;
+                              void* leads, size_t lead_bytes, std::span<const LeadPart> parts) = 0;
 
   // Whether an allreduce of `count` elements of `type` with `algorithm` on a context of `n` ranks reads every
   // rank's count and type (a header in every message) before any receive sized by the count, and fails at once
@@ -126,6 +127,11 @@ void add_in_rank_order(void* out, size_t count, DataType type, size_t n, Contrib
   std::memmove(out, contribution(0), count * size_of(type));
   const SumFn sum = sum_function(type);
   for (size_t r = 1; r < n; ++r) sum(out, out, contribution(r), count);
+}
+
+// Where part `i` of `parts` starts in a lead exchange's data (lead_parts_bytes' layout).
+inline size_t lead_part_offset(std::span<const LeadPart> parts, size_t i) {
+  return (lead_parts_bytes(parts.first(i)) + 7) / 8 * 8;
 }
 
 // Gloo's unbound-buffer waits return false only when aborted, which nothing here does; were one to, it is a

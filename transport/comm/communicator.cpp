@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -110,12 +111,18 @@ size_t Communicator::lead_exchange_capacity() const {
 
 Work Communicator::lead_exchange_async(const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
                                        DataType type, bool* summed) {
+  const LeadPart part{data, count, type};
+  return lead_exchange_async(lead, leads, lead_bytes, std::span<const LeadPart>(&part, 1), summed);
+}
+
+Work Communicator::lead_exchange_async(const void* lead, void* leads, size_t lead_bytes,
+                                       std::span<const LeadPart> parts, bool* summed) {
   auto* gloo = gloo_of(this);
   const size_t capacity = lead_exchange_capacity();
   PSGD_REQUIRE(capacity > 0, InvalidArgumentError,
                "lead exchange: this communicator has none (made by create() with Gloo's new API, more than one rank, "
                "PSGD_DIRECT_EAGER=1 and PSGD_DIRECT_MAX_BYTES above 0, only)");
-  return gloo->lead_allreduce_async(lead, leads, lead_bytes, data, count, type, summed);
+  return gloo->lead_allreduce_async(lead, leads, lead_bytes, parts, summed);
 }
 
 namespace detail {
@@ -747,7 +754,7 @@ std::vector<GlooCommunicator::Shape> GlooCommunicator::agree_on_call(const std::
   if (capacity >= sizeof(Shape)) {
     add_rounds(1);
     try {
-      exchange_leads(context, tag, LeadKind::Shape, &mine, all.data(), sizeof(Shape), nullptr, 0, DataType::Float32);
+      exchange_leads(context, tag, LeadKind::Shape, &mine, all.data(), sizeof(Shape), {});
     } catch (const MismatchError& e) {  // a peer in another kind of collective: say what this rank called
       throw MismatchError(detail::concat(describe(mine, false), ", its shape sent first: ", e.what()));
     }
@@ -874,8 +881,8 @@ size_t GlooCommunicator::lead_capacity() const {
   return algorithms_->lead_capacity(options_.world_size);
 }
 
-Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data,
-                                            size_t count, DataType type, bool* summed) {
+Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes,
+                                            std::span<const LeadPart> parts, bool* summed) {
   const size_t capacity = lead_capacity();
   // A capacity of 0 (no lead exchange) fails the size check on every rank: each sends its refusal (in Gloo's
   // allgather of the shapes), so every rank refuses alike.
@@ -885,25 +892,34 @@ Work GlooCommunicator::lead_allreduce_async(const void* lead, void* leads, size_
     PSGD_REQUIRE(lead_bytes > 0 && lead_bytes % 8 == 0 && lead_bytes <= capacity, InvalidArgumentError,
                  "lead exchange: a lead of ", lead_bytes,
                  " bytes; expected a positive multiple of 8 up to the capacity ", capacity);
-    PSGD_REQUIRE(data != nullptr || count == 0, InvalidArgumentError, "lead exchange: data is null for ", count,
-                 " elements");
-    require_known_type(type, "lead exchange");
+    PSGD_REQUIRE(parts.size() <= kMaxLeadParts, InvalidArgumentError, "lead exchange: ", parts.size(),
+                 " data parts; expected at most ", kMaxLeadParts);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      PSGD_REQUIRE(parts[i].data != nullptr || parts[i].count == 0, InvalidArgumentError, "lead exchange: part ", i,
+                   "'s data is null for ", parts[i].count, " elements");
+      require_known_type(parts[i].type, "lead exchange");
+    }
   });
-  std::string name = detail::concat("lead exchange(", lead_bytes, " bytes + ", count, " x ", to_string(type),
-                                     stage_ != nullptr ? ", host-staged)" : ")");
+  std::string name = detail::concat("lead exchange(", lead_bytes, " bytes");
+  for (const LeadPart& part : parts) name += detail::concat(" + ", part.count, " x ", to_string(part.type));
+  name += stage_ != nullptr ? ", host-staged)" : ")";
+  std::array<LeadPart, kMaxLeadParts> copied{};
+  std::copy(parts.begin(), parts.end(), copied.begin());
+  const size_t count = parts.size();
   return submit(std::move(name), [=, this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     add_rounds(1);  // staged: the leaders' exchange; the hops within a host cost no network delay
-    *summed = exchange_leads(context, tag, LeadKind::Lead, lead, leads, lead_bytes, data, count, type);
+    *summed = exchange_leads(context, tag, LeadKind::Lead, lead, leads, lead_bytes,
+                             std::span<const LeadPart>(copied.data(), count));
   });
 }
 
 bool GlooCommunicator::exchange_leads(const std::shared_ptr<gloo::Context>& context, uint32_t tag, LeadKind kind,
-                                      const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
-                                      DataType type) {
+                                      const void* lead, void* leads, size_t lead_bytes,
+                                      std::span<const LeadPart> parts) {
   if (stage_ != nullptr)
-    return stage_->lead_allreduce(context, tag, kind, lead, leads, lead_bytes, data, count, type, lead_capacity(),
+    return stage_->lead_allreduce(context, tag, kind, lead, leads, lead_bytes, parts, lead_capacity(),
                                   *algorithms_);
-  return algorithms_->lead_allreduce(context, kind, lead, leads, lead_bytes, data, count, type);
+  return algorithms_->lead_allreduce(context, kind, lead, leads, lead_bytes, parts);
 }
 
 Work GlooCommunicator::broadcast_async(void* data, size_t bytes, int root, Sizes sizes) {

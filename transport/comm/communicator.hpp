@@ -97,7 +97,7 @@ class GlooCommunicator final : public Communicator {
 
   // Communicator::lead_exchange_capacity and lead_exchange_async (the eager path's; docs/transport.md, "Lead exchange").
   size_t lead_capacity() const;
-  Work lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, void* data, size_t count, DataType type,
+  Work lead_allreduce_async(const void* lead, void* leads, size_t lead_bytes, std::span<const LeadPart> parts,
                             bool* summed);
 
   // The algorithm Auto picks for a message of `bytes`.
@@ -198,9 +198,9 @@ class GlooCommunicator final : public Communicator {
   uint32_t agree_on_shape(const std::shared_ptr<gloo::Context>& context, uint32_t tag, Sizes sizes,
                           const Shape& mine);
   // On the communication thread: one lead exchange of `kind` (CollectiveAlgorithms::lead_allreduce), staged where
-  // this communicator stages (HostStage::lead_allreduce, within lead_capacity()). Returns whether `data` was summed.
+  // this communicator stages (HostStage::lead_allreduce, within lead_capacity()). Returns whether `parts` were summed.
   bool exchange_leads(const std::shared_ptr<gloo::Context>& context, uint32_t tag, LeadKind kind, const void* lead,
-                      void* leads, size_t lead_bytes, void* data, size_t count, DataType type);
+                      void* leads, size_t lead_bytes, std::span<const LeadPart> parts);
 
   CommOptions options_;
   GlooApi api_;

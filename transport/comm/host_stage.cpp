@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cstring>
 #include <map>
@@ -325,12 +326,13 @@ void HostStage::allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t
 
 namespace {
 
-// lead_allreduce's messages. A rank to its leader: kStageHeader bytes (its lead's bytes, its data's bytes, the
-// data's type with the lead's kind in bits 32 and up), the lead, the data. A leader to its ranks, and each
-// leader's lead among the leaders: a status word first.
-constexpr size_t kStageHeader = 3 * sizeof(uint64_t);
+// lead_allreduce's messages. A rank to its leader: kStageHeader bytes (its lead's bytes; the first part's bytes
+// with its type in bits 56 and up; the lead's kind in bits 32 and up; the second part's bytes and type), the
+// lead, the data (lead_parts_bytes' layout). A leader to its ranks, and each leader's lead among the leaders:
+// a status word first.
+constexpr size_t kStageHeader = 4 * sizeof(uint64_t);
 constexpr size_t kStatus = sizeof(uint64_t);
-constexpr int kHeaderKindShift = 32;
+constexpr int kHeaderKindShift = 32, kHeaderTypeShift = 56;
 // Status words, what happened in bits 0-3: the data not summed / summed; a rank of this host passed another lead
 // than its leader (that rank, its lead's bytes and kind in the upper bits); the leaders' leads differ in size;
 // a host's leader passed another kind of lead than rank 0 (that leader, its lead's bytes and kind).
@@ -383,14 +385,32 @@ size_t HostStage::lead_capacity(size_t leaders_capacity) const {
 }
 
 bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, LeadKind kind,
-                               const void* lead, void* leads, size_t lead_bytes, void* data, size_t count,
-                               DataType type, size_t capacity, CollectiveAlgorithms& algorithms) {
-  const size_t element = size_of(type);
+                               const void* lead, void* leads, size_t lead_bytes, std::span<const LeadPart> parts,
+                               size_t capacity, CollectiveAlgorithms& algorithms) {
+  PSGD_ASSERT(parts.size() <= 2, parts.size(), " parts");
   // Data that does not fit beside the lead stays behind, as without staging.
-  const size_t bytes = count > 0 && count <= (capacity - lead_bytes) / element ? count * element : 0;
-  const uint64_t header[3] = {lead_bytes, bytes,
-                              static_cast<uint64_t>(bytes > 0 ? type : DataType::Float32) |
-                                  (static_cast<uint64_t>(kind) << kHeaderKindShift)};
+  const size_t data_bytes = lead_parts_bytes(parts);
+  const bool sent = data_bytes > 0 && data_bytes <= capacity - lead_bytes;
+  const size_t bytes = sent ? data_bytes : 0;
+  // Each part's exact bytes and type (0 where none is sent): headers alike only for the same parts.
+  const auto part_word = [&](size_t i) -> uint64_t {
+    if (!sent || i >= parts.size() || parts[i].count == 0) return 0;
+    return static_cast<uint64_t>(parts[i].count * size_of(parts[i].type)) |
+           (static_cast<uint64_t>(parts[i].type) << kHeaderTypeShift);
+  };
+  const uint64_t header[4] = {lead_bytes, part_word(0), static_cast<uint64_t>(kind) << kHeaderKindShift,
+                              part_word(1)};
+  // Each part's place in a message's data and in the leaders' sum.
+  const auto copy_parts = [&](uint8_t* to) {
+    for (size_t i = 0; i < parts.size(); ++i)
+      if (parts[i].count > 0)
+        std::memcpy(to + lead_part_offset(parts, i), parts[i].data, parts[i].count * size_of(parts[i].type));
+  };
+  const auto parts_from = [&](const uint8_t* from) {
+    for (size_t i = 0; i < parts.size(); ++i)
+      if (parts[i].count > 0)
+        std::memcpy(parts[i].data, from + lead_part_offset(parts, i), parts[i].count * size_of(parts[i].type));
+  };
   const size_t world = groups_.host_of.size();
   const std::vector<int>& host = my_host();
   const size_t reply_bytes = kStatus + world * lead_bytes;  // and the data where it was summed
@@ -398,7 +418,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     lead_out_.resize(kStageHeader + lead_bytes + bytes);
     std::memcpy(lead_out_.data(), header, kStageHeader);
     std::memcpy(lead_out_.data() + kStageHeader, lead, lead_bytes);
-    if (bytes > 0) std::memcpy(lead_out_.data() + kStageHeader + lead_bytes, data, bytes);
+    if (sent) copy_parts(lead_out_.data() + kStageHeader + lead_bytes);
     lead_in_.resize(reply_bytes + bytes);  // the leader's reply is at most this long (shorter where not summed)
     transfer(*global, Direction::Send, tag, {{host.front(), kLeadExchangeSlot, lead_out_.data(), lead_out_.size()}},
              "lead exchange: send to the host's leader");
@@ -409,7 +429,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     std::memcpy(&status, lead_in_.data(), kStatus);
     if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes, kind);
     std::memcpy(leads, lead_in_.data() + kStatus, world * lead_bytes);
-    if (status == kSummed) std::memcpy(data, lead_in_.data() + reply_bytes, bytes);
+    if (status == kSummed) parts_from(lead_in_.data() + reply_bytes);
     return status == kSummed;
   }
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
@@ -429,21 +449,21 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   host_lead.assign(leaders_lead, 0);
   all.resize(groups_.hosts.size() * leaders_lead);
   uint64_t status = kNotSummed;
-  bool alike = bytes > 0;
+  bool alike = sent;
   std::memcpy(host_lead.data() + kStatus, lead, lead_bytes);
   for (size_t i = 0; i < others; ++i) {
     const uint8_t* message = received_.data() + i * stride;
-    uint64_t sent[3] = {};
-    std::memcpy(sent, message, kStageHeader);
-    const auto sent_kind = static_cast<LeadKind>(sent[2] >> kHeaderKindShift);
-    if (sent[0] != lead_bytes || sent_kind != kind) {
+    uint64_t theirs[4] = {};
+    std::memcpy(theirs, message, kStageHeader);
+    const auto sent_kind = static_cast<LeadKind>((theirs[2] >> kHeaderKindShift) & 0xff);
+    if (theirs[0] != lead_bytes || sent_kind != kind) {
       if (status == kNotSummed)
-        status = mismatch(kRankMismatch | (sent_kind != kind ? kStatusKindsDifferBit : 0), host[i + 1], sent[0],
+        status = mismatch(kRankMismatch | (sent_kind != kind ? kStatusKindsDifferBit : 0), host[i + 1], theirs[0],
                           sent_kind);
       alike = false;
       continue;
     }
-    alike = alike && std::memcmp(sent, header, kStageHeader) == 0;
+    alike = alike && std::memcmp(theirs, header, kStageHeader) == 0;
     std::memcpy(host_lead.data() + kStatus + (i + 1) * lead_bytes, message + kStageHeader, lead_bytes);
   }
   std::memcpy(host_lead.data(), &status, kStatus);
@@ -451,10 +471,16 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   // leaders, so that they fail alike.
   lead_out_.resize(reply_bytes + bytes);
   uint8_t* const sum = lead_out_.data() + reply_bytes;
-  if (alike)
-    add_in_rank_order(sum, count, type, host.size(), [&](size_t i) {
-      return i == 0 ? data : received_.data() + (i - 1) * stride + kStageHeader + lead_bytes;
+  // The parts within the host's sum (and the leaders' exchange), each summed in rank order: the leader's first.
+  std::array<LeadPart, kMaxLeadParts> summed_parts{};
+  for (size_t i = 0; alike && i < parts.size(); ++i) {
+    const size_t at = lead_part_offset(parts, i);
+    summed_parts[i] = {sum + at, parts[i].count, parts[i].type};
+    if (parts[i].count == 0) continue;
+    add_in_rank_order(sum + at, parts[i].count, parts[i].type, host.size(), [&](size_t k) -> const void* {
+      return k == 0 ? parts[i].data : received_.data() + (k - 1) * stride + kStageHeader + lead_bytes + at;
     });
+  }
   const auto reply = [&](uint64_t word, bool with_data) {
     std::memcpy(lead_out_.data(), &word, kStatus);
     const size_t length = word == kSummed || word == kNotSummed ? reply_bytes + (with_data ? bytes : 0) : kStatus;
@@ -467,8 +493,8 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
   };
   bool summed = false;
   try {
-    summed = algorithms.lead_allreduce(leaders_, kind, host_lead.data(), all.data(), leaders_lead, sum,
-                                       alike ? count : 0, type);
+    summed = algorithms.lead_allreduce(leaders_, kind, host_lead.data(), all.data(), leaders_lead,
+                                       std::span<const LeadPart>(summed_parts.data(), alike ? parts.size() : 0));
   } catch (const LeadKindMismatchError& e) {
     // The leader of host e.rank() (the first whose kind is not rank 0's), its lead's bytes from the leaders'.
     fail(mismatch(kKindMismatch, groups_.hosts[static_cast<size_t>(e.rank())].front(),
@@ -489,7 +515,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
                   all.data() + k * leaders_lead + kStatus + j * lead_bytes, lead_bytes);
   std::memcpy(lead_out_.data() + kStatus, leads, world * lead_bytes);
   reply(summed ? kSummed : kNotSummed, summed);
-  if (summed) std::memcpy(data, sum, bytes);
+  if (summed) parts_from(sum);
   return summed;
 }
 

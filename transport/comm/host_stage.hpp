@@ -96,13 +96,13 @@ class HostStage {
   // where every rank of the host passed the same, and runs one lead exchange
   // among the leaders (`algorithms`) whose lead is its host's status and
   // leads; it sends every rank's lead, whether the data was summed and the sum
-  // back to its host. One round across hosts; the sums are those of
-  // allreduce() with Direct among the leaders. The data travels where
-  // lead_bytes + its bytes fit `capacity`, the communicator's
+  // back to its host. One round across hosts; each part's sums are those of
+  // allreduce() with Direct among the leaders. The parts travel where
+  // lead_bytes + lead_parts_bytes(parts) fit `capacity`, the communicator's
   // lead_capacity(algorithms.lead_capacity(hosts())), the same on every rank.
   // MismatchError on every rank where any lead's size or kind differs.
   bool lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, LeadKind kind, const void* lead,
-                      void* leads, size_t lead_bytes, void* data, size_t count, DataType type, size_t capacity,
+                      void* leads, size_t lead_bytes, std::span<const LeadPart> parts, size_t capacity,
                       CollectiveAlgorithms& algorithms);
   // The bytes a rank's lead and data may take in lead_allreduce, given the
   // leaders' lead exchange capacity: the leaders' lead (a status word and the
