@@ -312,7 +312,7 @@ void OrderGuard::carry(std::span<float> floats, std::span<uint16_t> halves) {
   PSGD_ASSERT(deferred_, "carry() without begin(carry)");
   const std::array<LeadPart, 2> parts{LeadPart{floats.data(), floats.size(), DataType::Float32},
                                       LeadPart{halves.data(), halves.size(), wire_type(config_.wire_dtype)}};
-  announced_ = send_lead(halves.empty() ? std::span<const LeadPart>(parts).first(1) : std::span<const LeadPart>(parts));
+  announced_ = send_lead(parts);  // an empty second part is none (lead_parts_bytes)
   carried_halves_ = !halves.empty();
   deferred_ = false;  // only once sent: else settle() sends it
 }

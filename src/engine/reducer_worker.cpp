@@ -65,10 +65,12 @@ void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& tur
       with_proposals.buckets.insert(with_proposals.buckets.end(), p->buckets.begin(), p->buckets.end());
     carry = carry_first_ && !reduction.poisoned && !noted(reduction) &&
             std::all_of(proposals.begin(), proposals.end(), [](const Reduction* p) { return p->prepared; }) &&
-            guard_->can_carry(with_proposals) && runner_->reserve_carried(guard_->carried_counts(with_proposals));
+            guard_->can_carry(with_proposals);
+    const engine::CarriedCounts counts = carry ? guard_->carried_counts(with_proposals) : engine::CarriedCounts{};
+    carry = carry && runner_->reserve_carried(counts);
     // A 16-bit wire's factors too, where they fit beside the float32 parts (the same decision on every rank
     // that proposed alike: else the parts differ, and nothing is summed).
-    const bool carry_halves = carry && guard_->carried_counts(with_proposals).halves > 0;
+    const bool carry_halves = carry && counts.halves > 0;
     // layout_fingerprint_ is final since the first reduce (start()).
     guard_->begin(reduction, layout_fingerprint_, loaded_on_worker_, proposals, carry);
     if (!reduction.poisoned && noted(reduction)) {

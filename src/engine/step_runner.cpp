@@ -168,11 +168,7 @@ void StepRunner::widen_factors(const Segment& seg, const Ranges& factors) {
 StepRunner::Ranges StepRunner::factor_ranges(const Reduction& job) {
   Ranges ranges;
   if (config_.wire_dtype == WireDType::Float32) return ranges;  // send_first and wait_segment ignore them
-  for (size_t i = 0; i < job.buckets.size(); ++i) {
-    const BucketState& s = bucket(job.buckets[i]);
-    const int64_t n = factor_numel(s, job.q_half[i]);
-    if (n > 0) ranges.emplace_back(job.unc_at[i] - job.unc_begin + s.plan.float32_part_numel(), n);
-  }
+  for_each_factor_range(job, [&](int64_t offset, int64_t n) { ranges.emplace_back(offset, n); });
   return ranges;
 }
 
@@ -241,18 +237,15 @@ StepRunner::Carried StepRunner::stage_carried(Reduction& job, bool halves) noexc
   wire_f32_.resize(float32_count(buckets_, job.buckets));
   gather_float32(job, unc);
   size_t factors = 0;
-  for (size_t i = 0; i < job.buckets.size(); ++i)
-    factors += static_cast<size_t>(factor_numel(bucket(job.buckets[i]), job.q_half[i]));
+  for_each_factor_range(job, [&](int64_t, int64_t n) { factors += static_cast<size_t>(n); });
   if (!halves || factors == 0 || factors > wire_half_.capacity()) return {wire_f32_, {}};
   // send_factors' encoding, from the same ranges (factor_ranges).
   wire_half_.resize(factors);
   uint16_t* half = wire_half_.data();
-  for (size_t i = 0; i < job.buckets.size(); ++i) {
-    const BucketState& s = bucket(job.buckets[i]);
-    const auto n = static_cast<size_t>(factor_numel(s, job.q_half[i]));
-    encode(config_.wire_dtype, unc.host + (job.unc_at[i] - job.unc_begin) + s.plan.float32_part_numel(), half, n);
+  for_each_factor_range(job, [&](int64_t offset, int64_t n) {
+    encode(config_.wire_dtype, unc.host + offset, half, static_cast<size_t>(n));
     half += n;
-  }
+  });
   return {wire_f32_, wire_half_};
 }
 

@@ -226,6 +226,16 @@ class StepRunner {
   // The factor ranges of the reduction's first-collective segment (none with a float32 wire),
   // computed once per step for send_first and wait_segment.
   Ranges factor_ranges(const Reduction& job);
+  // f(offset, n) for each bucket's factor range of the job's first-collective segment that is not empty, in
+  // bucket order (offset: from the segment's start): what factor_ranges lists, without allocating.
+  template <typename F>
+  void for_each_factor_range(const Reduction& job, F f) const {
+    for (size_t i = 0; i < job.buckets.size(); ++i) {
+      const BucketState& s = bucket(job.buckets[i]);
+      const int64_t n = factor_numel(s, job.q_half[i]);
+      if (n > 0) f(job.unc_at[i] - job.unc_begin + s.plan.float32_part_numel(), n);
+    }
+  }
   void wait_all(std::vector<Work>& works, const std::vector<Segment>& segments, bool copy_back = true);
   // Collective, on the error path only (every rank saw from the sums that one
   // failed, or that Q is not finite): throws the failure on every rank when a

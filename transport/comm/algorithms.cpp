@@ -340,14 +340,10 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   // (56-61); kLeadHeaderBit marks it, so that a direct or scatter-gather message never passes for one. The
   // second: part 1's bytes (0-31) and type (56-61). Nothing is sent of a part that does not fit (none then).
   static constexpr size_t kLeadHeader = 2 * kHeader;
-  static constexpr int kLeadBytesShift = 32, kLeadShapeShift = 55, kLeadTypeShift = 56;
+  static constexpr int kLeadBytesShift = 32, kLeadShapeShift = 55;
   static constexpr uint64_t kLeadShapeBit = uint64_t{1} << kLeadShapeShift;
   static_assert(kMaxLeadParts == 2, "a lead exchange's header describes two parts");
-  static uint64_t part_word(const LeadPart& part, bool sent) {
-    if (!sent || part.count == 0) return 0;
-    return (static_cast<uint64_t>(part.type) << kLeadTypeShift) |
-           static_cast<uint64_t>(part.count * size_of(part.type));
-  }
+  static uint64_t part_word(const LeadPart& part, bool sent) { return sent ? lead_part_word(part) : 0; }
   static std::array<uint64_t, 2> lead_header(LeadKind kind, size_t lead_bytes, std::span<const LeadPart> parts,
                                              bool sent) {
     const LeadPart none{};
@@ -378,10 +374,7 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
     const size_t bytes = sent ? data_bytes : 0;
     std::memcpy(e.out.data(), header.data(), kLeadHeader);
     std::memcpy(e.out.data() + kLeadHeader, lead, lead_bytes);
-    for (size_t i = 0; sent && i < parts.size(); ++i)
-      if (parts[i].count > 0)
-        std::memcpy(e.out.data() + kLeadHeader + lead_bytes + lead_part_offset(parts, i), parts[i].data,
-                    parts[i].count * size_of(parts[i].type));
+    if (sent) pack_lead_parts(parts, e.out.data() + kLeadHeader + lead_bytes);
     const uint8_t* received = exchange_eager(*context, e, kLeadHeader + lead_bytes + bytes, "lead exchange");
     // Rank r's header words (word 1 read only where word 0 is a lead's: a message of another kind may end there).
     const auto header_of = [&](int r, size_t word = 0) {

@@ -133,6 +133,23 @@ void add_in_rank_order(void* out, size_t count, DataType type, size_t n, Contrib
 inline size_t lead_part_offset(std::span<const LeadPart> parts, size_t i) {
   return (lead_parts_bytes(parts.first(i)) + 7) / 8 * 8;
 }
+// A part as its lead exchange's header describes it (staged or not): its bytes (bits 0-55) and type (56 and up);
+// 0 for an empty part. Parts that differ in count or type differ in it. Only for a part that fits the capacity.
+inline uint64_t lead_part_word(const LeadPart& part) {
+  if (part.count == 0) return 0;
+  return static_cast<uint64_t>(part.count * size_of(part.type)) | (static_cast<uint64_t>(part.type) << 56);
+}
+// Each part's elements into a message's data at `to`, or from one at `from` (lead_parts_bytes' layout).
+inline void pack_lead_parts(std::span<const LeadPart> parts, uint8_t* to) {
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].count > 0)
+      std::memcpy(to + lead_part_offset(parts, i), parts[i].data, parts[i].count * size_of(parts[i].type));
+}
+inline void unpack_lead_parts(std::span<const LeadPart> parts, const uint8_t* from) {
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].count > 0)
+      std::memcpy(parts[i].data, from + lead_part_offset(parts, i), parts[i].count * size_of(parts[i].type));
+}
 
 // Gloo's unbound-buffer waits return false only when aborted, which nothing here does; were one to, it is a
 // transport failure: throws gloo::IoException (fatal: the group breaks, so no pair is left with a dropped

@@ -332,7 +332,7 @@ namespace {
 // a status word first.
 constexpr size_t kStageHeader = 4 * sizeof(uint64_t);
 constexpr size_t kStatus = sizeof(uint64_t);
-constexpr int kHeaderKindShift = 32, kHeaderTypeShift = 56;
+constexpr int kHeaderKindShift = 32;
 // Status words, what happened in bits 0-3: the data not summed / summed; a rank of this host passed another lead
 // than its leader (that rank, its lead's bytes and kind in the upper bits); the leaders' leads differ in size;
 // a host's leader passed another kind of lead than rank 0 (that leader, its lead's bytes and kind).
@@ -387,30 +387,15 @@ size_t HostStage::lead_capacity(size_t leaders_capacity) const {
 bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uint32_t tag, LeadKind kind,
                                const void* lead, void* leads, size_t lead_bytes, std::span<const LeadPart> parts,
                                size_t capacity, CollectiveAlgorithms& algorithms) {
-  PSGD_ASSERT(parts.size() <= 2, parts.size(), " parts");
+  PSGD_ASSERT(parts.size() <= kMaxLeadParts, parts.size(), " parts");
   // Data that does not fit beside the lead stays behind, as without staging.
   const size_t data_bytes = lead_parts_bytes(parts);
   const bool sent = data_bytes > 0 && data_bytes <= capacity - lead_bytes;
   const size_t bytes = sent ? data_bytes : 0;
   // Each part's exact bytes and type (0 where none is sent): headers alike only for the same parts.
-  const auto part_word = [&](size_t i) -> uint64_t {
-    if (!sent || i >= parts.size() || parts[i].count == 0) return 0;
-    return static_cast<uint64_t>(parts[i].count * size_of(parts[i].type)) |
-           (static_cast<uint64_t>(parts[i].type) << kHeaderTypeShift);
-  };
+  const auto part_word = [&](size_t i) { return sent && i < parts.size() ? lead_part_word(parts[i]) : 0; };
   const uint64_t header[4] = {lead_bytes, part_word(0), static_cast<uint64_t>(kind) << kHeaderKindShift,
                               part_word(1)};
-  // Each part's place in a message's data and in the leaders' sum.
-  const auto copy_parts = [&](uint8_t* to) {
-    for (size_t i = 0; i < parts.size(); ++i)
-      if (parts[i].count > 0)
-        std::memcpy(to + lead_part_offset(parts, i), parts[i].data, parts[i].count * size_of(parts[i].type));
-  };
-  const auto parts_from = [&](const uint8_t* from) {
-    for (size_t i = 0; i < parts.size(); ++i)
-      if (parts[i].count > 0)
-        std::memcpy(parts[i].data, from + lead_part_offset(parts, i), parts[i].count * size_of(parts[i].type));
-  };
   const size_t world = groups_.host_of.size();
   const std::vector<int>& host = my_host();
   const size_t reply_bytes = kStatus + world * lead_bytes;  // and the data where it was summed
@@ -418,7 +403,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     lead_out_.resize(kStageHeader + lead_bytes + bytes);
     std::memcpy(lead_out_.data(), header, kStageHeader);
     std::memcpy(lead_out_.data() + kStageHeader, lead, lead_bytes);
-    if (sent) copy_parts(lead_out_.data() + kStageHeader + lead_bytes);
+    if (sent) pack_lead_parts(parts, lead_out_.data() + kStageHeader + lead_bytes);
     lead_in_.resize(reply_bytes + bytes);  // the leader's reply is at most this long (shorter where not summed)
     transfer(*global, Direction::Send, tag, {{host.front(), kLeadExchangeSlot, lead_out_.data(), lead_out_.size()}},
              "lead exchange: send to the host's leader");
@@ -429,7 +414,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
     std::memcpy(&status, lead_in_.data(), kStatus);
     if (status != kSummed && status != kNotSummed) throw_mismatch(status, rank_, lead_bytes, kind);
     std::memcpy(leads, lead_in_.data() + kStatus, world * lead_bytes);
-    if (status == kSummed) parts_from(lead_in_.data() + reply_bytes);
+    if (status == kSummed) unpack_lead_parts(parts, lead_in_.data() + reply_bytes);
     return status == kSummed;
   }
   PSGD_ASSERT(leaders_ != nullptr, "rank ", rank_, " leads a host but has no leaders' context");
@@ -515,7 +500,7 @@ bool HostStage::lead_allreduce(const std::shared_ptr<gloo::Context>& global, uin
                   all.data() + k * leaders_lead + kStatus + j * lead_bytes, lead_bytes);
   std::memcpy(lead_out_.data() + kStatus, leads, world * lead_bytes);
   reply(summed ? kSummed : kNotSummed, summed);
-  if (summed) parts_from(sum);
+  if (summed) unpack_lead_parts(parts, sum);
   return summed;
 }
 
