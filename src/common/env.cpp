@@ -87,6 +87,11 @@ constexpr Variable kVariables[] = {
      "(tcp): two rounds on any number of ranks, rank r adds everyone's r-th chunk in rank order and sends the "
      "sum to all, the same bits as direct. 0: Gloo's bcube there (2 log2(world size) rounds), as before it. "
      "Must be equal on every rank. docs/transport.md, \"Scatter-gather allreduce\"."},
+    {"PSGD_FINGERPRINT_STORE", "1",
+     "1: at creation this rank publishes its settings record in the store and, where every rank does, reads "
+     "every rank's from it (two store round trips after the mesh: the set and one read) instead of Gloo's ring "
+     "allgather (2 (world size - 1) one-way delays). 0: the ring, as builds before it (A/B benchmarks). May "
+     "differ between ranks: any 0, and every rank takes the ring. docs/transport.md, step 5 of the rendezvous."},
     {"PSGD_HOST_STAGE", "auto",
      "1: host-staged allreduce (tcp): the ranks that share a host send their buffers to its lowest rank, which "
      "adds them in rank order; only these leaders allreduce across hosts (direct, scatter-gather or ring chosen for the "

@@ -31,6 +31,7 @@
 #include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
 #include "comm/host_stage.hpp"
+#include "comm/peer_attribution.hpp"
 #include "common/fd.hpp"
 #include "store/store.hpp"
 #include <gloo/types.h>
@@ -1479,28 +1480,129 @@ TEST_CASE("async: many operations in flight complete in submission order") {
   }
 }
 
-TEST_CASE("fingerprint: a rank with a different ring threshold is named") {
-  if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
-  if (std::atoi(std::getenv("RANK")) == 1) setenv("PSGD_RING_THRESHOLD_BYTES", "12345", 1);
-  const std::string what = creation_mismatch("fingerprint");
-  INFO(what);
-  CHECK(what.find("rank 1") != std::string::npos);
-  CHECK(what.find("PSGD_RING_THRESHOLD_BYTES 12345") != std::string::npos);
+// Sets an environment variable for a scope and restores what it was (unset where it was), whatever leaves it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// The creation records travel through the store where every rank offers it (PSGD_FINGERPRINT_STORE=1, the
+// default), else by Gloo's ring, which a build before the store path makes (as a rank with 0 does here): each
+// test below runs every way. `older_rank`: the rank that offers nothing (-1: none; past the world: the last).
+struct RecordPath {
+  const char* name;
+  int older_rank;
+  std::string run_id(const char* test) const { return std::string(test) + "-" + std::to_string(older_rank); }
+  bool store() const { return older_rank < 0; }
+};
+constexpr RecordPath kRecordPaths[] = {
+    {"store", -1}, {"ring: rank 0 as an older build", 0}, {"ring: the last rank as an older build", 1 << 20}};
+
+// PSGD_FINGERPRINT_STORE for `path` on this rank.
+ScopedEnv offer_for(const RecordPath& path) {
+  const int rank = std::atoi(std::getenv("RANK")), world = std::atoi(std::getenv("WORLD_SIZE"));
+  const bool older = path.older_rank == rank || (path.older_rank >= world && rank == world - 1);
+  return ScopedEnv("PSGD_FINGERPRINT_STORE", older ? "0" : "1");
 }
 
-// A setting that changes how collectives run (the direct bound) differs on rank 1: the records still travel by
-// the one allgather, and so does the exchange every rank makes before it throws (so that none closes while
-// another waits for a record): every rank gets the MismatchError naming rank 1, none a PeerError or an abort.
+TEST_CASE("fingerprint: by the store where every rank offers it, else the ring; each peer's pair as it prints it") {
+  for (const RecordPath& path : kRecordPaths) {
+    INFO("path: ", std::string(path.name));
+    std::unique_ptr<GlooCommunicator> comm;
+    {
+      const ScopedEnv offer = offer_for(path);
+      comm = connect(path.run_id("fingerprint-paths").c_str());
+    }
+    const int n = comm->size(), me = comm->rank();
+    CHECK(comm->fingerprints_from_store() == (n > 1 && path.store()));
+    // Each rank's pairs as Gloo prints them; rank r's table must name rank p's pair towards r as p prints it.
+    constexpr size_t kWidth = 96;
+    std::vector<char> mine(kWidth * static_cast<size_t>(n), '\0'), all(mine.size() * static_cast<size_t>(n));
+    for (int p = 0; p < n; ++p)
+      if (p != me)
+        std::snprintf(mine.data() + kWidth * static_cast<size_t>(p), kWidth, "%s", comm->pair_address(p).c_str());
+    comm->allgather(mine.data(), all.data(), mine.size());
+    for (int p = 0; p < n; ++p) {
+      if (p == me) {
+        CHECK(comm->peer_address(p).empty());
+        continue;
+      }
+      const std::string printed(all.data() + mine.size() * static_cast<size_t>(p) + kWidth * static_cast<size_t>(me));
+      const auto [ip, port] = transport::split_pair_address(printed);
+      INFO("rank ", p, "'s pair towards rank ", me, ": ", printed);
+      REQUIRE(port != 0);
+      CHECK(comm->peer_address(p) == "[" + ip + "]:" + std::to_string(port));
+    }
+    comm->barrier();
+  }
+}
+
+TEST_CASE("fingerprint: a rank with a different ring threshold is named") {
+  if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
+  for (const RecordPath& path : kRecordPaths) {
+    INFO("path: ", std::string(path.name));
+    const ScopedEnv offer = offer_for(path);
+    const ScopedEnv threshold("PSGD_RING_THRESHOLD_BYTES", std::atoi(std::getenv("RANK")) == 1 ? "12345" : "8388608");
+    const std::string what = creation_mismatch(path.run_id("fingerprint-threshold").c_str());
+    INFO(what);
+    CHECK(what.find("rank 1") != std::string::npos);
+    CHECK(what.find("PSGD_RING_THRESHOLD_BYTES 12345") != std::string::npos);
+  }
+}
+
+// A setting that changes how collectives run (the direct bound) differs on rank 1: by the store, every rank
+// reads the same records; by the ring they travel by the one allgather. Either way every rank makes one more
+// allgather before it throws (so that none closes its pairs, or the store it hosts, while another waits for a
+// record): every rank gets the MismatchError naming rank 1, none a PeerError, an IoError or an abort. Last,
+// through the store that rank 0 hosts (as under torchrun), whose own read of the records is a loopback round
+// trip (once per process, at its end: the store on MASTER_PORT closes with rank 0's communicator, so a rank
+// that went on to another would meet it closing).
 TEST_CASE("fingerprint: a rank with another direct bound is named on every rank") {
   if (std::atoi(std::getenv("WORLD_SIZE")) < 2) return;
-  unsetenv("PSGD_RING_THRESHOLD_BYTES");
-  setenv("PSGD_DIRECT_MAX_BYTES", std::atoi(std::getenv("RANK")) == 1 ? "0" : "262144", 1);
-  {
-    const std::string what = creation_mismatch("fingerprint-direct");
+  std::vector<std::pair<RecordPath, bool>> runs;
+  for (const RecordPath& path : kRecordPaths) runs.emplace_back(path, false);
+  runs.emplace_back(kRecordPaths[0], true);
+  for (const auto& [path, rank0_hosts] : runs) {
+    INFO("path: ", std::string(path.name), rank0_hosts ? ", rank 0 hosts the store" : "");
+    const ScopedEnv offer = offer_for(path);
+    const ScopedEnv bound("PSGD_DIRECT_MAX_BYTES", std::atoi(std::getenv("RANK")) == 1 ? "0" : "262144");
+    std::string what;
+    if (rank0_hosts) {
+      // MASTER_ADDR/MASTER_PORT: free under powersgd-run, as in "torchrun: rank 0 hosts the store".
+      CommOptions o = [] {
+        const ScopedEnv hosted("PSGD_STORE_HOSTED", "0");
+        return options("fingerprint-direct-rank0");
+      }();
+      o.run_id = path.run_id("fingerprint-direct-rank0");
+      REQUIRE(o.host_store == (o.rank == 0));
+      try {
+        GlooCommunicator::create(o);
+        FAIL_CHECK("expected a MismatchError");
+      } catch (const MismatchError& e) {
+        what = e.what();
+      }
+    } else {
+      what = creation_mismatch(path.run_id("fingerprint-direct").c_str());
+    }
     INFO(what);
     CHECK(what.find("rank 1 has PSGD_DIRECT_MAX_BYTES 0 (rank 0: 262144)") != std::string::npos);
   }
-  unsetenv("PSGD_DIRECT_MAX_BYTES");
 }
 
 TEST_CASE("check_same: names what differs and the first differing rank") {

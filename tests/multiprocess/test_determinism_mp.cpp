@@ -459,6 +459,10 @@ TEST_CASE("determinism: a zero, then rank-deficient, then full gradient: the sam
       }),
       option("error_feedback off, rank 1", [](Config& c) { c.error_feedback = false; c.rank = 1; }),
       option("bf16 wire, rank 2", [](Config& c) { c.wire_dtype = WireDType::BFloat16; c.rank = 2; }),
+      option("fp16 wire, alternating, rank 4", [](Config& c) {
+        c.wire_dtype = WireDType::Float16;
+        c.alternating = true;
+      }),
   };
   for (const auto& f : compare_options(*comm, opts, shapes, inputs)) FAIL_CHECK(f);
 }

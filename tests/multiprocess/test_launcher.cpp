@@ -1,7 +1,8 @@
 // Tests of powersgd-run, run as a real process (posix_spawn) with
 // launcher_worker as its program. Paths come from the environment:
-// PSGD_RUN (the launcher), LAUNCHER_WORKER and PSGD_DELAY (powersgd-delay;
-// empty when not built). Suites: local, ssh (a real sshd on 127.0.0.1, started
+// PSGD_RUN (the launcher), LAUNCHER_WORKER, TEST_COMM (test_comm, whose cases
+// some tests run at a distance) and PSGD_DELAY (powersgd-delay; empty when not
+// built). Suites: local, ssh (a real sshd on 127.0.0.1, started
 // here), emulated (network namespaces), link-delay (--link-delay).
 // Leading arguments --require=root / sshd / netns / delayer make the binary
 // exit 77 (skipped) when that is missing; the rest goes to doctest.
@@ -56,6 +57,10 @@ const std::string& launcher() {
 }
 const std::string& worker() {
   static const std::string path = env_or_fail("LAUNCHER_WORKER");
+  return path;
+}
+const std::string& test_comm() {
+  static const std::string path = env_or_fail("TEST_COMM");
   return path;
 }
 
@@ -1230,6 +1235,19 @@ TEST_SUITE("link-delay") {
   // Stopped (its connections open and silent, as a host that hangs) for 8 s, beyond every survivor's bound.
   TEST_CASE("a rank that stalls inside Communicator::create at 20 ms one way: every other rank fails, bounded") {
     check_lost_in_create("stalled-in-create");
+  }
+
+  // The fingerprint's cases (test_comm) where the ranks' store reads cross a delayed link: by the store and by the
+  // ring, with a differing setting on rank 1, every rank gets the MismatchError, also where rank 0 hosts the store
+  // and reads the records a round trip before the others (without the allgather before it throws, rank 0 closed
+  // the store under the others' reads: an IoError on them, 2 runs in 2 at 10 ms).
+  TEST_CASE("creation records at 10 ms one way: every rank names the differing rank, by the store and by the ring") {
+    Result r = run({"--emulate-hosts", "3", "-n", "3", "--timeout", "100", "--link-delay", "10ms", "--", test_comm(),
+                    "-tc=fingerprint:*"},
+                   120s);
+    INFO("stdout:\n", r.out, "\nstderr:\n", r.err);
+    CHECK(r.code == 0);
+    CHECK(contains(r.out, "[2] [doctest] Status: SUCCESS!"));
   }
 
   TEST_CASE("--delay-mechanism netem on a kernel without netem: exit 1 naming tc's error, before any worker") {

@@ -215,10 +215,72 @@ TEST_CASE("wire: a step that fails while the announce carries the float32 part a
       }
 }
 
-// Not a check: how far the transport's 16-bit sum (rounded at every hop) lies
-// from one rounding of the float32 sum of the same rounded inputs (what partial
-// sums in float32 would give), against the exact float32 sum. Figures for
-// docs/engine.md; run with -tc='measure*'.
+// The announce carries a 16-bit wire's float32 parts and factors (2 rounds where the float32 wire pays 2): in
+// every variant, alternating's halves included, the outputs and error memory are the bits of a Reducer whose
+// announces carry nothing (PSGD_CARRY_FIRST=0 on every rank), which pays the collectives it replaces.
+TEST_CASE("wire: every variant's carried factors have the bits of the collectives they replace") {
+  auto comm = connect("wire-carried-bits");
+  const int me = comm->rank();
+  if (comm->size() < 2) return;
+  for (WireDType type : {WireDType::BFloat16, WireDType::Float16})
+    for (const Variant& v : kVariants) {
+      INFO(to_string(type), ", ", v.name);
+      Config config;
+      config.rank = 2;
+      config.start_iter = 1;
+      config.alternating = v.alternating;
+      config.whole_bucket = v.whole_bucket;
+      config.batch_same_shape = v.batch_same_shape;
+      config.wire_dtype = type;
+      Reducer carried(*comm, config);
+      setenv("PSGD_CARRY_FIRST", "0", 1);
+      Reducer plain(*comm, config);
+      unsetenv("PSGD_CARRY_FIRST");  // read when a Reducer is made
+      const int buckets = v.two_buckets ? 2 : 1;
+      for (int b = 0; b < buckets; ++b) {
+        carried.add_bucket(kShapes);
+        plain.add_bucket(kShapes);
+      }
+      const size_t n = carried.bucket_size(0);
+      uint64_t carried_rounds = 0, plain_rounds = 0;
+      for (int64_t step = 0; step < 6; ++step) {
+        CAPTURE(step);
+        std::vector<std::vector<float>> g(static_cast<size_t>(buckets)), h(static_cast<size_t>(buckets));
+        for (size_t b = 0; b < g.size(); ++b) h[b] = g[b] = gradients(n, me, step, b);
+        const auto reduce = [&](Reducer& reducer, std::vector<std::vector<float>>& data) {
+          const uint64_t before = comm->communication_rounds();
+          if (v.two_buckets) {
+            std::vector<std::span<float>> spans{data[0], data[1]};
+            reducer.reduce_all(spans);
+          } else {
+            reducer.reduce(0, data[0]);
+          }
+          return comm->communication_rounds() - before;
+        };
+        const uint64_t a = reduce(carried, g), b = reduce(plain, h);
+        if (step >= 1) {  // compressed: 2 rounds carried (1 alternating), more where nothing is carried
+          CHECK(a == (v.alternating ? 1u : 2u));
+          CHECK(b > a);
+        }
+        carried_rounds += a;
+        plain_rounds += b;
+        for (size_t k = 0; k < g.size(); ++k) {
+          CHECK(std::memcmp(g[k].data(), h[k].data(), n * sizeof(float)) == 0);
+          CHECK(same_on_every_rank(*comm, g[k]));
+        }
+      }
+      for (int b = 0; b < buckets; ++b) {
+        std::vector<float> e(n), f(n);
+        carried.error_feedback(b, e);
+        plain.error_feedback(b, f);
+        CHECK(std::memcmp(e.data(), f.data(), n * sizeof(float)) == 0);
+      }
+      CHECK(carried.stats().bytes_sent == plain.stats().bytes_sent);
+      MESSAGE(std::string(to_string(type)), " ", std::string(v.name), ": ", carried_rounds, " rounds carried, ",
+              plain_rounds, " not");
+    }
+}
+
 // Where the factors do not fit beside the announce and the float32 parts (the lead exchange's capacity), the
 // announce carries the float32 parts alone and the factors follow in their own collective: 3 rounds per
 // compressed step, the bits and bytes of a Reducer whose announce carries nothing (4 rounds: the announce, the
@@ -265,6 +327,10 @@ TEST_CASE("wire: factors beyond the lead exchange's capacity follow in their own
   CHECK(carried.stats().bytes_sent == plain.stats().bytes_sent);
 }
 
+// Not a check: how far the transport's 16-bit sum (rounded at every hop) lies
+// from one rounding of the float32 sum of the same rounded inputs (what partial
+// sums in float32 would give), against the exact float32 sum. Figures for
+// docs/engine.md; run with -tc='measure*'.
 TEST_CASE("measure: per-hop rounding against one rounding" * doctest::skip()) {
   auto comm = connect("wire-measure");
   const int me = comm->rank();

@@ -7,6 +7,7 @@
 
 #include "support/doctest_main.hpp"
 
+#include <arpa/inet.h>
 #include <stdlib.h>
 
 #include <gloo/transport/tcp/address.h>
@@ -238,6 +239,49 @@ TEST_CASE("require_same_fingerprints names the first differing rank and each fie
     CHECK(what.find("rank 1 has version 9.9.9 (rank 0: ") != std::string::npos);
     CHECK(what.find("world size 2 (rank 0: 3)") != std::string::npos);
   }
+}
+
+TEST_CASE("creation records: each rank's pair towards this one as Gloo prints it; a record of another size named") {
+  // Rank r's pair towards rank p listens on port 1000 + 10 r + p, as Gloo prints it (raw network order).
+  const auto pairs_of = [](int r) {
+    std::vector<std::string> pairs(3);
+    for (int p = 0; p < 3; ++p)
+      if (p != r)
+        pairs[static_cast<size_t>(p)] = "[10.0.0." + std::to_string(r + 1) + "]:" + std::to_string(1000 + 10 * r + p);
+    return pairs;
+  };
+  std::vector<std::vector<uint8_t>> records;
+  for (int r = 0; r < 3; ++r) {
+    CommOptions options;
+    options.world_size = 3;
+    options.rank = r;
+    records.push_back(creation_record(options, GlooApi::New, 262144, HostStageMode::Auto, true, true, pairs_of(r)));
+    CHECK(records.back().size() == sizeof(Fingerprint) + 3 * sizeof(uint16_t));
+  }
+  CommOptions one;
+  one.world_size = 3;
+  one.rank = 1;
+  // Rank 1's pair towards rank 2 is connected from local port (network order 1012) to 4242.
+  const uint16_t local = ntohs(uint16_t{1012});
+  const PeerTable peers = compare_records(one, records, pairs_of(1), ConnectionTable{{local, 4242}});
+  CHECK(peers.addresses == std::vector<std::string>{"[10.0.0.1]:1001", "", "[10.0.0.3]:1021"});
+  CHECK(peers.sockets[2] == std::pair<uint16_t, uint16_t>{local, 4242});
+  CHECK(peers.sockets[0] == std::pair<uint16_t, uint16_t>{0, 0});  // not established
+  // Another build's record of another size (through the store nothing forces one size): a mismatch naming it.
+  records[2].resize(records[2].size() + 8);
+  CHECK_THROWS_WITH_AS(compare_records(one, records, pairs_of(1), {}),
+                       "process group configuration mismatch: rank 2's creation record has 110 bytes (rank 1's: "
+                       "102); every rank must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
+  // A differing setting: rank 0 named as the ring names it.
+  CommOptions other = one;
+  other.rank = 2;
+  other.ring_threshold_bytes = 12345;
+  records[2] = creation_record(other, GlooApi::New, 262144, HostStageMode::Auto, true, true, pairs_of(2));
+  CHECK_THROWS_WITH_AS(compare_records(one, records, pairs_of(1), {}),
+                       "process group configuration mismatch: rank 2 has PSGD_RING_THRESHOLD_BYTES 12345 (rank 0: "
+                       "8388608); every rank must use the same powersgd version and PSGD_* settings",
+                       MismatchError);
 }
 
 TEST_CASE("a build before the wire revision sends a record of the same size that reads as revision 0") {

@@ -67,14 +67,17 @@ class NewStyleAlgorithms final : public CollectiveAlgorithms {
   }
   size_t max_allgather_bytes() const override { return SIZE_MAX; }
 
-  void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t tag) override {
+  std::vector<uint8_t> connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t tag,
+                                     uint8_t offer) override {
+    // One byte to each rank: builds before the offer sent 0 and never read what they received.
     const size_t n = static_cast<size_t>(context->size);
-    std::vector<uint8_t> in(n), out(n);
+    std::vector<uint8_t> in(n, offer), out(n);
     gloo::AlltoallOptions opts(context);
     opts.setInput(in.data(), n);
     opts.setOutput(out.data(), n);
     configure(opts, tag);
     gloo::alltoall(opts);
+    return out;
   }
 
   void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
@@ -639,8 +642,9 @@ class LegacyAlgorithms final : public CollectiveAlgorithms {
   void release_eager_direct() override {}
   uint64_t eager_direct_collectives() const override { return 0; }
 
-  void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t) override {
+  std::vector<uint8_t> connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t, uint8_t) override {
     FlushedBarrier<gloo::BarrierAllToAll>(context).run();
+    return {};
   }
 
   void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t, void* data, size_t count, DataType type,

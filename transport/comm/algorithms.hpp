@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.hpp"
 #include "comm/dtype.hpp"
@@ -58,9 +59,12 @@ class CollectiveAlgorithms {
   // Largest allgather contribution per rank, in bytes.
   virtual size_t max_allgather_bytes() const = 0;
 
-  // Makes every pair carry traffic once: pairs finish connecting lazily, and
-  // their addresses are final only after that.
-  virtual void connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t tag) = 0;
+  // Makes every pair carry traffic once; no rank returns before every rank
+  // has entered it. Each rank sends `offer` to every rank; returns every rank's
+  // (rank order; every rank receives the same), or nothing where the API sends
+  // no bytes (the legacy API's barrier).
+  virtual std::vector<uint8_t> connect_pairs(const std::shared_ptr<gloo::Context>& context, uint32_t tag,
+                                             uint8_t offer) = 0;
   virtual void allreduce(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t count,
                          DataType type, Algorithm algorithm) = 0;
   virtual void broadcast(const std::shared_ptr<gloo::Context>& context, uint32_t tag, void* data, size_t bytes,
@@ -78,8 +82,9 @@ class CollectiveAlgorithms {
   // bound. No effect with the legacy API.
   virtual void enable_eager_direct(size_t bound) = 0;
   // From now on small allgathers take one exchange (allgather above). Every rank calls it at the same point of its
-  // sequence of collectives: after the fingerprint exchange, whose allgather is the ring of every build, so that
-  // ranks of builds that gather otherwise meet there and get a MismatchError. No effect with the legacy API.
+  // sequence of collectives: after the fingerprint exchange, which takes the ring of every build where any rank
+  // does not offer the store, so that ranks of builds that gather otherwise meet there and get a MismatchError.
+  // No effect with the legacy API.
   virtual void enable_direct_allgather() = 0;
   // Drops the receives posted ahead and the buffers behind them: they hold the contexts' connections open,
   // which a broken group must close now.

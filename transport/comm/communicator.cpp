@@ -212,6 +212,8 @@ GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : op
   scatter_gather_ = api_ == GlooApi::New && scatter_gather;
   const size_t direct_max_bytes = direct_max_bytes_from_env(scatter_gather);
   direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes : 0;
+  const bool offer = fingerprint_store_from_env();
+  offer_record_in_store_ = api_ == GlooApi::New && offer;  // the legacy API's all-to-all carries no byte
   algorithms_ = make_algorithms(api_, options_.timeout, scatter_gather_);
 }
 
@@ -365,7 +367,7 @@ void GlooCommunicator::connect() {
   context_ = std::make_shared<MeshContext>(options_.rank, options_.world_size);
   connect_mesh(*context_, *scoped, detail::concat("rendezvous of ", options_.world_size, " ranks"));
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
-  check_fingerprint();  // every rank has auto, or none (the fingerprint compares the setting); staging alike
+  check_fingerprint(*scoped);  // every rank has auto, or none (the fingerprint compares the setting); staging alike
   algorithms_->enable_direct_allgather();  // every rank's build gathers alike (the fingerprint's wire revision)
   if (host_stage_ != HostStageMode::Off) setup_host_stage(*scoped);
   if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
@@ -474,11 +476,11 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
            leaders != nullptr ? "leads its host" : "sends to its host's leader");
   stage_ = std::make_unique<HostStage>(std::move(groups), options_.rank, leaders, options_.timeout);
   staged_hosts_ = hosts;
-  // Every leaders' pair carries traffic once (pairs connect lazily); no rank goes on before every leader has:
+  // Every leaders' pair carries traffic once; no rank goes on before every leader has:
   // a leader whose rendezvous failed has thrown and closed its connections, which fails the barrier.
   submit("host stage connect", [this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
     stage_->connect_shared_memory(*context, tag, host_shm_);
-    if (stage_->leads()) algorithms_->connect_pairs(stage_->leader_context(), tag);
+    if (stage_->leads()) algorithms_->connect_pairs(stage_->leader_context(), tag, 0);
     algorithms_->barrier(context, tag);
   }).wait();
 }
@@ -551,30 +553,54 @@ void GlooCommunicator::measure_direct_bound() {
            ")");
 }
 
-void GlooCommunicator::check_fingerprint() {
+void GlooCommunicator::check_fingerprint(Store& scoped) {
   const int n = options_.world_size;
-  // Pairs finish connecting lazily; the pair addresses below are final only
-  // once every pair has carried traffic.
-  submit("connect", [this, n](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
-    if (n > 1) algorithms_->connect_pairs(context, tag);
+  const auto pair_addresses = [this, n] {
+    std::vector<std::string> addresses(static_cast<size_t>(n));
+    for (int peer = 0; peer < n; ++peer)
+      if (peer != options_.rank) addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
+    return addresses;
+  };
+  // This rank's record in the store before its byte of the all-to-all below offers it. Its pairs' addresses
+  // are final: the mesh connected every pair (both sides of a connect wait for it).
+  const bool offer = offer_record_in_store_ && n > 1;
+  const std::vector<std::string> published = offer ? pair_addresses() : std::vector<std::string>();
+  if (offer) {
+    const std::vector<uint8_t> record = creation_record(options_, api_, direct_max_bytes_, host_stage_,
+                                                        eager_direct_, scatter_gather_, published);
+    scoped.set(fingerprint_key(options_.rank), std::vector<char>(record.begin(), record.end()));
+  }
+  // Every pair carries traffic once, and each rank's byte says whether its record is in the store.
+  std::vector<uint8_t> offers;
+  submit("connect", [this, n, offer, &offers](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
+    if (n > 1) offers = algorithms_->connect_pairs(context, tag, offer ? kOfferRecordInStore : 0);
   }).wait();
-  std::vector<std::string> pair_addresses(static_cast<size_t>(n));
-  for (int peer = 0; peer < n; ++peer)
-    if (peer != options_.rank) pair_addresses[static_cast<size_t>(peer)] = context_->getPair(peer)->address().str();
-  // The allgather the records travel by: the same on every rank whatever the settings compared (the direct
-  // bound, staging), as a barrier, which takes the lead exchange where the direct bound allows, could not be.
+  // Every rank received the same bytes, so every rank takes the same path.
+  fingerprints_from_store_ =
+      offers.size() == static_cast<size_t>(n) && n > 1 &&
+      std::all_of(offers.begin(), offers.end(), [](uint8_t o) { return (o & kOfferRecordInStore) != 0; });
   const auto allgather = [this](const void* in, void* out, size_t bytes) {
     allgather_async(in, out, bytes, Sizes::Agreed).wait();
   };
   try {
-    peers_ = exchange_fingerprints(options_, api_, direct_max_bytes_, host_stage_, eager_direct_, scatter_gather_,
-                                   pair_addresses, allgather, &established_connections);
+    if (fingerprints_from_store_) {
+      PSGD_ASSERT(published == pair_addresses(), "a pair's address changed in the all-to-all after the mesh");
+      peers_ = read_fingerprints(options_, scoped, published, &established_connections);
+    } else {
+      // The records travel by the ring: the same allgather on every rank whatever the settings compared (the
+      // direct bound, staging), as a barrier, which takes the lead exchange where the direct bound allows,
+      // could not be.
+      peers_ = exchange_fingerprints(options_, api_, direct_max_bytes_, host_stage_, eager_direct_,
+                                     scatter_gather_, pair_addresses(), allgather, &established_connections);
+    }
   } catch (const MismatchError&) {
-    // Every rank gathered the same records, so every rank throws here, and create() then closes its connections.
-    // None may close before every other rank has its records: Gloo fails a rank's pending receives on any
-    // pair's end of stream, so a rank still waiting for one would get a PeerError, not this MismatchError. One
-    // more allgather first (no rank's completes before every rank has entered it, its records gathered); its
-    // own failure (a rank that passed it and closed) changes nothing here: this rank has its records.
+    // Every rank read or gathered the same records, so every rank throws here, and create() then closes its
+    // connections and, where it hosts the store, the store. None may do so before every other rank has its
+    // records: Gloo fails a rank's pending receives on any pair's end of stream (the ring), and a store that
+    // closed fails the reads still in flight (the store path: its host's own read is a loopback round trip),
+    // so a rank still waiting for one would get a PeerError or IoError, not this MismatchError. One more
+    // allgather first (no rank's completes before every rank has entered it, its records in hand); its own
+    // failure (a rank that passed it and closed) changes nothing here: this rank has its records.
     try {
       const uint64_t mine = 0;
       std::vector<uint64_t> all(static_cast<size_t>(n));
@@ -595,6 +621,12 @@ GlooCommunicator::~GlooCommunicator() {
   algorithms_->release_eager_direct();
   // context_ and device_ close their sockets here, Gloo's pairs at once (MeshContext's close_context:
   // docs/transport.md, step 4 of the rendezvous), the device after a tick of its loop (up to 10 ms).
+}
+
+std::string GlooCommunicator::pair_address(int peer) const {
+  PSGD_REQUIRE(peer >= 0 && peer < options_.world_size && peer != options_.rank, InvalidArgumentError, "peer ", peer,
+               ": expected another rank of [0, ", options_.world_size, ")");
+  return context_->getPair(peer)->address().str();
 }
 
 uint64_t GlooCommunicator::eager_direct_collectives() const { return algorithms_->eager_direct_collectives(); }

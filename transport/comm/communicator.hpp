@@ -112,6 +112,13 @@ class GlooCommunicator final : public Communicator {
   // Direct allreduces that took the eager path (PSGD_DIRECT_EAGER=1; docs/transport.md), counted on the
   // communication thread: read it between operations, not while one runs.
   uint64_t eager_direct_collectives() const;
+  // Whether the ranks' creation records came through the store (every rank offered it), not Gloo's ring
+  // (docs/transport.md, step 5 of the rendezvous).
+  bool fingerprints_from_store() const { return fingerprints_from_store_; }
+  // For tests: this rank's pair towards `peer` as Gloo prints it, and rank r's pair towards this rank as the
+  // table of peers has it ("[ip]:port"; empty where unknown), which names a peer in Gloo's errors.
+  std::string pair_address(int peer) const;
+  std::string peer_address(int peer) const { return peers_.addresses.at(static_cast<size_t>(peer)); }
   // The bound PSGD_DIRECT_MAX_BYTES=auto chooses (docs/transport.md, "Rounds") from the slowest rank's
   // one-round exchange time and, where measured (seconds_per_byte 0: not), the round scatter-gather adds, the
   // per-byte receive time and the number of parties to the exchange (ranks, or hosts when staged), each the
@@ -131,7 +138,10 @@ class GlooCommunicator final : public Communicator {
 
   GlooCommunicator(const CommOptions& options, GlooApi api);
   void connect();
-  void check_fingerprint();
+  // Collective: every rank's creation record compared (MismatchError), the pairs connected, peers_ filled. By
+  // the store where every rank offers it (this rank published its record in `scoped` if it offers), else
+  // Gloo's ring.
+  void check_fingerprint(Store& scoped);
   // Collective, at creation with PSGD_HOST_STAGE=1: groups the ranks by host
   // and, unless that is degenerate, connects the leaders' context and sets stage_.
   void setup_host_stage(Store& scoped);
@@ -209,6 +219,8 @@ class GlooCommunicator final : public Communicator {
   bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
   bool host_shm_ = true;  // PSGD_HOST_SHM: the hops within a host through shared memory where staged
   bool scatter_gather_ = false;  // PSGD_SCATTER_GATHER (new API only)
+  bool offer_record_in_store_ = false;  // PSGD_FINGERPRINT_STORE (new API only)
+  bool fingerprints_from_store_ = false;
   int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.
   std::atomic<uint64_t> rounds_{0};

@@ -4,6 +4,7 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
@@ -60,16 +61,15 @@ void require_same_fingerprints(const std::vector<Fingerprint>& all) {
   }
 }
 
-PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes, HostStageMode host_stage,
-                                bool eager_direct, bool scatter_gather,
-                                const std::vector<std::string>& pair_addresses,
-                                const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
-                                const std::function<ConnectionTable()>& connections) {
+std::string fingerprint_key(int rank) { return "fingerprint/" + std::to_string(rank); }
+
+std::vector<uint8_t> creation_record(const CommOptions& options, GlooApi api, size_t direct_max_bytes,
+                                     HostStageMode host_stage, bool eager_direct, bool scatter_gather,
+                                     const std::vector<std::string>& pair_addresses) {
   const size_t n = static_cast<size_t>(options.world_size);
   const size_t rank = static_cast<size_t>(options.rank);
   PSGD_ASSERT(pair_addresses.size() == n, pair_addresses.size(), " pair addresses for ", n, " ranks");
-  const size_t record = sizeof(Fingerprint) + n * sizeof(uint16_t);
-  std::vector<uint8_t> mine(record, 0);
+  std::vector<uint8_t> mine(sizeof(Fingerprint) + n * sizeof(uint16_t), 0);
   Fingerprint header = make_fingerprint(options, api, direct_max_bytes, host_stage, eager_direct, scatter_gather);
   for (size_t peer = 0; peer < n; ++peer) {
     if (peer == rank) continue;
@@ -78,16 +78,24 @@ PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t 
     std::memcpy(mine.data() + sizeof(Fingerprint) + peer * sizeof(uint16_t), &port, sizeof(port));
   }
   std::memcpy(mine.data(), &header, sizeof(header));
-  std::vector<uint8_t> gathered(record * n);
-  allgather(mine.data(), gathered.data(), record);
+  return mine;
+}
 
+PeerTable compare_records(const CommOptions& options, const std::vector<std::vector<uint8_t>>& records,
+                          const std::vector<std::string>& pair_addresses, const ConnectionTable& established) {
+  const size_t n = static_cast<size_t>(options.world_size);
+  const size_t rank = static_cast<size_t>(options.rank);
+  const size_t size = sizeof(Fingerprint) + n * sizeof(uint16_t);
+  PSGD_ASSERT(records.size() == n, records.size(), " records for ", n, " ranks");
   std::vector<Fingerprint> all(n);
   PeerTable peers;
   peers.addresses.assign(n, std::string());
   peers.sockets.assign(n, {0, 0});
-  ConnectionTable established = connections();
   for (size_t r = 0; r < n; ++r) {
-    const uint8_t* base = gathered.data() + r * record;
+    PSGD_REQUIRE(records[r].size() == size, MismatchError, "process group configuration mismatch: rank ", r,
+                 "'s creation record has ", records[r].size(), " bytes (rank ", rank, "'s: ", size,
+                 "); every rank must use the same powersgd version and PSGD_* settings");
+    const uint8_t* base = records[r].data();
     std::memcpy(&all[r], base, sizeof(Fingerprint));
     uint16_t port = 0;
     std::memcpy(&port, base + sizeof(Fingerprint) + rank * sizeof(uint16_t), sizeof(port));
@@ -106,6 +114,42 @@ PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t 
   }
   require_same_fingerprints(all);
   return peers;
+}
+
+PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t direct_max_bytes,
+                                HostStageMode host_stage, bool eager_direct, bool scatter_gather,
+                                const std::vector<std::string>& pair_addresses,
+                                const std::function<void(const void* in, void* out, size_t bytes)>& allgather,
+                                const std::function<ConnectionTable()>& connections) {
+  const size_t n = static_cast<size_t>(options.world_size);
+  const std::vector<uint8_t> mine =
+      creation_record(options, api, direct_max_bytes, host_stage, eager_direct, scatter_gather, pair_addresses);
+  std::vector<uint8_t> gathered(mine.size() * n);
+  allgather(mine.data(), gathered.data(), mine.size());
+  std::vector<std::vector<uint8_t>> records(n);
+  for (size_t r = 0; r < n; ++r)
+    records[r].assign(gathered.begin() + static_cast<std::ptrdiff_t>(r * mine.size()),
+                      gathered.begin() + static_cast<std::ptrdiff_t>((r + 1) * mine.size()));
+  return compare_records(options, records, pair_addresses, connections());
+}
+
+PeerTable read_fingerprints(const CommOptions& options, Store& store, const std::vector<std::string>& pair_addresses,
+                            const std::function<ConnectionTable()>& connections) {
+  const int n = options.world_size;
+  // Present: every rank published its record before its byte of the all-to-all this rank has received. In
+  // requests of at most 16 MiB of records and 1024 keys (a reply must fit the store's frame; the store takes up
+  // to 4096 keys per request), as the mesh reads the peers' addresses.
+  const size_t record = sizeof(Fingerprint) + static_cast<size_t>(n) * sizeof(uint16_t);
+  const int per_get = static_cast<int>(std::clamp<size_t>((size_t{16} << 20) / record, 1, 1024));
+  std::vector<std::vector<uint8_t>> records;
+  records.reserve(static_cast<size_t>(n));
+  for (int first = 0; first < n; first += per_get) {
+    std::vector<std::string> keys;
+    for (int r = first; r < std::min(n, first + per_get); ++r) keys.push_back(fingerprint_key(r));
+    for (const std::vector<char>& value : store.get_many(keys, store.timeout()))
+      records.emplace_back(value.begin(), value.end());
+  }
+  return compare_records(options, records, pair_addresses, connections());
 }
 
 }  // namespace powersgd::transport

@@ -127,6 +127,13 @@ bool scatter_gather_from_env() {
   return value == "1";
 }
 
+bool fingerprint_store_from_env() {
+  const std::string value = env::get_or_default("PSGD_FINGERPRINT_STORE");
+  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_FINGERPRINT_STORE='",
+               value, "' is invalid: expected 1 (creation records through the store, the default) or 0 (Gloo's ring)");
+  return value == "1";
+}
+
 HostStageMode host_stage_from_env() {
   const std::string value = env::get_or_default("PSGD_HOST_STAGE");
   PSGD_REQUIRE(value == "0" || value == "1" || value == "auto", InvalidArgumentError,

@@ -29,6 +29,9 @@ bool eager_direct_from_env();
 // order) between the direct bound and the ring threshold; 0 chooses Gloo's bcube there (2 log2 n rounds), as
 // before it. Equal on every rank (the fingerprint).
 bool scatter_gather_from_env();
+// PSGD_FINGERPRINT_STORE: 1 (the default) offers the store path for the creation records (fingerprint.hpp,
+// kOfferRecordInStore); 0 does not, as builds before it. May differ between ranks (any 0: Gloo's ring).
+bool fingerprint_store_from_env();
 // PSGD_HOST_STAGE (docs/env.md): 0 off; 1 on (UnsupportedError where the
 // API cannot stage); auto (the default) on where the API can stage and the
 // leaders have the descriptors for their context. Staging takes effect only
