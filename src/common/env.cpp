@@ -171,6 +171,13 @@ int64_t get_int(std::string_view name, int64_t min, int64_t max) {
   return value;
 }
 
+bool get_switch(std::string_view name, std::string_view on, std::string_view off) {
+  const std::string value = get_or_default(name);
+  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable ", name, "='", value,
+               "' is invalid: expected 1 (", on, ") or 0 (", off, ")");
+  return value == "1";
+}
+
 std::optional<Found> first_of(std::initializer_list<std::string_view> names) {
   for (auto name : names)
     if (auto value = get(name)) return Found{std::string(name), *value};

@@ -31,6 +31,11 @@ std::string get_or_default(std::string_view name);
 // InvalidArgumentError naming the variable, the value and the range.
 int64_t get_int(std::string_view name, int64_t min, int64_t max);
 
+// A switch: true for "1", false for "0" (the registered default where unset); any other value throws
+// InvalidArgumentError naming the variable, the value and what each setting means ("expected 1 (`on`) or 0
+// (`off`)").
+bool get_switch(std::string_view name, std::string_view on, std::string_view off);
+
 // The first of `names` that is set (for RANK / OMPI_COMM_WORLD_RANK / ... chains),
 // with the name that supplied it.
 struct Found {

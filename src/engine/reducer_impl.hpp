@@ -27,6 +27,7 @@
 #include "common/comm_turns.hpp"
 #include "common/comm_users.hpp"
 #include "common/completion.hpp"
+#include "common/env.hpp"
 #include "common/serial_worker.hpp"
 #include "compute/backend.hpp"
 #include "engine/arenas.hpp"
@@ -242,12 +243,10 @@ class Reducer::Impl final : public detail::CommUser {
   static std::vector<Reduction*> together(Reduction& reduction, Claimed& claimed);
   // Read once, when the Reducer is made: PSGD_FUSE_REDUCTIONS=0 turns fusing off on this rank (bench A/B; any
   // rank that proposes nothing makes every rank run its reductions one by one).
-  const bool fuse_ = switch_from_env("PSGD_FUSE_REDUCTIONS");
+  const bool fuse_ = env::get_switch("PSGD_FUSE_REDUCTIONS", "on, the default", "off");
   // PSGD_CARRY_FIRST=0: this rank's announces never carry the first collective (OrderGuard::carry; bench A/B;
   // a rank that carries nothing makes every rank issue the first collective of its own).
-  const bool carry_first_ = switch_from_env("PSGD_CARRY_FIRST");
-  // An on/off switch of this rank's: 1 (on, the default) or 0; another value is an InvalidArgumentError naming it.
-  static bool switch_from_env(const char* name);
+  const bool carry_first_ = env::get_switch("PSGD_CARRY_FIRST", "on, the default", "off");
   // Runs fn on the worker after everything queued before it; rethrows its exception.
   void call(std::function<void()> fn) { worker_.submit(WorkerTask{nullptr, std::move(fn), {}})->wait(); }
   // The same for a call that issues collectives: in its turn among the communicator's users.

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "common/env.hpp"
 #include "engine/fault_injection.hpp"
 #include "engine/job_checkpoint.hpp"
 #include "engine/policy.hpp"
@@ -28,13 +27,6 @@ void Reducer::Impl::start() {
                      engine::levels_before_note(config_));
   });
   allocated_ = true;
-}
-
-bool Reducer::Impl::switch_from_env(const char* name) {
-  const std::string value = env::get_or_default(name);
-  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable ", name, "='", value,
-               "' is invalid: expected 1 (on, the default) or 0 (off)");
-  return value == "1";
 }
 
 void Reducer::Impl::run(Reduction& reduction, const detail::CommTurns::Turn& turn) {

@@ -65,6 +65,18 @@ const Variant kVariants[] = {{"default", false, false, false, false},
                              {"batched", false, false, true, false},
                              {"reduce_all of two buckets", false, false, false, true}};
 
+// A variant's configuration: rank 2, one plain step (float32 on the wire), then compressed.
+Config variant_config(const Variant& v, WireDType wire) {
+  Config config;
+  config.rank = 2;
+  config.start_iter = 1;
+  config.alternating = v.alternating;
+  config.whole_bucket = v.whole_bucket;
+  config.batch_same_shape = v.batch_same_shape;
+  config.wire_dtype = wire;
+  return config;
+}
+
 }  // namespace
 
 TEST_CASE("wire: 16-bit factors give bitwise-identical outputs on every rank, near float32's, error memory exact") {
@@ -73,14 +85,7 @@ TEST_CASE("wire: 16-bit factors give bitwise-identical outputs on every rank, ne
   for (WireDType type : {WireDType::BFloat16, WireDType::Float16})
     for (const Variant& v : kVariants) {
       INFO(to_string(type), ", ", v.name);
-      Config config;
-      config.rank = 2;
-      config.start_iter = 1;  // one plain step (float32 on the wire), then compressed
-      config.alternating = v.alternating;
-      config.whole_bucket = v.whole_bucket;
-      config.batch_same_shape = v.batch_same_shape;
-      Config f32 = config;
-      config.wire_dtype = type;
+      const Config config = variant_config(v, type), f32 = variant_config(v, WireDType::Float32);
       Reducer wire(*comm, config), ref(*comm, f32);
       const int buckets = v.two_buckets ? 2 : 1;
       for (int b = 0; b < buckets; ++b) {
@@ -225,13 +230,7 @@ TEST_CASE("wire: every variant's carried factors have the bits of the collective
   for (WireDType type : {WireDType::BFloat16, WireDType::Float16})
     for (const Variant& v : kVariants) {
       INFO(to_string(type), ", ", v.name);
-      Config config;
-      config.rank = 2;
-      config.start_iter = 1;
-      config.alternating = v.alternating;
-      config.whole_bucket = v.whole_bucket;
-      config.batch_same_shape = v.batch_same_shape;
-      config.wire_dtype = type;
+      const Config config = variant_config(v, type);
       Reducer carried(*comm, config);
       setenv("PSGD_CARRY_FIRST", "0", 1);
       Reducer plain(*comm, config);

@@ -136,11 +136,9 @@ PeerTable exchange_fingerprints(const CommOptions& options, GlooApi api, size_t 
 PeerTable read_fingerprints(const CommOptions& options, Store& store, const std::vector<std::string>& pair_addresses,
                             const std::function<ConnectionTable()>& connections) {
   const int n = options.world_size;
-  // Present: every rank published its record before its byte of the all-to-all this rank has received. In
-  // requests of at most 16 MiB of records and 1024 keys (a reply must fit the store's frame; the store takes up
-  // to 4096 keys per request), as the mesh reads the peers' addresses.
-  const size_t record = sizeof(Fingerprint) + static_cast<size_t>(n) * sizeof(uint16_t);
-  const int per_get = static_cast<int>(std::clamp<size_t>((size_t{16} << 20) / record, 1, 1024));
+  // Present: every rank published its record before its byte of the all-to-all this rank has received.
+  const int per_get = static_cast<int>(
+      Store::keys_per_get_many(sizeof(Fingerprint) + static_cast<size_t>(n) * sizeof(uint16_t)));
   std::vector<std::vector<uint8_t>> records;
   records.reserve(static_cast<size_t>(n));
   for (int first = 0; first < n; first += per_get) {

@@ -205,12 +205,6 @@ class ConnectWatchdog {
   std::thread thread_;  // last: started once the members it reads are
 };
 
-// The peers' addresses read in one get_many: at most this many bytes of them (each peer's are as long as this
-// rank's: one Gloo address per pair; a reply must fit the store's frame) and kMaxKeysPerGet peers' (the
-// store's limit of keys per request is 4096).
-constexpr size_t kMaxBytesPerGet = size_t{16} << 20;
-constexpr size_t kMaxKeysPerGet = 1024;
-
 // Which peer's addresses this rank waited for in vain, for the mesh's timeout: the lowest of `keys` (peers'
 // ranks, ascending) that the store does not hold, found by halving (a check of the first keys each, log2(keys)
 // round trips, on this failure only).
@@ -283,8 +277,8 @@ void MeshContext::connect_full_mesh(Store& store, const std::shared_ptr<gloo::tr
   // The peers' addresses in one request (one round trip where the store has one; a peer's own after another
   // were two each, or three through a prefix store), or in a few for a large world. Each pair's connect needs
   // its peer to have read this rank's addresses too, so none could start much before the last peer published.
-  const size_t per_get = std::clamp<size_t>(kMaxBytesPerGet / std::max<size_t>(addresses.size(), 1), 1,
-                                            kMaxKeysPerGet);
+  // Each peer's addresses are as long as this rank's: one Gloo address per pair.
+  const size_t per_get = Store::keys_per_get_many(addresses.size());
   std::vector<std::vector<char>> published;  // peer p's at p, or p - 1 above this rank
   published.reserve(static_cast<size_t>(size));
   std::vector<std::string> keys;  // the peers' ranks

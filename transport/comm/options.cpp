@@ -114,24 +114,15 @@ void apply_env_settings(CommOptions& o) {
 }
 
 bool eager_direct_from_env() {
-  const std::string value = env::get_or_default("PSGD_DIRECT_EAGER");
-  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_DIRECT_EAGER='", value,
-               "' is invalid: expected 1 (receives posted one collective ahead, the default) or 0 (off)");
-  return value == "1";
+  return env::get_switch("PSGD_DIRECT_EAGER", "receives posted one collective ahead, the default", "off");
 }
 
 bool scatter_gather_from_env() {
-  const std::string value = env::get_or_default("PSGD_SCATTER_GATHER");
-  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_SCATTER_GATHER='",
-               value, "' is invalid: expected 1 (scatter-gather above the direct bound, the default) or 0 (bcube)");
-  return value == "1";
+  return env::get_switch("PSGD_SCATTER_GATHER", "scatter-gather above the direct bound, the default", "bcube");
 }
 
 bool fingerprint_store_from_env() {
-  const std::string value = env::get_or_default("PSGD_FINGERPRINT_STORE");
-  PSGD_REQUIRE(value == "0" || value == "1", InvalidArgumentError, "environment variable PSGD_FINGERPRINT_STORE='",
-               value, "' is invalid: expected 1 (creation records through the store, the default) or 0 (Gloo's ring)");
-  return value == "1";
+  return env::get_switch("PSGD_FINGERPRINT_STORE", "creation records through the store, the default", "Gloo's ring");
 }
 
 HostStageMode host_stage_from_env() {

@@ -21,4 +21,10 @@ std::vector<std::vector<char>> Store::get_many(const std::vector<std::string>& k
   return values;
 }
 
+size_t Store::keys_per_get_many(size_t value_bytes) {
+  constexpr size_t kMaxBytesPerGet = size_t{16} << 20;
+  constexpr size_t kMaxKeysPerGet = 1024;
+  return std::clamp<size_t>(kMaxBytesPerGet / std::max<size_t>(value_bytes, 1), 1, kMaxKeysPerGet);
+}
+
 }  // namespace powersgd::transport

@@ -41,6 +41,9 @@ class Store : public gloo::rendezvous::Store {
   // the values would not fit one reply (kMaxValueBytes + kMaxKeyBytes in all, about).
   virtual std::vector<std::vector<char>> get_many(const std::vector<std::string>& keys,
                                                   std::chrono::milliseconds timeout);
+  // How many keys one get_many may ask for where each value has about `value_bytes`: replies of at most 16 MiB
+  // (within the store's frame) and 1024 keys (the TCP store takes up to 4096 per request); at least 1.
+  static size_t keys_per_get_many(size_t value_bytes);
 
   // Atomically adds delta to the 64-bit counter stored at key (absent = 0) and
   // returns the new value. The counter is stored as decimal text, so get() reads
