@@ -37,7 +37,10 @@
 #         build of the commit before a change, for its before and after side by side), e.g.
 #         OLD_BUILD=/tmp/old/build SIDES="old new"; a side ending in @MODE runs powersgd-bench engine --mode MODE
 #         (sync, async or fused: reduce per bucket, all in flight, or reduce_all), e.g. SIDES="new new@fused"
-#         (@MODE last: "direct-idle0@fused")
+#         (@MODE last: "direct-idle0@fused"); a side with -chN before any @MODE runs N channels, at most one
+#         per bucket (e.g. "directauto-ch2@async", "direct-idle0-ch2"; not with an "old" side's build before it)
+#         (powersgd-bench engine --channels N: N communicators, each with its Reducer, bucket b on channel
+#         b % N, their collectives overlapping on the wire), e.g. SIDES="directauto@fused directauto-ch2"
 set -eu
 BUILD=${1:-build}
 RATE=${2:-1gbit}
@@ -73,7 +76,7 @@ for hosts in $HOSTS; do
       for side in $SIDES; do
         direct=; case $side in bcube*) direct=0 ;; directauto*) direct=auto ;; direct[0-9]*k*) direct=${side#direct}; direct=$((${direct%%k*} * 1024)) ;; esac
         fuse=; case $side in unfused*) fuse=0 ;; esac
-        idle=; case $side in *-idle0|*-idle0@*) idle=0 ;; esac
+        idle=; case $side in *-idle0|*-idle0@*|*-idle0-*) idle=0 ;; esac
         stage=; case $side in staged*) stage=1 ;; unstaged*) stage=0 ;; esac
         eager=; case $side in noeager*) eager=0 ;; esac
         sg=; case $side in nosg*|bcube*) sg=0 ;; esac
@@ -81,6 +84,7 @@ for hosts in $HOSTS; do
         shm=; case $side in *tcphops*) shm=0 ;; esac
         bench=$BENCH; case $side in old*) bench="$OLD_BUILD/tools/bench/powersgd-bench" ;; esac
         mode=; case $side in *@*) mode=${side##*@} ;; esac
+        channels=; case ${side%%@*} in *-ch[0-9]*) channels=${side%%@*}; channels=${channels##*-ch}; channels=${channels%%[!0-9]*} ;; esac
         json="$tmp/$hosts-$delay-$side-$round.json"
         # shellcheck disable=SC2086  # EXTRA: arguments without blanks
         "$RUN" --emulate-hosts "$hosts" --link-rate "$RATE" --link-delay "$delay" -n $((hosts * RANKS_PER_HOST)) \
@@ -90,7 +94,7 @@ for hosts in $HOSTS; do
           ${sg:+--env PSGD_SCATTER_GATHER=$sg} ${carry:+--env PSGD_CARRY_FIRST=$carry} ${shm:+--env PSGD_HOST_SHM=$shm} $ENV_ARGS \
           -- sh -c "${idle:+sysctl -qw net.ipv4.tcp_slow_start_after_idle=$idle && }exec \"\$0\" \"\$@\"" \
           "$bench" engine --shapes "$SHAPES" --bucket-mb "$BUCKET_MB" --rank "$RANK" --steps "$STEPS" \
-          --warmup 2 --json "$json" ${mode:+--mode "$mode"} $EXTRA > "$tmp/log" 2>&1 || {
+          --warmup 2 --json "$json" ${mode:+--mode "$mode"} ${channels:+--channels "$channels"} $EXTRA > "$tmp/log" 2>&1 || {
           echo "rounds_ab.sh: $side on $hosts hosts at $delay failed:" >&2; cat "$tmp/log" >&2; exit 1; }
         echo "  $hosts hosts, $delay, $side, round $round (load $(cut -d' ' -f1 /proc/loadavg))" >&2
       done

@@ -177,6 +177,11 @@ TEST_CASE("powersgd-bench: a bad argument or a library error is one line and exi
        "powersgd-bench engine: "},
       {"sweep --gradients " + (dir.path / "missing").string(), "powersgd-bench sweep: "},
       {"sweep --gradients " + shapes.string() + " --ranks 0", "powersgd-bench sweep: "},
+      {"engine --shapes " + shapes.string() + " --mode sync --stagger-ms 5",
+       "powersgd-bench engine: --stagger-ms 5 with --mode 'sync': expected --mode async\n"},
+      {"engine --shapes " + shapes.string() + " --channels 2 --mode fused",
+       "powersgd-bench engine: --channels 2 with 1 bucket(s) (--bucket-mb 0): expected at most one channel per "
+       "bucket\n"},
       {"allreduce --min-bytes 64 --max-bytes 8",
        "powersgd-bench allreduce: --min-bytes 64 above --max-bytes 8: expected at most --max-bytes\n"},
   };
@@ -189,7 +194,7 @@ TEST_CASE("powersgd-bench: a bad argument or a library error is one line and exi
     CHECK(std::count(text.begin(), text.end(), '\n') == 1);
   }
   // Counts the steps cannot be: CLI11's refusal (its exit status), not a division by zero.
-  for (const std::string bad : {"--steps 0", "--warmup -2", "--bucket-mb -1"}) {
+  for (const std::string bad : {"--steps 0", "--warmup -2", "--bucket-mb -1", "--channels 0", "--stagger-ms -1"}) {
     CAPTURE(bad);
     const auto [status, text] = run("engine --shapes " + shapes.string() + " " + bad);
     INFO(text);
@@ -202,6 +207,47 @@ TEST_CASE("powersgd-bench: a bad argument or a library error is one line and exi
   INFO(text);
   CHECK(status == 0);
   CHECK(text.find("1 tensors, 128 elements") != std::string::npos);
+}
+
+TEST_CASE("powersgd-bench engine --channels: the model's buckets split over the channels, each counted once") {
+  const char* bench = std::getenv("PSGD_BENCH");
+  REQUIRE_MESSAGE(bench != nullptr, "PSGD_BENCH must name the powersgd-bench binary");
+  TempDir dir;
+  const fs::path shapes = dir.path / "m.shapes";
+  {
+    std::ofstream s(shapes);
+    // Three buckets of at most 1 MiB (each tensor 0.5-0.75 MiB), compressed at rank 2, and a vector sent whole.
+    s << "a 512 256\nb 384 512\nc 256 768\nbias 100\n";
+  }
+  const auto run = [&](const std::string& arguments) {
+    const fs::path json = dir.path / "out.json";
+    fs::remove(json);
+    const std::string cmd = "env -u WORLD_SIZE " + std::string(bench) + " engine --shapes " + shapes.string() +
+                            " --bucket-mb 1 --steps 2 --warmup 1 --json " + json.string() + " " + arguments +
+                            " > " + (dir.path / "log").string() + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    REQUIRE_MESSAGE(status == 0, cmd);
+    std::ifstream in(json);
+    return nlohmann::json::parse(in);
+  };
+  const nlohmann::json one = run("--channels 1");
+  CHECK(one["buckets"].get<int>() == 3);
+  CHECK(one["numel_before"].get<uint64_t>() == 2 * (512 * 256 + 384 * 512 + 256 * 768 + 100));  // 2 timed steps
+  CHECK(one["current_rank"].size() == 3);
+  for (const std::string arguments :
+       {"--channels 2", "--channels 3 --mode fused", "--channels 2 --mode async --stagger-ms 1", "--channels 3 --mode async"}) {
+    CAPTURE(arguments);
+    const nlohmann::json split = run(arguments);
+    CHECK(split["channels"].get<int>() == std::stoi(arguments.substr(arguments.find(' ') + 1)));
+    CHECK(split["buckets"] == one["buckets"]);
+    CHECK(split["elements"] == one["elements"]);
+    // Every bucket compressed once, on its channel: the elements before and after, summed over the channels.
+    CHECK(split["numel_before"] == one["numel_before"]);
+    CHECK(split["numel_after"] == one["numel_after"]);
+    CHECK(split["compression_rate"].get<double>() == doctest::Approx(one["compression_rate"].get<double>()));
+    CHECK(split["compression_rate"].get<double>() > 1.0);
+    CHECK(split["current_rank"] == one["current_rank"]);  // per bucket, in the model's order
+  }
 }
 
 int main(int argc, char** argv) { return powersgd::testing::run_selected_tests(argc, argv); }

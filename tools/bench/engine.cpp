@@ -33,6 +33,8 @@ struct Settings {
   int warmup = 3;
   double bucket_mb = 0;  // 0: one bucket for the whole model
   std::string mode = "sync";
+  int channels = 1;        // communicator and Reducer pairs; bucket b on channel b % channels
+  double stagger_ms = 0;   // async: the time between two buckets' submissions
   bool error_feedback = true;
   bool batch_same_shape = false;
   bool alternating = false;
@@ -170,13 +172,77 @@ std::unique_ptr<Communicator> make_comm() {
   return Communicator::create(CommOptions::single_process());  // alone: a private store
 }
 
+// A further channel is a group of its own on channel 0's store (its run id suffixed), so its collectives
+// overlap channel 0's on the wire; its options are channel 0's (the store's bound port where channel 0 hosts
+// it on a free one).
+std::unique_ptr<Communicator> make_channel_comm(const Communicator& first, int channel) {
+  CommOptions options = first.options();
+  options.host_store = false;
+  options.run_id += "/channel" + std::to_string(channel);
+  return Communicator::create(options);
+}
+
+// One communicator and its Reducer; `buckets` are the model's bucket indices it reduces, in model order.
+struct Channel {
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Reducer> reducer;
+  std::vector<size_t> buckets;
+};
+
+// The channels' statistics together: counts and worker seconds summed (the channels' workers run at once, so
+// their seconds can add up to more than a step), per-bucket figures in the model's bucket order (`placed`: each
+// model bucket's channel and its index there), the largest channel's total relative error.
+Stats combined_stats(const std::vector<Channel>& channels, const std::vector<std::pair<Channel*, int>>& placed) {
+  std::vector<Stats> each;
+  for (const auto& channel : channels) each.push_back(channel.reducer->stats());
+  Stats all = each.front();
+  for (size_t c = 1; c < each.size(); ++c) {
+    const Stats& s = each[c];
+    all.numel_before += s.numel_before;
+    all.numel_after += s.numel_after;
+    all.bytes_sent += s.bytes_sent;
+    all.last_step_bytes += s.last_step_bytes;
+    all.total_relative_error = std::max(all.total_relative_error, s.total_relative_error);
+    all.compress_seconds += s.compress_seconds;
+    all.communicate_seconds += s.communicate_seconds;
+    all.decompress_seconds += s.decompress_seconds;
+    all.guard_seconds += s.guard_seconds;
+    all.check_seconds += s.check_seconds;
+  }
+  all.relative_error.clear();
+  all.current_rank.clear();
+  for (const auto& [channel, index] : placed) {
+    const Stats& s = each[static_cast<size_t>(channel - channels.data())];
+    all.relative_error.push_back(s.relative_error.at(static_cast<size_t>(index)));
+    all.current_rank.push_back(s.current_rank.at(static_cast<size_t>(index)));
+  }
+  return all;
+}
+
 void run(const Settings& settings) {
   const Model model = read_shapes(settings.shapes_path);
   if (settings.mode != "sync" && settings.mode != "async" && settings.mode != "fused")
     throw InvalidArgumentError("powersgd-bench engine: --mode '" + settings.mode + "': expected sync, async or fused");
   if (settings.device != "cpu" && settings.device != "cuda")
     throw InvalidArgumentError("powersgd-bench engine: --device '" + settings.device + "': expected cpu or cuda");
-  auto comm = make_comm();
+  if (settings.stagger_ms > 0 && settings.mode != "async") {
+    std::ostringstream message;
+    message << "powersgd-bench engine: --stagger-ms " << settings.stagger_ms << " with --mode '" << settings.mode
+            << "': expected --mode async";
+    throw InvalidArgumentError(message.str());
+  }
+  const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
+  if (static_cast<size_t>(settings.channels) > buckets.size()) {
+    std::ostringstream message;
+    message << "powersgd-bench engine: --channels " << settings.channels << " with " << buckets.size()
+            << " bucket(s) (--bucket-mb " << settings.bucket_mb << "): expected at most one channel per bucket";
+    throw InvalidArgumentError(message.str());
+  }
+  std::vector<Channel> channels(static_cast<size_t>(settings.channels));
+  channels.front().comm = make_comm();
+  for (size_t c = 1; c < channels.size(); ++c)
+    channels[c].comm = make_channel_comm(*channels.front().comm, static_cast<int>(c));
+  Communicator* const comm = channels.front().comm.get();
   const int world = comm->size();
   const bool print = comm->rank() == 0;
 
@@ -196,20 +262,25 @@ void run(const Settings& settings) {
                       : settings.wire_dtype == "fp16" ? WireDType::Float16
                                                       : WireDType::Float32;
   const size_t floats_before = compute::allocated_floats();  // the engine's buffers: what the reducer adds
-  Reducer reducer(*comm, config);
-  const auto buckets = make_buckets(model.shapes, settings.bucket_mb);
-  for (const auto& b : buckets) reducer.add_bucket(b);
+  for (auto& channel : channels) channel.reducer = std::make_unique<Reducer>(*channel.comm, config);
+  std::vector<std::pair<Channel*, int>> placed;  // per model bucket: its channel and its index there
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    Channel& channel = channels[b % channels.size()];
+    channel.buckets.push_back(b);
+    placed.emplace_back(&channel, channel.reducer->add_bucket(buckets[b]));
+  }
+  const Reducer& reducer = *channels.front().reducer;  // what every channel's reducer has alike
 
   // Gradients: fresh copies of fixed random values every step (outside the timing).
   std::mt19937 gen(static_cast<unsigned>(comm->rank() + 1));
   std::normal_distribution<float> dist;
   std::vector<GradientBuffer> source, host;
   size_t total = 0;
-  for (int b = 0; b < reducer.num_buckets(); ++b) {
-    source.emplace_back(reducer.bucket_size(b));
+  for (const auto& [channel, index] : placed) {
+    source.emplace_back(channel->reducer->bucket_size(index));
     for (auto& v : source.back()) v = dist(gen);
     host.push_back(source.back());
-    total += reducer.bucket_size(b);
+    total += source.back().size();
   }
   std::unique_ptr<compute::Backend> device;
   std::vector<compute::DeviceBuffer> device_data;
@@ -226,9 +297,27 @@ void run(const Settings& settings) {
   double guard_before = 0, check_before = 0;  // guard_seconds and check_seconds then
   Stats at_warmup{};  // the worker's times then: the figures printed are the timed steps'
 
+  // One channel's share of a step in the modes where each channel goes its own way (sync, fused): the model's
+  // last bucket first, as a backward pass makes them.
+  const auto reduce_channel = [&](Channel& channel) {
+    if (settings.mode == "fused") {
+      std::vector<float*> mine;
+      for (size_t b : channel.buckets) mine.push_back(data[b]);
+      channel.reducer->reduce_all(mine);
+    } else {
+      for (auto b = channel.buckets.rbegin(); b != channel.buckets.rend(); ++b)
+        channel.reducer->reduce(placed[*b].second, data[*b]);
+    }
+  };
+  const auto total_rounds = [&] {  // per channel: its rounds are one after the other; the channels overlap
+    std::vector<uint64_t> counts;
+    for (const auto& channel : channels) counts.push_back(channel.comm->communication_rounds());
+    return counts;
+  };
+
   for (int step = 0; step < settings.warmup + settings.steps; ++step) {
     if (step == settings.warmup) {
-      const Stats s = reducer.stats();
+      const Stats s = combined_stats(channels, placed);
       bytes_before = s.bytes_sent;
       guard_before = s.guard_seconds;
       check_before = s.check_seconds;
@@ -242,20 +331,40 @@ void run(const Settings& settings) {
     }
     if (device) device->synchronize();
     comm->barrier();
-    const uint64_t rounds_at_start = comm->communication_rounds();
+    const std::vector<uint64_t> rounds_at_start = total_rounds();
     const auto start = Clock::now();
-    if (settings.mode == "fused") {
-      reducer.reduce_all(data);
-    } else if (settings.mode == "async") {
+    if (settings.mode == "async") {
       std::vector<ReduceHandle> handles;
-      for (int b = reducer.num_buckets() - 1; b >= 0; --b) handles.push_back(reducer.reduce_async(b, data[static_cast<size_t>(b)]));
+      for (size_t b = buckets.size(); b-- > 0;) {
+        if (settings.stagger_ms > 0 && b + 1 < buckets.size())
+          std::this_thread::sleep_until(start + std::chrono::duration<double, std::milli>(
+                                                    settings.stagger_ms * static_cast<double>(buckets.size() - 1 - b)));
+        handles.push_back(placed[b].first->reducer->reduce_async(placed[b].second, data[b]));
+      }
       for (auto& h : handles) h.wait();
+    } else if (channels.size() == 1) {
+      reduce_channel(channels.front());
     } else {
-      for (int b = reducer.num_buckets() - 1; b >= 0; --b) reducer.reduce(b, data[static_cast<size_t>(b)]);
+      std::vector<std::thread> threads;
+      std::vector<std::exception_ptr> failures(channels.size());
+      for (size_t c = 0; c < channels.size(); ++c)
+        threads.emplace_back([&, c] {
+          try {
+            reduce_channel(channels[c]);
+          } catch (...) {
+            failures[c] = std::current_exception();
+          }
+        });
+      for (auto& t : threads) t.join();
+      for (const auto& failure : failures)
+        if (failure) std::rethrow_exception(failure);
     }
     if (step >= settings.warmup) {
       times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      rounds += comm->communication_rounds() - rounds_at_start;
+      const std::vector<uint64_t> rounds_now = total_rounds();
+      uint64_t most = 0;
+      for (size_t c = 0; c < channels.size(); ++c) most = std::max(most, rounds_now[c] - rounds_at_start[c]);
+      rounds += most;
     }
   }
   size_t engine_floats = compute::allocated_floats() - floats_before;
@@ -266,7 +375,7 @@ void run(const Settings& settings) {
   const double best_s = *std::min_element(times.begin(), times.end());
   std::vector<double> per_rank(static_cast<size_t>(world));
   comm->allgather(&step_s, per_rank.data(), sizeof(double));
-  const Stats stats = reducer.stats();
+  const Stats stats = combined_stats(channels, placed);
   const double compress_s = stats.compress_seconds - at_warmup.compress_seconds;
   const double communicate_s = stats.communicate_seconds - at_warmup.communicate_seconds;
   const double decompress_s = stats.decompress_seconds - at_warmup.decompress_seconds;
@@ -314,12 +423,16 @@ void run(const Settings& settings) {
                         {"buckets", buckets.size()},
                         {"rank", settings.rank},
                         {"mode", settings.mode},
+                        {"channels", settings.channels},
+                        {"stagger_ms", settings.stagger_ms},
                         {"error_feedback", settings.error_feedback},
                         {"alternating", settings.alternating},
                         {"adaptive", settings.adaptive},
                         {"bytes_per_step", bytes_per_step},
                         {"wire_dtype", settings.wire_dtype},
                         {"current_rank", stats.current_rank},
+                        {"numel_before", stats.numel_before - at_warmup.numel_before},
+                        {"numel_after", stats.numel_after - at_warmup.numel_after},
                         {"rank_high", config.rank_high},
                         {"engine_bytes", engine_floats * sizeof(float)},
                         {"device", settings.device},
@@ -341,23 +454,27 @@ void run(const Settings& settings) {
   for (double t : per_rank) doc["step_ms_per_rank"].push_back(t * 1e3);
   doc["step_ms_max"] = *std::max_element(per_rank.begin(), per_rank.end()) * 1e3;
   if (print) {
-    std::printf("# powersgd-bench engine: %s, %zu tensors, %zu elements, %zu bucket(s), rank %d, %s, %d rank(s), %s\n",
+    std::printf("# powersgd-bench engine: %s, %zu tensors, %zu elements, %zu bucket(s), rank %d, %s, %d channel(s), "
+                "%d rank(s), %s\n",
                 model.name.c_str(), model.shapes.size(), total, buckets.size(), settings.rank, settings.mode.c_str(),
-                world, reducer.backend_name().c_str());
+                settings.channels, world, reducer.backend_name().c_str());
     for (int r = 0; r < world; ++r) std::printf("step time rank %d: %.3f ms (median of %d)\n", r, per_rank[static_cast<size_t>(r)] * 1e3, settings.steps);
     std::printf("%s%s, %s factors: %.0f bytes sent per step per rank (mean of the timed steps)\n",
                 settings.alternating ? "alternating" : "default (P then Q)", settings.adaptive ? ", adaptive" : "",
                 settings.wire_dtype.c_str(), bytes_per_step);
-    std::printf("compression rate %.1fx, relative error %.3f; worker time of the timed steps: compress %.3f s, "
+    const char* const summed = settings.channels > 1 ? " (summed over the channels)" : "";
+    std::printf("compression rate %.1fx, relative error %.3f%s; worker time of the timed steps%s: compress %.3f s, "
                 "communicate %.3f s, decompress %.3f s\n",
-                stats.compression_rate(), stats.total_relative_error, compress_s, communicate_s, decompress_s);
+                stats.compression_rate(), stats.total_relative_error,
+                settings.channels > 1 ? " (the largest channel's)" : "", summed, compress_s, communicate_s,
+                decompress_s);
     std::printf("engine buffers %.1f MiB on rank 0 (arenas and per-bucket buffers; rank_high %d)\n",
                 static_cast<double>(engine_floats * sizeof(float)) / (1 << 20), config.rank_high);
-    std::printf("order guard %.3f ms per step on rank 0, %.3f ms on the rank that waited least (announce, waiting "
-                "included); divergence detector (interval %lld) %.3f ms per step on rank 0 (hashing)\n",
-                guard_ms, guard_min_ms, static_cast<long long>(settings.divergence_check_interval), check_ms);
-    std::printf("communication rounds per step: %.1f (one after the other; each at least one one-way delay)\n",
-                static_cast<double>(rounds) / settings.steps);
+    std::printf("order guard%s %.3f ms per step on rank 0, %.3f ms on the rank that waited least (announce, "
+                "waiting included); divergence detector (interval %lld) %.3f ms per step on rank 0 (hashing)\n",
+                summed, guard_ms, guard_min_ms, static_cast<long long>(settings.divergence_check_interval), check_ms);
+    std::printf("communication rounds per step: %.1f (one after the other%s; each at least one one-way delay)\n",
+                static_cast<double>(rounds) / settings.steps, settings.channels > 1 ? " on the busiest channel" : "");
   }
   if (world == 1 && config.device == Device::Cpu) {
     // The bound at the bandwidth of as many threads as the backend's kernels use
@@ -389,6 +506,8 @@ void run(const Settings& settings) {
                 io_bytes / (bw * 1e9) * 1e3, step_s / (io_bytes / (bw * 1e9)));
   }
   if (print && !settings.json_path.empty()) write_json(settings.json_path, doc, "engine");
+  // Channel 0's communicator last: on rank 0 it may host the store the others were made on.
+  while (!channels.empty()) channels.pop_back();
 }
 
 }  // namespace
@@ -408,6 +527,16 @@ void add_engine_command(CLI::App& app) {
       ->check(CLI::Range(0.0, 1e9));
   cmd->add_option("--mode", settings->mode, "sync (reduce per bucket), async (all in flight) or fused (reduce_all)")
       ->capture_default_str();
+  cmd->add_option("--channels", settings->channels,
+                  "Communicators, each with its own Reducer: bucket b on channel b % N (sync and fused: a thread "
+                  "per channel; their collectives overlap on the wire)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
+  cmd->add_option("--stagger-ms", settings->stagger_ms,
+                  "async: submit bucket after bucket this many ms apart, the last bucket first (a backward pass "
+                  "on an accelerator); the step is timed from the first submission")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
   cmd->add_flag("!--no-error-feedback", settings->error_feedback, "Disable error feedback");
   cmd->add_flag("--batch-same-shape", settings->batch_same_shape, "Batched gemm over same-shaped matrices");
   cmd->add_flag("--alternating", settings->alternating, "One collective per step (alternating P and Q halves)");
