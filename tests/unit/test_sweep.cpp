@@ -235,7 +235,8 @@ TEST_CASE("powersgd-bench engine --channels: the model's buckets split over the 
   CHECK(one["numel_before"].get<uint64_t>() == 2 * (512 * 256 + 384 * 512 + 256 * 768 + 100));  // 2 timed steps
   CHECK(one["current_rank"].size() == 3);
   for (const std::string arguments :
-       {"--channels 2", "--channels 3 --mode fused", "--channels 2 --mode async --stagger-ms 1", "--channels 3 --mode async"}) {
+       {"--channels 2", "--channels 3 --mode fused", "--channels 2 --mode async --stagger-ms 1",
+        "--channels 3 --mode async"}) {
     CAPTURE(arguments);
     const nlohmann::json split = run(arguments);
     CHECK(split["channels"].get<int>() == std::stoi(arguments.substr(arguments.find(' ') + 1)));
