@@ -2443,6 +2443,41 @@ TEST_CASE("host stage: a rank at a lead exchange while the others allreduce: eve
     CHECK(std::all_of(operation.data.begin(), operation.data.end(), [](float v) { return v == 1.0f; }));
 }
 
+// A second communicator made as docs/scaling.md ("Channels") tells a caller to: the first's options (they hold
+// the store's bound port where the first hosts it), host_store off, a run id of its own. Both groups in flight at
+// once, each from its own thread; every sum right.
+void two_channels_case(const CommOptions& first_options) {
+  auto first = GlooCommunicator::create(first_options);
+  CommOptions second_options = first->options();
+  second_options.host_store = false;
+  second_options.run_id += "/channel1";
+  auto second = GlooCommunicator::create(second_options);
+  REQUIRE(second->size() == first->size());
+  REQUIRE(second->rank() == first->rank());
+  // Direct, scatter-gather and ring sizes in turn (the ring from the default 8 MiB threshold), each channel
+  // starting elsewhere in the list.
+  const auto traffic = [](GlooCommunicator& comm, size_t offset) {
+    const size_t counts[] = {1, 7, 1000, 65537, 300001, 2200001};
+    for (size_t k = 0; k < 12; ++k) check_allreduce(comm, DataType::Float32, counts[(k + offset) % 6], Algorithm::Auto);
+  };
+  std::thread other([&] { traffic(*second, 5); });
+  traffic(*first, 0);
+  other.join();
+  second->barrier();
+  first->barrier();  // where rank 0 hosts the store, it must outlive every rank's rendezvous
+}
+
+TEST_CASE("channels: a second communicator on the first's store, a run id of its own, in flight beside it") {
+  two_channels_case(options("channels"));
+}
+
+TEST_CASE("channels: the same where rank 0 hosts the store on MASTER_PORT (torchrun)") {
+  unsetenv("PSGD_STORE_HOSTED");  // as the torchrun case below: the last case of its process
+  const CommOptions o = options("channels-torchrun");
+  CHECK(o.host_store == (o.rank == 0));
+  two_channels_case(o);
+}
+
 TEST_CASE("torchrun: rank 0 hosts the store on MASTER_PORT") {
   // Under powersgd-run, MASTER_ADDR/MASTER_PORT are torch.distributed's (the launcher's store is in
   // PSGD_STORE_ADDR/PSGD_STORE_PORT) and free: without PSGD_STORE_HOSTED rank 0 hosts the store there.
