@@ -413,6 +413,51 @@ TEST_CASE("threads: the user thread reads bucket sizes while the worker switches
   CHECK(noted == std::set<int64_t>{0, 1, 2, 4});
 }
 
+TEST_CASE("threads: two channels, a Reducer on each of two communicators on one store, reduce at once") {
+  // What docs/scaling.md ("Channels") tells a caller to do: a second communicator from the first's options, the
+  // store not hosted again, a run id of its own; each Reducer driven from its own thread, both in flight at once.
+  auto first = solo();
+  CommOptions options = first->options();
+  options.host_store = false;
+  options.run_id += "/channel1";
+  auto second = Communicator::create(options);
+  Config c;
+  c.start_iter = 1;
+  c.rank = 2;
+  const std::vector<std::vector<Shape>> shapes = {kShapes, {{24, 12}, {7}, {12, 30}}};
+  constexpr int kSteps = 6;
+  // Each channel's outputs and error memory after kSteps steps of its own gradients (salted by the channel).
+  const auto run_channel = [&](Communicator& comm, size_t channel, std::vector<float>& out, std::vector<float>& error) {
+    Reducer r(comm, c);
+    r.add_bucket(shapes[channel]);
+    const size_t n = r.bucket_size(0);
+    for (int64_t step = 0; step < kSteps; ++step) {
+      out = gradients(n, 0, step, channel);
+      if (step % 2 == 0) {
+        r.reduce(0, out.data());
+      } else {
+        r.reduce_async(0, out.data()).wait();
+      }
+    }
+    error.resize(n);
+    r.error_feedback(0, std::span<float>(error));
+  };
+  std::vector<float> out[2], error[2];
+  std::thread other([&] { run_channel(*second, 1, out[1], error[1]); });
+  run_channel(*first, 0, out[0], error[0]);
+  other.join();
+  // The same Reducers one after the other on a communicator of their own: the same bits.
+  auto alone = solo();
+  for (size_t channel = 0; channel < 2; ++channel) {
+    CAPTURE(channel);
+    std::vector<float> expected_out, expected_error;
+    run_channel(*alone, channel, expected_out, expected_error);
+    CHECK(std::memcmp(out[channel].data(), expected_out.data(), expected_out.size() * sizeof(float)) == 0);
+    CHECK(out[channel].size() == expected_out.size());
+    CHECK(std::memcmp(error[channel].data(), expected_error.data(), expected_error.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("stats: element counts as the reference, bytes sent, relative error") {
   auto comm = solo();
   Config c;
