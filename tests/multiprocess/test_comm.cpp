@@ -2454,13 +2454,12 @@ void two_channels_case(const CommOptions& first_options) {
   auto second = GlooCommunicator::create(second_options);
   REQUIRE(second->size() == first->size());
   REQUIRE(second->rank() == first->rank());
-  // Direct, scatter-gather and ring sizes in turn (the ring from the default 8 MiB threshold), each channel
-  // starting elsewhere in the list.
+  // kCounts twice over (direct, scatter-gather and ring sizes in turn), each channel starting elsewhere in it.
   const auto traffic = [](GlooCommunicator& comm, size_t offset) {
-    const size_t counts[] = {1, 7, 1000, 65537, 300001, 2200001};
-    for (size_t k = 0; k < 12; ++k) check_allreduce(comm, DataType::Float32, counts[(k + offset) % 6], Algorithm::Auto);
+    for (size_t k = 0; k < 2 * std::size(kCounts); ++k)
+      check_allreduce(comm, DataType::Float32, kCounts[(k + offset) % std::size(kCounts)], Algorithm::Auto);
   };
-  std::thread other([&] { traffic(*second, 5); });
+  std::thread other([&] { traffic(*second, 3); });
   traffic(*first, 0);
   other.join();
   second->barrier();

@@ -182,11 +182,10 @@ std::unique_ptr<Communicator> make_channel_comm(const Communicator& first, int c
   return Communicator::create(options);
 }
 
-// One communicator and its Reducer; `buckets` are the model's bucket indices it reduces, in model order.
+// One communicator and its Reducer.
 struct Channel {
   std::unique_ptr<Communicator> comm;
   std::unique_ptr<Reducer> reducer;
-  std::vector<size_t> buckets;
 };
 
 // The channels' statistics together: counts and worker seconds summed (the channels' workers run at once, so
@@ -266,7 +265,6 @@ void run(const Settings& settings) {
   std::vector<std::pair<Channel*, int>> placed;  // per model bucket: its channel and its index there
   for (size_t b = 0; b < buckets.size(); ++b) {
     Channel& channel = channels[b % channels.size()];
-    channel.buckets.push_back(b);
     placed.emplace_back(&channel, channel.reducer->add_bucket(buckets[b]));
   }
   const Reducer& reducer = *channels.front().reducer;  // what every channel's reducer has alike
@@ -301,15 +299,16 @@ void run(const Settings& settings) {
   // last bucket first, as a backward pass makes them.
   const auto reduce_channel = [&](Channel& channel) {
     if (settings.mode == "fused") {
-      std::vector<float*> mine;
-      for (size_t b : channel.buckets) mine.push_back(data[b]);
+      std::vector<float*> mine;  // in the channel's bucket order, which is the model's
+      for (size_t b = 0; b < placed.size(); ++b)
+        if (placed[b].first == &channel) mine.push_back(data[b]);
       channel.reducer->reduce_all(mine);
     } else {
-      for (auto b = channel.buckets.rbegin(); b != channel.buckets.rend(); ++b)
-        channel.reducer->reduce(placed[*b].second, data[*b]);
+      for (size_t b = placed.size(); b-- > 0;)
+        if (placed[b].first == &channel) channel.reducer->reduce(placed[b].second, data[b]);
     }
   };
-  const auto total_rounds = [&] {  // per channel: its rounds are one after the other; the channels overlap
+  const auto rounds_per_channel = [&] {  // a channel's rounds are one after the other; the channels overlap
     std::vector<uint64_t> counts;
     for (const auto& channel : channels) counts.push_back(channel.comm->communication_rounds());
     return counts;
@@ -331,7 +330,7 @@ void run(const Settings& settings) {
     }
     if (device) device->synchronize();
     comm->barrier();
-    const std::vector<uint64_t> rounds_at_start = total_rounds();
+    const std::vector<uint64_t> rounds_at_start = rounds_per_channel();
     const auto start = Clock::now();
     if (settings.mode == "async") {
       std::vector<ReduceHandle> handles;
@@ -361,7 +360,7 @@ void run(const Settings& settings) {
     }
     if (step >= settings.warmup) {
       times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      const std::vector<uint64_t> rounds_now = total_rounds();
+      const std::vector<uint64_t> rounds_now = rounds_per_channel();
       uint64_t most = 0;
       for (size_t c = 0; c < channels.size(); ++c) most = std::max(most, rounds_now[c] - rounds_at_start[c]);
       rounds += most;
@@ -506,8 +505,6 @@ void run(const Settings& settings) {
                 io_bytes / (bw * 1e9) * 1e3, step_s / (io_bytes / (bw * 1e9)));
   }
   if (print && !settings.json_path.empty()) write_json(settings.json_path, doc, "engine");
-  // Channel 0's communicator last: on rank 0 it may host the store the others were made on.
-  while (!channels.empty()) channels.pop_back();
 }
 
 }  // namespace
