@@ -344,6 +344,16 @@ PSGD_API void psgd_outer_destroy(psgd_outer* o);  /* null is a no-op */
    took one round and the announce carried P). Not collective: reads a counter, from any thread. A null comm or
    out is PSGD_ERR_INVALID_ARGUMENT. */
 PSGD_API psgd_status psgd_comm_communication_rounds(const psgd_comm* comm, uint64_t* out);
+/* Collective over first's ranks: a channel (C++: Communicator::create_channel), another communicator of the same
+   ranks whose collectives run on a thread and connections of their own, so that a reducer on it overlaps one on
+   `first` on the wire (docs/scaling.md, "Channels"). It rendezvouses on first's store under first's key prefix
+   + "/channel<index>", with first's settings and direct bound (auto is not measured again); where this process
+   hosts that store, keep the communicator that hosts it until every rank's channel is made. `index` 1 to 255,
+   the same on every rank, one call per index at a time (ranks whose indices differ: PSGD_ERR_TIMEOUT after the
+   timeout); an index whose creation failed is spent. PSGD_ERR_INVALID_ARGUMENT for a null argument or an index
+   out of range; PSGD_ERR_UNSUPPORTED where first was made by psgd_comm_init_on_store (make the channel on that
+   store with a group id of its own). The channel is destroyed with psgd_comm_destroy, before or after first. */
+PSGD_API psgd_status psgd_comm_init_channel(const psgd_comm* first, int index, psgd_comm** out);
 #if defined(__GNUC__) || defined(__clang__)
 #pragma GCC visibility pop
 #endif

@@ -831,6 +831,17 @@ psgd_status psgd_comm_communication_rounds(const psgd_comm* comm, uint64_t* out)
   });
 }
 
+psgd_status psgd_comm_init_channel(const psgd_comm* first, int index, psgd_comm** out) {
+  return guarded(__func__, [&] {
+    PSGD_C_NOT_NULL(out);
+    *out = nullptr;
+    PSGD_C_NOT_NULL(first);
+    auto handle = std::make_unique<psgd_comm>();
+    handle->comm = first->comm->create_channel(index);
+    *out = handle.release();
+  });
+}
+
 }  // extern "C"
 
 // ==== end of issue 28 additions ====

@@ -413,14 +413,11 @@ TEST_CASE("threads: the user thread reads bucket sizes while the worker switches
   CHECK(noted == std::set<int64_t>{0, 1, 2, 4});
 }
 
-TEST_CASE("threads: two channels, a Reducer on each of two communicators on one store, reduce at once") {
-  // What docs/scaling.md ("Channels") tells a caller to do: a second communicator from the first's options, the
-  // store not hosted again, a run id of its own; each Reducer driven from its own thread, both in flight at once.
+TEST_CASE("threads: two channels, a Reducer on a communicator and one on its channel, reduce at once") {
+  // What docs/scaling.md ("Channels") tells a caller to do: a channel of the first (create_channel); each
+  // Reducer driven from its own thread, both in flight at once.
   auto first = solo();
-  CommOptions options = first->options();
-  options.host_store = false;
-  options.run_id += "/channel1";
-  auto second = Communicator::create(options);
+  auto second = first->create_channel(1);
   Config c;
   c.start_iter = 1;
   c.rank = 2;
@@ -656,6 +653,36 @@ TEST_CASE("C API: defaults, null arguments, status codes and a reduction") {
   CHECK(rounds == 7);
   CHECK(psgd_comm_communication_rounds(comm, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
   CHECK(std::string(psgd_last_error()).find("argument 'out' is null") != std::string::npos);
+  // A channel: index 1 to 255, out set to null on a refusal; it sums as its first does and outlives it.
+  psgd_comm* channel = comm;
+  CHECK(psgd_comm_init_channel(nullptr, 1, &channel) == PSGD_ERR_INVALID_ARGUMENT);
+  CHECK(std::string(psgd_last_error()).find("psgd_comm_init_channel: argument 'first' is null") != std::string::npos);
+  CHECK(channel == nullptr);
+  CHECK(psgd_comm_init_channel(comm, 1, nullptr) == PSGD_ERR_INVALID_ARGUMENT);
+  for (const int bad : {0, -1, 256}) {
+    CAPTURE(bad);
+    channel = comm;
+    CHECK(psgd_comm_init_channel(comm, bad, &channel) == PSGD_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(psgd_last_error()).find("channel index " + std::to_string(bad) + ": expected 1 to 255") !=
+          std::string::npos);
+    CHECK(channel == nullptr);
+  }
+  for (const int index : {1, 255}) {
+    CAPTURE(index);
+    REQUIRE_MESSAGE(psgd_comm_init_channel(comm, index, &channel) == PSGD_OK, psgd_last_error());
+    CHECK(psgd_comm_size(channel) == 1);
+    x[0] = 4;
+    CHECK(psgd_comm_allreduce_sum_f32(channel, x, 3) == PSGD_OK);
+    CHECK(x[0] == 4.0f);
+    psgd_comm_destroy(channel);
+  }
+  {
+    psgd_comm* second = c_comm_of_one();  // hosts its store: its channel keeps working once it is gone
+    REQUIRE(psgd_comm_init_channel(second, 2, &channel) == PSGD_OK);
+    psgd_comm_destroy(second);
+    CHECK(psgd_comm_barrier(channel) == PSGD_OK);
+    psgd_comm_destroy(channel);
+  }
 
   psgd_reducer* r = nullptr;
   // psgd_config_validate refuses what psgd_reducer_create refuses, with the same status and message (one
@@ -1164,6 +1191,13 @@ TEST_CASE("C API: a communicator on the caller's store carries PSGD_TOKEN's key 
   psgd_status status = psgd_comm_init_on_store(0, 1, nullptr, &cb, "127.0.0.1", &comm);
   ::unsetenv("PSGD_TOKEN");
   REQUIRE_MESSAGE(status == PSGD_OK, psgd_last_error());
+  // A channel needs the store after this call, which the communicator does not keep.
+  psgd_comm* channel = reinterpret_cast<psgd_comm*>(&keys);
+  CHECK(psgd_comm_init_channel(comm, 1, &channel) == PSGD_ERR_UNSUPPORTED);
+  CHECK(channel == nullptr);
+  CHECK(std::string(psgd_last_error()).find("psgd_comm_init_channel: create_channel(1): this communicator "
+                                            "rendezvoused on the caller's store, which it does not keep") !=
+        std::string::npos);
   psgd_comm_destroy(comm);
   REQUIRE_FALSE(keys.data.empty());
   for (const auto& [key, value] : keys.data) {

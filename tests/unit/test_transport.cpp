@@ -135,6 +135,50 @@ TEST_CASE("on a caller's store, PSGD_TOKEN gives every key of the job the token'
     CHECK(key.rfind(prefix, 0) == 0);
     CHECK(key.find("s3cret") == std::string::npos);
   }
+  // A channel would rendezvous on that store after this call: refused, naming it and the way to one.
+  try {
+    (void)comm->create_channel(1);
+    FAIL("created");
+  } catch (const UnsupportedError& e) {
+    CHECK(std::string(e.what()) ==
+          "create_channel(1): this communicator rendezvoused on the test's store, which it does not keep after its "
+          "creation: make the channel on that store with a group id of its own (psgd_comm_init_on_store)");
+  }
+}
+
+TEST_CASE("a channel: the first's ranks, store, options and direct bound; a run id of its own; index 1 to 255") {
+  ::setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
+  auto first = GlooCommunicator::create(CommOptions::single_process());
+  ::unsetenv("PSGD_DIRECT_MAX_BYTES");
+  REQUIRE(first->options().host_store);
+  const auto channel = first->create_channel(3);
+  const CommOptions& o = channel->options();
+  CHECK(o.run_id == "default/channel3");
+  CHECK_FALSE(o.host_store);
+  CHECK(o.store_port == first->options().store_port);  // the port the first bound
+  CHECK(o.timeout == first->options().timeout);
+  CHECK(channel->rank() == 0);
+  CHECK(channel->size() == 1);
+  CHECK(channel->direct_max_bytes() == first->direct_max_bytes());
+  float x = 2.0f;
+  channel->allreduce(&x, 1, DataType::Float32);
+  CHECK(x == 2.0f);
+  // Not measured again: a bound set in the environment now does not change the channel's.
+  ::setenv("PSGD_DIRECT_MAX_BYTES", "12288", 1);
+  const auto again = first->create_channel(4);
+  ::unsetenv("PSGD_DIRECT_MAX_BYTES");
+  CHECK(again->direct_max_bytes() == first->direct_max_bytes());
+  CHECK(again->create_channel(1)->options().run_id == "default/channel4/channel1");
+  for (const int bad : {0, -3, kMaxChannelIndex + 1}) {
+    CAPTURE(bad);
+    try {
+      (void)first->create_channel(bad);
+      FAIL("created");
+    } catch (const InvalidArgumentError& e) {
+      CHECK(std::string(e.what()) == "channel index " + std::to_string(bad) +
+                                         ": expected 1 to 255 (0 is the communicator it is made from)");
+    }
+  }
 }
 
 TEST_CASE("a timeout of CommOptions outside 1 ms to 24 h is refused naming it (every deadline adds it to now)") {

@@ -172,16 +172,6 @@ std::unique_ptr<Communicator> make_comm() {
   return Communicator::create(CommOptions::single_process());  // alone: a private store
 }
 
-// A further channel is a group of its own on channel 0's store (its run id suffixed), so its collectives
-// overlap channel 0's on the wire; its options are channel 0's (the store's bound port where channel 0 hosts
-// it on a free one).
-std::unique_ptr<Communicator> make_channel_comm(const Communicator& first, int channel) {
-  CommOptions options = first.options();
-  options.host_store = false;
-  options.run_id += "/channel" + std::to_string(channel);
-  return Communicator::create(options);
-}
-
 // One communicator and its Reducer.
 struct Channel {
   std::unique_ptr<Communicator> comm;
@@ -240,7 +230,7 @@ void run(const Settings& settings) {
   std::vector<Channel> channels(static_cast<size_t>(settings.channels));
   channels.front().comm = make_comm();
   for (size_t c = 1; c < channels.size(); ++c)
-    channels[c].comm = make_channel_comm(*channels.front().comm, static_cast<int>(c));
+    channels[c].comm = channels.front().comm->create_channel(static_cast<int>(c));  // overlaps channel 0's
   Communicator* const comm = channels.front().comm.get();
   const int world = comm->size();
   const bool print = comm->rank() == 0;

@@ -53,6 +53,13 @@ auto gloo_of(C* comm) {
 }
 }  // namespace
 
+std::unique_ptr<Communicator> Communicator::create_channel(int index) const {
+  const auto* gloo = gloo_of(this);
+  PSGD_REQUIRE(gloo != nullptr, UnsupportedError,
+               "create_channel: only a communicator made by Communicator::create has channels");
+  return gloo->create_channel(index);
+}
+
 uint64_t Communicator::communication_rounds() const {
   const auto* gloo = gloo_of(this);
   return gloo != nullptr ? gloo->rounds() : 0;
@@ -197,23 +204,34 @@ const char* to_string(Algorithm algorithm) {
   return "?";
 }
 
-GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api) : options_(options), api_(api) {
-  if (options_.transport == TransportKind::Ibverbs) api_ = GlooApi::Legacy;
-  host_stage_ = host_stage_from_env();
+GlooCommunicator::Settings GlooCommunicator::Settings::from_env(GlooApi api) {
+  Settings s;
+  s.host_stage = host_stage_from_env();
+  s.host_shm = host_shm_from_env();  // parsed wherever staging may run: a typo is named at creation
+  const bool eager = eager_direct_from_env();
+  s.eager_direct = api == GlooApi::New && eager;
+  const bool scatter_gather = scatter_gather_from_env();
+  s.scatter_gather = api == GlooApi::New && scatter_gather;
+  const size_t direct_max_bytes = direct_max_bytes_from_env(scatter_gather);
+  s.direct_max_bytes = api == GlooApi::New ? direct_max_bytes : 0;
+  const bool offer = fingerprint_store_from_env();
+  s.offer_record_in_store = api == GlooApi::New && offer;  // the legacy API's all-to-all carries no byte
+  return s;
+}
+
+GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api, const Settings& settings)
+    : options_(options), api_(api) {
+  host_stage_ = settings.host_stage;
   // Refused here, before any collective: a rank that throws after one may close its connections while a peer
   // still waits for that collective's last message, which then fails there as a PeerError, not as this error.
   PSGD_REQUIRE(host_stage_ != HostStageMode::On || api_ == GlooApi::New, UnsupportedError,
                "PSGD_HOST_STAGE=1 needs Gloo's new API (TCP; the legacy API and ibverbs have no unbound buffers): "
                "set PSGD_HOST_STAGE=0");
-  host_shm_ = host_shm_from_env();  // parsed wherever staging may run: a typo is named at creation
-  const bool eager = eager_direct_from_env();  // parsed with every API: a typo is named everywhere
-  eager_direct_ = api_ == GlooApi::New && eager;
-  const bool scatter_gather = scatter_gather_from_env();
-  scatter_gather_ = api_ == GlooApi::New && scatter_gather;
-  const size_t direct_max_bytes = direct_max_bytes_from_env(scatter_gather);
-  direct_max_bytes_ = api_ == GlooApi::New ? direct_max_bytes : 0;
-  const bool offer = fingerprint_store_from_env();
-  offer_record_in_store_ = api_ == GlooApi::New && offer;  // the legacy API's all-to-all carries no byte
+  host_shm_ = settings.host_shm;
+  eager_direct_ = settings.eager_direct;
+  scatter_gather_ = settings.scatter_gather;
+  direct_max_bytes_ = settings.direct_max_bytes;
+  offer_record_in_store_ = settings.offer_record_in_store;
   algorithms_ = make_algorithms(api_, options_.timeout, scatter_gather_);
 }
 
@@ -227,7 +245,7 @@ constexpr uint64_t kBytesPerPeer = 16 << 10;
 
 // A world this host cannot hold fails at once, naming the value and the limit,
 // instead of Gloo opening sockets until the descriptors run out (issue 32).
-void check_world_fits_host(const CommOptions& options) {
+void check_world_fits_host(const CommOptions& options, HostStageMode host_stage) {
   const uint64_t world = static_cast<uint64_t>(options.world_size);
   if (world <= 1) return;
   // Gloo: a pair and, until it connects, a listening socket per peer; the
@@ -235,7 +253,7 @@ void check_world_fits_host(const CommOptions& options) {
   // as many again at most for the leaders' context (rank 0 always leads). With
   // auto the leaders' context is counted once the hosts are known, and staging
   // is left off where a leader cannot hold it (setup_host_stage).
-  const bool staged = host_stage_from_env() == HostStageMode::On;
+  const bool staged = host_stage == HostStageMode::On;
   uint64_t needed = 2 * (world - 1) * (staged ? 2 : 1) + (options.host_store ? world : 0) + kDescriptorReserve;
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
@@ -268,6 +286,33 @@ std::unique_ptr<GlooCommunicator> GlooCommunicator::create(const CommOptions& op
 std::unique_ptr<GlooCommunicator> GlooCommunicator::create_on_store(const CommOptions& options,
                                                                     std::unique_ptr<Store> store,
                                                                     std::string store_name, GlooApi api) {
+  const bool callers = store != nullptr;
+  // ibverbs has only the legacy API.
+  const GlooApi used = options.transport == TransportKind::Ibverbs ? GlooApi::Legacy : api;
+  auto comm = make(options, std::move(store), std::move(store_name), used, Settings::from_env(used));
+  comm->callers_store_ = callers;
+  return comm;
+}
+
+std::unique_ptr<GlooCommunicator> GlooCommunicator::create_channel(int index) const {
+  PSGD_REQUIRE(index >= 1 && index <= kMaxChannelIndex, InvalidArgumentError, "channel index ", index,
+               ": expected 1 to ", int{kMaxChannelIndex}, " (0 is the communicator it is made from)");
+  PSGD_REQUIRE(!callers_store_, UnsupportedError, "create_channel(", index, "): this communicator rendezvoused on ",
+               store_name_, ", which it does not keep after its creation: make the channel on that store with a "
+               "group id of its own (psgd_comm_init_on_store)");
+  CommOptions options = options_;  // store_port is the bound one where this rank hosts the store on a free port
+  options.host_store = false;
+  options.run_id = (options.run_id.empty() ? std::string("default") : options.run_id) + "/channel" +
+                   std::to_string(index);
+  // This one's settings as created, with the bound it chose: the channel reads no environment and measures nothing.
+  const Settings settings{host_stage_, host_shm_, eager_direct_, scatter_gather_, direct_max_bytes_,
+                          offer_record_in_store_};
+  return make(options, nullptr, "", api_, settings);
+}
+
+std::unique_ptr<GlooCommunicator> GlooCommunicator::make(const CommOptions& options, std::unique_ptr<Store> store,
+                                                         std::string store_name, GlooApi api,
+                                                         const Settings& settings) {
   PSGD_REQUIRE(options.world_size >= 1, InvalidArgumentError, "world size ", options.world_size,
                " is invalid: expected >= 1");
   PSGD_REQUIRE(options.rank >= 0 && options.rank < options.world_size, InvalidArgumentError, "rank ",
@@ -281,8 +326,8 @@ std::unique_ptr<GlooCommunicator> GlooCommunicator::create_on_store(const CommOp
   PSGD_REQUIRE(store != nullptr || options.store_port != 0 || (options.host_store && options.world_size == 1),
                InvalidArgumentError,
                "store port 0 is only valid for a single process hosting its own store: set MASTER_PORT");
-  check_world_fits_host(options);
-  std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(options, api));
+  check_world_fits_host(options, settings.host_stage);
+  std::unique_ptr<GlooCommunicator> comm(new GlooCommunicator(options, api, settings));
   comm->store_ = std::move(store);
   comm->store_name_ = std::move(store_name);
   comm->connect();

@@ -58,6 +58,8 @@ class GlooCommunicator final : public Communicator {
   static std::unique_ptr<GlooCommunicator> create_on_store(const CommOptions& options, std::unique_ptr<Store> store,
                                                            std::string store_name, GlooApi api = GlooApi::New);
   ~GlooCommunicator() override;
+  // Communicator::create_channel.
+  std::unique_ptr<GlooCommunicator> create_channel(int index) const;
 
   int rank() const override { return options_.rank; }
   int size() const override { return options_.world_size; }
@@ -136,7 +138,22 @@ class GlooCommunicator final : public Communicator {
     RunFn run;
   };
 
-  GlooCommunicator(const CommOptions& options, GlooApi api);
+  // The transport's settings from the environment (docs/env.md), as this build applies them with `api`; parsed
+  // with every API, so a typo is named everywhere.
+  struct Settings {
+    HostStageMode host_stage = HostStageMode::Off;
+    bool host_shm = true;
+    bool eager_direct = false;
+    bool scatter_gather = false;
+    size_t direct_max_bytes = 0;  // kDirectAuto: measured at creation
+    bool offer_record_in_store = false;
+    static Settings from_env(GlooApi api);
+  };
+  GlooCommunicator(const CommOptions& options, GlooApi api, const Settings& settings);
+  // create_on_store with `settings`; create_channel with the settings of the communicator it is made from, whose
+  // direct bound (agreed by every rank) replaces auto, so a channel measures nothing.
+  static std::unique_ptr<GlooCommunicator> make(const CommOptions& options, std::unique_ptr<Store> store,
+                                                std::string store_name, GlooApi api, const Settings& settings);
   void connect();
   // Collective: every rank's creation record compared (MismatchError), the pairs connected, peers_ filled. By
   // the store where every rank offers it (this rank published its record in `scoped` if it offers), else
@@ -228,6 +245,7 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<TcpStoreServer> server_;
   std::unique_ptr<Store> store_;
   std::string store_name_;  // in rendezvous errors: "ADDR:PORT", or the caller's store's name
+  bool callers_store_ = false;  // made on the caller's store (create_on_store), which lives no longer than creation
   std::shared_ptr<gloo::transport::Device> device_;
   // Dropped by the communication thread after a fatal failure.
   std::shared_ptr<MeshContext> context_;
