@@ -367,7 +367,8 @@ int mode_allreduce(char** argv) {
 
 // A communicator with PSGD_DIRECT_MAX_BYTES=auto: prints the bound it chose, then checks one allreduce of a
 // message direct takes and one scatter-gather takes (wrong: elements not the exact sum, or the other algorithm).
-int mode_direct_bound() {
+// With `channels`, then times two more groups of the same ranks (below).
+int mode_direct_bound(bool channels) {
   using powersgd::transport::Algorithm;
   using powersgd::transport::GlooCommunicator;
   const auto start = std::chrono::steady_clock::now();
@@ -385,13 +386,36 @@ int mode_direct_bound() {
     const auto n = static_cast<float>(comm->size());
     wrong += static_cast<int>(std::count_if(data.begin(), data.end(), [&](float v) { return v != n * (n + 1) / 2; }));
   }
+  // A second group of the same ranks made as before create_channel (the first's options, a run id of its own:
+  // it measures its own bound), then a channel (create_channel: the first's bound); each timed.
+  std::string channel_times;
+  if (channels) {
+    const auto timed_ms = [](auto make, std::unique_ptr<GlooCommunicator>& out) {
+      const auto begin = std::chrono::steady_clock::now();
+      out = make();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
+    };
+    std::unique_ptr<GlooCommunicator> remeasured, channel;
+    const double remeasured_ms = timed_ms([&] {
+      powersgd::CommOptions options = comm->options();
+      options.host_store = false;
+      options.run_id += "/remeasured";
+      return GlooCommunicator::create(options);
+    }, remeasured);
+    const double channel_ms = timed_ms([&] { return comm->create_channel(1); }, channel);
+    wrong += channel->direct_max_bytes() != bound ? 1 : 0;
+    char text[96];
+    std::snprintf(text, sizeof(text), " remeasured_ms=%.0f channel_ms=%.0f", remeasured_ms, channel_ms);
+    channel_times = text;
+  }
   const auto destroying = std::chrono::steady_clock::now();
   comm.reset();
   const double destroy_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - destroying).count();
   // The launcher prefixes the rank; create_ms and destroy_ms: how long Communicator::create and the
-  // communicator's destruction took on this rank.
-  std::printf("direct_bound=%zu wrong=%d create_ms=%.0f destroy_ms=%.1f\n", bound, wrong, create_ms, destroy_ms);
+  // communicator's destruction took on this rank; remeasured_ms and channel_ms: the two groups' creation.
+  std::printf("direct_bound=%zu wrong=%d create_ms=%.0f destroy_ms=%.1f%s\n", bound, wrong, create_ms, destroy_ms,
+              channel_times.c_str());
   std::fflush(stdout);
   return wrong == 0 ? 0 : 4;
 }
@@ -469,7 +493,8 @@ int main(int argc, char** argv) {
     if (mode == "throughput" && argc == 3) return mode_throughput(argv);
     if (mode == "pingpong" && argc == 3) return mode_pingpong(argv);
     if (mode == "allreduce" && argc == 3) return mode_allreduce(argv);
-    if (mode == "direct-bound" && argc == 2) return mode_direct_bound();
+    if (mode == "direct-bound" && argc == 2) return mode_direct_bound(false);
+    if (mode == "direct-bound" && argc == 3 && std::string(argv[2]) == "channels") return mode_direct_bound(true);
     if (mode == "lost-in-create" && argc == 3) return mode_lost_in_create(argv, false);
     if (mode == "stalled-in-create" && argc == 3) return mode_lost_in_create(argv, true);
   } catch (const std::exception& e) {
