@@ -220,12 +220,12 @@ class PSGD_API Communicator {
   // collectives run on a thread and connections of their own, so that a Reducer on it overlaps one on this
   // communicator on the wire (docs/scaling.md, "Channels"). It rendezvouses on this one's store, without
   // hosting it (where this process hosts the store, keep the communicator that hosts it until every rank's
-  // channel is made), under this one's run id + "/channel<index>" (a group or run
-  // id of that form would meet it), with this one's options and transport settings as created, and its direct
-  // bound (PSGD_DIRECT_MAX_BYTES: auto is not measured again). `index` 1 to kMaxChannelIndex, the same on
-  // every rank, one call per index at a time; ranks that pass different ones never meet (TimeoutError after
-  // the timeout), and an index whose creation failed is spent (make the next one with another). Reads only
-  // what creation fixed, so any thread may call it while this communicator runs collectives.
+  // channel is made), under this one's run id + "/channel<index>" (a group or run id of that form would meet
+  // it), with this one's options and transport settings as created, and its direct bound
+  // (PSGD_DIRECT_MAX_BYTES: auto is not measured again). `index` 1 to kMaxChannelIndex, the same on every
+  // rank, one call per index at a time; ranks that pass different ones never meet (TimeoutError after the
+  // timeout), and an index whose creation failed is spent (make the next one with another). Reads only what
+  // creation fixed, so any thread may call it while this communicator runs collectives.
   // InvalidArgumentError for an index out of range; UnsupportedError for a communicator not made by create(),
   // or one made on the caller's store (the C API's psgd_comm_init_on_store, which this one does not keep: make
   // the channel there, with a group id of its own).

@@ -138,8 +138,8 @@ class GlooCommunicator final : public Communicator {
     RunFn run;
   };
 
-  // The transport's settings from the environment (docs/env.md), as this build applies them with `api`; parsed
-  // with every API, so a typo is named everywhere.
+  // The transport's settings from the environment (docs/env.md), as this build applies them with `api` (each
+  // variable parsed with every API, so a typo is named everywhere). A channel takes its first's instead.
   struct Settings {
     HostStageMode host_stage = HostStageMode::Off;
     bool host_shm = true;
