@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include "support/doctest_main.hpp"
+#include "support/scoped_env.hpp"
 #include <signal.h>
 #include <sys/wait.h>
 #include <sys/resource.h>
@@ -45,6 +46,7 @@ using namespace powersgd;
 using powersgd::transport::Algorithm;
 using powersgd::transport::GlooApi;
 using powersgd::transport::GlooCommunicator;
+using powersgd::test::ScopedEnv;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -1479,28 +1481,6 @@ TEST_CASE("async: many operations in flight complete in submission order") {
     CHECK(wrong == 0);
   }
 }
-
-// Sets an environment variable for a scope and restores what it was (unset where it was), whatever leaves it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value.c_str(), 1);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-  ~ScopedEnv() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // The creation records travel through the store where every rank offers it (PSGD_FINGERPRINT_STORE=1, the
 // default), else by Gloo's ring, which a build before the store path makes (as a rank with 0 does here): each

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include "support/doctest_main.hpp"
+#include "support/scoped_env.hpp"
 
 #include <arpa/inet.h>
 #include <stdlib.h>
@@ -147,9 +148,11 @@ TEST_CASE("on a caller's store, PSGD_TOKEN gives every key of the job the token'
 }
 
 TEST_CASE("a channel: the first's ranks, store, options and direct bound; a run id of its own; index 1 to 255") {
-  ::setenv("PSGD_DIRECT_MAX_BYTES", "auto", 1);
-  auto first = GlooCommunicator::create(CommOptions::single_process());
-  ::unsetenv("PSGD_DIRECT_MAX_BYTES");
+  std::unique_ptr<GlooCommunicator> first;
+  {
+    test::ScopedEnv bound("PSGD_DIRECT_MAX_BYTES", "auto");
+    first = GlooCommunicator::create(CommOptions::single_process());
+  }
   REQUIRE(first->options().host_store);
   const auto channel = first->create_channel(3);
   const CommOptions& o = channel->options();
@@ -164,9 +167,11 @@ TEST_CASE("a channel: the first's ranks, store, options and direct bound; a run 
   channel->allreduce(&x, 1, DataType::Float32);
   CHECK(x == 2.0f);
   // Not measured again: a bound set in the environment now does not change the channel's.
-  ::setenv("PSGD_DIRECT_MAX_BYTES", "12288", 1);
-  const auto again = first->create_channel(4);
-  ::unsetenv("PSGD_DIRECT_MAX_BYTES");
+  std::unique_ptr<GlooCommunicator> again;
+  {
+    test::ScopedEnv bound("PSGD_DIRECT_MAX_BYTES", "12288");
+    again = first->create_channel(4);
+  }
   CHECK(again->direct_max_bytes() == first->direct_max_bytes());
   CHECK(again->create_channel(1)->options().run_id == "default/channel4/channel1");
   for (const int bad : {0, -3, kMaxChannelIndex + 1}) {

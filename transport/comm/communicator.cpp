@@ -220,19 +220,13 @@ GlooCommunicator::Settings GlooCommunicator::Settings::from_env(GlooApi api) {
 }
 
 GlooCommunicator::GlooCommunicator(const CommOptions& options, GlooApi api, const Settings& settings)
-    : options_(options), api_(api) {
-  host_stage_ = settings.host_stage;
+    : options_(options), api_(api), settings_(settings) {
   // Refused here, before any collective: a rank that throws after one may close its connections while a peer
   // still waits for that collective's last message, which then fails there as a PeerError, not as this error.
-  PSGD_REQUIRE(host_stage_ != HostStageMode::On || api_ == GlooApi::New, UnsupportedError,
+  PSGD_REQUIRE(settings_.host_stage != HostStageMode::On || api_ == GlooApi::New, UnsupportedError,
                "PSGD_HOST_STAGE=1 needs Gloo's new API (TCP; the legacy API and ibverbs have no unbound buffers): "
                "set PSGD_HOST_STAGE=0");
-  host_shm_ = settings.host_shm;
-  eager_direct_ = settings.eager_direct;
-  scatter_gather_ = settings.scatter_gather;
-  direct_max_bytes_ = settings.direct_max_bytes;
-  offer_record_in_store_ = settings.offer_record_in_store;
-  algorithms_ = make_algorithms(api_, options_.timeout, scatter_gather_);
+  algorithms_ = make_algorithms(api_, options_.timeout, settings_.scatter_gather);
 }
 
 namespace {
@@ -305,9 +299,7 @@ std::unique_ptr<GlooCommunicator> GlooCommunicator::create_channel(int index) co
   options.run_id = (options.run_id.empty() ? std::string("default") : options.run_id) + "/channel" +
                    std::to_string(index);
   // This one's settings as created, with the bound it chose: the channel reads no environment and measures nothing.
-  const Settings settings{host_stage_, host_shm_, eager_direct_, scatter_gather_, direct_max_bytes_,
-                          offer_record_in_store_};
-  return make(options, nullptr, "", api_, settings);
+  return make(options, nullptr, "", api_, settings_);
 }
 
 std::unique_ptr<GlooCommunicator> GlooCommunicator::make(const CommOptions& options, std::unique_ptr<Store> store,
@@ -414,10 +406,10 @@ void GlooCommunicator::connect() {
   worker_ = std::make_unique<SerialWorker<Op, Completion>>("communicator", [this](Op& op) { execute(op); });
   check_fingerprint(*scoped);  // every rank has auto, or none (the fingerprint compares the setting); staging alike
   algorithms_->enable_direct_allgather();  // every rank's build gathers alike (the fingerprint's wire revision)
-  if (host_stage_ != HostStageMode::Off) setup_host_stage(*scoped);
-  if (direct_max_bytes_ == kDirectAuto) measure_direct_bound();
+  if (settings_.host_stage != HostStageMode::Off) setup_host_stage(*scoped);
+  if (settings_.direct_max_bytes == kDirectAuto) measure_direct_bound();
   // Every rank at the same point, with the same bound (the fingerprint; auto is agreed).
-  if (eager_direct_) algorithms_->enable_eager_direct(direct_max_bytes_);
+  if (settings_.eager_direct) algorithms_->enable_eager_direct(settings_.direct_max_bytes);
 }
 
 void GlooCommunicator::connect_mesh(MeshContext& context, Store& store, const std::string& what) {
@@ -461,8 +453,8 @@ uint64_t spare_descriptors() {
 void GlooCommunicator::setup_host_stage(Store& scoped) {
   // Every decision below is the same on every rank: the setting and the API are in the fingerprint, the
   // hosts and the leaders' descriptors come from one exchange.
-  const std::string setting = detail::concat("PSGD_HOST_STAGE=", to_string(host_stage_));
-  if (host_stage_ == HostStageMode::Auto && api_ != GlooApi::New) {
+  const std::string setting = detail::concat("PSGD_HOST_STAGE=", to_string(settings_.host_stage));
+  if (settings_.host_stage == HostStageMode::Auto && api_ != GlooApi::New) {
     PSGD_LOG(Debug, setting, ": not staged: the legacy Gloo API (and ibverbs) have no unbound buffers");
     return;
   }
@@ -485,7 +477,7 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
   if (groups.degenerate()) {
     const std::string why = detail::concat(setting, " has no effect: ", groups.describe(),
                                            " (staging needs two hosts or more and one of them with two ranks or more)");
-    if (host_stage_ == HostStageMode::On) {
+    if (settings_.host_stage == HostStageMode::On) {
       PSGD_LOG(Info, why);
     } else {
       PSGD_LOG(Debug, why);
@@ -499,7 +491,7 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
         " file descriptors to spare (RLIMIT_NOFILE less those open and ", kDescriptorReserve,
         " in reserve) where the leaders' context needs ", leader_descriptors(groups.hosts.size()),
         " (two per other host)");
-    PSGD_REQUIRE(host_stage_ != HostStageMode::On, InvalidArgumentError, "PSGD_HOST_STAGE=1: ", why,
+    PSGD_REQUIRE(settings_.host_stage != HostStageMode::On, InvalidArgumentError, "PSGD_HOST_STAGE=1: ", why,
                  ": raise its RLIMIT_NOFILE (ulimit -n) or set PSGD_HOST_STAGE=0");
     // Said once by rank 0 and once by the rank short of descriptors, not by every rank.
     if (options_.rank == 0 || options_.rank == short_leader) {
@@ -524,7 +516,7 @@ void GlooCommunicator::setup_host_stage(Store& scoped) {
   // Every leaders' pair carries traffic once; no rank goes on before every leader has:
   // a leader whose rendezvous failed has thrown and closed its connections, which fails the barrier.
   submit("host stage connect", [this](const std::shared_ptr<gloo::Context>& context, uint32_t tag) {
-    stage_->connect_shared_memory(*context, tag, host_shm_);
+    stage_->connect_shared_memory(*context, tag, settings_.host_shm);
     if (stage_->leads()) algorithms_->connect_pairs(stage_->leader_context(), tag, 0);
     algorithms_->barrier(context, tag);
   }).wait();
@@ -552,7 +544,7 @@ size_t GlooCommunicator::direct_bound_for(double exchange_seconds, double round_
 
 void GlooCommunicator::measure_direct_bound() {
   if (options_.world_size == 1) {
-    direct_max_bytes_ = direct_bound_for(0);
+    settings_.direct_max_bytes = direct_bound_for(0);
     return;
   }
   // The fastest of a few exchanges: scheduling and TCP's first packets only slow one down.
@@ -582,16 +574,16 @@ void GlooCommunicator::measure_direct_bound() {
   // data, scatter-gather one round more), and the bytes' time from exchanges of 1 MiB received in all, about
   // 8 ms at 1 Gbit/s, so that it stands out. The first two of those are not timed: fresh connections grow TCP's
   // window over them (on 4 emulated hosts at 5 ms one way, 60 ms then about 24).
-  if (direct_bound_for(agreed) > direct_bound_for(0) && parties > 2 && scatter_gather_) {
+  if (direct_bound_for(agreed) > direct_bound_for(0) && parties > 2 && settings_.scatter_gather) {
     round = slowest_rank(std::max(0.0, fastest_of(1, 5, one, Algorithm::ScatterGather) - exchange));
     const size_t others = static_cast<size_t>(parties - 1);
     std::vector<double> probe(std::max<size_t>(1, (size_t{1} << 20) / others / sizeof(double)));
     const double probe_seconds = fastest_of(2, 5, probe, Algorithm::Direct);
     per_byte = slowest_rank(std::max(0.0, probe_seconds - exchange) / static_cast<double>(others * probe.size() * 8));
   }
-  direct_max_bytes_ = direct_bound_for(agreed, round, per_byte, parties);
-  PSGD_LOG(Info, "PSGD_DIRECT_MAX_BYTES=auto: ", direct_max_bytes_, " bytes (one-round exchange ", agreed * 1e3,
-           " ms on the slowest rank",
+  settings_.direct_max_bytes = direct_bound_for(agreed, round, per_byte, parties);
+  PSGD_LOG(Info, "PSGD_DIRECT_MAX_BYTES=auto: ", settings_.direct_max_bytes, " bytes (one-round exchange ",
+           agreed * 1e3, " ms on the slowest rank",
            per_byte > 0 ? detail::concat(", scatter-gather's extra round ", round * 1e3, " ms, ", 8e-9 / per_byte,
                                          " Gbit/s received")
                         : "",
@@ -608,11 +600,12 @@ void GlooCommunicator::check_fingerprint(Store& scoped) {
   };
   // This rank's record in the store before its byte of the all-to-all below offers it. Its pairs' addresses
   // are final: the mesh connected every pair (both sides of a connect wait for it).
-  const bool offer = offer_record_in_store_ && n > 1;
+  const bool offer = settings_.offer_record_in_store && n > 1;
   const std::vector<std::string> published = offer ? pair_addresses() : std::vector<std::string>();
   if (offer) {
-    const std::vector<uint8_t> record = creation_record(options_, api_, direct_max_bytes_, host_stage_,
-                                                        eager_direct_, scatter_gather_, published);
+    const std::vector<uint8_t> record =
+        creation_record(options_, api_, settings_.direct_max_bytes, settings_.host_stage, settings_.eager_direct,
+                        settings_.scatter_gather, published);
     scoped.set(fingerprint_key(options_.rank), std::vector<char>(record.begin(), record.end()));
   }
   // Every pair carries traffic once, and each rank's byte says whether its record is in the store.
@@ -635,8 +628,9 @@ void GlooCommunicator::check_fingerprint(Store& scoped) {
       // The records travel by the ring: the same allgather on every rank whatever the settings compared (the
       // direct bound, staging), as a barrier, which takes the lead exchange where the direct bound allows,
       // could not be.
-      peers_ = exchange_fingerprints(options_, api_, direct_max_bytes_, host_stage_, eager_direct_,
-                                     scatter_gather_, pair_addresses(), allgather, &established_connections);
+      peers_ = exchange_fingerprints(options_, api_, settings_.direct_max_bytes, settings_.host_stage,
+                                     settings_.eager_direct, settings_.scatter_gather, pair_addresses(), allgather,
+                                     &established_connections);
     }
   } catch (const MismatchError&) {
     // Every rank read or gathered the same records, so every rank throws here, and create() then closes its
@@ -680,7 +674,7 @@ bool GlooCommunicator::direct_takes(size_t bytes) const {
   // Every rank receives (size - 1) * bytes: one round where that is cheap (docs/transport.md, "Rounds"). Staged,
   // the leaders run the algorithm: a leader receives (hosts - 1) * bytes.
   const auto others = static_cast<size_t>(direct_parties() - 1);
-  return direct_max_bytes_ > 0 && (others == 0 || bytes <= direct_max_bytes_ / others);
+  return settings_.direct_max_bytes > 0 && (others == 0 || bytes <= settings_.direct_max_bytes / others);
 }
 
 Algorithm GlooCommunicator::choose(size_t bytes) const {
@@ -691,8 +685,8 @@ Algorithm GlooCommunicator::choose(size_t bytes) const {
 Algorithm GlooCommunicator::choose_in_rank_order(size_t bytes) const {
   if (api_ != GlooApi::New) return Algorithm::Auto;
   if (direct_takes(bytes)) return Algorithm::Direct;
-  if (scatter_gather_) return Algorithm::ScatterGather;
-  return direct_max_bytes_ > 0 ? Algorithm::Direct : Algorithm::Auto;
+  if (settings_.scatter_gather) return Algorithm::ScatterGather;
+  return settings_.direct_max_bytes > 0 ? Algorithm::Direct : Algorithm::Auto;
 }
 
 Work GlooCommunicator::submit(std::string name, RunFn run) {
@@ -952,7 +946,7 @@ Work GlooCommunicator::allreduce_async(void* data, size_t count, DataType type, 
 }
 
 size_t GlooCommunicator::lead_capacity() const {
-  if (!eager_direct_) return 0;
+  if (!settings_.eager_direct) return 0;
   // Staged: the leaders' exchange carries every rank of the largest host's lead beside the host's data.
   if (stage_ != nullptr) return stage_->lead_capacity(algorithms_->lead_capacity(staged_hosts_));
   return algorithms_->lead_capacity(options_.world_size);

@@ -110,7 +110,7 @@ class GlooCommunicator final : public Communicator {
 
   // Auto picks Direct for a message of `bytes` when (size() - 1) * bytes is at
   // most this (PSGD_DIRECT_MAX_BYTES; 0: never; new API only).
-  size_t direct_max_bytes() const { return direct_max_bytes_; }
+  size_t direct_max_bytes() const { return settings_.direct_max_bytes; }
   // Direct allreduces that took the eager path (PSGD_DIRECT_EAGER=1; docs/transport.md), counted on the
   // communication thread: read it between operations, not while one runs.
   uint64_t eager_direct_collectives() const;
@@ -141,12 +141,12 @@ class GlooCommunicator final : public Communicator {
   // The transport's settings from the environment (docs/env.md), as this build applies them with `api` (each
   // variable parsed with every API, so a typo is named everywhere). A channel takes its first's instead.
   struct Settings {
-    HostStageMode host_stage = HostStageMode::Off;
-    bool host_shm = true;
-    bool eager_direct = false;
-    bool scatter_gather = false;
-    size_t direct_max_bytes = 0;  // kDirectAuto: measured at creation
-    bool offer_record_in_store = false;
+    HostStageMode host_stage = HostStageMode::Off;  // PSGD_HOST_STAGE, the setting (stage_: whether it staged)
+    bool host_shm = true;  // PSGD_HOST_SHM: the hops within a host through shared memory where staged
+    bool eager_direct = false;  // PSGD_DIRECT_EAGER (new API only)
+    bool scatter_gather = false;  // PSGD_SCATTER_GATHER (new API only)
+    size_t direct_max_bytes = 0;  // PSGD_DIRECT_MAX_BYTES (new API only); kDirectAuto: measured at creation
+    bool offer_record_in_store = false;  // PSGD_FINGERPRINT_STORE (new API only)
     static Settings from_env(GlooApi api);
   };
   GlooCommunicator(const CommOptions& options, GlooApi api, const Settings& settings);
@@ -172,7 +172,7 @@ class GlooCommunicator final : public Communicator {
   void add_rounds(uint64_t rounds) { rounds_.fetch_add(rounds, std::memory_order_relaxed); }
   // Collective, at creation with PSGD_DIRECT_MAX_BYTES=auto: times a few one-round exchanges, agrees on the
   // slowest rank's fastest one; where that is above a LAN's, also times exchanges of 1 MiB in all and agrees on
-  // the largest per-byte time; sets direct_max_bytes_.
+  // the largest per-byte time; sets settings_.direct_max_bytes.
   void measure_direct_bound();
   std::exception_ptr translate(const std::string& op, std::exception_ptr error) const;
   // Whether a message of `bytes` is within the direct bound (for size() - 1 peers, or the other hosts' leaders
@@ -231,12 +231,7 @@ class GlooCommunicator final : public Communicator {
 
   CommOptions options_;
   GlooApi api_;
-  size_t direct_max_bytes_ = 0;
-  HostStageMode host_stage_ = HostStageMode::Off;  // PSGD_HOST_STAGE, the setting (stage_: whether it staged)
-  bool eager_direct_ = false;  // PSGD_DIRECT_EAGER (new API only)
-  bool host_shm_ = true;  // PSGD_HOST_SHM: the hops within a host through shared memory where staged
-  bool scatter_gather_ = false;  // PSGD_SCATTER_GATHER (new API only)
-  bool offer_record_in_store_ = false;  // PSGD_FINGERPRINT_STORE (new API only)
+  Settings settings_;  // as created; direct_max_bytes is the bound auto chose once measured
   bool fingerprints_from_store_ = false;
   int staged_hosts_ = 0;     // set at creation, with stage_
   // Rounds of the collectives run so far (communication_rounds()), added by the communication thread.

@@ -57,6 +57,10 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
 std::string var(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr ? value : "";
@@ -330,7 +334,7 @@ int mode_pingpong(char** argv) {
   for (int i = 0; i < kWarmUp + count; ++i) {
     auto start = Clock::now();
     exchange(fd, rank() == 1, message);  // rank 1 sends, rank 0 echoes
-    if (i >= kWarmUp) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    if (i >= kWarmUp) ms.push_back(ms_since(start));
   }
   ::close(fd);
   if (rank() == 1) {
@@ -371,9 +375,9 @@ int mode_allreduce(char** argv) {
 int mode_direct_bound(bool channels) {
   using powersgd::transport::Algorithm;
   using powersgd::transport::GlooCommunicator;
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   auto comm = GlooCommunicator::create(powersgd::CommOptions::from_env(), powersgd::transport::GlooApi::New);
-  const double create_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double create_ms = ms_since(start);
   const size_t bound = comm->direct_max_bytes();
   const auto others = static_cast<size_t>((comm->staged_hosts() > 0 ? comm->staged_hosts() : comm->size()) - 1);
   const size_t largest_direct = bound / others / sizeof(float);  // floats per rank
@@ -390,28 +394,23 @@ int mode_direct_bound(bool channels) {
   // it measures its own bound), then a channel (create_channel: the first's bound); each timed.
   std::string channel_times;
   if (channels) {
-    const auto timed_ms = [](auto make, std::unique_ptr<GlooCommunicator>& out) {
-      const auto begin = std::chrono::steady_clock::now();
-      out = make();
-      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count();
-    };
-    std::unique_ptr<GlooCommunicator> remeasured, channel;
-    const double remeasured_ms = timed_ms([&] {
-      powersgd::CommOptions options = comm->options();
-      options.host_store = false;
-      options.run_id += "/remeasured";
-      return GlooCommunicator::create(options);
-    }, remeasured);
-    const double channel_ms = timed_ms([&] { return comm->create_channel(1); }, channel);
+    powersgd::CommOptions options = comm->options();
+    options.host_store = false;
+    options.run_id += "/remeasured";
+    const auto remeasuring = Clock::now();
+    const auto remeasured = GlooCommunicator::create(options);
+    const double remeasured_ms = ms_since(remeasuring);
+    const auto channeling = Clock::now();
+    const auto channel = comm->create_channel(1);
+    const double channel_ms = ms_since(channeling);
     wrong += channel->direct_max_bytes() != bound ? 1 : 0;
     char text[96];
     std::snprintf(text, sizeof(text), " remeasured_ms=%.0f channel_ms=%.0f", remeasured_ms, channel_ms);
     channel_times = text;
   }
-  const auto destroying = std::chrono::steady_clock::now();
+  const auto destroying = Clock::now();
   comm.reset();
-  const double destroy_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - destroying).count();
+  const double destroy_ms = ms_since(destroying);
   // The launcher prefixes the rank; create_ms and destroy_ms: how long Communicator::create and the
   // communicator's destruction took on this rank; remeasured_ms and channel_ms: the two groups' creation.
   std::printf("direct_bound=%zu wrong=%d create_ms=%.0f destroy_ms=%.1f%s\n", bound, wrong, create_ms, destroy_ms,
